@@ -1,0 +1,56 @@
+"""A left-padded batch of sequences and the per-step inputs every layer shares.
+
+Prompts are padded on the left to a common length P, so every sequence's next token
+lands in the same cache slot. Slot s of sequence b holds a real token when
+key_valid[b, s]; its position (for RoPE, OPT's learned table, ALiBi) is key_pos[b, s],
+counted over real tokens only, as Hugging Face derives positions from the mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from offload.config import ModelConfig
+from offload.models import ops
+from offload.models.decoder import StepInputs
+
+
+class PaddedBatch:
+    """Token slots, validity and positions of a batch over prompt + generated slots."""
+
+    def __init__(
+        self, cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int, pad_id: int
+    ) -> None:
+        assert prompts and all(prompts), "every prompt needs at least one token"
+        self.cfg = cfg
+        self.prompt_len = max(len(p) for p in prompts)
+        self.max_slots = self.prompt_len + max_new_tokens
+        batch = len(prompts)
+        self.prompt_ids = torch.full((batch, self.prompt_len), pad_id, dtype=torch.long)
+        self.key_valid = torch.zeros((batch, self.max_slots), dtype=torch.bool)
+        for row, ids in enumerate(prompts):
+            self.prompt_ids[row, self.prompt_len - len(ids) :] = torch.tensor(ids)
+            self.key_valid[row, self.prompt_len - len(ids) : self.prompt_len] = True
+        self.key_valid[:, self.prompt_len :] = True
+        self.key_pos = (self.key_valid.long().cumsum(dim=1) - 1).clamp(min=0)
+
+    @property
+    def size(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def step_inputs(
+        self,
+        cache_start: int,
+        num_new: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        inv_freq: torch.Tensor | None,
+    ) -> StepInputs:
+        """Inputs for the tokens in slots cache_start .. cache_start + num_new - 1."""
+        end = cache_start + num_new
+        key_valid = self.key_valid[:, :end].to(device)
+        key_pos = self.key_pos[:, :end].to(device)
+        positions = key_pos[:, cache_start:end]
+        bias = ops.attention_bias(self.cfg, key_valid, key_pos, positions, cache_start, dtype)
+        rope = ops.rope_cos_sin(inv_freq, positions, dtype) if inv_freq is not None else None
+        return StepInputs(positions=positions, bias=bias, cache_start=cache_start, rope=rope)

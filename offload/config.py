@@ -1,0 +1,273 @@
+"""`ModelConfig`: the facts of a decoder-only model, read from a Hugging Face `config.json`.
+
+One decoder stack expresses three families:
+
+| family | positions                 | norm      | MLP                | attention            |
+| ------ | ------------------------- | --------- | ------------------ | -------------------- |
+| llama  | RoPE (incl. llama3 scale) | RMSNorm   | SwiGLU (gated)     | GQA, optional bias   |
+| bloom  | ALiBi                     | LayerNorm | tanh-GELU          | fused qkv in the ckpt |
+| opt    | learned, offset 2         | LayerNorm | ReLU               | MHA with bias        |
+
+Llama, Mistral and Qwen2 checkpoints all map onto the `llama` family.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from offload.errors import UserError
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "bloom", "opt")
+# OPT's learned position table starts at index 2 (fairseq heritage).
+OPT_POSITION_OFFSET = 2
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. `rope_type` is "default", "linear" or "llama3"."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "linear", "llama3"):
+            raise UserError(
+                f"rope scaling type {self.rope_type!r} is not supported; "
+                "supported: default, linear, llama3"
+            )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture facts; no placement, no dtype of the run."""
+
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float
+    family: str = field(init=False)
+    # Llama family
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    qkv_bias: bool = False
+    sliding_window: int | None = None
+    # OPT
+    do_layer_norm_before: bool = True
+    word_embed_proj_dim: int | None = None
+    # BLOOM
+    residual_from_norm: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    checkpoint_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UserError(
+                f"model type {self.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        family = "llama" if self.model_type in LLAMA_LIKE else self.model_type
+        object.__setattr__(self, "family", family)
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    # -- derived facts --------------------------------------------------------------
+    @property
+    def norm_kind(self) -> str:
+        return "rms" if self.family == "llama" else "layer"
+
+    @property
+    def activation(self) -> str:
+        return {"llama": "silu", "bloom": "gelu_tanh", "opt": "relu"}[self.family]
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.family == "llama"
+
+    @property
+    def has_linear_bias(self) -> bool:
+        """o-proj and MLP biases (BLOOM and OPT have them; Llama-family models do not)."""
+        return self.family != "llama"
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.has_linear_bias or self.qkv_bias
+
+    @property
+    def embed_dim(self) -> int:
+        """Width of the token embedding (OPT-350m embeds at 512 and projects to 1024)."""
+        return self.word_embed_proj_dim or self.hidden_size
+
+    @property
+    def qkv_out_features(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes per token over all layers at 2 bytes per element."""
+        return 2 * 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    def layer_param_count(self) -> int:
+        h, q_out = self.hidden_size, self.num_heads * self.head_dim
+        mlp_in = self.intermediate_size * (2 if self.gated_mlp else 1)
+        count = h * self.qkv_out_features + q_out * h + h * mlp_in + self.intermediate_size * h
+        norms = 2 * h * (2 if self.norm_kind == "layer" else 1)
+        biases = 0
+        if self.has_qkv_bias:
+            biases += self.qkv_out_features
+        if self.has_linear_bias:
+            biases += h + mlp_in + h
+        return count + norms + biases
+
+    def param_count(self) -> int:
+        embed = self.vocab_size * self.embed_dim
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.embed_dim
+        return embed + head + self.num_layers * self.layer_param_count()
+
+    def fingerprint(self) -> str:
+        """A short stable hash of the architecture, for caches and stores."""
+        text = json.dumps(asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    # -- construction -----------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], name: str = "") -> ModelConfig:
+        """Build from the dict of a Hugging Face `config.json`."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UserError(
+                f"model type {model_type!r} in config.json is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        common = {
+            "name": name or hf.get("_name_or_path", "") or model_type,
+            "model_type": model_type,
+            "vocab_size": hf["vocab_size"],
+            "bos_token_id": hf.get("bos_token_id"),
+            "eos_token_ids": _as_tuple(hf.get("eos_token_id")),
+            "pad_token_id": hf.get("pad_token_id"),
+            "checkpoint_dtype": str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+        }
+        if model_type in LLAMA_LIKE:
+            return cls(**common, **_llama_fields(hf))
+        if model_type == "bloom":
+            return cls(**common, **_bloom_fields(hf))
+        return cls(**common, **_opt_fields(hf))
+
+
+def _as_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    # transformers 5 writes rope settings as `rope_parameters`; older configs as
+    # `rope_theta` plus `rope_scaling`.
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
+    rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    scaling_keys = {
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    }
+    scaling = RopeScaling(
+        rope_type=rope_type, **{k: v for k, v in rope.items() if k in scaling_keys}
+    )
+    window = hf.get("sliding_window")
+    if hf["model_type"] == "qwen2" and not hf.get("use_sliding_window", False):
+        window = None
+    return {
+        "hidden_size": hidden,
+        "num_layers": hf["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hidden // heads,
+        "intermediate_size": hf["intermediate_size"],
+        "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+        "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "rope_theta": float(theta),
+        "rope_scaling": scaling,
+        "qkv_bias": bool(hf.get("attention_bias", False)) or hf["model_type"] == "qwen2",
+        "sliding_window": window,
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
+
+
+def _bloom_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    hidden = hf.get("hidden_size") or hf.get("n_embed")
+    heads = hf.get("n_head") or hf["num_attention_heads"]
+    return {
+        "hidden_size": hidden,
+        "num_layers": hf.get("n_layer") or hf["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": heads,
+        "head_dim": hidden // heads,
+        "intermediate_size": 4 * hidden,
+        # ALiBi has no position limit; BLOOM was trained on 2048-token sequences.
+        "max_position_embeddings": hf.get("seq_length", 2048),
+        "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+        "residual_from_norm": bool(hf.get("apply_residual_connection_post_layernorm", False)),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
+    }
+
+
+def _opt_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    proj = hf.get("word_embed_proj_dim") or hidden
+    if hf.get("_remove_final_layer_norm", False):
+        raise UserError("OPT configs with _remove_final_layer_norm=true are not supported")
+    if not hf.get("enable_bias", True):
+        raise UserError("OPT configs with enable_bias=false are not supported")
+    return {
+        "hidden_size": hidden,
+        "num_layers": hf["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": heads,
+        "head_dim": hidden // heads,
+        "intermediate_size": hf["ffn_dim"],
+        "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+        "norm_eps": 1e-5,
+        "do_layer_norm_before": bool(hf.get("do_layer_norm_before", True)),
+        "word_embed_proj_dim": proj if proj != hidden else None,
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
+    }
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """BLOOM's per-head ALiBi slopes (geometric, with the non-power-of-two extension)."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2 ** (-(2 ** -(math.log2(closest) - 3)))
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest != num_heads:
+        extra_base = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
+        extra = [extra_base ** (2 * i + 1) for i in range(num_heads - closest)]
+        slopes += extra
+    return slopes

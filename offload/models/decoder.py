@@ -1,0 +1,189 @@
+"""The decoder stack as plain functions of inputs and explicitly handed-in weights.
+
+No function here knows where a weight lives: callers (the plain runner, later the
+offloading executor) pass a dict of tensors per stage. Canonical weight names:
+
+    embed stage:  tok.weight [V, E]; pos.weight [P, hidden] (OPT);
+                  embed_norm.weight/.bias (BLOOM); proj_in.weight [hidden, E] (OPT-350m)
+    layer i:      attn_norm.weight(/.bias); qkv.weight [(H + 2*Hkv)*D, hidden](/.bias);
+                  o.weight [hidden, H*D](/.bias); mlp_norm.weight(/.bias);
+                  mlp_in.weight [I or 2*I (gate | up), hidden](/.bias);
+                  mlp_out.weight [hidden, I](/.bias)
+    head stage:   final_norm.weight(/.bias) (absent for OPT-350m);
+                  proj_out.weight [E, hidden] (OPT-350m); lm_head.weight [V, E]
+                  (absent from a source when tied: the embedding's tok.weight serves)
+
+A layer is split at its attention so an executor can run `attend` elsewhere (e.g. on
+the CPU next to a CPU-resident KV cache): `attn_in` -> `attend` -> `attn_out_and_mlp`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from offload.config import OPT_POSITION_OFFSET, ModelConfig
+from offload.models import ops
+
+Weights = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What every layer of one forward step shares.
+
+    positions [B, T] are the new tokens' positions; bias [B, 1|heads, T, S] the additive
+    attention bias over S cache slots; the new tokens' K/V go to slots
+    cache_start .. cache_start + T - 1. rope holds (cos, sin) [B, T, D] or None.
+    """
+
+    positions: torch.Tensor
+    bias: torch.Tensor
+    cache_start: int
+    rope: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def stage_shapes(cfg: ModelConfig, stage: str) -> dict[str, tuple[int, ...]]:
+    """Canonical tensor names and shapes of a stage: "embed", "layer" or "head"."""
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    if stage == "embed":
+        shapes: dict[str, tuple[int, ...]] = {"tok.weight": (cfg.vocab_size, cfg.embed_dim)}
+        if cfg.family == "opt":
+            shapes["pos.weight"] = (cfg.max_position_embeddings + OPT_POSITION_OFFSET, hidden)
+        if cfg.word_embed_proj_dim:
+            shapes["proj_in.weight"] = (hidden, cfg.embed_dim)
+        if cfg.family == "bloom":
+            shapes["embed_norm.weight"] = (hidden,)
+            shapes["embed_norm.bias"] = (hidden,)
+        return shapes
+    if stage == "head":
+        shapes = {}
+        if cfg.do_layer_norm_before:
+            shapes["final_norm.weight"] = (hidden,)
+            if cfg.norm_kind == "layer":
+                shapes["final_norm.bias"] = (hidden,)
+        if cfg.word_embed_proj_dim:
+            shapes["proj_out.weight"] = (cfg.embed_dim, hidden)
+        if not cfg.tie_word_embeddings:
+            shapes["lm_head.weight"] = (cfg.vocab_size, cfg.embed_dim)
+        return shapes
+    assert stage == "layer", stage
+    mlp_in = inter * (2 if cfg.gated_mlp else 1)
+    shapes = {
+        "attn_norm.weight": (hidden,),
+        "qkv.weight": (cfg.qkv_out_features, hidden),
+        "o.weight": (hidden, cfg.num_heads * cfg.head_dim),
+        "mlp_norm.weight": (hidden,),
+        "mlp_in.weight": (mlp_in, hidden),
+        "mlp_out.weight": (hidden, inter),
+    }
+    if cfg.norm_kind == "layer":
+        shapes["attn_norm.bias"] = (hidden,)
+        shapes["mlp_norm.bias"] = (hidden,)
+    if cfg.has_qkv_bias:
+        shapes["qkv.bias"] = (cfg.qkv_out_features,)
+    if cfg.has_linear_bias:
+        shapes.update({"o.bias": (hidden,), "mlp_in.bias": (mlp_in,), "mlp_out.bias": (hidden,)})
+    return shapes
+
+
+def embed(cfg: ModelConfig, w: Weights, token_ids: torch.Tensor, positions: torch.Tensor):
+    """Token ids [B, T] -> hidden states [B, T, hidden]."""
+    x = F.embedding(token_ids, w["tok.weight"])
+    if "proj_in.weight" in w:
+        x = F.linear(x, w["proj_in.weight"])
+    if cfg.family == "opt":
+        x = x + F.embedding(positions.clamp(min=0) + OPT_POSITION_OFFSET, w["pos.weight"])
+    if cfg.family == "bloom":
+        x = ops.norm(x, w["embed_norm.weight"], w["embed_norm.bias"], "layer", cfg.norm_eps)
+    return x
+
+
+def _norm(cfg: ModelConfig, w: Weights, prefix: str, x: torch.Tensor) -> torch.Tensor:
+    return ops.norm(x, w[f"{prefix}.weight"], w.get(f"{prefix}.bias"), cfg.norm_kind, cfg.norm_eps)
+
+
+def attn_in(cfg: ModelConfig, w: Weights, x: torch.Tensor, step: StepInputs):
+    """Norm, fused QKV projection and RoPE. Returns q [B,H,T,D], k, v [B,Hkv,T,D], residual."""
+    batch, num_new, _ = x.shape
+    h = _norm(cfg, w, "attn_norm", x) if cfg.do_layer_norm_before else x
+    residual = h if cfg.residual_from_norm else x
+    qkv = F.linear(h, w["qkv.weight"], w.get("qkv.bias"))
+    q_size = cfg.num_heads * cfg.head_dim
+    kv_size = cfg.num_kv_heads * cfg.head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(batch, num_new, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+    k = k.view(batch, num_new, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+    v = v.view(batch, num_new, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+    if step.rope is not None:
+        cos, sin = step.rope
+        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+    return q, k, v, residual
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor):
+    """Scaled dot-product attention of q [B,H,T,D] over keys/values [B,Hkv,S,D].
+
+    Returns [B, T, H*D]. Grouped-query heads share KV heads.
+    """
+    out = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=bias, enable_gqa=q.shape[1] != keys.shape[1]
+    )
+    batch, heads, num_new, dim = out.shape
+    return out.transpose(1, 2).reshape(batch, num_new, heads * dim)
+
+
+def attn_out_and_mlp(
+    cfg: ModelConfig, w: Weights, context: torch.Tensor, residual: torch.Tensor
+) -> torch.Tensor:
+    """Output projection, residual, MLP block. Returns the layer's output hidden states."""
+    x = residual + F.linear(context, w["o.weight"], w.get("o.bias"))
+    if not cfg.do_layer_norm_before:
+        x = _norm(cfg, w, "attn_norm", x)
+    h = _norm(cfg, w, "mlp_norm", x) if cfg.do_layer_norm_before else x
+    residual = h if cfg.residual_from_norm else x
+    up = F.linear(h, w["mlp_in.weight"], w.get("mlp_in.bias"))
+    act = ops.mlp_activation(up, cfg.activation, cfg.gated_mlp)
+    x = residual + F.linear(act, w["mlp_out.weight"], w.get("mlp_out.bias"))
+    if not cfg.do_layer_norm_before:
+        x = _norm(cfg, w, "mlp_norm", x)
+    return x
+
+
+def head(cfg: ModelConfig, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    """Final norm and LM head: hidden [B, T, hidden] -> fp32 logits [B, T, V]."""
+    if "final_norm.weight" in w:
+        x = _norm(cfg, w, "final_norm", x)
+    if "proj_out.weight" in w:
+        x = F.linear(x, w["proj_out.weight"])
+    return F.linear(x, w["lm_head.weight"]).float()
+
+
+class LayerKV:
+    """One layer's KV cache for a batch: k, v [B, Hkv, max_slots, D] on one device."""
+
+    def __init__(self, batch: int, cfg: ModelConfig, max_slots: int, dtype, device) -> None:
+        shape = (batch, cfg.num_kv_heads, max_slots, cfg.head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        end = start + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+
+    def view(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, :, :num_slots], self.v[:, :, :num_slots]
+
+
+def layer_forward(
+    cfg: ModelConfig, w: Weights, x: torch.Tensor, step: StepInputs, kv: LayerKV
+) -> torch.Tensor:
+    """One decoder layer with its KV cache on the same device as x."""
+    q, k, v, residual = attn_in(cfg, w, x, step)
+    kv.write(k, v, step.cache_start)
+    keys, values = kv.view(step.cache_start + x.shape[1])
+    context = attend(q, keys, values, step.bias)
+    return attn_out_and_mlp(cfg, w, context, residual)

@@ -1,0 +1,135 @@
+"""Turn what the user typed after `--model` into a config, a weight source and a tokenizer.
+
+Accepted, in this order: "demo" (the built-in SmolLM2-135M-Instruct GGUF); a local
+path (a Hugging Face model directory or a .gguf file); a preset name (dummy weights);
+a hub repo id, looked up in the local Hugging Face cache first and on the hub second.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from offload.config import ModelConfig
+from offload.errors import UserError
+from offload.models.weights import DummySource, WeightSource
+from offload.presets import DEMO_NAME, PRESETS, preset_for
+
+log = logging.getLogger(__name__)
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A resolved model: its config and where its weights and tokenizer come from."""
+
+    name: str
+    config: ModelConfig
+    kind: str  # "safetensors", "gguf" or "dummy"
+    path: Path | None = None
+    dummy_seed: int = 0
+
+    def open_weights(self) -> WeightSource:
+        if self.kind == "dummy":
+            return DummySource(self.config, seed=self.dummy_seed)
+        assert self.path is not None
+        if self.kind == "gguf":
+            from offload.models.gguf_file import GGUFSource, open_gguf
+
+            return GGUFSource(self.path, open_gguf(self.path), self.config)
+        from offload.models.checkpoint import CheckpointSource
+
+        return CheckpointSource(self.path, self.config)
+
+    def tokenizer(self):
+        from offload.models.tokenizer import load_tokenizer
+
+        if self.kind == "gguf":
+            assert self.path is not None
+            return load_tokenizer(self.path.parent, gguf_file=self.path.name)
+        return load_tokenizer(self.path if self.path and self.path.is_dir() else None)
+
+
+def _config_from_dir(directory: Path, name: str) -> ModelConfig:
+    config_path = directory / "config.json"
+    try:
+        hf = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise UserError(
+            f"{directory} has no config.json; point --model at a Hugging Face model directory"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{config_path} is not valid JSON ({exc})") from None
+    return ModelConfig.from_hf(hf, name=name)
+
+
+def _from_path(path: Path, dummy: bool, seed: int) -> ModelSpec:
+    if path.is_dir():
+        config = _config_from_dir(path, path.name)
+        return ModelSpec(path.name, config, "dummy" if dummy else "safetensors", path, seed)
+    if path.suffix == ".gguf":
+        from offload.models.gguf_file import gguf_config, open_gguf
+
+        config = gguf_config(open_gguf(path), path.stem)
+        return ModelSpec(path.stem, config, "dummy" if dummy else "gguf", path, seed)
+    raise UserError(f"{path} is neither a model directory nor a .gguf file")
+
+
+def _from_hub(repo_id: str) -> Path | None:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    for local_only in (True, False):
+        try:
+            return Path(
+                snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=local_only)
+            )
+        except (LocalEntryNotFoundError, HFValidationError, OSError) as exc:
+            log.debug("hub lookup of %s (local_only=%s) failed: %s", repo_id, local_only, exc)
+        except Exception as exc:  # the hub client raises many types for "not reachable"
+            log.debug("hub lookup of %s failed: %s", repo_id, exc)
+    return None
+
+
+def _looks_like_path(text: str) -> bool:
+    return (
+        text.startswith(("/", "./", "../", "~"))
+        or text.endswith((".gguf", ".json", ".safetensors"))
+        or text.count("/") > 1
+    )
+
+
+def resolve_model(text: str, dummy: bool = False, seed: int = 0) -> ModelSpec:
+    """Resolve a --model argument; raise `UserError` with the fix when nothing matches."""
+    if text.lower() in ("demo", DEMO_NAME):
+        if dummy:
+            return ModelSpec(DEMO_NAME, ModelConfig.from_hf(PRESETS[DEMO_NAME], DEMO_NAME), "dummy")
+        from offload.models.demo import demo_model_path
+
+        return _from_path(demo_model_path(), dummy=False, seed=seed)
+    path = Path(text).expanduser()
+    if path.exists():
+        return _from_path(path, dummy, seed)
+    if _looks_like_path(text):
+        raise UserError(f"model path {text} does not exist; check the path")
+    preset = preset_for(text)
+    if preset is not None and (dummy or "/" not in text):
+        return ModelSpec(preset, ModelConfig.from_hf(PRESETS[preset], preset), "dummy", None, seed)
+    if "/" in text:
+        local = _from_hub(text)
+        if local is not None:
+            return _from_path(local, dummy, seed)
+        hint = (
+            f", or pass --dummy to run its preset '{preset}' with random weights" if preset else ""
+        )
+        raise UserError(
+            f"model {text} is not in the local Hugging Face cache and the hub is unreachable; "
+            f"download it on a connected machine (hf download {text}){hint}"
+        )
+    raise UserError(
+        f"unknown model {text!r}: not a path, a preset or a hub repo id; presets: "
+        f"demo, {', '.join(PRESETS)}"
+    )

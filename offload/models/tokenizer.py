@@ -1,0 +1,71 @@
+"""Tokenizers: the model's own (Hugging Face) or, where a model ships none, bytes.
+
+Dummy presets and bare test checkpoints have no tokenizer; `ByteTokenizer` maps UTF-8
+bytes to ids 0..255 so text still goes in and comes out. A warning says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    """Wraps a transformers tokenizer behind the few calls generation needs."""
+
+    def __init__(self, hf: Any) -> None:
+        self.hf = hf
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return {self.hf.eos_token_id} if self.hf.eos_token_id is not None else set()
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255; for models that ship no tokenizer."""
+
+    eos_token_ids: set[int] = set()
+    has_chat_template = False
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+
+
+def load_tokenizer(
+    directory: Path | None, gguf_file: str | None = None
+) -> Tokenizer | ByteTokenizer:
+    """The tokenizer in a model directory (or GGUF file), else the byte fallback."""
+    from transformers import AutoTokenizer
+
+    if directory is not None:
+        has_files = gguf_file is not None or any(
+            (directory / name).is_file()
+            for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        )
+        if has_files:
+            hf = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_file)
+            return Tokenizer(hf)
+    log.warning("the model ships no tokenizer; using UTF-8 bytes as token ids")
+    return ByteTokenizer()

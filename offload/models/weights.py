@@ -1,0 +1,87 @@
+"""Weight sources: where the canonical tensors of each stage come from.
+
+A source hands out one stage at a time (the embedding, layer i, the head) in the
+canonical names of `offload.models.decoder`, converted to the run's dtype and device.
+Nothing is read before it is asked for, so peak host memory stays near one layer plus
+what the caller keeps. Three kinds: Hugging Face safetensors checkpoints
+(`checkpoint.py`), GGUF files (`gguf_file.py`) and seeded dummy weights (here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from abc import ABC, abstractmethod
+
+import torch
+
+from offload.config import ModelConfig
+from offload.models.decoder import Weights, stage_shapes
+
+
+class WeightSource(ABC):
+    """Hands out canonical stage weights on demand. Use as a context manager."""
+
+    config: ModelConfig
+
+    @abstractmethod
+    def stage(self, stage: str, index: int, dtype: torch.dtype, device: torch.device) -> Weights:
+        """Weights of "embed", ("layer", index) or "head", in dtype on device."""
+
+    def embed(self, dtype: torch.dtype, device: torch.device) -> Weights:
+        return self.stage("embed", 0, dtype, device)
+
+    def layer(self, index: int, dtype: torch.dtype, device: torch.device) -> Weights:
+        if not 0 <= index < self.config.num_layers:
+            raise IndexError(f"layer {index} out of range 0..{self.config.num_layers - 1}")
+        return self.stage("layer", index, dtype, device)
+
+    def head(self, dtype: torch.dtype, device: torch.device) -> Weights:
+        return self.stage("head", 0, dtype, device)
+
+    def close(self) -> None:  # noqa: B027 - sources without open files need nothing
+        pass
+
+    def __enter__(self) -> WeightSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class DummySource(WeightSource):
+    """Deterministic random weights of realistic scale, generated per stage on demand.
+
+    Linear weights ~ N(0, 1/fan_in) (unit-variance outputs, as trained models keep),
+    embeddings ~ N(0, 1), norm weights 1 + N(0, 0.02^2), biases N(0, 0.02^2). Each
+    tensor has its own seed derived from (seed, stage, layer, name), so any layer can be
+    made alone and the same layer is the same on every call on the same device type.
+    """
+
+    def __init__(self, config: ModelConfig, seed: int = 0) -> None:
+        self.config = config
+        self.seed = seed
+
+    def stage(self, stage: str, index: int, dtype: torch.dtype, device: torch.device) -> Weights:
+        device = torch.device(device)
+        out: Weights = {}
+        for name, shape in stage_shapes(self.config, stage).items():
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self._tensor_seed(stage, index, name))
+            values = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+            out[name] = self._scale(name, shape, values).to(dtype)
+        return out
+
+    def _tensor_seed(self, stage: str, index: int, name: str) -> int:
+        digest = hashlib.sha256(f"{self.seed}/{stage}/{index}/{name}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+    @staticmethod
+    def _scale(name: str, shape: tuple[int, ...], values: torch.Tensor) -> torch.Tensor:
+        if name.endswith(".bias"):
+            return values.mul_(0.02)
+        if "norm" in name:
+            return values.mul_(0.02).add_(1.0)
+        if name in ("tok.weight", "pos.weight"):
+            return values
+        return values.mul_(1.0 / math.sqrt(shape[-1]))

@@ -1,0 +1,74 @@
+"""The plain single-device runner: every weight and the KV cache on one device.
+
+It is the reference every offloading policy is checked against, and the runner the
+engine uses when the model fits. A runner exposes `start(batch)` (a fresh KV cache for
+a `PaddedBatch`) and `forward(token_ids, step, last_only)` (one step of the stack);
+the offloading executor offers the same two calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from offload.batch import PaddedBatch
+from offload.config import ModelConfig
+from offload.models import decoder, ops
+from offload.models.decoder import LayerKV, StepInputs, Weights
+from offload.models.weights import WeightSource
+
+log = logging.getLogger(__name__)
+
+
+class PlainRunner:
+    """Holds the whole model on `device` in `dtype`, loaded stage by stage."""
+
+    def __init__(
+        self,
+        source: WeightSource,
+        dtype: torch.dtype,
+        device: torch.device,
+        progress: bool = False,
+    ) -> None:
+        self.cfg: ModelConfig = source.config
+        self.dtype, self.device = dtype, device
+        started = time.perf_counter()
+        self.embed_w: Weights = source.embed(dtype, device)
+        layers = range(self.cfg.num_layers)
+        if progress:
+            from tqdm import tqdm
+
+            layers = tqdm(layers, desc="loading layers", unit="layer", leave=False)
+        self.layer_w: list[Weights] = [source.layer(i, dtype, device) for i in layers]
+        self.head_w: Weights = source.head(dtype, device)
+        if self.cfg.tie_word_embeddings:
+            self.head_w["lm_head.weight"] = self.embed_w["tok.weight"]
+        self.load_seconds = time.perf_counter() - started
+        self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.family == "llama" else None
+        self._cache: list[LayerKV] = []
+
+    def start(self, batch: PaddedBatch) -> None:
+        """Allocate a fresh KV cache for this batch (replacing the last one)."""
+        self._cache = []
+        self._cache = [
+            LayerKV(batch.size, self.cfg, batch.max_slots, self.dtype, self.device)
+            for _ in range(self.cfg.num_layers)
+        ]
+
+    def step_inputs(self, batch: PaddedBatch, cache_start: int, num_new: int) -> StepInputs:
+        return batch.step_inputs(cache_start, num_new, self.dtype, self.device, self.inv_freq)
+
+    @torch.inference_mode()
+    def forward(
+        self, token_ids: torch.Tensor, step: StepInputs, last_only: bool = True
+    ) -> torch.Tensor:
+        """Run new tokens [B, T] through the stack; fp32 logits [B, V] (or [B, T, V])."""
+        x = decoder.embed(self.cfg, self.embed_w, token_ids.to(self.device), step.positions)
+        for weights, kv in zip(self.layer_w, self._cache, strict=True):
+            x = decoder.layer_forward(self.cfg, weights, x, step, kv)
+        if last_only:
+            x = x[:, -1:]
+        logits = decoder.head(self.cfg, self.head_w, x)
+        return logits[:, -1] if last_only else logits
