@@ -89,4 +89,6 @@ def sample(
         return logits.argmax(dim=-1).cpu()
     probs = filter_logits(logits.float(), params).softmax(dim=-1).cpu()
     assert generators is not None and len(generators) == probs.shape[0]
-    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
+    return torch.cat(
+        [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)]
+    )

@@ -40,8 +40,11 @@ class Tokenizer:
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255; for models that ship no tokenizer."""
 
-    eos_token_ids: set[int] = set()
     has_chat_template = False
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
