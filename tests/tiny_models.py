@@ -1,0 +1,97 @@
+"""Small models of every supported family, built with transformers' own classes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    BloomConfig,
+    BloomForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+VOCAB = 320
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+_dims = {"vocab_size": VOCAB, "hidden_size": 64, "num_attention_heads": 4}
+_llama_dims = {**_dims, "intermediate_size": 128, "num_hidden_layers": 3, "max_position_embeddings": 256}
+
+# name -> (model class, config)
+CASES = {
+    "llama-gqa": (
+        LlamaForCausalLM,
+        LlamaConfig(**_llama_dims, num_key_value_heads=2, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
+    ),
+    "llama-tied": (
+        LlamaForCausalLM,
+        LlamaConfig(**_llama_dims, num_key_value_heads=4, tie_word_embeddings=True),
+    ),
+    "qwen2-bias": (
+        Qwen2ForCausalLM,
+        Qwen2Config(**_llama_dims, num_key_value_heads=2, tie_word_embeddings=False),
+    ),
+    "mistral-window": (
+        MistralForCausalLM,
+        MistralConfig(**_llama_dims, num_key_value_heads=1, sliding_window=6),
+    ),
+    "bloom": (BloomForCausalLM, BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=3, n_head=4)),
+    "bloom-5-heads": (
+        BloomForCausalLM,
+        BloomConfig(
+            vocab_size=VOCAB, hidden_size=80, n_layer=2, n_head=5,
+            apply_residual_connection_post_layernorm=True,
+        ),
+    ),
+    "opt": (
+        OPTForCausalLM,
+        OPTConfig(**_dims, num_hidden_layers=3, ffn_dim=128, max_position_embeddings=256),
+    ),
+    "opt-350m-like": (
+        OPTForCausalLM,
+        OPTConfig(
+            **_dims, num_hidden_layers=2, ffn_dim=128, max_position_embeddings=256,
+            word_embed_proj_dim=32, do_layer_norm_before=False,
+        ),
+    ),
+}
+
+
+def build(name: str) -> torch.nn.Module:
+    cls, config = CASES[name]
+    torch.manual_seed(1234)
+    model = cls(config).eval()
+    # Random-init norms are all ones and biases zeros: make them random too so the
+    # test sees every term.
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if "norm" in pname or pname.endswith(".bias") or "ln_" in pname:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def save(name: str, directory: Path) -> tuple[Path, torch.nn.Module]:
+    model = build(name)
+    model.save_pretrained(directory, max_shard_size="100KB")
+    return directory, model
+
+
+def hf_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """transformers' logits for a left-padded batch (positions from the mask)."""
+    kwargs = {}
+    if model.config.model_type in ("llama", "mistral", "qwen2"):
+        kwargs["position_ids"] = (mask.long().cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask.long(), **kwargs).logits.float()
