@@ -23,13 +23,31 @@ def test_jsonl_in_jsonl_out(tiny_checkpoints, tmp_path, capsys):
     prompts = tmp_path / "jobs.jsonl"
     prompts.write_text('{"id": "a", "prompt": "hello"}\n\n{"prompt": "hi there, model"}\n')
     out = tmp_path / "out.jsonl"
-    code = main(["--model", str(directory), "--prompts", str(prompts), "--output", str(out),
-                 "--max-new-tokens", "5", "--quiet"])
+    code = main(
+        [
+            "--model",
+            str(directory),
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(out),
+            "--max-new-tokens",
+            "5",
+            "--quiet",
+        ]
+    )
     assert code == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["a", "3"]
     for row in rows:
-        assert set(row) == {"id", "prompt", "text", "prompt_tokens", "completion_tokens", "finish_reason"}
+        assert set(row) == {
+            "id",
+            "prompt",
+            "text",
+            "prompt_tokens",
+            "completion_tokens",
+            "finish_reason",
+        }
         assert row["completion_tokens"] <= 5 and row["finish_reason"] in ("stop", "length")
     assert rows[0]["prompt_tokens"] == len(b"hello")  # byte tokenizer: no tokenizer shipped
     assert "tok/s" in capsys.readouterr().err
@@ -39,16 +57,42 @@ def test_plain_text_prompts_and_stdout(tiny_checkpoints, tmp_path, capsys):
     directory, _ = tiny_checkpoints["opt"]
     prompts = tmp_path / "jobs.txt"
     prompts.write_text("first prompt\nsecond prompt\n")
-    assert main(["--model", str(directory), "--prompts", str(prompts), "--output", "-",
-                 "--max-new-tokens", "3", "-q"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(directory),
+                "--prompts",
+                str(prompts),
+                "--output",
+                "-",
+                "--max-new-tokens",
+                "3",
+                "-q",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["prompt"] for r in rows] == ["first prompt", "second prompt"]
 
 
 def test_preset_runs_with_dummy_weights(capsys):
     # the smallest preset with random weights, so no download is needed
-    code = main(["--model", "smollm2-135m-instruct", "--dummy", "--prompt", "x",
-                 "--max-new-tokens", "2", "-q", "--output", "-"])
+    code = main(
+        [
+            "--model",
+            "smollm2-135m-instruct",
+            "--dummy",
+            "--prompt",
+            "x",
+            "--max-new-tokens",
+            "2",
+            "-q",
+            "--output",
+            "-",
+        ]
+    )
     assert code == 0
     assert json.loads(capsys.readouterr().out)["completion_tokens"] == 2
 
@@ -58,10 +102,16 @@ def test_preset_runs_with_dummy_weights(capsys):
     [
         (["--model", "/no/such/model", "--prompt", "x"], "does not exist"),
         (["--model", "no-such-preset", "--prompt", "x"], "unknown model"),
-        (["--model", "someone/not-cached-model", "--prompt", "x"], "not in the local Hugging Face cache"),
+        (
+            ["--model", "someone/not-cached-model", "--prompt", "x"],
+            "not in the local Hugging Face cache",
+        ),
         (["--model", "demo", "--prompts", "/no/such/prompts.jsonl"], "does not exist"),
         (["--model", "demo", "--prompt", "x", "--top-p", "2"], "top_p"),
-        (["--model", "demo", "--prompt", "x", "--output", "/no/such/dir/out.jsonl"], "cannot write"),
+        (
+            ["--model", "demo", "--prompt", "x", "--output", "/no/such/dir/out.jsonl"],
+            "cannot write",
+        ),
     ],
 )
 def test_user_mistakes_give_one_line(args, expected, capsys):
@@ -93,7 +143,9 @@ def test_prompt_longer_than_context(tiny_checkpoints, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     out.write_text("earlier results\n")
     long_prompt = "y" * (model.config.max_position_embeddings + 5)
-    assert main(["--model", str(directory), "--prompt", long_prompt, "--output", str(out), "-q"]) == 2
+    assert (
+        main(["--model", str(directory), "--prompt", long_prompt, "--output", str(out), "-q"]) == 2
+    )
     assert "context is 256" in _error_line(capsys)
     assert out.read_text() == "earlier results\n", "an earlier output was lost"
 
@@ -101,7 +153,12 @@ def test_prompt_longer_than_context(tiny_checkpoints, tmp_path, capsys):
 def test_console_script_exits_nonzero_without_traceback():
     result = subprocess.run(
         [sys.executable, "-m", "offload.cli.run", "--model", "/no/such/dir", "--prompt", "x"],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 2
-    assert result.stderr.strip() == "offload-run: error: model path /no/such/dir does not exist; check the path"
+    assert (
+        result.stderr.strip()
+        == "offload-run: error: model path /no/such/dir does not exist; check the path"
+    )

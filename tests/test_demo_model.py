@@ -35,7 +35,9 @@ def reference():
 
 
 def test_france_gives_paris(ours):
-    out = ours.generate(["What is the capital of France?"], SamplingParams(max_new_tokens=24), chat=True)
+    out = ours.generate(
+        ["What is the capital of France?"], SamplingParams(max_new_tokens=24), chat=True
+    )
     assert "Paris" in out[0].text, out[0].text
     assert out[0].finish_reason == "stop"
 
@@ -50,7 +52,9 @@ def test_greedy_equals_transformers_on_the_same_gguf(ours, reference):
         )
         ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
         with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False
+            )
         ref_ids = gen[0, ids.shape[1] :].tolist()
         assert out.prompt_tokens == ids.shape[1]
         assert out.token_ids == ref_ids[: len(out.token_ids)], (

@@ -19,9 +19,19 @@ from offload.presets import PRESETS, preset_for
 
 # parameters in billions, from the models' published sizes
 EXPECTED_BILLIONS = {
-    "bloom": 176.2, "opt-6.7b": 6.66, "opt-30b": 29.97, "opt-66b": 65.7, "opt-175b": 174.6,
-    "llama-2-7b": 6.74, "llama-2-13b": 13.0, "llama-2-70b": 68.98, "llama-3.1-8b": 8.03,
-    "llama-3.1-70b": 70.55, "mistral-7b": 7.25, "qwen2-7b": 7.62, "smollm2-135m-instruct": 0.1346,
+    "bloom": 176.2,
+    "opt-6.7b": 6.66,
+    "opt-30b": 29.97,
+    "opt-66b": 65.7,
+    "opt-175b": 174.6,
+    "llama-2-7b": 6.74,
+    "llama-2-13b": 13.0,
+    "llama-2-70b": 68.98,
+    "llama-3.1-8b": 8.03,
+    "llama-3.1-70b": 70.55,
+    "mistral-7b": 7.25,
+    "qwen2-7b": 7.62,
+    "smollm2-135m-instruct": 0.1346,
 }
 
 
@@ -89,15 +99,22 @@ def test_sharded_checkpoint_loads_layer_by_layer(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=1000, hidden_size=768, intermediate_size=2048, num_hidden_layers=16,
-        num_attention_heads=12, num_key_value_heads=12,
+        vocab_size=1000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=12,
+        num_key_value_heads=12,
     )
     model = LlamaForCausalLM(config)
     model.save_pretrained(tmp_path, max_shard_size="20MB")
     total = sum(p.numel() * 4 for p in model.parameters())
     del model
     result = subprocess.run(
-        [sys.executable, "-c", LOAD_SCRIPT, str(tmp_path)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", LOAD_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     growth, layer_bytes = map(int, result.stdout.split())
     assert total > 12 * layer_bytes

@@ -27,13 +27,20 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 16,
 }
 _dims = {"vocab_size": VOCAB, "hidden_size": 64, "num_attention_heads": 4}
-_llama_dims = {**_dims, "intermediate_size": 128, "num_hidden_layers": 3, "max_position_embeddings": 256}
+_llama_dims = {
+    **_dims,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "max_position_embeddings": 256,
+}
 
 # name -> (model class, config)
 CASES = {
     "llama-gqa": (
         LlamaForCausalLM,
-        LlamaConfig(**_llama_dims, num_key_value_heads=2, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
+        LlamaConfig(
+            **_llama_dims, num_key_value_heads=2, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0
+        ),
     ),
     "llama-tied": (
         LlamaForCausalLM,
@@ -51,7 +58,10 @@ CASES = {
     "bloom-5-heads": (
         BloomForCausalLM,
         BloomConfig(
-            vocab_size=VOCAB, hidden_size=80, n_layer=2, n_head=5,
+            vocab_size=VOCAB,
+            hidden_size=80,
+            n_layer=2,
+            n_head=5,
             apply_residual_connection_post_layernorm=True,
         ),
     ),
@@ -62,8 +72,12 @@ CASES = {
     "opt-350m-like": (
         OPTForCausalLM,
         OPTConfig(
-            **_dims, num_hidden_layers=2, ffn_dim=128, max_position_embeddings=256,
-            word_embed_proj_dim=32, do_layer_norm_before=False,
+            **_dims,
+            num_hidden_layers=2,
+            ffn_dim=128,
+            max_position_embeddings=256,
+            word_embed_proj_dim=32,
+            do_layer_norm_before=False,
         ),
     ),
 }
