@@ -1,0 +1,161 @@
+"""Asynchronous extent reads: disk -> pinned pool block (-> GPU), with checksums.
+
+A thread pool issues `os.preadv` calls (the GIL is released during each) with O_DIRECT
+on 4 KiB-aligned extents, split into chunks so several requests are in flight even for
+one large tensor. When the last chunk of an extent lands, the thread that read it
+verifies the xxh3 checksum (xxhash releases the GIL too) and, if asked, enqueues the
+host -> device copy on the reader's dedicated CUDA stream and records an event. The
+caller waits on the returned future (or on the event from its own stream); nothing
+synchronizes the device. `docs/io.md` has the measured comparison with the
+alternatives (buffered reads, aiofiles).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from offload.errors import UserError
+from offload.io.pinned import PoolBlock
+from offload.io.store import Extent
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 8 * 2**20
+
+
+class CorruptExtent(UserError):
+    """An extent's bytes do not match its checksum, or the file is short."""
+
+
+@dataclass
+class ExtentLoad:
+    """A finished read: the pinned block and, when a device copy was asked, its tensor and event."""
+
+    extent: Extent
+    block: PoolBlock
+    device_tensor: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+
+    def host_view(self) -> torch.Tensor:
+        return self.block.view(self.extent.dtype, self.extent.shape)
+
+
+class ExtentReader:
+    """Reads store extents into pool blocks with `threads` requests in flight."""
+
+    def __init__(self, threads: int = 8, direct: bool = True, verify: bool = True) -> None:
+        self.direct = direct
+        self.verify = verify
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="offload-io")
+        self._fds: dict[str, int] = {}
+        self._fd_lock = threading.Lock()
+        self.copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+
+    def _fd(self, path: str) -> int:
+        with self._fd_lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                flags = os.O_RDONLY
+                if self.direct and hasattr(os, "O_DIRECT"):
+                    try:
+                        fd = os.open(path, flags | os.O_DIRECT)
+                    except OSError:  # file systems such as tmpfs refuse O_DIRECT
+                        log.warning("O_DIRECT unavailable for %s; using buffered reads", path)
+                        self.direct = False
+                if fd is None:
+                    fd = os.open(path, flags)
+                self._fds[path] = fd
+            return fd
+
+    def submit(
+        self,
+        extent: Extent,
+        block: PoolBlock,
+        device_tensor: torch.Tensor | None = None,
+    ) -> Future[ExtentLoad]:
+        """Read extent into block (and then copy it into device_tensor); returns a future."""
+        assert block.reserved >= extent.padded, "block smaller than the padded extent"
+        result: Future[ExtentLoad] = Future()
+        chunks = [
+            (start, min(CHUNK_BYTES, extent.padded - start))
+            for start in range(0, extent.padded, CHUNK_BYTES)
+        ]
+        remaining = [len(chunks)]
+        lock = threading.Lock()
+        load = ExtentLoad(extent, block, device_tensor)
+
+        def read_chunk(start: int, length: int) -> None:
+            try:
+                fd = self._fd(str(extent.path))
+                dest = block.pool.buffer[block.offset + start : block.offset + start + length]
+                got = os.preadv(fd, [memoryview(dest.numpy())], extent.offset + start)
+                if got < min(length, extent.nbytes - start):
+                    raise CorruptExtent(
+                        f"{extent.path} is truncated: tensor {extent.stage}/{extent.name} "
+                        f"ends past the end of the file; rebuild the store"
+                    )
+            except BaseException as exc:
+                with lock:
+                    remaining[0] = -1
+                if not result.done():
+                    result.set_exception(exc)
+                return
+            with lock:
+                if remaining[0] < 0:
+                    return
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                self._finish(load, result)
+
+        for start, length in chunks:
+            self._pool.submit(read_chunk, start, length)
+        return result
+
+    def _finish(self, load: ExtentLoad, result: Future[ExtentLoad]) -> None:
+        extent = load.extent
+        try:
+            if self.verify:
+                data = load.block.tensor[: extent.nbytes].numpy()
+                if xxhash.xxh3_64_hexdigest(memoryview(data)) != extent.xxh3:
+                    raise CorruptExtent(
+                        f"checksum mismatch in {extent.path} for tensor {extent.stage}/{extent.name}; "
+                        "the store is damaged: delete it to rebuild"
+                    )
+            if load.device_tensor is not None:
+                self._copy_to_device(load)
+        except BaseException as exc:
+            result.set_exception(exc)
+            return
+        result.set_result(load)
+
+    def _copy_to_device(self, load: ExtentLoad) -> None:
+        assert load.device_tensor is not None
+        src = load.host_view()
+        if self.copy_stream is None or load.device_tensor.device.type != "cuda":
+            load.device_tensor.copy_(src)
+            return
+        with torch.cuda.stream(self.copy_stream):
+            load.device_tensor.copy_(src, non_blocking=True)
+            load.event = torch.cuda.Event()
+            load.event.record(self.copy_stream)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        with self._fd_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self) -> ExtentReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

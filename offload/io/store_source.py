@@ -1,0 +1,39 @@
+"""A `WeightSource` that reads stages back from the NVMe weight store."""
+
+from __future__ import annotations
+
+import torch
+
+from offload.config import ModelConfig
+from offload.io.pinned import PinnedPool
+from offload.io.reader import ExtentReader
+from offload.io.store import WeightStore
+from offload.models.decoder import Weights
+from offload.models.weights import WeightSource
+
+
+class StoreSource(WeightSource):
+    """Stage weights read through pinned staging blocks, checksums verified."""
+
+    def __init__(
+        self, config: ModelConfig, store: WeightStore, pool: PinnedPool, reader: ExtentReader
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.pool = pool
+        self.reader = reader
+
+    def stage(self, stage: str, index: int, dtype: torch.dtype, device: torch.device) -> Weights:
+        key = f"layer.{index}" if stage == "layer" else stage
+        extents = self.store.extents(key)
+        blocks = [self.pool.alloc(e.padded) for e in extents]
+        try:
+            futures = [self.reader.submit(e, b) for e, b in zip(extents, blocks, strict=True)]
+            loads = [f.result() for f in futures]
+            return {
+                load.extent.name: load.host_view().to(device=device, dtype=dtype, copy=True)
+                for load in loads
+            }
+        finally:
+            for block in blocks:
+                block.free()
