@@ -1,0 +1,56 @@
+"""CUDA-only checks (marked `gpu`): run on the GPU machine, skipped elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload.batch import PaddedBatch
+from offload.engine import LLM
+from offload.io.pinned import PinnedPool
+from offload.io.reader import ExtentReader
+from offload.io.store import WeightStore, write_stage_file
+from tests import tiny_models
+from tests.tiny_models import hf_logits
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [300, 1, 2, 250, 7]]
+
+
+def test_pool_is_pinned_and_reader_copies_to_the_gpu(tmp_path):
+    tensors = {"a": torch.randn(300_001), "b": torch.randn(17, 4099).to(torch.bfloat16)}
+    entry = write_stage_file(tmp_path / "s.bin", tensors)
+    store = WeightStore(tmp_path, {"dtype": "float32", "stages": {"s": entry}})
+    with PinnedPool(2**24) as pool, ExtentReader(threads=4) as reader:
+        assert pool.pinned and pool.buffer.is_pinned()
+        for extent in store.extents("s"):
+            dest = torch.empty(extent.shape, dtype=extent.dtype, device="cuda")
+            with pool.alloc(extent.padded) as block:
+                load = reader.submit(extent, block, dest).result()
+                assert load.event is not None
+                load.event.synchronize()
+            assert torch.equal(dest.cpu(), tensors[extent.name])
+
+
+@pytest.mark.parametrize("case", ["llama-gqa", "bloom", "opt-350m-like", "qwen2-bias"])
+def test_cuda_fp32_logits_match_transformers(case, tiny_checkpoints):
+    directory, model = tiny_checkpoints[case]
+    llm = LLM(str(directory), device="cuda", dtype="float32")
+    batch = PaddedBatch(llm.config, PROMPTS, max_new_tokens=4, pad_id=0)
+    llm.runner.start(batch)
+    step = llm.runner.step_inputs(batch, 0, batch.prompt_len)
+    ours = llm.runner.forward(batch.prompt_ids, step, last_only=False).cpu()
+    mask = batch.key_valid[:, : batch.prompt_len]
+    ref = hf_logits(model, batch.prompt_ids, mask)
+    for row, prompt in enumerate(PROMPTS):
+        real = slice(batch.prompt_len - len(prompt), batch.prompt_len)
+        err = (ours[row, real] - ref[row, real]).norm() / ref[row, real].norm()
+        assert err <= 1e-4, f"{case} row {row}: {err:.2e}"
+
+
+def test_cuda_greedy_matches_cpu(tiny_checkpoints):
+    directory, _ = tiny_checkpoints["llama-gqa"]
+    cpu = LLM(str(directory), device="cpu", dtype="float32").generate(PROMPTS)
+    gpu = LLM(str(directory), device="cuda", dtype="float32").generate(PROMPTS)
+    assert [o.token_ids for o in cpu] == [o.token_ids for o in gpu]
