@@ -10,7 +10,6 @@ from offload.engine import LLM
 from offload.io.pinned import PinnedPool
 from offload.io.reader import ExtentReader
 from offload.io.store import WeightStore, write_stage_file
-from tests import tiny_models
 from tests.tiny_models import hf_logits
 
 pytestmark = pytest.mark.gpu
