@@ -243,3 +243,18 @@ def test_pool_waste_is_alignment_only():
         assert stats["alignment_waste_bytes"] < 4096 * len(sizes)
         for b in blocks:
             b.free()
+
+
+def test_spill_round_trip_at_aligned_offsets(tmp_path):
+    from offload.io.spill import SpillFile
+
+    with PinnedPool(2**22) as pool, SpillFile(tmp_path, 2**21) as spill:
+        data = torch.randn(3 * 4096 // 2).to(torch.float16)
+        with pool.alloc(data.nbytes) as src, pool.alloc(data.nbytes) as dst:
+            src.view(torch.float16, tuple(data.shape)).copy_(data)
+            spill.write(8192, src.tensor)
+            spill.read(8192, dst.tensor)
+            assert torch.equal(dst.view(torch.float16, tuple(data.shape)), data)
+        path = spill.path
+        assert path.exists()
+    assert not path.exists(), "spill file left behind"

@@ -77,19 +77,23 @@ def test_sizes_parse():
 
 LOAD_SCRIPT = textwrap.dedent(
     """
-    import resource, sys, torch
+    import sys, torch
     from offload.models.resolve import resolve_model
+    def hwm():  # this process's high-water mark (ru_maxrss carries the parent's over exec)
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     spec = resolve_model(sys.argv[1])
     cpu = torch.device("cpu")
     with spec.open_weights() as source:
         source.embed(torch.float32, cpu)
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        base = hwm()
         layer_bytes = 0
         for i in range(spec.config.num_layers):
             weights = source.layer(i, torch.float32, cpu)
             layer_bytes = max(layer_bytes, sum(t.nbytes for t in weights.values()))
             del weights
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = hwm()
     print(peak - base, layer_bytes)
     """
 )

@@ -161,6 +161,7 @@ class SafetensorsReader:
             ) from exc
 
     def close(self) -> None:
+        """Drop open files; their mapped pages leave this process's RSS."""
         self._handles.clear()
 
 
@@ -175,8 +176,13 @@ class CheckpointSource(WeightSource):
         wanted = stage_shapes(self.config, stage)
         names = _expand(_hf_names(self.config, stage, index), wanted)
         out: Weights = {}
-        for canon, hf_names in names.items():
-            out[canon] = self._load(canon, hf_names, wanted[canon], stage, dtype, device)
+        try:
+            for canon, hf_names in names.items():
+                out[canon] = self._load(canon, hf_names, wanted[canon], stage, dtype, device)
+        finally:
+            # safetensors maps shards; closing after each stage keeps the touched pages
+            # of earlier stages out of RSS, so it stays near one layer.
+            self.reader.close()
         return out
 
     def _load(
