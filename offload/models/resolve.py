@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from offload.config import ModelConfig
 from offload.errors import UserError
@@ -31,6 +32,8 @@ class ModelSpec:
     kind: str  # "safetensors", "gguf" or "dummy"
     path: Path | None = None
     dummy_seed: int = 0
+    # an already-parsed GGUF reader (parsing the metadata of a large vocabulary costs seconds)
+    gguf_reader: Any = field(default=None, compare=False, repr=False)
 
     def open_weights(self) -> WeightSource:
         if self.kind == "dummy":
@@ -39,7 +42,7 @@ class ModelSpec:
         if self.kind == "gguf":
             from offload.models.gguf_file import GGUFSource, open_gguf
 
-            return GGUFSource(self.path, open_gguf(self.path), self.config)
+            return GGUFSource(self.path, self.gguf_reader or open_gguf(self.path), self.config)
         from offload.models.checkpoint import CheckpointSource
 
         return CheckpointSource(self.path, self.config)
@@ -73,8 +76,9 @@ def _from_path(path: Path, dummy: bool, seed: int) -> ModelSpec:
     if path.suffix == ".gguf":
         from offload.models.gguf_file import gguf_config, open_gguf
 
-        config = gguf_config(open_gguf(path), path.stem)
-        return ModelSpec(path.stem, config, "dummy" if dummy else "gguf", path, seed)
+        reader = open_gguf(path)
+        config = gguf_config(reader, path.stem)
+        return ModelSpec(path.stem, config, "dummy" if dummy else "gguf", path, seed, reader)
     raise UserError(f"{path} is neither a model directory nor a .gguf file")
 
 

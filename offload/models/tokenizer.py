@@ -6,7 +6,9 @@ bytes to ids 0..255 so text still goes in and comes out. A warning says so.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -56,19 +58,42 @@ class ByteTokenizer:
         return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
 
 
+def _gguf_tokenizer(path: Path) -> Tokenizer:
+    """A GGUF file's tokenizer; the converted form is cached (conversion takes seconds)."""
+    from transformers import AutoTokenizer
+
+    from offload.models.demo import cache_dir
+
+    stat = path.resolve().stat()
+    ident = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    cached = cache_dir() / "gguf-tokenizers" / key
+    if (cached / "tokenizer_config.json").is_file():
+        return Tokenizer(AutoTokenizer.from_pretrained(str(cached)))
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    partial = cached.with_name(key + ".partial")
+    try:
+        hf.save_pretrained(str(partial))
+        os.replace(partial, cached)
+    except OSError as exc:  # a read-only cache only costs time
+        log.debug("could not cache the GGUF tokenizer: %s", exc)
+    return Tokenizer(hf)
+
+
 def load_tokenizer(
     directory: Path | None, gguf_file: str | None = None
 ) -> Tokenizer | ByteTokenizer:
     """The tokenizer in a model directory (or GGUF file), else the byte fallback."""
     from transformers import AutoTokenizer
 
+    if directory is not None and gguf_file is not None:
+        return _gguf_tokenizer(directory / gguf_file)
     if directory is not None:
-        has_files = gguf_file is not None or any(
+        has_files = any(
             (directory / name).is_file()
             for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
         )
         if has_files:
-            hf = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_file)
-            return Tokenizer(hf)
+            return Tokenizer(AutoTokenizer.from_pretrained(str(directory)))
     log.warning("the model ships no tokenizer; using UTF-8 bytes as token ids")
     return ByteTokenizer()
