@@ -122,5 +122,7 @@ def test_sharded_checkpoint_loads_layer_by_layer(tmp_path):
     )
     growth, layer_bytes = map(int, result.stdout.split())
     assert total > 12 * layer_bytes
-    # Streaming all 16 layers grows peak RSS by about a layer and a shard, not the model.
-    assert growth < 3 * layer_bytes + 20e6, (growth, layer_bytes, total)
+    # Streaming all 16 layers grows peak RSS by one layer's tensors, their concatenation
+    # temporaries and the mapped pages of the shards it spans (20 MB each), not the model.
+    assert growth < 4 * layer_bytes + 2 * 20e6, (growth, layer_bytes, total)
+    assert growth < total / 3
