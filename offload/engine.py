@@ -16,12 +16,16 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from offload.batch import PaddedBatch
 from offload.errors import UserError
+from offload.executor.caps import MemoryCaps, check_block_fits, check_weights_fit, process_rss
+from offload.executor.executor import Executor
 from offload.models.resolve import ModelSpec, resolve_model
+from offload.policies.policy import Policy
 from offload.runner import PlainRunner
 from offload.sampling import SamplingParams, make_generators, sample
 
@@ -98,17 +102,37 @@ class LLM:
         dummy: bool = False,
         batch_size: int = 16,
         progress: bool = False,
+        policy: Policy | None = None,
+        caps: MemoryCaps | None = None,
+        nvme: Path | None = None,
+        trace: bool = False,
     ) -> None:
+        """policy=None runs everything on one device (the plain runner); a `Policy` runs
+        the offloading executor with its placement, batch shape and the memory caps."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.spec = model if isinstance(model, ModelSpec) else resolve_model(model, dummy=dummy)
         self.config = self.spec.config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, self.config.checkpoint_dtype)
-        self.batch_size = batch_size
+        self.policy, self.caps = policy, caps or MemoryCaps()
+        self.batch_size = policy.block_size if policy else batch_size
+        if policy is not None:
+            check_weights_fit(self.config, policy, self.dtype, self.device, self.caps, nvme)
         self.tokenizer = self.spec.tokenizer()
         with self.spec.open_weights() as source:
-            self.runner = PlainRunner(source, self.dtype, self.device, progress=progress)
+            if policy is None:
+                self.runner = PlainRunner(source, self.dtype, self.device, progress=progress)
+            else:
+                self.runner = Executor(
+                    source,
+                    policy,
+                    self.dtype,
+                    self.device,
+                    nvme_dir=nvme,
+                    trace=trace,
+                    progress=progress,
+                )
         self.eos_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids
         self.pad_id = self.config.pad_token_id or 0
         self.stats = GenerationStats()
@@ -152,6 +176,20 @@ class LLM:
             self.check_prompt(ids)
             budget = min(params.max_new_tokens, self.config.max_position_embeddings - len(ids))
             seqs.append(_Sequence(text, ids, budget))
+        if self.policy is not None:
+            longest = max(len(s.prompt_ids) for s in seqs)
+            budget = max(s.budget for s in seqs)
+            resident = process_rss() - self.runner.kv_pool_bytes
+            check_block_fits(
+                self.config,
+                self.policy,
+                self.dtype,
+                self.device,
+                self.caps,
+                longest,
+                budget,
+                resident,
+            )
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].prompt_ids))
         for start in range(0, len(order), self.batch_size):
             self._generate_batch([seqs[i] for i in order[start : start + self.batch_size]], params)
@@ -188,6 +226,18 @@ class LLM:
             step = runner.step_inputs(batch, batch.prompt_len + t, 1)
             logits = runner.forward(next_ids[:, None], step)
         stats.decode_seconds += self._sync_elapsed(started)
+
+    def close(self) -> None:
+        """Release pinned memory, spill files and reader threads of the executor."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _sync_elapsed(self, started: float) -> float:
         if self.device.type == "cuda":

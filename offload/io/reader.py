@@ -42,9 +42,14 @@ class ExtentLoad:
     block: PoolBlock
     device_tensor: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
+    block_offset: int = 0
+
+    def host_bytes(self) -> torch.Tensor:
+        start = self.block.offset + self.block_offset
+        return self.block.pool.buffer[start : start + self.extent.nbytes]
 
     def host_view(self) -> torch.Tensor:
-        return self.block.view(self.extent.dtype, self.extent.shape)
+        return self.host_bytes().view(self.extent.dtype).view(self.extent.shape)
 
 
 class ExtentReader:
@@ -79,9 +84,14 @@ class ExtentReader:
         extent: Extent,
         block: PoolBlock,
         device_tensor: torch.Tensor | None = None,
+        block_offset: int = 0,
     ) -> Future[ExtentLoad]:
-        """Read extent into block (and then copy it into device_tensor); returns a future."""
-        assert block.reserved >= extent.padded, "block smaller than the padded extent"
+        """Read extent into block at block_offset (4 KiB aligned), then copy it into
+        device_tensor if given; returns a future."""
+        assert block_offset % 4096 == 0, "extents land 4 KiB aligned"
+        assert block.reserved >= block_offset + extent.padded, (
+            "block smaller than the padded extent"
+        )
         result: Future[ExtentLoad] = Future()
         chunks = [
             (start, min(CHUNK_BYTES, extent.padded - start))
@@ -89,12 +99,13 @@ class ExtentReader:
         ]
         remaining = [len(chunks)]
         lock = threading.Lock()
-        load = ExtentLoad(extent, block, device_tensor)
+        load = ExtentLoad(extent, block, device_tensor, block_offset=block_offset)
 
         def read_chunk(start: int, length: int) -> None:
             try:
                 fd = self._fd(str(extent.path))
-                dest = block.pool.buffer[block.offset + start : block.offset + start + length]
+                base = block.offset + block_offset + start
+                dest = block.pool.buffer[base : base + length]
                 got = os.preadv(fd, [memoryview(dest.numpy())], extent.offset + start)
                 if got < min(length, extent.nbytes - start):
                     raise CorruptExtent(
@@ -123,7 +134,7 @@ class ExtentReader:
         extent = load.extent
         try:
             if self.verify:
-                data = load.block.tensor[: extent.nbytes].numpy()
+                data = load.host_bytes().numpy()
                 if xxhash.xxh3_64_hexdigest(memoryview(data)) != extent.xxh3:
                     raise CorruptExtent(
                         f"checksum mismatch in {extent.path} for tensor {extent.stage}/{extent.name}; "

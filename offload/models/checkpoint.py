@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from offload.config import ModelConfig
 from offload.errors import UserError
-from offload.models.decoder import Weights, stage_shapes
+from offload.models.decoder import Weights
 from offload.models.weights import WeightSource
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -172,8 +172,8 @@ class CheckpointSource(WeightSource):
         self.config = config
         self.reader = SafetensorsReader(directory)
 
-    def stage(self, stage: str, index: int, dtype: torch.dtype, device: torch.device) -> Weights:
-        wanted = stage_shapes(self.config, stage)
+    def _stage(self, stage: str, index: int, dtype: torch.dtype, device: torch.device) -> Weights:
+        wanted = self.stored_shapes(stage)
         names = _expand(_hf_names(self.config, stage, index), wanted)
         out: Weights = {}
         try:

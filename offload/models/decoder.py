@@ -11,7 +11,7 @@ offloading executor) pass a dict of tensors per stage. Canonical weight names:
                   mlp_out.weight [hidden, I](/.bias)
     head stage:   final_norm.weight(/.bias) (absent for OPT-350m);
                   proj_out.weight [E, hidden] (OPT-350m); lm_head.weight [V, E]
-                  (absent from a source when tied: the embedding's tok.weight serves)
+                  (for tied embeddings a source hands out tok.weight under this name)
 
 A layer is split at its attention so an executor can run `attend` elsewhere (e.g. on
 the CPU next to a CPU-resident KV cache): `attn_in` -> `attend` -> `attn_out_and_mlp`.
@@ -66,8 +66,7 @@ def stage_shapes(cfg: ModelConfig, stage: str) -> dict[str, tuple[int, ...]]:
                 shapes["final_norm.bias"] = (hidden,)
         if cfg.word_embed_proj_dim:
             shapes["proj_out.weight"] = (cfg.embed_dim, hidden)
-        if not cfg.tie_word_embeddings:
-            shapes["lm_head.weight"] = (cfg.vocab_size, cfg.embed_dim)
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.embed_dim)
         return shapes
     assert stage == "layer", stage
     mlp_in = inter * (2 if cfg.gated_mlp else 1)

@@ -16,7 +16,7 @@ import torch
 
 from offload.config import ModelConfig
 from offload.errors import UserError
-from offload.models.decoder import Weights, stage_shapes
+from offload.models.decoder import Weights
 from offload.models.weights import WeightSource
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -110,9 +110,9 @@ class GGUFSource(WeightSource):
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         return torch.from_numpy(np.array(values, dtype=np.float32))  # own, writable copy
 
-    def stage(self, stage: str, index: int, dtype: torch.dtype, device: torch.device) -> Weights:
+    def _stage(self, stage: str, index: int, dtype: torch.dtype, device: torch.device) -> Weights:
         cfg = self.config
-        wanted = stage_shapes(cfg, stage)
+        wanted = self.stored_shapes(stage)
         out: Weights = {}
         for canon, names in _names(stage, index).items():
             if canon not in wanted:

@@ -25,8 +25,26 @@ class WeightSource(ABC):
     config: ModelConfig
 
     @abstractmethod
+    def _stage(self, stage: str, index: int, dtype: torch.dtype, device: torch.device) -> Weights:
+        """The stage's tensors as the source stores them (no tied head)."""
+
+    def stored_shapes(self, stage: str) -> dict[str, tuple[int, ...]]:
+        """Canonical shapes of what the source itself holds for a stage (a tied head
+        holds no lm_head of its own)."""
+        shapes = stage_shapes(self.config, stage)
+        if stage == "head" and self.config.tie_word_embeddings:
+            del shapes["lm_head.weight"]
+        return shapes
+
     def stage(self, stage: str, index: int, dtype: torch.dtype, device: torch.device) -> Weights:
-        """Weights of "embed", ("layer", index) or "head", in dtype on device."""
+        """Weights of "embed", ("layer", index) or "head", in dtype on device.
+
+        The head always carries lm_head.weight; for tied embeddings it is the token
+        embedding (callers holding both stages may share one tensor)."""
+        weights = self._stage(stage, index, dtype, device)
+        if stage == "head" and self.config.tie_word_embeddings:
+            weights["lm_head.weight"] = self._stage("embed", 0, dtype, device)["tok.weight"]
+        return weights
 
     def embed(self, dtype: torch.dtype, device: torch.device) -> Weights:
         return self.stage("embed", 0, dtype, device)
@@ -62,10 +80,10 @@ class DummySource(WeightSource):
         self.config = config
         self.seed = seed
 
-    def stage(self, stage: str, index: int, dtype: torch.dtype, device: torch.device) -> Weights:
+    def _stage(self, stage: str, index: int, dtype: torch.dtype, device: torch.device) -> Weights:
         device = torch.device(device)
         out: Weights = {}
-        for name, shape in stage_shapes(self.config, stage).items():
+        for name, shape in self.stored_shapes(stage).items():
             gen = torch.Generator(device=device)
             gen.manual_seed(self._tensor_seed(stage, index, name))
             values = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)

@@ -1,0 +1,236 @@
+"""The layer-wise executor: one block of num_gpu_batches x gpu_batch_size sequences,
+stage by stage (embedding, each layer, head), every micro-batch through a stage before
+the next stage, while the next stage's weights stream in.
+
+The zig-zag block schedule, for stage j and micro-batch k:
+
+    compute (j, k)  ||  load weights of stage j + 1 (once per stage, shared by all k)
+                    ||  load the off-GPU KV of (j, k + 1), store the new KV of (j, k - 1)
+                    ||  disk reads of stage j + 2 into pinned staging (one stage further)
+
+Lanes are CUDA streams ordered by events; the host never synchronizes the device in
+the steady state. `overlap=False` is the serial reference schedule (each load issued
+right before its use and waited for), kept for debugging: both give identical tokens.
+
+It offers the runner interface of `PlainRunner` (start, step_inputs, forward), so the
+engine drives it unchanged. Tensor-parallel seam: a rank will run this executor over
+its shard of every stage (`WeightHomes` over a sharded source), with its own pool,
+store and PCIe link; `_layer` is where the all-reduce of each half layer goes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from offload.batch import PaddedBatch
+from offload.config import ModelConfig
+from offload.executor.kv import KVManager
+from offload.executor.lanes import Lanes, Tracer, busy_seconds
+from offload.executor.weights import WeightFetcher, WeightHomes
+from offload.io.pinned import PinnedPool, PoolBlock
+from offload.io.reader import ExtentReader
+from offload.io.store import ensure_store
+from offload.io.tiers import MemoryLedger
+from offload.models import decoder, ops
+from offload.models.decoder import StepInputs, Weights
+from offload.models.weights import WeightSource
+from offload.policies.memory import row_splits, weight_plan
+from offload.policies.policy import Policy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTrace:
+    """Per-forward lane accounting, for summaries and benchmarks."""
+
+    seconds: float
+    lanes: dict[str, dict[str, float]]
+
+    @property
+    def busiest(self) -> tuple[str, float]:
+        lane = max(self.lanes, key=lambda name: self.lanes[name]["busy_s"])
+        return lane, self.lanes[lane]["busy_s"]
+
+
+class Executor:
+    def __init__(
+        self,
+        source: WeightSource,
+        policy: Policy,
+        dtype: torch.dtype,
+        device: torch.device,
+        nvme_dir: Path | None = None,
+        trace: bool = False,
+        progress: bool = False,
+    ) -> None:
+        self.cfg: ModelConfig = source.config
+        self.policy, self.dtype, self.device = policy, dtype, device
+        self.ledger = MemoryLedger()
+        self.tracer = Tracer(enabled=trace)
+        self.lanes = Lanes(device, self.tracer)
+        plan = weight_plan(self.cfg, policy, dtype)
+        self.pool = PinnedPool(max(4096, plan["weights_cpu"] + plan["weight_staging_cpu"]))
+        self.reader = ExtentReader(threads=8)
+        started = time.perf_counter()
+        store = None
+        if policy.weights.disk > 0:
+            assert nvme_dir is not None, "the caller checks --nvme for disk policies"
+            store = ensure_store(source, nvme_dir, dtype, progress=progress)
+        self.homes = WeightHomes(
+            source, policy.weights, dtype, device, self.pool, self.ledger, store
+        )
+        self.fetcher = WeightFetcher(
+            self.homes, self.lanes, device, self.pool, self.reader, self.ledger
+        )
+        self.load_seconds = time.perf_counter() - started
+        spill_dir = nvme_dir if nvme_dir is not None else Path(".")
+        self.kv = KVManager(
+            self.cfg,
+            self.lanes,
+            device,
+            dtype,
+            self.ledger,
+            spill_dir,
+            policy.attention_on_cpu,
+            policy.overlap,
+        )
+        self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.family == "llama" else None
+        self._micro: list[slice] = []
+        self._act_blocks: list[PoolBlock | None] = []
+        self.traces: list[StepTrace] = []
+
+    # -- runner interface -------------------------------------------------------------
+    def start(self, batch: PaddedBatch) -> None:
+        """Split the batch into micro-batches and allocate their KV homes."""
+        size = self.policy.gpu_batch_size
+        assert batch.size <= self.policy.block_size, "batch larger than the policy's block"
+        self._micro = [slice(s, min(s + size, batch.size)) for s in range(0, batch.size, size)]
+        splits = row_splits(self.policy.kv_cache, [m.stop - m.start for m in self._micro])
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        act_bytes = []
+        self._act_rows = []
+        for m in self._micro:
+            gpu_rows, cpu_rows, _ = self.policy.activations.split(m.stop - m.start)
+            self._act_rows.append(gpu_rows)
+            act_bytes.append(cpu_rows * batch.prompt_len * self.cfg.hidden_size * elt)
+        self._act_blocks = self.kv.start(splits, batch.max_slots, act_bytes)
+
+    def step_inputs(self, batch: PaddedBatch, cache_start: int, num_new: int) -> StepInputs:
+        return batch.step_inputs(cache_start, num_new, self.dtype, self.device, self.inv_freq)
+
+    @torch.inference_mode()
+    def forward(
+        self, token_ids: torch.Tensor, step: StepInputs, last_only: bool = True
+    ) -> torch.Tensor:
+        """All stages for all micro-batches; fp32 logits [B, V] (or [B, T, V])."""
+        self.tracer.spans.clear()
+        self.tracer.begin(self.device.type == "cuda")
+        started = time.perf_counter()
+        token_ids = token_ids.to(self.device)
+        steps = [_slice_step(step, m) for m in self._micro]
+        num_stages = len(self.homes.images)
+        hidden: list = [None] * len(self._micro)
+        logits: list = [None] * len(self._micro)
+        self.fetcher.fetch(0)
+        for stage in range(num_stages):
+            weights = self.fetcher.get(stage)
+            if self.policy.overlap:
+                self.fetcher.fetch(stage + 1)
+            for k, rows in enumerate(self._micro):
+                if stage == 0:
+                    with self.lanes.on("compute", f"embed mb{k}"):
+                        hidden[k] = self._store_act(
+                            k, decoder.embed(self.cfg, weights, token_ids[rows], steps[k].positions)
+                        )
+                elif stage == num_stages - 1:
+                    x = self._load_act(k, hidden[k])
+                    with self.lanes.on("compute", f"head mb{k}"):
+                        logits[k] = decoder.head(self.cfg, weights, x[:, -1:] if last_only else x)
+                else:
+                    hidden[k] = self._layer(stage - 1, k, weights, hidden[k], steps[k])
+            self.fetcher.done(stage)
+            if not self.policy.overlap:
+                self.fetcher.fetch(stage + 1)
+                self._sync()
+        out = torch.cat(logits, dim=0)
+        self._sync()
+        if self.tracer.enabled:
+            spans = self.tracer.resolved()
+            self.traces.append(StepTrace(time.perf_counter() - started, busy_seconds(spans)))
+        return out[:, -1] if last_only else out
+
+    # -- one layer of one micro-batch ---------------------------------------------------
+    def _layer(self, layer: int, k: int, w: Weights, x_home, step: StepInputs):
+        x = self._load_act(k, x_home)
+        with self.lanes.on("compute", f"L{layer} mb{k} qkv"):
+            q, k_new, v_new, residual = decoder.attn_in(self.cfg, w, x, step)
+        context = self.kv.attention(layer, k, q, k_new, v_new, step.bias, step.cache_start)
+        # (tensor parallelism: all-reduce the attention output projection here)
+        with self.lanes.on("compute", f"L{layer} mb{k} mlp"):
+            out = decoder.attn_out_and_mlp(self.cfg, w, context, residual)
+        # (tensor parallelism: all-reduce the MLP output here)
+        self._prefetch_kv_after(layer, k, step.cache_start)
+        return self._store_act(k, out)
+
+    def _prefetch_kv_after(self, layer: int, k: int, cache_start: int) -> None:
+        if cache_start == 0 or not self.policy.overlap:
+            return
+        if k + 1 < len(self._micro):
+            self.kv.prefetch(layer, k + 1, cache_start)
+        elif layer + 1 < self.cfg.num_layers:
+            self.kv.prefetch(layer + 1, 0, cache_start)
+
+    # -- activations between stages -----------------------------------------------------
+    def _store_act(self, k: int, x: torch.Tensor):
+        gpu_rows = self._act_rows[k]
+        block = self._act_blocks[k]
+        if block is None:
+            return x
+        host = block.view(self.dtype, (x.shape[0] - gpu_rows, *x.shape[1:]))
+        self.lanes.wait("d2h", self.lanes.record("compute"))
+        with self.lanes.on("d2h", f"act mb{k}", host.numel() * host.element_size()):
+            host.copy_(x[gpu_rows:], non_blocking=True)
+        return (x[:gpu_rows], host, self.lanes.record("d2h"))
+
+    def _load_act(self, k: int, home) -> torch.Tensor:
+        if isinstance(home, torch.Tensor):
+            return home
+        gpu_part, host, stored = home
+        self.lanes.wait("h2d", stored)
+        with self.lanes.on("h2d", f"act mb{k}", host.numel() * host.element_size()):
+            back = host.to(self.device, non_blocking=True)
+        self.lanes.wait("compute", self.lanes.record("h2d"))
+        return torch.cat([gpu_part, back], dim=0) if gpu_part.shape[0] else back
+
+    # -- memory and lifetime -------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.kv.pool.capacity if self.kv.pool is not None else 0
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        report = self.ledger.snapshot()
+        report["weights_pool"] = self.pool.stats()
+        if self.kv.pool is not None:
+            report["kv_pool"] = self.kv.pool.stats()
+        return report
+
+    def close(self) -> None:
+        self.kv.close()
+        self.fetcher.close()
+        self.reader.close()
+        self.pool.close()
+
+
+def _slice_step(step: StepInputs, rows: slice) -> StepInputs:
+    rope = None if step.rope is None else (step.rope[0][rows], step.rope[1][rows])
+    return StepInputs(step.positions[rows], step.bias[rows], step.cache_start, rope)

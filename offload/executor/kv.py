@@ -1,0 +1,340 @@
+"""KV cache homes split across GPU, pinned CPU memory and disk, and attention over them.
+
+For one layer and one micro-batch of B sequences, rows [0, g) keep their K/V on the
+GPU, rows [g, g + c) in the pinned pool and the rest in a spill file on disk. GPU and
+CPU homes are laid out [rows, kv_heads, slots, head_dim]; disk homes are token-major
+[slots, rows, kv_heads, head_dim] so one decode step's new entries are one contiguous
+range, written back as whole 4 KiB pages.
+
+Attention for rows off the GPU runs
+- at prefill, on the GPU over the fresh K/V (no cache to read), which are then stored;
+- at decode with attention_on_cpu, on the CPU next to the cache: only q, the new K/V
+  and the attention output cross PCIe;
+- at decode otherwise, on the GPU over the cache loaded into a scratch buffer, which is
+  prefetched while the previous micro-batch computes; only the new K/V go back.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from offload.config import ModelConfig
+from offload.executor.lanes import Lanes
+from offload.io.pinned import PinnedPool, PoolBlock, align_up
+from offload.io.spill import SpillFile
+from offload.io.tiers import MemoryLedger, Tier
+from offload.models import decoder
+
+
+@dataclass
+class KVBlock:
+    """One layer's KV for one micro-batch, split by rows across tiers."""
+
+    rows: tuple[int, int, int]  # (gpu, cpu, disk) row counts
+    gpu_k: torch.Tensor | None = None
+    gpu_v: torch.Tensor | None = None
+    cpu_blocks: list[PoolBlock] = field(default_factory=list)
+    cpu_k: torch.Tensor | None = None
+    cpu_v: torch.Tensor | None = None
+    disk_offset: int = 0  # spill offset of the K region; V follows at + disk_region
+    disk_region: int = 0
+    stored: torch.cuda.Event | None = None  # last store of new entries to CPU homes
+
+
+class KVManager:
+    """Allocates KV homes for a batch and runs each micro-batch's attention over them."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        lanes: Lanes,
+        device: torch.device,
+        dtype: torch.dtype,
+        ledger: MemoryLedger,
+        spill_dir,
+        attention_on_cpu: bool,
+        overlap: bool,
+    ) -> None:
+        self.cfg, self.lanes, self.device, self.dtype = cfg, lanes, device, dtype
+        self.pool: PinnedPool | None = None  # sized per batch in start()
+        self.ledger, self.spill_dir = ledger, spill_dir
+        self.attention_on_cpu, self.overlap = attention_on_cpu, overlap
+        self.elt = torch.empty((), dtype=dtype).element_size()
+        self.blocks: list[list[KVBlock]] = []
+        self.spill: SpillFile | None = None
+        self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="offload-kv")
+        self._owned: list[PoolBlock] = []
+        self._gpu_bytes = 0
+        self._scratch: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._scratch_free: list[torch.cuda.Event | None] = [None, None]
+        self._staging: list[PoolBlock] = []
+        self._pending: dict[int, tuple] = {}
+
+    # -- allocation ---------------------------------------------------------------------
+    def start(
+        self, row_splits: list[tuple[int, int, int]], max_slots: int, act_bytes: list[int]
+    ) -> list[PoolBlock | None]:
+        """Fresh homes for micro-batches with the given (gpu, cpu, disk) row counts.
+
+        Also hands out the pinned blocks for CPU-resident activations (act_bytes per
+        micro-batch), from the same per-batch pool."""
+        self.release()
+        cfg = self.cfg
+        self.max_slots = max_slots
+        per_row = cfg.num_kv_heads * max_slots * cfg.head_dim * self.elt
+        disk_regions = [align_up(d * per_row) for _, _, d in row_splits]
+        need = sum(2 * align_up(c * per_row) for _, c, _ in row_splits if c) * cfg.num_layers
+        need += 2 * 2 * max(disk_regions, default=0) + sum(align_up(b) for b in act_bytes)
+        if self.pool is None or self.pool.capacity < need:
+            if self.pool is not None:
+                self.pool.close()
+            self.pool = PinnedPool(max(need, 4096))
+        spill_bytes = 2 * cfg.num_layers * sum(disk_regions)
+        if spill_bytes:
+            self.spill = SpillFile(self.spill_dir, spill_bytes)
+            self.ledger.add(Tier.DISK, spill_bytes)
+        offset = 0
+        for _layer in range(cfg.num_layers):
+            row = []
+            for (g, c, d), region in zip(row_splits, disk_regions, strict=True):
+                blk = KVBlock((g, c, d))
+                shape = lambda n: (n, cfg.num_kv_heads, max_slots, cfg.head_dim)  # noqa: E731
+                if g:
+                    blk.gpu_k = torch.empty(shape(g), dtype=self.dtype, device=self.device)
+                    blk.gpu_v = torch.empty(shape(g), dtype=self.dtype, device=self.device)
+                    self._gpu_bytes += 2 * g * per_row
+                if c:
+                    blk.cpu_blocks = [self.pool.alloc(c * per_row) for _ in range(2)]
+                    blk.cpu_k = blk.cpu_blocks[0].view(self.dtype, shape(c))
+                    blk.cpu_v = blk.cpu_blocks[1].view(self.dtype, shape(c))
+                    self._owned += blk.cpu_blocks
+                if d:
+                    blk.disk_offset, blk.disk_region = offset, region
+                    offset += 2 * region
+                row.append(blk)
+            self.blocks.append(row)
+        # decode scratch for rows whose cache is off the GPU, two deep (prefetch)
+        off_rows = max((c + d for _, c, d in row_splits), default=0)
+        if off_rows and not self.attention_on_cpu:
+            for _ in range(2):
+                k = torch.empty(
+                    (off_rows, cfg.num_kv_heads, max_slots, cfg.head_dim),
+                    dtype=self.dtype,
+                    device=self.device,
+                )
+                self._scratch.append((k, torch.empty_like(k)))
+            self._gpu_bytes += 4 * off_rows * per_row
+        max_disk = max(disk_regions, default=0)
+        if max_disk:
+            self._staging = [self.pool.alloc(2 * max_disk) for _ in range(2)]
+        acts = [self.pool.alloc(b) if b else None for b in act_bytes]
+        self._owned += [b for b in acts if b is not None]
+        self.ledger.add(Tier.GPU, self._gpu_bytes)
+        self.ledger.add(Tier.CPU, sum(b.reserved for b in self._owned + self._staging))
+        return acts
+
+    def release(self) -> None:
+        for block in self._owned + self._staging:
+            block.free()
+        cpu = sum(b.reserved for b in self._owned + self._staging)
+        if cpu:
+            self.ledger.release(Tier.CPU, cpu)
+        if self._gpu_bytes:
+            self.ledger.release(Tier.GPU, self._gpu_bytes)
+        if self.spill is not None:
+            self.ledger.release(Tier.DISK, self.spill.capacity)
+            self.spill.close()
+        self.blocks, self._owned, self._staging, self._scratch = [], [], [], []
+        self._gpu_bytes, self.spill, self._pending = 0, None, {}
+
+    def close(self) -> None:
+        self.release()
+        self._io.shutdown(wait=True)
+        if self.pool is not None:
+            self.pool.close()
+
+    # -- disk rows -------------------------------------------------------------------
+    def _disk_views(self, blk: KVBlock, staging: PoolBlock) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-major K and V views [slots, rows, heads, dim] of a staging block."""
+        cfg, d = self.cfg, blk.rows[2]
+        shape = (self.max_slots, d, cfg.num_kv_heads, cfg.head_dim)
+        count = self.max_slots * d * cfg.num_kv_heads * cfg.head_dim
+        base = staging.tensor
+        k = base[: count * self.elt].view(self.dtype).view(shape)
+        v = base[blk.disk_region : blk.disk_region + count * self.elt].view(self.dtype).view(shape)
+        return k, v
+
+    def _read_disk(self, blk: KVBlock, staging: PoolBlock, num_tokens: int) -> None:
+        """Read the first num_tokens token slots of K and V into staging."""
+        assert self.spill is not None
+        tok = blk.rows[2] * self.cfg.num_kv_heads * self.cfg.head_dim * self.elt
+        nbytes = align_up(num_tokens * tok)
+        started = time.perf_counter()
+        for part in (0, 1):
+            off = part * blk.disk_region
+            self.spill.read(blk.disk_offset + off, staging.tensor[off : off + nbytes])
+        self.lanes.tracer.host_span("disk", "kv read", started, time.perf_counter(), 2 * nbytes)
+
+    def _write_disk(self, blk: KVBlock, staging: PoolBlock, start: int, end: int) -> None:
+        """Write back the whole pages that hold token slots [start, end)."""
+        assert self.spill is not None
+        tok = blk.rows[2] * self.cfg.num_kv_heads * self.cfg.head_dim * self.elt
+        lo = start * tok // 4096 * 4096
+        hi = align_up(end * tok)
+        started = time.perf_counter()
+        for part in (0, 1):
+            off = part * blk.disk_region
+            self.spill.write(blk.disk_offset + off + lo, staging.tensor[off + lo : off + hi])
+        self.lanes.tracer.host_span("disk", "kv write", started, time.perf_counter(), 2 * (hi - lo))
+
+    # -- decode prefetch (attention on the GPU over an off-GPU cache) ----------------------
+    def prefetch(self, layer: int, mb: int, num_tokens: int) -> None:
+        """Start loading the off-GPU cache of (layer, mb) for its decode attention."""
+        if self.attention_on_cpu or mb in self._pending or num_tokens == 0:
+            return
+        blk = self.blocks[layer][mb]
+        _, c, d = blk.rows
+        if not c + d:
+            return
+        which = mb % 2
+        disk_future: Future | None = None
+        if d:
+            staging = self._staging[which]
+            disk_future = self._io.submit(self._read_disk, blk, staging, num_tokens)
+        self._pending[mb] = (layer, num_tokens, disk_future)
+
+    def _load_scratch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        layer, num_tokens, disk_future = self._pending.pop(mb)
+        blk = self.blocks[layer][mb]
+        _, c, d = blk.rows
+        which = mb % 2
+        sk, sv = self._scratch[which]
+        self.lanes.wait("h2d", self._scratch_free[which])
+        self.lanes.wait("h2d", blk.stored)
+        if disk_future is not None:
+            disk_future.result()
+        nbytes = 2 * (c + d) * self.cfg.num_kv_heads * num_tokens * self.cfg.head_dim * self.elt
+        with self.lanes.on("h2d", f"kv L{layer} mb{mb}", nbytes):
+            if c:
+                assert blk.cpu_k is not None and blk.cpu_v is not None
+                sk[:c, :, :num_tokens].copy_(blk.cpu_k[:, :, :num_tokens], non_blocking=True)
+                sv[:c, :, :num_tokens].copy_(blk.cpu_v[:, :, :num_tokens], non_blocking=True)
+            if d:
+                dk, dv = self._disk_views(blk, self._staging[which])
+                sk[c : c + d, :, :num_tokens].copy_(
+                    dk[:num_tokens].permute(1, 2, 0, 3), non_blocking=True
+                )
+                sv[c : c + d, :, :num_tokens].copy_(
+                    dv[:num_tokens].permute(1, 2, 0, 3), non_blocking=True
+                )
+        self.lanes.wait("compute", self.lanes.record("h2d"))
+        return sk, sv
+
+    # -- attention ----------------------------------------------------------------------
+    def attention(
+        self,
+        layer: int,
+        mb: int,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        bias: torch.Tensor,
+        start: int,
+    ) -> torch.Tensor:
+        """Attention of micro-batch `mb` at `layer`; stores the new K/V in their homes."""
+        blk = self.blocks[layer][mb]
+        g, c, d = blk.rows
+        end = start + q.shape[2]
+        outs = []
+        if g:
+            assert blk.gpu_k is not None and blk.gpu_v is not None
+            blk.gpu_k[:, :, start:end] = k_new[:g]
+            blk.gpu_v[:, :, start:end] = v_new[:g]
+            outs.append(
+                decoder.attend(q[:g], blk.gpu_k[:, :, :end], blk.gpu_v[:, :, :end], bias[:g])
+            )
+        if c + d:
+            off = slice(g, g + c + d)
+            if start == 0:
+                outs.append(decoder.attend(q[off], k_new[off], v_new[off], bias[off]))
+                self._store(blk, mb, k_new[off], v_new[off], start, end)
+            elif self.attention_on_cpu:
+                outs.append(
+                    self._cpu_attention(
+                        blk, mb, q[off], k_new[off], v_new[off], bias[off], start, end
+                    )
+                )
+            else:
+                if mb not in self._pending:
+                    self.prefetch(layer, mb, start)
+                sk, sv = self._load_scratch(mb)
+                n = c + d
+                sk[:n, :, start:end] = k_new[off]
+                sv[:n, :, start:end] = v_new[off]
+                outs.append(decoder.attend(q[off], sk[:n, :, :end], sv[:n, :, :end], bias[off]))
+                self._scratch_free[mb % 2] = self.lanes.record("compute")
+                self._store(blk, mb, k_new[off], v_new[off], start, end)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    def _store(
+        self, blk: KVBlock, mb: int, k: torch.Tensor, v: torch.Tensor, start: int, end: int
+    ) -> None:
+        """Copy new entries of off-GPU rows [c rows | d rows] to their homes."""
+        _, c, d = blk.rows
+        self.lanes.wait("d2h", self.lanes.record("compute"))
+        nbytes = 2 * k.numel() * self.elt
+        with self.lanes.on("d2h", f"kv store mb{mb}", nbytes):
+            if c:
+                assert blk.cpu_k is not None and blk.cpu_v is not None
+                blk.cpu_k[:, :, start:end].copy_(k[:c], non_blocking=True)
+                blk.cpu_v[:, :, start:end].copy_(v[:c], non_blocking=True)
+            if d:
+                staging = self._staging[mb % 2]
+                dk, dv = self._disk_views(blk, staging)
+                dk[start:end].copy_(k[c:].permute(2, 0, 1, 3), non_blocking=True)
+                dv[start:end].copy_(v[c:].permute(2, 0, 1, 3), non_blocking=True)
+        blk.stored = self.lanes.record("d2h")
+        if d:
+            # the disk write needs the bytes on the host: wait for this one copy only
+            self.lanes.host_wait(blk.stored)
+            self._write_disk(blk, self._staging[mb % 2], start, end)
+
+    def _cpu_attention(
+        self, blk: KVBlock, mb: int, q, k_new, v_new, bias, start: int, end: int
+    ) -> torch.Tensor:
+        _, c, d = blk.rows
+        cpu = torch.device("cpu")
+        ready = self.lanes.record("compute")
+        self.lanes.wait("d2h", ready)
+        with self.lanes.on("d2h", f"q/kv to cpu mb{mb}", 3 * q.numel() * self.elt):
+            q_h, k_h, v_h, bias_h = (t.to(cpu, non_blocking=True) for t in (q, k_new, v_new, bias))
+        self.lanes.host_wait(self.lanes.record("d2h"))
+        started = time.perf_counter()
+        outs = []
+        if c:
+            assert blk.cpu_k is not None and blk.cpu_v is not None
+            blk.cpu_k[:, :, start:end] = k_h[:c]
+            blk.cpu_v[:, :, start:end] = v_h[:c]
+            outs.append(
+                decoder.attend(q_h[:c], blk.cpu_k[:, :, :end], blk.cpu_v[:, :, :end], bias_h[:c])
+            )
+        if d:
+            staging = self._staging[mb % 2]
+            self._read_disk(blk, staging, start)
+            dk, dv = self._disk_views(blk, staging)
+            dk[start:end] = k_h[c:].permute(2, 0, 1, 3)
+            dv[start:end] = v_h[c:].permute(2, 0, 1, 3)
+            keys = dk[:end].permute(1, 2, 0, 3)
+            values = dv[:end].permute(1, 2, 0, 3)
+            outs.append(decoder.attend(q_h[c:], keys, values, bias_h[c:]))
+            self._write_disk(blk, staging, start, end)
+        context = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        self.lanes.tracer.host_span("cpu_attn", f"attn mb{mb}", started, time.perf_counter(), 0)
+        with self.lanes.on("h2d", f"attn out mb{mb}", context.numel() * self.elt):
+            out = context.to(self.device, non_blocking=True)
+        self.lanes.wait("compute", self.lanes.record("h2d"))
+        return out

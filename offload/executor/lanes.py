@@ -1,0 +1,163 @@
+"""Lanes of work that overlap: compute, host -> GPU, GPU -> host, disk, CPU attention.
+
+On CUDA each copy lane is its own stream and ordering between lanes is by events; on
+a machine without CUDA every lane runs inline on the CPU (the same code, in order),
+which is what the CPU tests exercise. The tracer records every operation per lane
+for the Chrome/Perfetto trace and the per-lane busy times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+LANES = ("compute", "h2d", "d2h", "disk", "cpu_attn")
+
+
+@dataclass
+class _Span:
+    lane: str
+    name: str
+    start: float | torch.cuda.Event
+    end: float | torch.cuda.Event
+    nbytes: int = 0
+
+
+@dataclass
+class Tracer:
+    """Collects spans; device spans hold CUDA events resolved when the step ends."""
+
+    enabled: bool = False
+    spans: list[_Span] = field(default_factory=list)
+    _base_event: torch.cuda.Event | None = None
+    _base_time: float = 0.0
+
+    def begin(self, cuda: bool) -> None:
+        self._base_time = time.perf_counter()
+        if cuda and self.enabled:
+            self._base_event = torch.cuda.Event(enable_timing=True)
+            self._base_event.record()
+
+    def host_span(self, lane: str, name: str, start: float, end: float, nbytes: int = 0) -> None:
+        if self.enabled:
+            self.spans.append(_Span(lane, name, start, end, nbytes))
+
+    def resolved(self) -> list[tuple[str, str, float, float, int]]:
+        """(lane, name, start s, end s, bytes) relative to begin(); syncs the device once."""
+        out = []
+        if any(isinstance(s.start, torch.cuda.Event) for s in self.spans):
+            torch.cuda.synchronize()
+        for s in self.spans:
+            if isinstance(s.start, torch.cuda.Event):
+                assert self._base_event is not None
+                start = self._base_event.elapsed_time(s.start) / 1e3
+                end = self._base_event.elapsed_time(s.end) / 1e3
+            else:
+                start, end = s.start - self._base_time, s.end - self._base_time
+            out.append((s.lane, s.name, start, end, s.nbytes))
+        return out
+
+    def write_chrome(self, path: Path) -> None:
+        lanes = {lane: i for i, lane in enumerate(LANES)}
+        events = [
+            {
+                "name": name,
+                "ph": "X",
+                "pid": 0,
+                "tid": lanes[lane],
+                "ts": start * 1e6,
+                "dur": max(end - start, 0) * 1e6,
+                "args": {"bytes": nbytes},
+            }
+            for lane, name, start, end, nbytes in self.resolved()
+        ]
+        events += [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}}
+            for lane, i in lanes.items()
+        ]
+        path.write_text(json.dumps({"traceEvents": events}))
+
+
+def busy_seconds(spans: list[tuple[str, str, float, float, int]]) -> dict[str, dict[str, float]]:
+    """Per lane: busy time (union of its spans) and bytes moved."""
+    out = {}
+    for lane in LANES:
+        intervals = sorted((s, e) for ln, _, s, e, _ in spans if ln == lane)
+        busy, cur_s, cur_e = 0.0, None, None
+        for s, e in intervals:
+            if cur_e is None or s > cur_e:
+                if cur_e is not None:
+                    busy += cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        if cur_e is not None:
+            busy += cur_e - cur_s
+        nbytes = sum(b for ln, _, _, _, b in spans if ln == lane)
+        out[lane] = {"busy_s": busy, "bytes": nbytes}
+    return out
+
+
+class Lanes:
+    """Streams for the copy lanes on CUDA; inline execution elsewhere."""
+
+    def __init__(self, device: torch.device, tracer: Tracer) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.tracer = tracer
+        self.h2d = torch.cuda.Stream(device) if self.cuda else None
+        self.d2h = torch.cuda.Stream(device) if self.cuda else None
+
+    def stream(self, lane: str):
+        if not self.cuda:
+            return None
+        return {
+            "h2d": self.h2d,
+            "d2h": self.d2h,
+            "compute": torch.cuda.current_stream(self.device),
+        }[lane]
+
+    @contextlib.contextmanager
+    def on(self, lane: str, name: str = "", nbytes: int = 0) -> Iterator[None]:
+        """Run the enclosed work on `lane`'s stream (traced when tracing is on)."""
+        stream = self.stream(lane)
+        if stream is None:
+            start = time.perf_counter()
+            yield
+            self.tracer.host_span(lane, name, start, time.perf_counter(), nbytes)
+            return
+        with torch.cuda.stream(stream):
+            start_ev = end_ev = None
+            if self.tracer.enabled:
+                start_ev = torch.cuda.Event(enable_timing=True)
+                start_ev.record(stream)
+            yield
+            if start_ev is not None:
+                end_ev = torch.cuda.Event(enable_timing=True)
+                end_ev.record(stream)
+                self.tracer.spans.append(_Span(lane, name, start_ev, end_ev, nbytes))
+
+    def record(self, lane: str) -> torch.cuda.Event | None:
+        stream = self.stream(lane)
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, lane: str, event: torch.cuda.Event | None) -> None:
+        """Make `lane` wait for event (GPU-side; the host does not block)."""
+        stream = self.stream(lane)
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+    def host_wait(self, event: torch.cuda.Event | None) -> None:
+        """Block the host until one event completes (never a device-wide sync)."""
+        if event is not None:
+            event.synchronize()

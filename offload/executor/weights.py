@@ -1,0 +1,283 @@
+"""Weight homes and the weight fetcher.
+
+Each stage (the embedding, every layer, the head) is one byte image of its tensors,
+each 4 KiB aligned, in the weight store's layout. A policy's weight fractions cut that
+image at two 4 KiB boundaries: bytes [0, gpu_end) live on the GPU, [gpu_end, cpu_end)
+in the pinned pool, [cpu_end, size) in the store file on disk. The cut falls inside
+tensors, so "20% on the GPU" means 20% of every layer's bytes (FlexGen rounds whole
+tensors to one tier). Before a stage computes, its image is assembled in one of two
+GPU ring slots (GPU part by a device copy, CPU part by host -> GPU, disk part by
+disk -> pinned staging -> GPU) while the previous stage computes; a stage held
+entirely on the GPU is used in place.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+
+from offload.errors import UserError
+from offload.executor.lanes import Lanes
+from offload.io.pinned import PinnedPool, PoolBlock, align_up
+from offload.io.reader import ExtentReader
+from offload.io.store import Extent, WeightStore, stage_keys
+from offload.io.tiers import MemoryLedger, Tier
+from offload.models.decoder import Weights, stage_shapes
+from offload.models.weights import WeightSource
+from offload.policies.policy import Placement
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    name: str
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class StageImage:
+    key: str
+    layout: list[TensorSlot]
+    size: int
+    gpu_end: int
+    cpu_end: int
+    gpu_home: torch.Tensor | None = None  # uint8 [gpu_end] on the compute device
+    cpu_home: PoolBlock | None = None  # [cpu_end - gpu_end] pinned
+    disk_extents: tuple[Extent, ...] = ()  # cover [cpu_end, size), offsets relative to cpu_end
+
+    @property
+    def resident(self) -> bool:
+        return self.gpu_end == self.size
+
+    def views(self, image: torch.Tensor) -> Weights:
+        return {
+            t.name: image[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape)
+            for t in self.layout
+        }
+
+
+def _layout(key: str, cfg, dtype: torch.dtype, store: WeightStore | None) -> list[TensorSlot]:
+    if store is not None:
+        base = None
+        slots = []
+        for e in store.extents(key):
+            base = e.offset if base is None else base
+            slots.append(TensorSlot(e.name, e.offset - base, e.nbytes, e.shape, e.dtype))
+        return slots
+    size = torch.empty((), dtype=dtype).element_size()
+    slots, offset = [], 0
+    stage = key.partition(".")[0]
+    for name, shape in stage_shapes(cfg, stage).items():
+        nbytes = size
+        for dim in shape:
+            nbytes *= dim
+        slots.append(TensorSlot(name, offset, nbytes, shape, dtype))
+        offset += align_up(nbytes)
+    return slots
+
+
+def _disk_extents(image: StageImage, store: WeightStore, host: torch.Tensor) -> tuple[Extent, ...]:
+    """Extents over [cpu_end, size): whole tensors keep the store's checksum; the piece
+    of the tensor the cut falls in gets a checksum computed now from the verified bytes."""
+    path: Path = store.directory / store.manifest["stages"][image.key]["file"]
+    out = []
+    for t in image.layout:
+        start, end = max(t.offset, image.cpu_end), t.offset + t.nbytes
+        if start >= end:
+            continue
+        whole = start == t.offset
+        xxh = (
+            next(e.xxh3 for e in store.extents(image.key) if e.name == t.name)
+            if whole
+            else xxhash.xxh3_64_hexdigest(memoryview(host[start:end].numpy()))
+        )
+        out.append(
+            Extent(image.key, t.name, path, start, end - start, (end - start,), torch.uint8, xxh)
+        )
+    return tuple(out)
+
+
+def stage_cut(size: int, placement: Placement) -> tuple[int, int]:
+    """(gpu_end, cpu_end): the 4 KiB-aligned byte offsets where a stage image is cut."""
+    gpu_end = min(size, align_up(int(placement.gpu * size)))
+    if placement.disk == 0:
+        return gpu_end, size
+    return gpu_end, min(size, max(gpu_end, align_up(int((placement.gpu + placement.cpu) * size))))
+
+
+def stage_image_bytes(cfg, dtype: torch.dtype) -> list[int]:
+    """Image size of every stage (embedding, layers, head), in stage order."""
+    return [
+        align_up(s.offset + s.nbytes)
+        for s in (_layout(k, cfg, dtype, None)[-1] for k in stage_keys(cfg))
+    ]
+
+
+class WeightHomes:
+    """Places every stage's image across the tiers, reading each stage once at set-up."""
+
+    def __init__(
+        self,
+        source: WeightSource,
+        placement: Placement,
+        dtype: torch.dtype,
+        device: torch.device,
+        pool: PinnedPool,
+        ledger: MemoryLedger,
+        store: WeightStore | None,
+    ) -> None:
+        cfg = source.config
+        if placement.disk > 0 and store is None:
+            raise UserError("the policy puts weights on disk; give --nvme DIR for the weight store")
+        self.images: list[StageImage] = []
+        for key in stage_keys(cfg):
+            layout = _layout(key, cfg, dtype, store)
+            size = align_up(layout[-1].offset + layout[-1].nbytes)
+            gpu_end, cpu_end = stage_cut(size, placement)
+            image = StageImage(key, layout, size, gpu_end, cpu_end)
+            host = self._host_image(source, image, dtype)
+            if gpu_end:
+                image.gpu_home = host[:gpu_end].to(device, copy=True)
+                ledger.add(Tier.GPU, gpu_end)
+            if cpu_end > gpu_end:
+                image.cpu_home = pool.alloc(cpu_end - gpu_end)
+                image.cpu_home.tensor.copy_(host[gpu_end:cpu_end])
+                ledger.add(Tier.CPU, image.cpu_home.reserved)
+            if size > cpu_end:
+                assert store is not None
+                image.disk_extents = _disk_extents(image, store, host)
+                ledger.add(Tier.DISK, size - cpu_end)
+            self.images.append(image)
+            del host
+
+    @staticmethod
+    def _host_image(source: WeightSource, image: StageImage, dtype: torch.dtype) -> torch.Tensor:
+        stage, _, index = image.key.partition(".")
+        weights = source.stage(stage, int(index or 0), dtype, torch.device("cpu"))
+        host = torch.zeros(image.size, dtype=torch.uint8)
+        for t in image.layout:
+            host[t.offset : t.offset + t.nbytes] = (
+                weights[t.name].contiguous().view(-1).view(torch.uint8)
+            )
+        return host
+
+    @property
+    def slot_bytes(self) -> int:
+        """Ring slot size: the largest stage not held entirely on the GPU (0 if none)."""
+        return max((i.size for i in self.images if not i.resident), default=0)
+
+    @property
+    def staging_bytes(self) -> int:
+        return max((i.size - i.cpu_end for i in self.images), default=0)
+
+
+class WeightFetcher:
+    """Assembles stage images in two GPU ring slots, one stage ahead of compute.
+
+    fetch(i) issues the copies of stage i into its slot (after the compute that last
+    used that slot) and the disk reads of stage i + 1 into pinned staging; get(i)
+    makes compute wait for stage i; done(i) marks stage i's compute as issued.
+    """
+
+    def __init__(
+        self,
+        homes: WeightHomes,
+        lanes: Lanes,
+        device: torch.device,
+        pool: PinnedPool,
+        reader: ExtentReader,
+        ledger: MemoryLedger,
+    ) -> None:
+        self.homes, self.lanes, self.reader = homes, lanes, reader
+        self.slots = (
+            [torch.empty(homes.slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+            if homes.slot_bytes
+            else []
+        )
+        ledger.add(Tier.GPU, 2 * homes.slot_bytes)
+        self.staging = (
+            [pool.alloc(homes.staging_bytes) for _ in range(2)] if homes.staging_bytes else []
+        )
+        self._slot_free: list[torch.cuda.Event | None] = [None, None]
+        self._staging_free: list[torch.cuda.Event | None] = [None, None]
+        self._loaded: dict[int, torch.cuda.Event | None] = {}
+        self._disk: dict[int, list] = {}
+
+    def close(self) -> None:
+        for block in self.staging:
+            block.free()
+        self.staging = []
+
+    def _start_disk(self, index: int) -> None:
+        if index >= len(self.homes.images) or index in self._disk:
+            return
+        image = self.homes.images[index]
+        if not image.disk_extents:
+            self._disk[index] = []
+            return
+        which = index % 2
+        self.lanes.host_wait(self._staging_free[which])  # its previous H2D has finished
+        block = self.staging[which]
+        futures, offset = [], 0
+        for extent in image.disk_extents:
+            rel = extent.offset - image.cpu_end
+            futures.append(self.reader.submit(extent, block, block_offset=rel))
+            offset += extent.padded
+        self._disk[index] = futures
+
+    def fetch(self, index: int) -> None:
+        """Issue stage `index`'s assembly (and the next stage's disk reads)."""
+        if index >= len(self.homes.images) or index in self._loaded:
+            return
+        self._start_disk(index)
+        image = self.homes.images[index]
+        if image.resident:
+            self._loaded[index] = None
+            self._start_disk(index + 1)
+            return
+        which = index % 2
+        slot = self.slots[which]
+        self.lanes.wait("h2d", self._slot_free[which])
+        moved = image.size - image.gpu_end
+        with self.lanes.on("h2d", f"weights {image.key}", moved):
+            if image.gpu_end:
+                slot[: image.gpu_end].copy_(image.gpu_home, non_blocking=True)
+            if image.cpu_home is not None:
+                slot[image.gpu_end : image.cpu_end].copy_(image.cpu_home.tensor, non_blocking=True)
+            if image.disk_extents:
+                import time
+
+                started = time.perf_counter()
+                for future in self._disk.pop(index):
+                    future.result()
+                self.lanes.tracer.host_span(
+                    "disk", f"wait {image.key}", started, time.perf_counter()
+                )
+                staged = self.staging[which].tensor[: image.size - image.cpu_end]
+                slot[image.cpu_end : image.size].copy_(staged, non_blocking=True)
+        self._loaded[index] = self.lanes.record("h2d")
+        if image.disk_extents:
+            self._staging_free[which] = self._loaded[index]
+        self._start_disk(index + 1)
+
+    def get(self, index: int) -> Weights:
+        """Stage weights for compute; compute waits (on the GPU) for their copies."""
+        self.fetch(index)
+        image = self.homes.images[index]
+        self.lanes.wait("compute", self._loaded.pop(index))
+        if image.resident:
+            return image.views(image.gpu_home)
+        return image.views(self.slots[index % 2])
+
+    def done(self, index: int) -> None:
+        """Compute of stage `index` is issued: its slot may be refilled after it."""
+        if not self.homes.images[index].resident:
+            self._slot_free[index % 2] = self.lanes.record("compute")

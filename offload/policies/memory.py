@@ -1,0 +1,130 @@
+"""Bytes each tier needs for a policy: the executor's own allocations, counted ahead.
+
+The numbers come from the same layout and cut functions the executor allocates with,
+so a run's ledger matches the plan; `transient` estimates the per-micro-batch working
+tensors (attention bias, MLP intermediate, logits) that the CUDA allocator holds at peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from offload.config import ModelConfig
+from offload.executor.weights import stage_cut, stage_image_bytes
+from offload.io.pinned import align_up
+from offload.policies.policy import Policy
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    gpu_bytes: int
+    cpu_bytes: int  # pinned pools: weights, staging, KV, activations
+    disk_bytes: int
+    detail: dict[str, int] = field(default_factory=dict)
+
+
+def row_splits(placement, sizes: list[int]) -> list[tuple[int, int, int]]:
+    """Per micro-batch (gpu, cpu, disk) rows whose totals match the placement exactly."""
+    total = sum(sizes)
+    total_gpu, total_cpu, _ = placement.split(total)
+    out, done_rows, done_gpu, done_cpu = [], 0, 0, 0
+    for size in sizes:
+        done_rows += size
+        gpu = min(size, round(total_gpu * done_rows / total) - done_gpu)
+        cpu = min(size - gpu, round(total_cpu * done_rows / total) - done_cpu)
+        out.append((gpu, cpu, size - gpu - cpu))
+        done_gpu += gpu
+        done_cpu += cpu
+    return out
+
+
+def micro_batch_sizes(policy: Policy, batch: int) -> list[int]:
+    size = policy.gpu_batch_size
+    return [min(size, batch - s) for s in range(0, batch, size)]
+
+
+def weight_plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> dict[str, int]:
+    gpu = cpu = disk = slot = staging = 0
+    for size in stage_image_bytes(cfg, dtype):
+        gpu_end, cpu_end = stage_cut(size, policy.weights)
+        gpu += gpu_end
+        if cpu_end > gpu_end:
+            cpu += cpu_end - gpu_end
+        disk += size - cpu_end
+        if gpu_end < size:
+            slot = max(slot, size)
+        staging = max(staging, size - cpu_end)
+    return {
+        "weights_gpu": gpu,
+        "weights_cpu": cpu,
+        "weights_disk": disk,
+        "weight_slots_gpu": 2 * slot,
+        "weight_staging_cpu": 2 * staging,
+    }
+
+
+def kv_plan(
+    cfg: ModelConfig, policy: Policy, dtype: torch.dtype, batch: int, max_slots: int
+) -> dict[str, int]:
+    elt = torch.empty((), dtype=dtype).element_size()
+    per_row = cfg.num_kv_heads * max_slots * cfg.head_dim * elt
+    splits = row_splits(policy.kv_cache, micro_batch_sizes(policy, batch))
+    layers = cfg.num_layers
+    gpu = sum(2 * g * per_row for g, _, _ in splits) * layers
+    cpu = sum(2 * align_up(c * per_row) for _, c, _ in splits if c) * layers
+    regions = [align_up(d * per_row) for _, _, d in splits]
+    disk = 2 * layers * sum(regions)
+    off_rows = max((c + d for _, c, d in splits), default=0)
+    scratch = 4 * off_rows * per_row if off_rows and not policy.attention_on_cpu else 0
+    staging = 2 * 2 * max(regions, default=0)
+    return {
+        "kv_gpu": gpu,
+        "kv_cpu": cpu,
+        "kv_disk": disk,
+        "kv_scratch_gpu": scratch,
+        "kv_staging_cpu": staging,
+    }
+
+
+def activation_plan(
+    cfg: ModelConfig,
+    policy: Policy,
+    dtype: torch.dtype,
+    batch: int,
+    prompt_len: int,
+    max_slots: int,
+) -> dict[str, int]:
+    elt = torch.empty((), dtype=dtype).element_size()
+    row_bytes = prompt_len * cfg.hidden_size * elt
+    sizes = micro_batch_sizes(policy, batch)
+    gpu_rows = cpu_bytes = 0
+    for size in sizes:
+        g, c, _ = policy.activations.split(size)
+        gpu_rows += g
+        cpu_bytes += align_up(c * row_bytes) if c else 0
+    mb = max(sizes)
+    heads = cfg.num_heads if cfg.family == "bloom" else 1
+    mlp = (3 if cfg.gated_mlp else 2) * cfg.intermediate_size
+    transient = mb * prompt_len * (mlp + 6 * cfg.hidden_size) * elt
+    transient += mb * heads * prompt_len * max_slots * elt  # attention bias
+    transient += mb * cfg.vocab_size * 4 * 2  # last-position logits (fp32) and their cat
+    return {"act_gpu": gpu_rows * row_bytes * 2, "act_cpu": cpu_bytes, "transient_gpu": transient}
+
+
+def plan_memory(
+    cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int, max_new_tokens: int
+) -> MemoryPlan:
+    """Peak bytes per tier for one block at this prompt and generation length."""
+    batch = policy.block_size
+    max_slots = prompt_len + max_new_tokens
+    detail = {
+        **weight_plan(cfg, policy, dtype),
+        **kv_plan(cfg, policy, dtype, batch, max_slots),
+        **activation_plan(cfg, policy, dtype, batch, prompt_len, max_slots),
+    }
+    gpu = sum(v for k, v in detail.items() if k.endswith("_gpu"))
+    cpu = sum(v for k, v in detail.items() if k.endswith("_cpu"))
+    disk = sum(v for k, v in detail.items() if k.endswith("_disk"))
+    return MemoryPlan(gpu, cpu, disk, detail)

@@ -1,0 +1,165 @@
+"""The offloading executor: every policy gives the plain single-device run's tokens.
+
+On a machine without CUDA the compute device's memory stands in for the GPU tier, the
+pinned pool is plain host memory and a temporary directory is the disk.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from offload.engine import LLM
+from offload.errors import UserError
+from offload.executor.caps import MemoryCaps
+from offload.policies.policy import Placement, Policy
+from offload.sampling import SamplingParams
+
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11],
+    [20, 21, 22],
+    [30, 31, 32, 33, 34],
+    [7, 8],
+    [100, 101, 102, 103],
+    [1, 2, 3],
+    [9] * 9,
+]
+PARAMS = SamplingParams(max_new_tokens=8)
+W3 = Placement(0.3, 0.4, 0.3)
+
+POLICIES = {
+    "all-on-device": Policy(gpu_batch_size=2, num_gpu_batches=4),
+    "weights-3-ways": Policy(gpu_batch_size=2, num_gpu_batches=4, weights=W3),
+    "kv-cpu-cpu-attention": Policy(
+        gpu_batch_size=2, num_gpu_batches=4, kv_cache=Placement(0, 1, 0), attention_on_cpu=True
+    ),
+    "kv-cpu-device-attention": Policy(
+        gpu_batch_size=2, num_gpu_batches=4, kv_cache=Placement(0, 1, 0)
+    ),
+    "kv-partly-disk": Policy(
+        gpu_batch_size=2, num_gpu_batches=4, kv_cache=Placement(0.25, 0.25, 0.5)
+    ),
+    "kv-partly-disk-cpu-attention": Policy(
+        gpu_batch_size=2,
+        num_gpu_batches=4,
+        kv_cache=Placement(0.25, 0.25, 0.5),
+        attention_on_cpu=True,
+    ),
+    "activations-cpu": Policy(
+        gpu_batch_size=2, num_gpu_batches=4, activations=Placement(0.5, 0.5, 0)
+    ),
+    "one-micro-batch": Policy(
+        gpu_batch_size=8, num_gpu_batches=1, weights=W3, kv_cache=Placement(0.5, 0.5, 0)
+    ),
+    "serial-everything-split": Policy(
+        gpu_batch_size=2,
+        num_gpu_batches=4,
+        weights=W3,
+        kv_cache=Placement(0.25, 0.25, 0.5),
+        activations=Placement(0.5, 0.5, 0),
+        overlap=False,
+    ),
+    "overlap-everything-split": Policy(
+        gpu_batch_size=2,
+        num_gpu_batches=4,
+        weights=W3,
+        kv_cache=Placement(0.25, 0.25, 0.5),
+        activations=Placement(0.5, 0.5, 0),
+    ),
+}
+FAMILIES = ["llama-gqa", "qwen2-bias", "mistral-window", "bloom", "opt", "opt-350m-like"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoints):
+    out = {}
+    for case in FAMILIES:
+        directory, _ = tiny_checkpoints[case]
+        llm = LLM(str(directory), device="cpu", dtype="float32", batch_size=8)
+        out[case] = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    return out
+
+
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+@pytest.mark.parametrize("case", FAMILIES)
+def test_policy_gives_the_plain_tokens(case, policy_name, tiny_checkpoints, reference, tmp_path):
+    directory, _ = tiny_checkpoints[case]
+    with LLM(
+        str(directory), device="cpu", dtype="float32", policy=POLICIES[policy_name], nvme=tmp_path
+    ) as llm:
+        got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    assert got == reference[case], f"{case} under {policy_name} differs from the plain run"
+    assert not list(tmp_path.glob("spill-*")), "spill file left behind"
+
+
+def test_five_reruns_are_identical(tiny_checkpoints, tmp_path):
+    directory, _ = tiny_checkpoints["llama-gqa"]
+    policy = POLICIES["overlap-everything-split"]
+    with LLM(str(directory), device="cpu", dtype="float32", policy=policy, nvme=tmp_path) as llm:
+        runs = [[o.token_ids for o in llm.generate(PROMPTS, PARAMS)] for _ in range(5)]
+    assert all(run == runs[0] for run in runs)
+
+
+def test_weight_split_is_exact_not_per_tensor(tiny_checkpoints, tmp_path):
+    directory, _ = tiny_checkpoints["opt"]
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=1, weights=Placement(0.2, 0.5, 0.3))
+    with LLM(str(directory), device="cpu", dtype="float32", policy=policy, nvme=tmp_path) as llm:
+        for image in llm.runner.homes.images[1:-1]:  # the layers
+            assert image.gpu_end / image.size == pytest.approx(0.2, abs=4096 / image.size)
+            assert (image.cpu_end - image.gpu_end) / image.size == pytest.approx(
+                0.5, abs=8192 / image.size
+            )
+
+
+def test_policy_json_round_trip_and_validation(tmp_path):
+    policy = POLICIES["overlap-everything-split"]
+    assert Policy.from_dict(json.loads(policy.to_json())) == policy
+    assert set(json.loads(policy.to_json())) == {
+        "gpu_batch_size",
+        "num_gpu_batches",
+        "weights",
+        "kv_cache",
+        "activations",
+        "attention_on_cpu",
+        "overlap",
+        "weight_compression",
+        "kv_compression",
+    }
+    with pytest.raises(ValueError, match="sum to 1.2"):
+        Placement(0.5, 0.5, 0.2)
+    with pytest.raises(ValueError, match="unknown policy field"):
+        Policy.from_dict({"gpu_batch": 3})
+    bad = tmp_path / "p.json"
+    bad.write_text('{"weights": {"gpu": 0.5, "cpu": 0.2, "disk": 0.0}}')
+    with pytest.raises(UserError, match="sum to 0.7"):
+        Policy.from_file(bad)
+
+
+def test_disk_policy_without_nvme_is_refused(tiny_checkpoints):
+    directory, _ = tiny_checkpoints["opt"]
+    with pytest.raises(UserError, match="--nvme"):
+        LLM(str(directory), device="cpu", policy=Policy(weights=W3))
+
+
+def test_policy_over_the_cap_is_refused_before_loading(tiny_checkpoints):
+    directory, _ = tiny_checkpoints["opt"]
+    with pytest.raises(UserError, match=r"GPU needs .* GB .* but 0.00 GB is available"):
+        LLM(str(directory), device="cpu", policy=Policy(), caps=MemoryCaps(gpu_bytes=1000))
+
+
+def test_block_over_the_cap_is_refused_before_generating(tiny_checkpoints):
+    directory, _ = tiny_checkpoints["opt"]
+    policy = Policy(gpu_batch_size=4, num_gpu_batches=2, kv_cache=Placement(0, 1, 0))
+    with LLM(
+        str(directory),
+        device="cpu",
+        dtype="float32",
+        policy=policy,
+        caps=MemoryCaps(cpu_bytes=10**12),
+    ) as llm:
+        need = llm.runner.ledger.snapshot()
+        assert need["cpu"]["used"] == 0  # no CPU weights
+        llm.caps = MemoryCaps(cpu_bytes=1)
+        with pytest.raises(UserError, match="CPU needs"):
+            llm.generate(PROMPTS, PARAMS)
