@@ -126,13 +126,13 @@ def test_policy_json_round_trip_and_validation(tmp_path):
         "weight_compression",
         "kv_compression",
     }
-    with pytest.raises(ValueError, match="sum to 1.2"):
+    with pytest.raises(ValueError, match=r"sum to 1\.2"):
         Placement(0.5, 0.5, 0.2)
     with pytest.raises(ValueError, match="unknown policy field"):
         Policy.from_dict({"gpu_batch": 3})
     bad = tmp_path / "p.json"
     bad.write_text('{"weights": {"gpu": 0.5, "cpu": 0.2, "disk": 0.0}}')
-    with pytest.raises(UserError, match="sum to 0.7"):
+    with pytest.raises(UserError, match=r"sum to 0\.7"):
         Policy.from_file(bad)
 
 
