@@ -53,3 +53,27 @@ def test_cuda_greedy_matches_cpu(tiny_checkpoints):
     cpu = LLM(str(directory), device="cpu", dtype="float32").generate(PROMPTS)
     gpu = LLM(str(directory), device="cuda", dtype="float32").generate(PROMPTS)
     assert [o.token_ids for o in cpu] == [o.token_ids for o in gpu]
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "weights-3-ways",
+        "kv-cpu-cpu-attention",
+        "kv-cpu-device-attention",
+        "kv-partly-disk",
+        "serial-everything-split",
+        "overlap-everything-split",
+    ],
+)
+def test_cuda_executor_policies_give_the_plain_tokens(policy, tiny_checkpoints, tmp_path):
+    from tests.test_executor import PARAMS, POLICIES
+    from tests.test_executor import PROMPTS as MANY
+
+    directory, _ = tiny_checkpoints["llama-gqa"]
+    plain = LLM(str(directory), device="cuda", dtype="float32", batch_size=8).generate(MANY, PARAMS)
+    with LLM(
+        str(directory), device="cuda", dtype="float32", policy=POLICIES[policy], nvme=tmp_path
+    ) as llm:
+        runs = [[o.token_ids for o in llm.generate(MANY, PARAMS)] for _ in range(3)]
+    assert all(run == [o.token_ids for o in plain] for run in runs)

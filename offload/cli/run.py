@@ -11,9 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-from offload.cli.common import run_cli, setup_logging
+from offload.cli.common import parse_size, run_cli, setup_logging
 from offload.engine import LLM
 from offload.errors import UserError
+from offload.executor.caps import MemoryCaps
+from offload.policies.policy import Policy
 from offload.prompts import PromptRequest, read_prompts
 from offload.sampling import SamplingParams
 
@@ -49,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dummy", action="store_true", help="random weights of the model's shape")
+    p.add_argument(
+        "--policy", type=Path, help="placement policy JSON (runs the offloading executor)"
+    )
+    p.add_argument("--gpu-mem", help="GPU memory cap, e.g. 24GB")
+    p.add_argument("--cpu-mem", help="CPU memory cap, e.g. 100GB")
+    p.add_argument("--nvme", type=Path, help="directory for the weight store and KV spill")
+    p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the last step here")
     p.add_argument("-q", "--quiet", action="store_true", help="print only errors and results")
     return p
 
@@ -104,6 +113,17 @@ def _run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
     output = _check_output(args.output)
+    policy = Policy.from_file(args.policy) if args.policy else None
+    caps = MemoryCaps(
+        gpu_bytes=parse_size(args.gpu_mem) if args.gpu_mem else None,
+        cpu_bytes=parse_size(args.cpu_mem) if args.cpu_mem else None,
+    )
+    if policy is None and (args.gpu_mem or args.cpu_mem or args.nvme):
+        raise UserError(
+            "--gpu-mem, --cpu-mem and --nvme need --policy FILE (the plan search is not built yet)"
+        )
+    if args.nvme is not None and args.nvme.exists() and not args.nvme.is_dir():
+        raise UserError(f"--nvme {args.nvme} is not a directory")
     if args.prompts is not None:
         requests = read_prompts(args.prompts)
     else:
@@ -116,6 +136,10 @@ def _run(args: argparse.Namespace) -> int:
         dummy=args.dummy,
         batch_size=args.batch_size,
         progress=not args.quiet,
+        policy=policy,
+        caps=caps,
+        nvme=args.nvme,
+        trace=args.trace is not None,
     )
     load_seconds = time.perf_counter() - started
     chat = args.chat_template == "on" or (
@@ -132,7 +156,15 @@ def _run(args: argparse.Namespace) -> int:
         str(llm.dtype).removeprefix("torch."),
         load_seconds,
     )
-    outs = llm.generate([r.prompt for r in requests], params, chat=chat)
+    if policy is not None:
+        log.info("policy %s", policy.to_json())
+    try:
+        outs = llm.generate([r.prompt for r in requests], params, chat=chat)
+    finally:
+        if args.trace is not None and policy is not None:
+            llm.runner.tracer.write_chrome(args.trace)
+        report = _executor_report(llm) if policy is not None else None
+        llm.close()
     rows = [
         {
             "id": req.id,
@@ -157,7 +189,41 @@ def _run(args: argparse.Namespace) -> int:
         f"decode {s.decode_seconds:.2f} s); load {load_seconds:.1f} s; peak RSS {peak_rss_gb:.2f} GB",
         file=sys.stderr,
     )
+    if report:
+        print(report, file=sys.stderr)
     return 0
+
+
+def _executor_report(llm: LLM) -> str:
+    """Per-lane busy time and bandwidth, overlap efficiency, and measured peaks."""
+    import torch
+
+    runner = llm.runner
+    lines = []
+    if runner.traces:
+        last = runner.traces[-1]
+        lane, busy = last.busiest
+        lines.append(
+            f"last step {last.seconds * 1e3:.1f} ms; busiest lane {lane} {busy * 1e3:.1f} ms; "
+            f"overlap efficiency {busy / last.seconds:.2f}"
+        )
+        for name, stats in last.lanes.items():
+            rate = stats["bytes"] / stats["busy_s"] / 1e9 if stats["busy_s"] else 0.0
+            lines.append(f"  {name:9s} busy {stats['busy_s'] * 1e3:8.1f} ms  {rate:7.2f} GB/s")
+    gpu_peak = 0
+    if llm.device.type == "cuda":
+        from offload.executor.caps import cuda_context_bytes
+
+        gpu_peak = torch.cuda.max_memory_allocated(llm.device) + cuda_context_bytes(llm.device)
+    hwm = 0
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) * 1024
+    lines.append(
+        f"peak GPU {gpu_peak / 1e9:.2f} GB (allocated + CUDA context); peak host RSS {hwm / 1e9:.2f} GB"
+    )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ entirely on the GPU is used in place.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from offload.io.reader import ExtentReader
 from offload.io.store import Extent, WeightStore, stage_keys
 from offload.io.tiers import MemoryLedger, Tier
 from offload.models.decoder import Weights, stage_shapes
-from offload.models.weights import WeightSource
+from offload.models.weights import DummySource, WeightSource
 from offload.policies.policy import Placement
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class WeightHomes:
             size = align_up(layout[-1].offset + layout[-1].nbytes)
             gpu_end, cpu_end = stage_cut(size, placement)
             image = StageImage(key, layout, size, gpu_end, cpu_end)
-            host = self._host_image(source, image, dtype)
+            host = self._host_image(source, image, dtype, device)
             if gpu_end:
                 image.gpu_home = host[:gpu_end].to(device, copy=True)
                 ledger.add(Tier.GPU, gpu_end)
@@ -159,9 +160,13 @@ class WeightHomes:
             del host
 
     @staticmethod
-    def _host_image(source: WeightSource, image: StageImage, dtype: torch.dtype) -> torch.Tensor:
+    def _host_image(
+        source: WeightSource, image: StageImage, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         stage, _, index = image.key.partition(".")
-        weights = source.stage(stage, int(index or 0), dtype, torch.device("cpu"))
+        # dummy weights are made on the compute device (a GPU draws them far faster)
+        make_on = device if isinstance(source, DummySource) else torch.device("cpu")
+        weights = source.stage(stage, int(index or 0), dtype, make_on)
         host = torch.zeros(image.size, dtype=torch.uint8)
         for t in image.layout:
             host[t.offset : t.offset + t.nbytes] = (
@@ -226,12 +231,23 @@ class WeightFetcher:
         which = index % 2
         self.lanes.host_wait(self._staging_free[which])  # its previous H2D has finished
         block = self.staging[which]
-        futures, offset = [], 0
+        futures = []
+        submitted = time.perf_counter()
         for extent in image.disk_extents:
             rel = extent.offset - image.cpu_end
-            futures.append(self.reader.submit(extent, block, block_offset=rel))
-            offset += extent.padded
+            future = self.reader.submit(extent, block, block_offset=rel)
+            future.add_done_callback(lambda f, t0=submitted, e=extent: self._disk_done(e, t0))
+            futures.append(future)
         self._disk[index] = futures
+
+    def _disk_done(self, extent, submitted: float) -> None:
+        self.lanes.tracer.host_span(
+            "disk",
+            f"read {extent.stage}/{extent.name}",
+            submitted,
+            time.perf_counter(),
+            extent.nbytes,
+        )
 
     def fetch(self, index: int) -> None:
         """Issue stage `index`'s assembly (and the next stage's disk reads)."""
