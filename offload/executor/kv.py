@@ -30,6 +30,16 @@ from offload.io.tiers import MemoryLedger, Tier
 from offload.models import decoder
 
 
+def _wait_future(future: Future | None) -> None:
+    if future is not None:
+        future.result()
+
+
+def _wait_all(*futures: Future | None) -> None:
+    for future in futures:
+        _wait_future(future)
+
+
 @dataclass
 class KVBlock:
     """One layer's KV for one micro-batch, split by rows across tiers."""
@@ -42,7 +52,7 @@ class KVBlock:
     cpu_v: torch.Tensor | None = None
     disk_offset: int = 0  # spill offset of the K region; V follows at + disk_region
     disk_region: int = 0
-    stored: torch.cuda.Event | None = None  # last store of new entries to CPU homes
+    stored: Future | None = None  # the last store of new entries into the off-GPU homes
 
 
 class KVManager:
@@ -73,6 +83,12 @@ class KVManager:
         self._scratch_free: list[torch.cuda.Event | None] = [None, None]
         self._staging: list[PoolBlock] = []
         self._pending: dict[int, tuple] = {}
+        self._store_staging: list[PoolBlock] = []
+        self._store_busy: list[Future | None] = [None, None]
+        # disk staging block p: the last task that uses it, and the last H2D reading it
+        self._disk_busy: list[Future | None] = [None, None]
+        self._disk_h2d: list[torch.cuda.Event | None] = [None, None]
+        self._store_turn = 0
 
     # -- allocation ---------------------------------------------------------------------
     def start(
@@ -88,7 +104,9 @@ class KVManager:
         per_row = cfg.num_kv_heads * max_slots * cfg.head_dim * self.elt
         disk_regions = [align_up(d * per_row) for _, _, d in row_splits]
         need = sum(2 * align_up(c * per_row) for _, c, _ in row_splits if c) * cfg.num_layers
+        off_rows = max((c + d for _, c, d in row_splits), default=0)
         need += 2 * 2 * max(disk_regions, default=0) + sum(align_up(b) for b in act_bytes)
+        need += 2 * align_up(2 * off_rows * per_row)
         if self.pool is None or self.pool.capacity < need:
             if self.pool is not None:
                 self.pool.close()
@@ -117,8 +135,9 @@ class KVManager:
                     offset += 2 * region
                 row.append(blk)
             self.blocks.append(row)
+        if off_rows:  # device -> host staging of new entries, two deep
+            self._store_staging = [self.pool.alloc(2 * off_rows * per_row) for _ in range(2)]
         # decode scratch for rows whose cache is off the GPU, two deep (prefetch)
-        off_rows = max((c + d for _, c, d in row_splits), default=0)
         if off_rows and not self.attention_on_cpu:
             for _ in range(2):
                 k = torch.empty(
@@ -134,10 +153,13 @@ class KVManager:
         acts = [self.pool.alloc(b) if b else None for b in act_bytes]
         self._owned += [b for b in acts if b is not None]
         self.ledger.add(Tier.GPU, self._gpu_bytes)
+        self._owned += self._store_staging
         self.ledger.add(Tier.CPU, sum(b.reserved for b in self._owned + self._staging))
         return acts
 
     def release(self) -> None:
+        _wait_all(*self._store_busy, *self._disk_busy)
+        self._store_busy, self._disk_busy, self._disk_h2d = [None, None], [None, None], [None, None]
         for block in self._owned + self._staging:
             block.free()
         cpu = sum(b.reserved for b in self._owned + self._staging)
@@ -149,6 +171,7 @@ class KVManager:
             self.ledger.release(Tier.DISK, self.spill.capacity)
             self.spill.close()
         self.blocks, self._owned, self._staging, self._scratch = [], [], [], []
+        self._store_staging = []
         self._gpu_bytes, self.spill, self._pending = 0, None, {}
 
     def close(self) -> None:
@@ -179,6 +202,13 @@ class KVManager:
             self.spill.read(blk.disk_offset + off, staging.tensor[off : off + nbytes])
         self.lanes.tracer.host_span("disk", "kv read", started, time.perf_counter(), 2 * nbytes)
 
+    def _read_disk_after(self, blk: KVBlock, which: int, num_tokens: int, busy, h2d) -> None:
+        """Worker thread: once staging `which` is free, read this block's disk pages."""
+        _wait_future(busy)
+        if h2d is not None:
+            h2d.synchronize()
+        self._read_disk(blk, self._staging[which], num_tokens)
+
     def _write_disk(self, blk: KVBlock, staging: PoolBlock, start: int, end: int) -> None:
         """Write back the whole pages that hold token slots [start, end)."""
         assert self.spill is not None
@@ -203,8 +233,15 @@ class KVManager:
         which = mb % 2
         disk_future: Future | None = None
         if d:
-            staging = self._staging[which]
-            disk_future = self._io.submit(self._read_disk, blk, staging, num_tokens)
+            disk_future = self._io.submit(
+                self._read_disk_after,
+                blk,
+                which,
+                num_tokens,
+                self._disk_busy[which],
+                self._disk_h2d[which],
+            )
+            self._disk_busy[which] = disk_future
         self._pending[mb] = (layer, num_tokens, disk_future)
 
     def _load_scratch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,7 +251,7 @@ class KVManager:
         which = mb % 2
         sk, sv = self._scratch[which]
         self.lanes.wait("h2d", self._scratch_free[which])
-        self.lanes.wait("h2d", blk.stored)
+        _wait_future(blk.stored)
         if disk_future is not None:
             disk_future.result()
         nbytes = 2 * (c + d) * self.cfg.num_kv_heads * num_tokens * self.cfg.head_dim * self.elt
@@ -231,7 +268,10 @@ class KVManager:
                 sv[c : c + d, :, :num_tokens].copy_(
                     dv[:num_tokens].permute(1, 2, 0, 3), non_blocking=True
                 )
-        self.lanes.wait("compute", self.lanes.record("h2d"))
+        loaded = self.lanes.record("h2d")
+        if d:
+            self._disk_h2d[which] = loaded
+        self.lanes.wait("compute", loaded)
         return sk, sv
 
     # -- attention ----------------------------------------------------------------------
@@ -283,30 +323,67 @@ class KVManager:
     def _store(
         self, blk: KVBlock, mb: int, k: torch.Tensor, v: torch.Tensor, start: int, end: int
     ) -> None:
-        """Copy new entries of off-GPU rows [c rows | d rows] to their homes."""
-        _, c, d = blk.rows
+        """Copy new entries of off-GPU rows [c rows | d rows] to their homes.
+
+        The device -> host copy lands in a contiguous pinned staging buffer (a strided
+        pinned destination makes torch fall back to a synchronous pageable copy); a
+        worker thread then scatters it into the homes (and writes disk pages), so the
+        host thread goes on launching work. Readers of the homes wait on `blk.stored`.
+        """
+        n, num = k.shape[0], end - start
+        which = self._store_turn % 2
+        self._store_turn += 1
+        _wait_future(self._store_busy[which])  # the scatter that last used this staging
+        shape = (n, self.cfg.num_kv_heads, num, self.cfg.head_dim)
+        count = n * self.cfg.num_kv_heads * num * self.cfg.head_dim
+        staging = self._store_staging[which].tensor
+        sk = staging[: count * self.elt].view(self.dtype).view(shape)
+        sv = staging[count * self.elt : 2 * count * self.elt].view(self.dtype).view(shape)
         self.lanes.wait("d2h", self.lanes.record("compute"))
-        nbytes = 2 * k.numel() * self.elt
-        with self.lanes.on("d2h", f"kv store mb{mb}", nbytes):
-            if c:
-                assert blk.cpu_k is not None and blk.cpu_v is not None
-                blk.cpu_k[:, :, start:end].copy_(k[:c], non_blocking=True)
-                blk.cpu_v[:, :, start:end].copy_(v[:c], non_blocking=True)
-            if d:
-                staging = self._staging[mb % 2]
-                dk, dv = self._disk_views(blk, staging)
-                dk[start:end].copy_(k[c:].permute(2, 0, 1, 3), non_blocking=True)
-                dv[start:end].copy_(v[c:].permute(2, 0, 1, 3), non_blocking=True)
-        blk.stored = self.lanes.record("d2h")
+        with self.lanes.on("d2h", f"kv store mb{mb}", 2 * count * self.elt):
+            sk.copy_(k, non_blocking=True)
+            sv.copy_(v, non_blocking=True)
+        copied = self.lanes.record("d2h")
+        previous = blk.stored
+        if blk.rows[2]:  # also ordered after the last user of its disk staging
+            previous = self._io.submit(_wait_all, previous, self._disk_busy[mb % 2])
+        future = self._io.submit(self._scatter, blk, mb, sk, sv, start, end, copied, previous)
+        blk.stored = self._store_busy[which] = future
+        if blk.rows[2]:
+            self._disk_busy[mb % 2] = future
+        if not self.overlap:
+            future.result()
+
+    def _scatter(
+        self, blk: KVBlock, mb: int, sk, sv, start: int, end: int, copied, previous
+    ) -> None:
+        """Worker thread: after the copy lands, put the new entries in their homes."""
+        _wait_future(previous)
+        if copied is not None:
+            copied.synchronize()
+        started = time.perf_counter()
+        _, c, d = blk.rows
+        if c:
+            assert blk.cpu_k is not None and blk.cpu_v is not None
+            blk.cpu_k[:, :, start:end].copy_(sk[:c])
+            blk.cpu_v[:, :, start:end].copy_(sv[:c])
+            nbytes = 2 * sk[:c].numel() * self.elt
+            self.lanes.tracer.host_span(
+                "cpu_copy", f"kv scatter mb{mb}", started, time.perf_counter(), nbytes
+            )
         if d:
-            # the disk write needs the bytes on the host: wait for this one copy only
-            self.lanes.host_wait(blk.stored)
-            self._write_disk(blk, self._staging[mb % 2], start, end)
+            # the staging block this micro-batch's attention read its pages into
+            staging = self._staging[mb % 2]
+            dk, dv = self._disk_views(blk, staging)
+            dk[start:end].copy_(sk[c:].permute(2, 0, 1, 3))
+            dv[start:end].copy_(sv[c:].permute(2, 0, 1, 3))
+            self._write_disk(blk, staging, start, end)
 
     def _cpu_attention(
         self, blk: KVBlock, mb: int, q, k_new, v_new, bias, start: int, end: int
     ) -> torch.Tensor:
         _, c, d = blk.rows
+        _wait_future(blk.stored)
         cpu = torch.device("cpu")
         ready = self.lanes.record("compute")
         self.lanes.wait("d2h", ready)
@@ -324,6 +401,7 @@ class KVManager:
             )
         if d:
             staging = self._staging[mb % 2]
+            _wait_future(self._disk_busy[mb % 2])
             self._read_disk(blk, staging, start)
             dk, dv = self._disk_views(blk, staging)
             dk[start:end] = k_h[c:].permute(2, 0, 1, 3)

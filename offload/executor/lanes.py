@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-LANES = ("compute", "h2d", "d2h", "disk", "cpu_attn")
+LANES = ("compute", "h2d", "d2h", "disk", "cpu_attn", "cpu_copy")
 
 
 @dataclass
