@@ -258,8 +258,10 @@ class KVManager:
         with self.lanes.on("h2d", f"kv L{layer} mb{mb}", nbytes):
             if c:
                 assert blk.cpu_k is not None and blk.cpu_v is not None
-                sk[:c, :, :num_tokens].copy_(blk.cpu_k[:, :, :num_tokens], non_blocking=True)
-                sv[:c, :, :num_tokens].copy_(blk.cpu_v[:, :, :num_tokens], non_blocking=True)
+                # whole contiguous homes: a strided pinned source would make torch copy
+                # synchronously through pageable memory; unused slots cost (S - t) / S
+                sk[:c].copy_(blk.cpu_k, non_blocking=True)
+                sv[:c].copy_(blk.cpu_v, non_blocking=True)
             if d:
                 dk, dv = self._disk_views(blk, self._staging[which])
                 sk[c : c + d, :, :num_tokens].copy_(
