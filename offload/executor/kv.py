@@ -263,13 +263,12 @@ class KVManager:
                 sk[:c].copy_(blk.cpu_k, non_blocking=True)
                 sv[:c].copy_(blk.cpu_v, non_blocking=True)
             if d:
+                # token-major pages cross as they are (contiguous), and are transposed
+                # into the scratch layout on the device
                 dk, dv = self._disk_views(blk, self._staging[which])
-                sk[c : c + d, :, :num_tokens].copy_(
-                    dk[:num_tokens].permute(1, 2, 0, 3), non_blocking=True
-                )
-                sv[c : c + d, :, :num_tokens].copy_(
-                    dv[:num_tokens].permute(1, 2, 0, 3), non_blocking=True
-                )
+                for home, scratch in ((dk, sk), (dv, sv)):
+                    moved = home[:num_tokens].to(self.device, non_blocking=True)
+                    scratch[c : c + d, :, :num_tokens].copy_(moved.permute(1, 2, 0, 3))
         loaded = self.lanes.record("h2d")
         if d:
             self._disk_h2d[which] = loaded
