@@ -202,10 +202,11 @@ class Executor:
         if isinstance(home, torch.Tensor):
             return home
         gpu_part, host, stored = home
-        self.lanes.wait("h2d", stored)
-        with self.lanes.on("h2d", f"act mb{k}", host.numel() * host.element_size()):
+        # on the compute stream: activations are on the critical path, and the h2d
+        # stream may be busy with the next stage's weights
+        self.lanes.wait("compute", stored)
+        with self.lanes.on("compute", f"act in mb{k}", host.numel() * host.element_size()):
             back = host.to(self.device, non_blocking=True)
-        self.lanes.wait("compute", self.lanes.record("h2d"))
         return torch.cat([gpu_part, back], dim=0) if gpu_part.shape[0] else back
 
     # -- memory and lifetime -------------------------------------------------------------

