@@ -55,7 +55,7 @@ POLICIES = {
         kv_cache=Placement(0, 1, 0),
         attention_on_cpu=False,
     ),
-    "C-kv-cpu-cpu-attn-48": Policy(
+    "C-kv-cpu-cpu-attn-80": Policy(
         gpu_batch_size=20,
         num_gpu_batches=4,
         weights=WEIGHTS,
