@@ -84,9 +84,6 @@ class KVManager:
         self._staging: list[PoolBlock] = []
         self._pending: dict[int, tuple] = {}
         self._store_staging: list[PoolBlock] = []
-        self._out_staging: list[PoolBlock] = []
-        self._out_done: list[torch.cuda.Event | None] = [None, None]
-        self._out_turn = 0
         self._store_busy: list[Future | None] = [None, None]
         # disk staging block p: the last task that uses it, and the last H2D reading it
         self._disk_busy: list[Future | None] = [None, None]
@@ -110,9 +107,6 @@ class KVManager:
         off_rows = max((c + d for _, c, d in row_splits), default=0)
         need += 2 * 2 * max(disk_regions, default=0) + sum(align_up(b) for b in act_bytes)
         need += 2 * align_up(2 * off_rows * per_row)
-        out_bytes = max(off_rows, 1) * cfg.num_heads * cfg.head_dim * self.elt  # one decode token
-        if self.attention_on_cpu:
-            need += 2 * align_up(out_bytes)
         if self.pool is None or self.pool.capacity < need:
             if self.pool is not None:
                 self.pool.close()
@@ -143,9 +137,6 @@ class KVManager:
             self.blocks.append(row)
         if off_rows:  # device -> host staging of new entries, two deep
             self._store_staging = [self.pool.alloc(2 * off_rows * per_row) for _ in range(2)]
-        if self.attention_on_cpu:  # attention outputs back to the GPU, two deep
-            self._out_staging = [self.pool.alloc(out_bytes) for _ in range(2)]
-            self._owned += self._out_staging
         # decode scratch for rows whose cache is off the GPU, two deep (prefetch)
         if off_rows and not self.attention_on_cpu:
             for _ in range(2):
@@ -180,7 +171,7 @@ class KVManager:
             self.ledger.release(Tier.DISK, self.spill.capacity)
             self.spill.close()
         self.blocks, self._owned, self._staging, self._scratch = [], [], [], []
-        self._store_staging, self._out_staging, self._out_done = [], [], [None, None]
+        self._store_staging = []
         self._gpu_bytes, self.spill, self._pending = 0, None, {}
 
     def close(self) -> None:
@@ -422,17 +413,11 @@ class KVManager:
             self._write_disk(blk, staging, start, end)
         context = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         self.lanes.tracer.host_span("cpu_attn", f"attn mb{mb}", started, time.perf_counter(), 0)
-        # The output is small and on the critical path: it crosses from a pinned buffer
-        # on the high-priority stream. Queued behind the next layer's weights on the
-        # h2d stream, or copied from pageable memory, it stalled 11 ms per layer
-        # (0.5 s of a 1.7 s OPT-30B decode step, measured).
-        which = self._out_turn % 2
-        self._out_turn += 1
-        self.lanes.host_wait(self._out_done[which])  # the copy that last used it
-        staged = self._out_staging[which].view(self.dtype, tuple(context.shape))
-        staged.copy_(context)
-        with self.lanes.on("urgent", f"attn out mb{mb}", context.numel() * self.elt):
-            out = staged.to(self.device, non_blocking=True)
-        self._out_done[which] = self.lanes.record("urgent")
-        self.lanes.wait("compute", self._out_done[which])
-        return out
+        # The output is small and on the critical path: it goes on the compute stream,
+        # not queued on the h2d stream behind the next layer's weights. It still waits
+        # for the copy engine to finish that weight copy (about 11 ms, the first micro-
+        # batch of every layer; H2D copies of all streams share the engine in order):
+        # splitting weight copies into chunks is the measured next step (docs/executor.md).
+        # A pinned high-priority stream for it measured no better.
+        with self.lanes.on("compute", f"attn out mb{mb}", context.numel() * self.elt):
+            return context.to(self.device, non_blocking=True)

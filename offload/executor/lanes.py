@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-LANES = ("compute", "h2d", "d2h", "disk", "cpu_attn", "cpu_copy", "urgent")
+LANES = ("compute", "h2d", "d2h", "disk", "cpu_attn", "cpu_copy")
 
 
 @dataclass
@@ -113,15 +113,15 @@ class Lanes:
         self.tracer = tracer
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
-        # small latency-critical host -> GPU copies (attention outputs): a high-priority
-        # stream of their own, so they do not queue behind a layer's weights
-        self.urgent = torch.cuda.Stream(device, priority=-1) if self.cuda else None
 
     def stream(self, lane: str):
         if not self.cuda:
             return None
-        streams = {"h2d": self.h2d, "d2h": self.d2h, "urgent": self.urgent}
-        return streams.get(lane) or torch.cuda.current_stream(self.device)
+        return {
+            "h2d": self.h2d,
+            "d2h": self.d2h,
+            "compute": torch.cuda.current_stream(self.device),
+        }[lane]
 
     @contextlib.contextmanager
     def on(self, lane: str, name: str = "", nbytes: int = 0) -> Iterator[None]:
