@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from offload.executor.executor import Executor
 from offload.models.resolve import ModelSpec, resolve_model
 from offload.policies.policy import Policy
 from offload.runner import PlainRunner
-from offload.sampling import SamplingParams, make_generators, sample
+from offload.sampling import SamplingParams, make_generators, sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,8 @@ class _Sequence:
     prompt: str | None
     prompt_ids: list[int]
     budget: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
     generated: list[int] = field(default_factory=list)
     text: str | None = None  # set when a stop string cut the completion
     finish_reason: str | None = None
@@ -136,6 +138,7 @@ class LLM:
         self.eos_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids
         self.pad_id = self.config.pad_token_id or 0
         self.stats = GenerationStats()
+        self.on_phase: Callable[[str], None] | None = None  # told "prefill" / "decode"
 
     # -- prompts ----------------------------------------------------------------------
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
@@ -166,16 +169,29 @@ class LLM:
         template.
         """
         params = params or SamplingParams()
-        seqs = []
+        requests = []
         for prompt in prompts:
             if isinstance(prompt, str):
                 ids = self.encode_prompt(prompt, chat=chat and self.tokenizer.has_chat_template)
-                text = prompt
             else:
-                ids, text = list(prompt), None
+                ids = list(prompt)
             self.check_prompt(ids)
+            requests.append((ids, params))
+        outs = self.generate_ids(requests)
+        for out, prompt in zip(outs, prompts, strict=True):
+            out.prompt = prompt if isinstance(prompt, str) else None
+        return outs
+
+    def generate_ids(
+        self, requests: Sequence[tuple[list[int], SamplingParams]]
+    ) -> list[RequestOutput]:
+        """Generate for already-checked token-id prompts, each with its own sampling."""
+        seqs = []
+        for ids, params in requests:
             budget = min(params.max_new_tokens, self.config.max_position_embeddings - len(ids))
-            seqs.append(_Sequence(text, ids, budget))
+            seqs.append(_Sequence(None, list(ids), budget, params))
+        if not seqs:
+            return []
         if self.policy is not None:
             longest = max(len(s.prompt_ids) for s in seqs)
             budget = max(s.budget for s in seqs)
@@ -192,7 +208,7 @@ class LLM:
             )
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].prompt_ids))
         for start in range(0, len(order), self.batch_size):
-            self._generate_batch([seqs[i] for i in order[start : start + self.batch_size]], params)
+            self._generate_batch([seqs[i] for i in order[start : start + self.batch_size]])
         return [
             RequestOutput(
                 prompt=s.prompt,
@@ -205,11 +221,14 @@ class LLM:
             for s in seqs
         ]
 
-    def _generate_batch(self, seqs: list[_Sequence], params: SamplingParams) -> None:
+    def _generate_batch(self, seqs: list[_Sequence]) -> None:
         runner, stats = self.runner, self.stats
         steps = max(s.budget for s in seqs)
         batch = PaddedBatch(self.config, [s.prompt_ids for s in seqs], steps, self.pad_id)
-        generators = make_generators(params, len(seqs))
+        for seq in seqs:
+            gens = make_generators(seq.params, 1)
+            seq.generator = gens[0] if gens else None
+        self._phase("prefill")
         runner.start(batch)
         started = time.perf_counter()
         step = runner.step_inputs(batch, 0, batch.prompt_len)
@@ -218,9 +237,10 @@ class LLM:
         stats.prompt_tokens += sum(len(s.prompt_ids) for s in seqs)
         stats.batches += 1
         started = time.perf_counter()
+        self._phase("decode")
         for t in range(steps):
-            next_ids = sample(logits, params, generators)
-            self._append(seqs, next_ids.tolist(), params)
+            next_ids = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            self._append(seqs, next_ids.tolist())
             if all(s.finish_reason for s in seqs) or t == steps - 1:
                 break
             step = runner.step_inputs(batch, batch.prompt_len + t, 1)
@@ -244,7 +264,11 @@ class LLM:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - started
 
-    def _append(self, seqs: list[_Sequence], next_ids: list[int], params: SamplingParams) -> None:
+    def _phase(self, name: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(name)
+
+    def _append(self, seqs: list[_Sequence], next_ids: list[int]) -> None:
         for seq, token in zip(seqs, next_ids, strict=True):
             if seq.finish_reason:
                 continue
@@ -252,9 +276,9 @@ class LLM:
             self.stats.generated_tokens += 1
             if token in self.eos_ids:
                 seq.finish_reason = "stop"
-            if params.stop:
+            if seq.params.stop:
                 text = self.tokenizer.decode(seq.generated)
-                cuts = [i for i in (text.find(stop) for stop in params.stop) if i >= 0]
+                cuts = [i for i in (text.find(stop) for stop in seq.params.stop) if i >= 0]
                 if cuts:
                     seq.text, seq.finish_reason = text[: min(cuts)], "stop"
             if not seq.finish_reason and len(seq.generated) >= seq.budget:

@@ -92,3 +92,18 @@ def sample(
     return torch.cat(
         [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)]
     )
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    """One token per row, each row with its own sampling settings; ids [B] on the CPU."""
+    if all(p.greedy for p in params):
+        return logits.argmax(dim=-1).cpu()
+    out = logits.argmax(dim=-1).cpu()
+    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        if not p.greedy:
+            out[row] = sample(logits[row : row + 1], p, [gen])[0]
+    return out

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
-import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from offload import jobs
 from offload.cli.common import parse_size, run_cli, setup_logging
 from offload.engine import LLM
 from offload.errors import UserError
 from offload.executor.caps import MemoryCaps
+from offload.io.tiers import Tier
 from offload.policies.policy import Policy
-from offload.prompts import PromptRequest, read_prompts
 from offload.sampling import SamplingParams
 
 log = logging.getLogger("offload")
@@ -32,7 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="demo, a preset, a hub repo id or a path")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
-    src.add_argument("--prompts", type=Path, help="JSONL ({'prompt', 'id'}) or text, one a line")
+    src.add_argument(
+        "--prompts",
+        type=Path,
+        help="JSONL (id, prompt or messages, optional max_new_tokens, temperature, top_p, "
+        "top_k, seed, stop) or plain text, one request a line; '-' reads standard input",
+    )
     p.add_argument("--output", help="write results as JSONL here ('-' for stdout)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -58,7 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-mem", help="CPU memory cap, e.g. 100GB")
     p.add_argument("--nvme", type=Path, help="directory for the weight store and KV spill")
     p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the last step here")
-    p.add_argument("-q", "--quiet", action="store_true", help="print only errors and results")
+    p.add_argument(
+        "--restart", action="store_true", help="discard an unfinished job's results and start over"
+    )
+    p.add_argument(
+        "--skip-invalid", action="store_true", help="record malformed lines as errors and go on"
+    )
+    p.add_argument("--stats", type=Path, help="write the run's summary as JSON here")
+    p.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bar; errors and results only"
+    )
     return p
 
 
@@ -72,6 +88,8 @@ def _check_output(output: str | None) -> Path | None:
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise UserError(f"cannot write --output {path}: directory {parent} is missing or read-only")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UserError(f"cannot write --output {path}: the file is read-only")
     return path
 
 
@@ -89,23 +107,37 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         raise UserError(str(exc)) from None
 
 
-def _write_jsonl(path: Path | None, rows: list[dict]) -> None:
-    lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    if path is None:
-        sys.stdout.write(lines)
-        return
-    partial = path.with_name(path.name + ".partial")
-    with partial.open("w", encoding="utf-8") as f:
-        f.write(lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
+class _MemorySink:
+    """Results of a job that is not written to a file (printed at the end)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self.done_count = 0
+
+    def done(self, index: int) -> bool:
+        return False
+
+    def append(self, rows: list[dict]) -> None:
+        self.rows += rows
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.quiet)
     return run_cli("offload-run", lambda: _run(args))
+
+
+def _fingerprint(args: argparse.Namespace, params: SamplingParams, input_sha: str) -> dict:
+    """What must match for a job to resume: the input bytes and the generation settings."""
+    return {
+        "input_sha256": input_sha,
+        "model": args.model,
+        "dummy": args.dummy,
+        "dtype": args.dtype,
+        "sampling": json.loads(json.dumps(params.__dict__)),
+        "chat_template": args.chat_template,
+        "skip_invalid": args.skip_invalid,
+    }
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -124,10 +156,29 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.nvme is not None and args.nvme.exists() and not args.nvme.is_dir():
         raise UserError(f"--nvme {args.nvme} is not a directory")
+    # Input: check every line before any model loading or generation.
+    spooled = None
     if args.prompts is not None:
-        requests = read_prompts(args.prompts)
+        path = args.prompts
+        if str(path) == "-":
+            path = spooled = jobs.spool_stdin(
+                output.parent if output else Path(tempfile.gettempdir())
+            )
+        total, input_sha = jobs.scan(path, args.skip_invalid)
+        requests = jobs.iter_requests(path, params)
     else:
-        requests = [PromptRequest(str(n), text) for n, text in enumerate(args.prompt, 1)]
+        texts = args.prompt
+        total = len(texts)
+        input_sha = hashlib.sha256(json.dumps(texts).encode()).hexdigest()
+        requests = (jobs.make_request(i, {"prompt": t}, params) for i, t in enumerate(texts))
+    sink = (
+        jobs.ResultLog(output, _fingerprint(args, params, input_sha), args.restart)
+        if output
+        else _MemorySink()
+    )
+    stats = jobs.JobStats(total=total, skipped=sink.done_count)
+    if stats.skipped:
+        log.info("resuming: %d of %d requests already done", stats.skipped, total)
     started = time.perf_counter()
     llm = LLM(
         args.model,
@@ -158,40 +209,162 @@ def _run(args: argparse.Namespace) -> int:
     )
     if policy is not None:
         log.info("policy %s", policy.to_json())
+    if args.prompt:  # command-line prompts: a bad one fails the run before generating
+        requests = list(requests)
+        for req in requests:
+            if req.error:
+                llm.close()
+                raise UserError(f"prompt {req.id}: {req.error}")
+            try:
+                llm.check_prompt(jobs.encode_request(llm, req, chat))
+            except UserError:
+                llm.close()
+                raise
+    bar = _progress(args, stats, llm)
     try:
-        outs = llm.generate([r.prompt for r in requests], params, chat=chat)
+        with jobs.StopFlag() as stop:
+            jobs.run_job(
+                llm, requests, sink, stats, chat, stop, on_block=bar.update if bar else None
+            )
+    except KeyboardInterrupt:
+        stats.interrupted = True
     finally:
+        if bar:
+            bar.close()
         if args.trace is not None and policy is not None:
             llm.runner.tracer.write_chrome(args.trace)
         report = _executor_report(llm) if policy is not None else None
         llm.close()
-    rows = [
-        {
-            "id": req.id,
-            "prompt": req.prompt,
-            "text": out.text,
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.completion_tokens,
-            "finish_reason": out.finish_reason,
-        }
-        for req, out in zip(requests, outs, strict=True)
-    ]
-    if args.output is None:
+        if spooled is not None and not stats.interrupted:
+            spooled.unlink(missing_ok=True)
+    done = stats.done + stats.skipped
+    if stats.interrupted:
+        if isinstance(sink, jobs.ResultLog):
+            sink.close()
+            print(
+                f"offload-run: interrupted with {done} of {total} requests done (kept in "
+                f"{sink.partial}); run the same command again to resume",
+                file=sys.stderr,
+            )
+        return 130
+    if isinstance(sink, jobs.ResultLog):
+        sink.finalize(total)
+    elif args.output == "-":
+        rows = sorted(sink.rows, key=lambda r: r["_index"])
         for row in rows:
-            print(f"[{row['id']}] {row['prompt']}\n{row['text']}\n")
+            row.pop("_index")
+        sys.stdout.write("".join(json.dumps(_order(r), ensure_ascii=False) + "\n" for r in rows))
     else:
-        _write_jsonl(output, rows)
+        for row in sorted(sink.rows, key=lambda r: r["_index"]):
+            text = row["text"] if row["finish_reason"] != "error" else f"error: {row['error']}"
+            print(f"[{row['id']}] {row.get('prompt', '')}\n{text}\n")
+    summary = _summary(args, llm, stats, load_seconds, policy)
+    if args.stats is not None:
+        args.stats.write_text(json.dumps(summary, indent=1))
     s = llm.stats
-    peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
     print(
-        f"offload-run: {len(rows)} prompts, {s.generated_tokens} tokens generated in "
+        f"offload-run: {total} requests, {s.generated_tokens} tokens generated in "
         f"{s.seconds:.2f} s ({s.tokens_per_second:.1f} tok/s; prefill {s.prefill_seconds:.2f} s, "
-        f"decode {s.decode_seconds:.2f} s); load {load_seconds:.1f} s; peak RSS {peak_rss_gb:.2f} GB",
+        f"decode {s.decode_seconds:.2f} s); load {load_seconds:.1f} s; peak RSS "
+        f"{summary['peak_memory']['cpu_rss_bytes'] / 1e9:.2f} GB; "
+        + ", ".join(f"{k} {v}" for k, v in sorted(stats.reasons.items())),
         file=sys.stderr,
     )
     if report:
         print(report, file=sys.stderr)
     return 0
+
+
+def _order(row: dict) -> dict:
+    keys = ("id", "prompt", "text", "prompt_tokens", "completion_tokens", "finish_reason", "error")
+    return {k: row[k] for k in keys if k in row}
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _peak_memory(llm: LLM) -> dict:
+    import torch
+
+    out = {"cpu_rss_bytes": _peak_rss(), "gpu_bytes": 0, "disk_bytes": 0}
+    if llm.device.type == "cuda":
+        from offload.executor.caps import cuda_context_bytes
+
+        out["gpu_bytes"] = torch.cuda.max_memory_allocated(llm.device) + cuda_context_bytes(
+            llm.device
+        )
+    ledger = getattr(llm.runner, "ledger", None)
+    if ledger is not None:
+        out["disk_bytes"] = ledger.peak(Tier.DISK)
+    return out
+
+
+def _summary(args, llm: LLM, stats: jobs.JobStats, load_seconds: float, policy) -> dict:
+    s = llm.stats
+    return {
+        "requests": stats.total,
+        "done_now": stats.done,
+        "done_before": stats.skipped,
+        "finish_reasons": dict(stats.reasons),
+        "generated_tokens": s.generated_tokens,
+        "tokens_per_second": s.tokens_per_second,
+        "seconds": {
+            "loading": load_seconds,
+            "prefill": s.prefill_seconds,
+            "decode": s.decode_seconds,
+            "wall": time.perf_counter() - stats.started,
+        },
+        "policy": policy.to_dict() if policy else None,
+        "peak_memory": _peak_memory(llm),
+    }
+
+
+def _progress(args, stats: jobs.JobStats, llm: LLM):
+    """A progress bar: requests, tokens, tok/s now and on average, phase, peak memory."""
+    if args.quiet:
+        return None
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=stats.total, initial=stats.skipped, unit="req", dynamic_ncols=True, file=sys.stderr
+    )
+    last = {"t": time.perf_counter(), "tokens": 0}
+
+    def set_phase(name: str) -> None:
+        stats.phase = name
+        bar.set_postfix_str(_postfix(), refresh=True)
+
+    def _postfix() -> str:
+        now, gen = time.perf_counter(), llm.stats.generated_tokens
+        avg = llm.stats.tokens_per_second
+        cur = (gen - last["tokens"]) / max(now - last["t"], 1e-9)
+        mem = _peak_memory(llm)
+        gpu = f" GPU {mem['gpu_bytes'] / 1e9:.1f}GB" if mem["gpu_bytes"] else ""
+        return (
+            f"{gen} tok, {cur:.1f} tok/s now, {avg:.1f} avg, {stats.phase}, "
+            f"RSS {mem['cpu_rss_bytes'] / 1e9:.1f}GB{gpu}"
+        )
+
+    def update() -> None:
+        bar.n = stats.done + stats.skipped
+        bar.set_postfix_str(_postfix(), refresh=True)
+        last["t"], last["tokens"] = time.perf_counter(), llm.stats.generated_tokens
+
+    llm.on_phase = set_phase
+
+    class _Bar:
+        def update(self) -> None:
+            update()
+
+        def close(self) -> None:
+            bar.close()
+
+    return _Bar()
 
 
 def _executor_report(llm: LLM) -> str:
