@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme", type=Path, help="directory for the weight store and KV spill")
     p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the last step here")
     p.add_argument(
+        "--prompt-len", type=int, default=512, help="typical prompt tokens (plan search)"
+    )
+    p.add_argument("--profile", type=Path, help="hardware profile JSON for the plan search")
+    p.add_argument(
         "--restart", action="store_true", help="discard an unfinished job's results and start over"
     )
     p.add_argument(
@@ -127,6 +131,28 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli("offload-run", lambda: _run(args))
 
 
+def _searched_policy(args: argparse.Namespace, params: SamplingParams) -> Policy:
+    """The plan search's policy for these caps (offload-plan's answer), printed at start."""
+    from offload.cli.plan import _caps, _profile
+    from offload.engine import resolve_device, resolve_dtype
+    from offload.models.resolve import resolve_model
+    from offload.policies.search import search
+
+    if not args.gpu_mem:
+        raise UserError(
+            "give --gpu-mem with --cpu-mem or --nvme so the plan search knows the GPU budget"
+        )
+    cfg = resolve_model(args.model, dummy=True).config
+    hw = _profile(args)
+    caps = _caps(args, hw)
+    dtype = resolve_dtype(args.dtype, resolve_device(args.device), cfg.checkpoint_dtype)
+    best = search(cfg, dtype, args.prompt_len, params.max_new_tokens, hw, caps)
+    log.info(
+        "searched policy: predicted %.1f tok/s, bottleneck %s", best.total_tok_s, best.bottleneck
+    )
+    return best.policy
+
+
 def _fingerprint(args: argparse.Namespace, params: SamplingParams, input_sha: str) -> dict:
     """What must match for a job to resume: the input bytes and the generation settings."""
     return {
@@ -151,9 +177,7 @@ def _run(args: argparse.Namespace) -> int:
         cpu_bytes=parse_size(args.cpu_mem) if args.cpu_mem else None,
     )
     if policy is None and (args.gpu_mem or args.cpu_mem or args.nvme):
-        raise UserError(
-            "--gpu-mem, --cpu-mem and --nvme need --policy FILE (the plan search is not built yet)"
-        )
+        policy = _searched_policy(args, params)
     if args.nvme is not None and args.nvme.exists() and not args.nvme.is_dir():
         raise UserError(f"--nvme {args.nvme} is not a directory")
     # Input: check every line before any model loading or generation.

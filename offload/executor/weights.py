@@ -13,6 +13,7 @@ entirely on the GPU is used in place.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -114,12 +115,13 @@ def stage_cut(size: int, placement: Placement) -> tuple[int, int]:
     return gpu_end, min(size, max(gpu_end, align_up(int((placement.gpu + placement.cpu) * size))))
 
 
-def stage_image_bytes(cfg, dtype: torch.dtype) -> list[int]:
+@functools.lru_cache(maxsize=64)
+def stage_image_bytes(cfg, dtype: torch.dtype) -> tuple[int, ...]:
     """Image size of every stage (embedding, layers, head), in stage order."""
-    return [
+    return tuple(
         align_up(s.offset + s.nbytes)
         for s in (_layout(k, cfg, dtype, None)[-1] for k in stage_keys(cfg))
-    ]
+    )
 
 
 class WeightHomes:

@@ -7,6 +7,7 @@ tensors (attention bias, MLP intermediate, logits) that the CUDA allocator holds
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -46,9 +47,14 @@ def micro_batch_sizes(policy: Policy, batch: int) -> list[int]:
 
 
 def weight_plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> dict[str, int]:
+    return dict(_weight_plan(cfg, policy.weights, dtype))
+
+
+@functools.lru_cache(maxsize=4096)
+def _weight_plan(cfg: ModelConfig, placement, dtype: torch.dtype) -> tuple[tuple[str, int], ...]:
     gpu = cpu = disk = slot = staging = 0
     for size in stage_image_bytes(cfg, dtype):
-        gpu_end, cpu_end = stage_cut(size, policy.weights)
+        gpu_end, cpu_end = stage_cut(size, placement)
         gpu += gpu_end
         if cpu_end > gpu_end:
             cpu += cpu_end - gpu_end
@@ -56,13 +62,13 @@ def weight_plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> dict[st
         if gpu_end < size:
             slot = max(slot, size)
         staging = max(staging, size - cpu_end)
-    return {
-        "weights_gpu": gpu,
-        "weights_cpu": cpu,
-        "weights_disk": disk,
-        "weight_slots_gpu": 2 * slot,
-        "weight_staging_cpu": 2 * staging,
-    }
+    return (
+        ("weights_gpu", gpu),
+        ("weights_cpu", cpu),
+        ("weights_disk", disk),
+        ("weight_slots_gpu", 2 * slot),
+        ("weight_staging_cpu", 2 * staging),
+    )
 
 
 def kv_plan(

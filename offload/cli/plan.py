@@ -1,0 +1,233 @@
+"""`offload-plan`: where a model will live on this machine, and how fast it will run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from offload.cli.common import parse_size, run_cli, setup_logging
+from offload.engine import DTYPES
+from offload.errors import UserError
+from offload.models.resolve import resolve_model
+from offload.policies.cost import Estimate, estimate
+from offload.policies.hardware import HardwareProfile, load_profile, measure, profile_path
+from offload.policies.search import Caps, search
+
+GB = 1e9
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="offload-plan",
+        description="Find the placement and batch shape with the highest predicted throughput "
+        "that fits the memory caps, and explain it.",
+    )
+    p.add_argument(
+        "--model", required=True, help="a preset, hub repo id or path (only its config is read)"
+    )
+    p.add_argument("--gpu-mem", required=True, help="GPU memory cap, e.g. 24GB")
+    p.add_argument("--cpu-mem", help="CPU memory cap (default: this machine's RAM)")
+    p.add_argument("--nvme", type=Path, help="a directory on fast disk for weights/KV")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, help="requests in the job (caps the block size)")
+    p.add_argument("--dtype", default="float16", choices=tuple(DTYPES))
+    p.add_argument(
+        "--profile",
+        type=Path,
+        help="hardware profile JSON (default: this machine's, from offload-profile)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", type=Path, help="draw placement and throughput vs batch size to a PNG")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(quiet=True)
+    return run_cli("offload-plan", lambda: _plan(args))
+
+
+def _profile(args) -> HardwareProfile:
+    if args.profile is not None:
+        return HardwareProfile.from_file(args.profile)
+    cached = load_profile()
+    if cached is None:
+        print(f"offload-plan: measuring this machine (cached in {profile_path()})", file=sys.stderr)
+        cached = measure(args.nvme, quick=True)
+        profile_path().parent.mkdir(parents=True, exist_ok=True)
+        profile_path().write_text(cached.to_json())
+    return cached
+
+
+def _caps(args, hw: HardwareProfile) -> Caps:
+    gpu = parse_size(args.gpu_mem)
+    cpu = parse_size(args.cpu_mem) if args.cpu_mem else hw.cpu_mem_bytes
+    if gpu <= 0 or cpu <= 0:
+        raise UserError("memory caps must be positive")
+    if hw.has_gpu and gpu > hw.gpu_mem_bytes:
+        raise UserError(
+            f"--gpu-mem {gpu / GB:.1f} GB is more than the GPU's {hw.gpu_mem_bytes / GB:.1f} GB"
+        )
+    return Caps(gpu, cpu, args.nvme is not None)
+
+
+def _plan(args) -> int:
+    if args.prompt_len < 1 or args.gen_len < 1:
+        raise UserError("--prompt-len and --gen-len must be positive")
+    cfg = resolve_model(args.model, dummy=True).config
+    hw = _profile(args)
+    caps = _caps(args, hw)
+    dtype = DTYPES[args.dtype]
+    best = search(cfg, dtype, args.prompt_len, args.gen_len, hw, caps, args.num_prompts)
+    what_if = _what_if(cfg, dtype, args, hw, caps, best)
+    if args.json:
+        print(json.dumps(_as_json(best, what_if), indent=1))
+    else:
+        print(_table(cfg, args, hw, best, what_if))
+    if args.plot:
+        _plot(args.plot, cfg, dtype, args, hw, caps, best)
+    return 0
+
+
+def _what_if(cfg, dtype, args, hw, caps: Caps, best: Estimate) -> list[tuple[str, float]]:
+    """Speed-up of the best plan under a few larger budgets."""
+    trials = [
+        ("+16 GB CPU RAM", dataclasses.replace(caps, cpu_bytes=caps.cpu_bytes + 16 * 10**9)),
+        ("+8 GB GPU memory", dataclasses.replace(caps, gpu_bytes=caps.gpu_bytes + 8 * 10**9)),
+    ]
+    if not caps.nvme:
+        trials.append(("an --nvme directory", dataclasses.replace(caps, nvme=True)))
+    out = []
+    for label, trial in trials:
+        try:
+            est = search(cfg, dtype, args.prompt_len, args.gen_len, hw, trial, args.num_prompts)
+        except UserError:
+            continue
+        out.append((label, est.total_tok_s / best.total_tok_s))
+    return out
+
+
+def _as_json(best: Estimate, what_if) -> dict:
+    return {
+        "policy": best.policy.to_dict(),
+        "predicted": {
+            "total_tok_s": best.total_tok_s,
+            "prefill_s": best.prefill_s,
+            "decode_s": best.decode_s,
+            "decode_step_s": best.decode_step_s,
+            "bottleneck": best.bottleneck,
+            "lanes_decode_step_s": best.lanes_decode_s,
+        },
+        "memory": {
+            "gpu_bytes": best.gpu_peak_bytes,
+            "cpu_bytes": best.cpu_peak_bytes,
+            "disk_bytes": best.memory.disk_bytes,
+            "detail": best.memory.detail,
+        },
+        "what_if": {label: speedup for label, speedup in what_if},
+    }
+
+
+def _table(cfg, args, hw: HardwareProfile, best: Estimate, what_if) -> str:
+    p, d = best.policy, best.memory.detail
+    weights = d["weights_gpu"] + d["weights_cpu"] + d["weights_disk"]
+    kv = d["kv_gpu"] + d["kv_cpu"] + d["kv_disk"]
+    act = d["act_gpu"] + d["act_cpu"]
+
+    def row(name, gpu, cpu, disk, total):
+        pct = lambda x: f"{100 * x / total:5.1f}%" if total else "    -"  # noqa: E731
+        return (
+            f"  {name:12s} {gpu / GB:8.1f} GB {pct(gpu)}  {cpu / GB:8.1f} GB {pct(cpu)}  "
+            f"{disk / GB:8.1f} GB {pct(disk)}"
+        )
+
+    lines = [
+        f"{cfg.name}: {cfg.param_count() / 1e9:.1f}B parameters, {args.dtype}; prompt {args.prompt_len}, "
+        f"generate {args.gen_len}",
+        f"machine: {hw.device_name}",
+        "",
+        f"  {'placement':12s} {'GPU':>19s}  {'CPU':>19s}  {'disk':>19s}",
+        row("weights", d["weights_gpu"], d["weights_cpu"], d["weights_disk"], weights),
+        row("KV cache", d["kv_gpu"], d["kv_cpu"], d["kv_disk"], kv),
+        row("activations", d["act_gpu"], d["act_cpu"], 0, act),
+        "",
+        f"batch: {p.num_gpu_batches} x {p.gpu_batch_size} = {p.block_size} sequences; attention over "
+        f"off-GPU KV on the {'CPU' if p.attention_on_cpu else 'GPU'}",
+        f"predicted: {best.total_tok_s:.1f} tok/s total (prefill {best.prefill_s:.1f} s = "
+        f"{best.prefill_tok_s:.0f} tok/s, decode {best.decode_step_s:.2f} s/step = "
+        f"{best.decode_tok_s:.1f} tok/s)",
+        "bottleneck: "
+        + best.bottleneck
+        + " ("
+        + ", ".join(
+            f"{k} {v:.2f} s" for k, v in sorted(best.lanes_decode_s.items(), key=lambda kv: -kv[1])
+        )
+        + " per decode step)",
+        f"peak memory: GPU {best.gpu_peak_bytes / GB:.1f} GB, CPU {best.cpu_peak_bytes / GB:.1f} GB, "
+        f"disk {best.memory.disk_bytes / GB:.1f} GB",
+    ]
+    if what_if:
+        lines.append(
+            "what would help: " + "; ".join(f"{label} -> {x:.2f}x" for label, x in what_if)
+        )
+    lines.append(f"policy: {p.to_json()}")
+    return "\n".join(lines)
+
+
+def _plot(path: Path, cfg, dtype, args, hw, caps: Caps, best: Estimate) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib (pip install matplotlib)") from None
+    from offload.policies.policy import Policy
+    from offload.policies.search import BATCH_SIZES
+
+    sizes, rates = [], []
+    for size in BATCH_SIZES:
+        policy = Policy(
+            size,
+            best.policy.num_gpu_batches,
+            weights=best.policy.weights,
+            kv_cache=best.policy.kv_cache,
+            attention_on_cpu=best.policy.attention_on_cpu,
+        )
+        est = estimate(cfg, policy, dtype, args.prompt_len, args.gen_len, hw)
+        if est.gpu_peak_bytes <= caps.gpu_bytes and est.cpu_peak_bytes <= caps.cpu_bytes:
+            sizes.append(policy.block_size)
+            rates.append(est.total_tok_s)
+    d = best.memory.detail
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    tiers = ["GPU", "CPU", "disk"]
+    bottom = [0.0, 0.0, 0.0]
+    for label, keys in (
+        ("weights", ("weights_gpu", "weights_cpu", "weights_disk")),
+        ("KV cache", ("kv_gpu", "kv_cpu", "kv_disk")),
+        ("activations", ("act_gpu", "act_cpu", None)),
+    ):
+        vals = [d[k] / GB if k else 0.0 for k in keys]
+        ax1.bar(tiers, vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax1.set_ylabel("GB")
+    ax1.set_title("placement per tier")
+    ax1.legend()
+    ax2.plot(sizes, rates, marker="o", label="predicted (this placement)")
+    ax2.scatter([best.policy.block_size], [best.total_tok_s], color="red", zorder=3, label="chosen")
+    ax2.set_xscale("log")
+    ax2.set_xlabel("sequences per block")
+    ax2.set_ylabel("total tokens/s")
+    ax2.set_title("throughput vs batch size")
+    ax2.legend()
+    fig.suptitle(f"{cfg.name} on {hw.device_name[:40]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""The cost model: per-layer lane times of the executor for a policy, and their overlap.
+
+Lanes per layer (bytes over the profile's measured rates):
+    h2d      weights not on the GPU (+ off-GPU KV when attention runs on the GPU)
+    disk     weights on disk (+ disk-resident KV read back)
+    compute  2 x tokens x layer parameters / matmul rate (+ GPU-resident KV / HBM rate)
+    cpu_attn off-GPU KV / CPU attention rate (attention_on_cpu)
+    d2h      new KV entries stored off the GPU (prefill)
+How the executor overlaps them (measured on OPT-30B, docs/executor.md): with attention
+on the GPU a layer takes its busiest lane; with attention on the CPU the first micro-
+batch's output waits for the layer's weight copy, so a layer takes
+max(weights, one micro-batch's attention) + the other micro-batches' attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from offload.config import ModelConfig
+from offload.executor.weights import stage_cut, stage_image_bytes
+from offload.policies.hardware import GB, HardwareProfile
+from offload.policies.memory import MemoryPlan, micro_batch_sizes, plan_memory, row_splits
+from offload.policies.policy import Policy
+
+
+@dataclass(frozen=True)
+class Estimate:
+    policy: Policy
+    prefill_s: float
+    decode_step_s: float
+    decode_s: float
+    total_tok_s: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    bottleneck: str
+    lanes_decode_s: dict[str, float]  # per step
+    memory: MemoryPlan
+    gpu_peak_bytes: int
+    cpu_peak_bytes: int
+
+
+def _layer_bytes(
+    cfg: ModelConfig, policy: Policy, dtype: torch.dtype
+) -> tuple[float, float, float]:
+    """Average per-layer (off-GPU, on-disk) bytes, and the embed + head off-GPU bytes."""
+    sizes = stage_image_bytes(cfg, dtype)
+    cuts = [stage_cut(size, policy.weights) for size in sizes]
+    off = [size - g for size, (g, _) in zip(sizes, cuts, strict=True)]
+    disk = [size - c for size, (_, c) in zip(sizes, cuts, strict=True)]
+    layers = slice(1, len(sizes) - 1)
+    n = cfg.num_layers
+    return sum(off[layers]) / n, sum(disk[layers]) / n, off[0] + off[-1]
+
+
+def estimate(
+    cfg: ModelConfig,
+    policy: Policy,
+    dtype: torch.dtype,
+    prompt_len: int,
+    gen_len: int,
+    hw: HardwareProfile,
+    batch: int | None = None,
+) -> Estimate:
+    elt = torch.empty((), dtype=dtype).element_size()
+    n_seqs = batch or policy.block_size
+    splits = row_splits(policy.kv_cache, micro_batch_sizes(policy, n_seqs))
+    rows_gpu = sum(g for g, _, _ in splits)
+    rows_cpu = sum(c for _, c, _ in splits)
+    rows_disk = sum(d for _, _, d in splits)
+    kv_tok = 2 * cfg.num_kv_heads * cfg.head_dim * elt  # one token, one layer
+    params = cfg.layer_param_count()
+    off_w, disk_w, ends = _layer_bytes(cfg, policy, dtype)
+    micro = max(1, len(splits))
+
+    # decode: average context over the generation
+    ctx = prompt_len + gen_len / 2
+    kv_g, kv_c, kv_d = (r * ctx * kv_tok for r in (rows_gpu, rows_cpu, rows_disk))
+    h2d = off_w / (hw.h2d_gbps * GB)
+    if not policy.attention_on_cpu:
+        h2d += (kv_c + kv_d) / (hw.h2d_gbps * GB)
+    disk = (disk_w + kv_d) / (hw.disk_read_gbps * GB) + rows_disk * kv_tok / (
+        hw.disk_write_gbps * GB
+    )
+    compute = 2 * n_seqs * params / (hw.decode_tflops * 1e12) + kv_g / (hw.hbm_gbps * GB)
+    cpu_attn = (kv_c + kv_d) / (hw.cpu_attention_gbps * GB) if policy.attention_on_cpu else 0.0
+    if cpu_attn:
+        per_micro = cpu_attn / micro
+        layer = max(h2d, per_micro, disk) + per_micro * (micro - 1) + compute
+    else:
+        layer = max(h2d, disk, compute)
+    head_flops = 2 * n_seqs * cfg.vocab_size * cfg.embed_dim
+    ends_s = ends / (hw.h2d_gbps * GB) + head_flops / (hw.decode_tflops * 1e12)
+    step = cfg.num_layers * layer + ends_s
+    lanes = {
+        "h2d": cfg.num_layers * h2d + ends / (hw.h2d_gbps * GB),
+        "disk": cfg.num_layers * disk,
+        "compute": cfg.num_layers * compute,
+        "cpu_attn": cfg.num_layers * cpu_attn,
+    }
+
+    # prefill: one step over the prompt
+    tokens = n_seqs * prompt_len
+    attn_flops = 4 * n_seqs * prompt_len * prompt_len * cfg.num_heads * cfg.head_dim
+    p_compute = (2 * tokens * params + attn_flops) / (hw.prefill_tflops * 1e12)
+    p_h2d = off_w / (hw.h2d_gbps * GB)
+    p_d2h = (rows_cpu + rows_disk) * prompt_len * kv_tok / (hw.d2h_gbps * GB)
+    p_disk = disk_w / (hw.disk_read_gbps * GB) + rows_disk * prompt_len * kv_tok / (
+        hw.disk_write_gbps * GB
+    )
+    prefill = cfg.num_layers * max(p_compute, p_h2d, p_d2h, p_disk)
+    prefill += ends / (hw.h2d_gbps * GB) + head_flops / (hw.prefill_tflops * 1e12)
+
+    decode = (gen_len - 1) * step
+    total = prefill + decode
+    plan = plan_memory(cfg, policy, dtype, prompt_len, gen_len)
+    return Estimate(
+        policy=policy,
+        prefill_s=prefill,
+        decode_step_s=step,
+        decode_s=decode,
+        total_tok_s=n_seqs * gen_len / total,
+        prefill_tok_s=tokens / prefill,
+        decode_tok_s=n_seqs * max(gen_len - 1, 1) / max(decode, 1e-12),
+        bottleneck=max(lanes, key=lambda k: lanes[k]),
+        lanes_decode_s=lanes,
+        memory=plan,
+        gpu_peak_bytes=plan.gpu_bytes + hw.gpu_context_bytes,
+        cpu_peak_bytes=plan.cpu_bytes + hw.process_base_bytes,
+    )

@@ -1,0 +1,211 @@
+"""`HardwareProfile`: this machine's measured figures, cached per machine.
+
+Every rate the cost model uses comes from here, measured by `offload-profile` (or read
+from a profile file of another machine with `--profile`); none is a constant in code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import psutil
+import torch
+import torch.nn.functional as F
+
+from offload.errors import UserError
+from offload.models.demo import cache_dir
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    device_name: str
+    has_gpu: bool
+    gpu_mem_bytes: int
+    cpu_mem_bytes: int
+    h2d_gbps: float
+    d2h_gbps: float
+    bidir_gbps: float
+    pageable_h2d_gbps: float
+    disk_read_gbps: float
+    disk_write_gbps: float
+    prefill_tflops: float
+    decode_tflops: float
+    hbm_gbps: float
+    cpu_attention_gbps: float
+    dram_gbps: float
+    gpu_context_bytes: int = 0  # CUDA context and library workspaces, measured
+    process_base_bytes: int = 0  # host RSS of a loaded engine before any weights
+    measured_at: str = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not value > 0:
+                raise ValueError(f"hardware profile figure {f.name}={value} must be positive")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_file(cls, path: Path) -> HardwareProfile:
+        try:
+            return cls(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise UserError(
+                f"hardware profile {path} does not exist; run offload-profile"
+            ) from None
+        except (json.JSONDecodeError, TypeError, ValueError) as exc:
+            raise UserError(
+                f"hardware profile {path} is not valid ({exc}); run offload-profile again"
+            ) from None
+
+
+def profile_path() -> Path:
+    return cache_dir() / f"hardware-{platform.node() or 'machine'}.json"
+
+
+def load_profile(path: Path | None = None) -> HardwareProfile | None:
+    path = path or profile_path()
+    return HardwareProfile.from_file(path) if path.is_file() else None
+
+
+# -- measurements ---------------------------------------------------------------------
+def _timed(fn, repeat: int = 5) -> float:
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - started) / repeat
+
+
+def _copy_rate(src: torch.Tensor, dst: torch.Tensor) -> float:
+    return src.numel() * src.element_size() / _timed(lambda: dst.copy_(src, non_blocking=True)) / GB
+
+
+def _disk_rates(directory: Path, nbytes: int) -> tuple[float, float]:
+    """O_DIRECT write and read of one file in `directory` (GB/s)."""
+    import mmap
+
+    directory.mkdir(parents=True, exist_ok=True)
+    buf = mmap.mmap(-1, 16 * 2**20)
+    buf.write(os.urandom(len(buf)))
+    fd, name = tempfile.mkstemp(dir=directory, prefix="offload-profile-")
+    os.close(fd)
+    flags = getattr(os, "O_DIRECT", 0)
+    try:
+        try:
+            fd = os.open(name, os.O_WRONLY | flags)
+        except OSError:
+            fd = os.open(name, os.O_WRONLY)
+        started = time.perf_counter()
+        for off in range(0, nbytes, len(buf)):
+            os.pwritev(fd, [buf], off)
+        os.fsync(fd)
+        write = nbytes / (time.perf_counter() - started) / GB
+        os.close(fd)
+        try:
+            fd = os.open(name, os.O_RDONLY | flags)
+        except OSError:
+            fd = os.open(name, os.O_RDONLY)
+        started = time.perf_counter()
+        for off in range(0, nbytes, len(buf)):
+            os.preadv(fd, [buf], off)
+        read = nbytes / (time.perf_counter() - started) / GB
+        os.close(fd)
+    finally:
+        os.unlink(name)
+    return read, write
+
+
+def _cpu_attention_rate(dtype: torch.dtype) -> float:
+    """GB/s of KV that the executor's CPU attention (torch SDPA) reads at a decode shape."""
+    rows, heads, slots, dim = 16, 32, 1024, 128
+    k = torch.randn(rows, heads, slots, dim).to(dtype)
+    v = torch.randn_like(k)
+    q = torch.randn(rows, heads, 1, dim).to(dtype)
+    bias = torch.zeros(rows, 1, 1, slots, dtype=dtype)
+    seconds = _timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias), repeat=3)
+    return 2 * k.numel() * k.element_size() / seconds / GB
+
+
+def _matmul_tflops(m: int, k: int, n: int, device: torch.device, dtype: torch.dtype) -> float:
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    return 2 * m * k * n / _timed(lambda: a @ b, repeat=3) / 1e12
+
+
+def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
+    """Measure this machine. Without CUDA the compute device is the CPU: host copies
+    stand in for PCIe and the CPU's matmul rate for the GPU's."""
+    size = 2**26 if quick else 2**29
+    disk_dir = nvme or Path(tempfile.gettempdir())
+    disk_read, disk_write = _disk_rates(disk_dir, min(size * 2, 2**30))
+    dram = (
+        _copy_rate(torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)) * 2
+    )
+    cpu_attn = _cpu_attention_rate(torch.float16 if torch.cuda.is_available() else torch.float32)
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        host2 = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        gpu = torch.empty(size, dtype=torch.uint8, device=dev)
+        gpu2 = torch.empty(size, dtype=torch.uint8, device=dev)
+        h2d, d2h = _copy_rate(host, gpu), _copy_rate(gpu, host)
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+        def both() -> None:
+            with torch.cuda.stream(s1):
+                gpu.copy_(host, non_blocking=True)
+            with torch.cuda.stream(s2):
+                host2.copy_(gpu2, non_blocking=True)
+
+        bidir = 2 * size / _timed(both) / GB
+        pageable = _copy_rate(torch.empty(size, dtype=torch.uint8), gpu)
+        hbm = 2 * _copy_rate(gpu, gpu2)
+        prefill = _matmul_tflops(4096, 8192, 8192, dev, torch.float16)
+        decode = _matmul_tflops(64, 8192, 28672, dev, torch.float16)
+        gpu_mem, name = (
+            torch.cuda.get_device_properties(dev).total_memory,
+            torch.cuda.get_device_name(),
+        )
+        del host, host2, gpu, gpu2
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        context = total - free - torch.cuda.memory_reserved(dev)
+    else:
+        h2d = d2h = bidir = pageable = hbm = dram / 2
+        prefill = decode = _matmul_tflops(1024, 2048, 2048, torch.device("cpu"), torch.float32)
+        gpu_mem, name = psutil.virtual_memory().total, f"CPU only ({platform.processor() or 'cpu'})"
+        context = 0
+    return HardwareProfile(
+        device_name=name,
+        has_gpu=torch.cuda.is_available(),
+        gpu_mem_bytes=gpu_mem,
+        cpu_mem_bytes=psutil.virtual_memory().total,
+        h2d_gbps=h2d,
+        d2h_gbps=d2h,
+        bidir_gbps=bidir,
+        pageable_h2d_gbps=pageable,
+        disk_read_gbps=disk_read,
+        disk_write_gbps=disk_write,
+        prefill_tflops=prefill,
+        decode_tflops=decode,
+        hbm_gbps=hbm,
+        cpu_attention_gbps=cpu_attn,
+        dram_gbps=dram,
+        gpu_context_bytes=int(context),
+        process_base_bytes=psutil.Process().memory_info().rss,
+        measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )

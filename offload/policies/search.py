@@ -1,0 +1,157 @@
+"""Policy search: the placement and batch shape with the highest predicted throughput
+that fits the caps.
+
+An exact search over a bounded grid (batch shapes x attention placement x weight
+fractions in 5% steps x disk shares), with KV placed greedily in each candidate
+(GPU memory left after the weights, then CPU, then disk). Throughput is not linear in
+the batch shape (FlexGen's LP relaxes it and rounds); the grid is small enough
+(a few thousand candidates, ~1 ms each) to evaluate exactly. docs/cost_model.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from offload.config import ModelConfig
+from offload.errors import UserError
+from offload.executor.weights import stage_image_bytes
+from offload.policies.cost import Estimate, estimate
+from offload.policies.hardware import HardwareProfile
+from offload.policies.memory import plan_memory
+from offload.policies.policy import Placement, Policy
+
+BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+NUM_BATCHES = (1, 2, 4, 8, 16)
+WEIGHT_STEPS = 20
+
+
+@dataclass(frozen=True)
+class Caps:
+    gpu_bytes: int
+    cpu_bytes: int
+    nvme: bool
+
+
+def _fits(est: Estimate, caps: Caps) -> bool:
+    return est.gpu_peak_bytes <= caps.gpu_bytes and est.cpu_peak_bytes <= caps.cpu_bytes
+
+
+def _kv_placement(
+    cfg, base: Policy, dtype, prompt_len, gen_len, hw: HardwareProfile, caps: Caps
+) -> Placement | None:
+    """Greedy KV placement: as much on the GPU as fits, then the CPU, then disk."""
+    probe = plan_memory(cfg, _with(base, kv=Placement(0.0, 1.0, 0.0)), dtype, prompt_len, gen_len)
+    kv_total = max(probe.detail["kv_cpu"], 1)
+    gpu_left = (
+        caps.gpu_bytes
+        - hw.gpu_context_bytes
+        - (probe.gpu_bytes - probe.detail["kv_gpu"])
+        - probe.detail["kv_scratch_gpu"]
+    )
+    cpu_left = caps.cpu_bytes - hw.process_base_bytes - (probe.cpu_bytes - probe.detail["kv_cpu"])
+    gpu = min(1.0, max(0.0, gpu_left / kv_total))
+    cpu = min(1.0 - gpu, max(0.0, cpu_left / kv_total))
+    if 1.0 - gpu - cpu > 1e-9 and not caps.nvme:
+        return None
+    gpu = math.floor(gpu * 1000) / 1000
+    if not caps.nvme:  # the rounding's remainder goes to the CPU (checked against the cap later)
+        return Placement(gpu, round(1.0 - gpu, 6), 0.0)
+    cpu = math.floor(cpu * 1000) / 1000
+    return Placement(gpu, cpu, round(1.0 - gpu - cpu, 6))
+
+
+def _with(p: Policy, kv: Placement | None = None, weights: Placement | None = None) -> Policy:
+    return Policy(
+        gpu_batch_size=p.gpu_batch_size,
+        num_gpu_batches=p.num_gpu_batches,
+        weights=weights or p.weights,
+        kv_cache=kv or p.kv_cache,
+        activations=p.activations,
+        attention_on_cpu=p.attention_on_cpu,
+        overlap=True,
+    )
+
+
+def _weight_options(cfg, dtype, hw: HardwareProfile, caps: Caps) -> list[Placement]:
+    """Weight placements worth trying: GPU share on a 5% grid up to what the GPU cap
+    allows; the rest all in CPU RAM, or (with a disk) as much CPU as the cap leaves for
+    weights alone / for half of it, the remainder on disk."""
+    total = sum(stage_image_bytes(cfg, dtype))
+    out = []
+    for step in range(WEIGHT_STEPS + 1):
+        gpu = step / WEIGHT_STEPS
+        if gpu * total > caps.gpu_bytes:
+            break
+        rest = 1.0 - gpu
+        cpu_room = max(0.0, (caps.cpu_bytes - hw.process_base_bytes) / total)
+        shares = (
+            {rest}
+            if not caps.nvme
+            else {rest, min(rest, 0.95 * cpu_room), min(rest, 0.5 * cpu_room)}
+        )
+        for cpu in sorted(shares):
+            cpu = math.floor(cpu * 1000) / 1000
+            if not caps.nvme and cpu < rest - 1e-9:
+                continue
+            disk = round(max(0.0, 1.0 - gpu - cpu), 6)
+            if disk and not caps.nvme:
+                continue
+            out.append(Placement(gpu, round(1.0 - gpu - disk, 6), disk))
+    return out
+
+
+def candidates(cfg, dtype, hw: HardwareProfile, caps: Caps, max_block: int | None):
+    weights = _weight_options(cfg, dtype, hw, caps)
+    for size in BATCH_SIZES:
+        for count in NUM_BATCHES:
+            if max_block is not None and size * count > max(max_block, 1) and count > 1:
+                continue
+            for cpu_attention in (False, True):
+                for placement in weights:
+                    yield Policy(size, count, weights=placement, attention_on_cpu=cpu_attention)
+
+
+def search(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    prompt_len: int,
+    gen_len: int,
+    hw: HardwareProfile,
+    caps: Caps,
+    num_prompts: int | None = None,
+) -> Estimate:
+    """The best fitting policy's estimate; `UserError` with the smallest fit if none."""
+    if prompt_len + gen_len > cfg.max_position_embeddings:
+        raise UserError(
+            f"prompt {prompt_len} + generation {gen_len} tokens exceed the model's context of "
+            f"{cfg.max_position_embeddings}"
+        )
+    best: Estimate | None = None
+    for base in candidates(cfg, dtype, hw, caps, num_prompts):
+        kv = _kv_placement(cfg, base, dtype, prompt_len, gen_len, hw, caps)
+        if kv is None:
+            continue
+        policy = _with(base, kv=kv)
+        est = estimate(cfg, policy, dtype, prompt_len, gen_len, hw)
+        if _fits(est, caps) and (best is None or est.total_tok_s > best.total_tok_s):
+            best = est
+    if best is None:
+        raise UserError(_smallest_fit(cfg, dtype, prompt_len, gen_len, hw, caps))
+    return best
+
+
+def _smallest_fit(cfg, dtype, prompt_len, gen_len, hw: HardwareProfile, caps: Caps) -> str:
+    on_disk = caps.nvme
+    weights = Placement(0.0, 0.0, 1.0) if on_disk else Placement(0.0, 1.0, 0.0)
+    kv = Placement(0.0, 0.0, 1.0) if on_disk else Placement(0.0, 1.0, 0.0)
+    policy = Policy(1, 1, weights=weights, kv_cache=kv, attention_on_cpu=True)
+    est = estimate(cfg, policy, dtype, prompt_len, gen_len, hw)
+    hint = "" if on_disk else " (less CPU memory with --nvme)"
+    return (
+        f"no policy fits --gpu-mem {caps.gpu_bytes / 1e9:.1f} GB and --cpu-mem "
+        f"{caps.cpu_bytes / 1e9:.1f} GB; the smallest fit needs {est.gpu_peak_bytes / 1e9:.1f} GB "
+        f"GPU and {est.cpu_peak_bytes / 1e9:.1f} GB CPU{hint}"
+    )

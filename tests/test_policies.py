@@ -1,0 +1,212 @@
+"""Cost model, search and offload-plan (CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from offload.cli.plan import main as plan_main
+from offload.cli.run import main as run_main
+from offload.config import ModelConfig
+from offload.engine import LLM
+from offload.errors import UserError
+from offload.io.tiers import Tier
+from offload.policies.cost import estimate
+from offload.policies.hardware import HardwareProfile
+from offload.policies.memory import plan_memory
+from offload.policies.policy import Placement, Policy
+from offload.policies.search import Caps, search
+from offload.presets import PRESETS
+
+GB = 10**9
+
+# A machine description for the tests (the H100 machine's measured shape, halved PCIe).
+PROFILE = HardwareProfile(
+    device_name="test machine",
+    has_gpu=True,
+    gpu_mem_bytes=80 * GB,
+    cpu_mem_bytes=128 * GB,
+    h2d_gbps=25.0,
+    d2h_gbps=25.0,
+    bidir_gbps=40.0,
+    pageable_h2d_gbps=8.0,
+    disk_read_gbps=1.5,
+    disk_write_gbps=1.0,
+    prefill_tflops=300.0,
+    decode_tflops=100.0,
+    hbm_gbps=2000.0,
+    cpu_attention_gbps=40.0,
+    dram_gbps=90.0,
+    gpu_context_bytes=500_000_000,
+    process_base_bytes=2 * GB,
+)
+
+
+def cfg_of(name: str) -> ModelConfig:
+    return ModelConfig.from_hf(PRESETS[name], name)
+
+
+@pytest.mark.parametrize("name", ["opt-30b", "llama-2-13b", "llama-3.1-8b"])
+@pytest.mark.parametrize(
+    "gpu_gb, cpu_gb, nvme", [(24, 100, False), (12, 64, True), (40, 200, False)]
+)
+def test_search_never_exceeds_a_cap(name, gpu_gb, cpu_gb, nvme):
+    caps = Caps(gpu_gb * GB, cpu_gb * GB, nvme)
+    try:
+        best = search(cfg_of(name), torch.float16, 512, 32, PROFILE, caps)
+    except UserError as exc:
+        assert "smallest fit needs" in str(exc)
+        return
+    assert best.gpu_peak_bytes <= caps.gpu_bytes and best.cpu_peak_bytes <= caps.cpu_bytes
+    if not nvme:
+        assert best.policy.weights.disk == 0 and best.policy.kv_cache.disk == 0
+
+
+def test_more_bandwidth_or_memory_never_predicts_less():
+    cfg = cfg_of("opt-30b")
+    caps = Caps(24 * GB, 100 * GB, False)
+    base = search(cfg, torch.float16, 512, 32, PROFILE, caps).total_tok_s
+    faster = dataclasses.replace(PROFILE, h2d_gbps=50.0, cpu_attention_gbps=80.0)
+    assert search(cfg, torch.float16, 512, 32, faster, caps).total_tok_s >= base
+    for more in (Caps(32 * GB, 100 * GB, False), Caps(24 * GB, 120 * GB, False)):
+        assert search(cfg, torch.float16, 512, 32, PROFILE, more).total_tok_s >= base * 0.999
+    # and for a fixed policy, every faster lane gives a faster estimate
+    policy = Policy(
+        16, 4, weights=Placement(0.25, 0.75, 0), kv_cache=Placement(0, 1, 0), attention_on_cpu=True
+    )
+    slow = estimate(cfg, policy, torch.float16, 512, 32, PROFILE).total_tok_s
+    for field in ("h2d_gbps", "cpu_attention_gbps", "decode_tflops", "prefill_tflops"):
+        quick = dataclasses.replace(PROFILE, **{field: getattr(PROFILE, field) * 2})
+        assert estimate(cfg, policy, torch.float16, 512, 32, quick).total_tok_s >= slow, field
+
+
+def test_predicted_memory_matches_what_the_executor_allocates(tiny_checkpoints, tmp_path):
+    directory, _ = tiny_checkpoints["opt"]
+    policy = Policy(2, 3, weights=Placement(0.3, 0.4, 0.3), kv_cache=Placement(0.5, 0.25, 0.25))
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [1, 2, 3, 4], [3, 3], [4, 4, 4]]
+    with LLM(str(directory), device="cpu", dtype="float32", policy=policy, nvme=tmp_path) as llm:
+        plan = plan_memory(llm.config, policy, torch.float32, prompt_len=4, max_new_tokens=5)
+        from offload.batch import PaddedBatch
+
+        llm.runner.start(PaddedBatch(llm.config, prompts, 5, 0))
+        ledger = llm.runner.ledger
+        d = plan.detail
+        assert (
+            ledger.used(Tier.GPU)
+            == d["weights_gpu"] + d["weight_slots_gpu"] + d["kv_gpu"] + d["kv_scratch_gpu"]
+        )
+        assert ledger.used(Tier.DISK) == d["weights_disk"] + d["kv_disk"]
+        weights_cpu = d["weights_cpu"] + d["weight_staging_cpu"]
+        assert llm.runner.pool.stats()["reserved_bytes"] == weights_cpu
+
+
+def test_plan_json_round_trips_into_offload_run(tiny_checkpoints, tmp_path, capsys):
+    directory, _ = tiny_checkpoints["llama-gqa"]
+    profile = tmp_path / "hw.json"
+    profile.write_text(
+        dataclasses.replace(
+            PROFILE, has_gpu=False, gpu_context_bytes=0, process_base_bytes=0
+        ).to_json()
+    )
+    args = [
+        "--model",
+        str(directory),
+        "--gpu-mem",
+        "2MB",
+        "--cpu-mem",
+        "3GB",
+        "--profile",
+        str(profile),
+        "--prompt-len",
+        "8",
+        "--gen-len",
+        "4",
+        "--json",
+    ]
+    assert plan_main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"policy", "predicted", "memory"}
+    assert set(out["predicted"]) >= {"total_tok_s", "prefill_s", "decode_s", "bottleneck"}
+    assert set(out["memory"]) >= {"gpu_bytes", "cpu_bytes", "disk_bytes"}
+    assert out["memory"]["gpu_bytes"] <= 2_000_000
+    policy_file = tmp_path / "policy.json"
+    policy_file.write_text(json.dumps(out["policy"]))
+    result = tmp_path / "out.jsonl"
+    assert (
+        run_main(
+            [
+                "--model",
+                str(directory),
+                "--policy",
+                str(policy_file),
+                "--prompt",
+                "hello",
+                "--output",
+                str(result),
+                "--max-new-tokens",
+                "4",
+                "--device",
+                "cpu",
+                "-q",
+            ]
+        )
+        == 0
+    )
+    assert json.loads(result.read_text())["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--gpu-mem", "abc"], "cannot parse size 'abc'"),
+        (["--gpu-mem=-5GB"], "cannot parse size"),
+        (["--gpu-mem", "200GB"], "more than the GPU's 80.0 GB"),
+        (
+            ["--gpu-mem", "24GB", "--prompt-len", "2000", "--gen-len", "100"],
+            "exceed the model's context of 2048",
+        ),
+        (["--gpu-mem", "1MB", "--cpu-mem", "1GB"], "smallest fit needs"),
+    ],
+)
+def test_plan_bad_input(args, words, tmp_path, capsys):
+    profile = tmp_path / "hw.json"
+    profile.write_text(PROFILE.to_json())
+    assert plan_main(["--model", "opt-30b", "--profile", str(profile), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert words in err and "Traceback" not in err
+
+
+def test_plan_prints_a_readable_table(tmp_path, capsys):
+    profile = tmp_path / "hw.json"
+    profile.write_text(PROFILE.to_json())
+    assert (
+        plan_main(
+            [
+                "--model",
+                "bigscience/bloom",
+                "--gpu-mem",
+                "24GB",
+                "--cpu-mem",
+                "100GB",
+                "--nvme",
+                str(tmp_path),
+                "--profile",
+                str(profile),
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    for words in (
+        "weights",
+        "KV cache",
+        "activations",
+        "bottleneck:",
+        "predicted:",
+        "peak memory:",
+        "what would help",
+    ):
+        assert words in text
