@@ -357,16 +357,14 @@ def _progress(args, stats: jobs.JobStats, llm: LLM):
     bar = tqdm(
         total=stats.total, initial=stats.skipped, unit="req", dynamic_ncols=True, file=sys.stderr
     )
-    last = {"t": time.perf_counter(), "tokens": 0}
+    last = {"t": time.perf_counter(), "tokens": 0, "rate": 0.0}
 
     def set_phase(name: str) -> None:
         stats.phase = name
         bar.set_postfix_str(_postfix(), refresh=True)
 
     def _postfix() -> str:
-        now, gen = time.perf_counter(), llm.stats.generated_tokens
-        avg = llm.stats.tokens_per_second
-        cur = (gen - last["tokens"]) / max(now - last["t"], 1e-9)
+        gen, avg, cur = llm.stats.generated_tokens, llm.stats.tokens_per_second, last["rate"]
         mem = _peak_memory(llm)
         gpu = f" GPU {mem['gpu_bytes'] / 1e9:.1f}GB" if mem["gpu_bytes"] else ""
         return (
@@ -375,9 +373,11 @@ def _progress(args, stats: jobs.JobStats, llm: LLM):
         )
 
     def update() -> None:
+        now, gen = time.perf_counter(), llm.stats.generated_tokens
+        last["rate"] = (gen - last["tokens"]) / max(now - last["t"], 1e-9)  # over the last block
+        last["t"], last["tokens"] = now, gen
         bar.n = stats.done + stats.skipped
         bar.set_postfix_str(_postfix(), refresh=True)
-        last["t"], last["tokens"] = time.perf_counter(), llm.stats.generated_tokens
 
     llm.on_phase = set_phase
 
