@@ -22,6 +22,7 @@ import torch
 import xxhash
 
 from offload.errors import UserError
+from offload.io.direct import open_direct
 from offload.io.pinned import PoolBlock
 from offload.io.store import Extent
 
@@ -67,15 +68,13 @@ class ExtentReader:
         with self._fd_lock:
             fd = self._fds.get(path)
             if fd is None:
-                flags = os.O_RDONLY
-                if self.direct and hasattr(os, "O_DIRECT"):
-                    try:
-                        fd = os.open(path, flags | os.O_DIRECT)
-                    except OSError:  # file systems such as tmpfs refuse O_DIRECT
+                if self.direct:
+                    fd, direct = open_direct(path, os.O_RDONLY)
+                    if not direct:
                         log.warning("O_DIRECT unavailable for %s; using buffered reads", path)
                         self.direct = False
-                if fd is None:
-                    fd = os.open(path, flags)
+                else:
+                    fd = os.open(path, os.O_RDONLY)
                 self._fds[path] = fd
             return fd
 

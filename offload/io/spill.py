@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from offload.errors import UserError
+from offload.io.direct import open_direct
 from offload.io.pinned import ALIGN, align_up
 
 
@@ -22,11 +23,7 @@ class SpillFile:
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"spill-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
         self.capacity = align_up(capacity)
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
-        try:
-            self.fd = os.open(self.path, flags | getattr(os, "O_DIRECT", 0))
-        except OSError:  # tmpfs and friends refuse O_DIRECT
-            self.fd = os.open(self.path, flags)
+        self.fd, _ = open_direct(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
             os.posix_fallocate(self.fd, 0, self.capacity)
         except OSError as exc:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from offload.errors import UserError
+from offload.io.direct import open_direct
 from offload.models.demo import cache_dir
 
 GB = 1e9
@@ -103,22 +104,15 @@ def _disk_rates(directory: Path, nbytes: int) -> tuple[float, float]:
     buf.write(os.urandom(len(buf)))
     fd, name = tempfile.mkstemp(dir=directory, prefix="offload-profile-")
     os.close(fd)
-    flags = getattr(os, "O_DIRECT", 0)
     try:
-        try:
-            fd = os.open(name, os.O_WRONLY | flags)
-        except OSError:
-            fd = os.open(name, os.O_WRONLY)
+        fd, _ = open_direct(name, os.O_WRONLY)
         started = time.perf_counter()
         for off in range(0, nbytes, len(buf)):
             os.pwritev(fd, [buf], off)
         os.fsync(fd)
         write = nbytes / (time.perf_counter() - started) / GB
         os.close(fd)
-        try:
-            fd = os.open(name, os.O_RDONLY | flags)
-        except OSError:
-            fd = os.open(name, os.O_RDONLY)
+        fd, _ = open_direct(name, os.O_RDONLY)
         started = time.perf_counter()
         for off in range(0, nbytes, len(buf)):
             os.preadv(fd, [buf], off)
