@@ -15,9 +15,22 @@ import torch
 
 from offload.batch import PaddedBatch
 from offload.config import ModelConfig
+from offload.kernels.quant import fake_quantize
 from offload.models import decoder, ops
 from offload.models.decoder import LayerKV, StepInputs, Weights
 from offload.models.weights import WeightSource
+from offload.policies.policy import Compression
+
+MATRICES = ("qkv.weight", "o.weight", "mlp_in.weight", "mlp_out.weight")
+
+
+def _compressed(weights: Weights, config: Compression | None) -> Weights:
+    if config is None:
+        return weights
+    from offload.kernels.quant import fake_quantize
+
+    return {k: fake_quantize(v, config) if k in MATRICES else v for k, v in weights.items()}
+
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +44,11 @@ class PlainRunner:
         dtype: torch.dtype,
         device: torch.device,
         progress: bool = False,
+        weight_compression: Compression | None = None,
+        kv_compression: Compression | None = None,
     ) -> None:
+        """With compression given, weights and KV entries take the values the compressed
+        run computes with (quantize-dequantize): the accuracy reference for compression."""
         self.cfg: ModelConfig = source.config
         self.dtype, self.device = dtype, device
         started = time.perf_counter()
@@ -41,7 +58,14 @@ class PlainRunner:
             from tqdm import tqdm
 
             layers = tqdm(layers, desc="loading layers", unit="layer", leave=False)
-        self.layer_w: list[Weights] = [source.layer(i, dtype, device) for i in layers]
+        self.layer_w: list[Weights] = [
+            _compressed(source.layer(i, dtype, device), weight_compression) for i in layers
+        ]
+        self.kv_transform = None
+        if kv_compression is not None:
+            group = min(kv_compression.group_size, self.cfg.head_dim)
+            config = Compression(kv_compression.bits, group, kv_compression.symmetric)
+            self.kv_transform = lambda t: fake_quantize(t, config)
         self.head_w: Weights = source.head(dtype, device)
         if self.cfg.tie_word_embeddings:
             self.head_w["lm_head.weight"] = self.embed_w["tok.weight"]
@@ -53,7 +77,9 @@ class PlainRunner:
         """Allocate a fresh KV cache for this batch (replacing the last one)."""
         self._cache = []
         self._cache = [
-            LayerKV(batch.size, self.cfg, batch.max_slots, self.dtype, self.device)
+            LayerKV(
+                batch.size, self.cfg, batch.max_slots, self.dtype, self.device, self.kv_transform
+            )
             for _ in range(self.cfg.num_layers)
         ]
 

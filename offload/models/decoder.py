@@ -163,12 +163,19 @@ def head(cfg: ModelConfig, w: Weights, x: torch.Tensor) -> torch.Tensor:
 class LayerKV:
     """One layer's KV cache for a batch: k, v [B, Hkv, max_slots, D] on one device."""
 
-    def __init__(self, batch: int, cfg: ModelConfig, max_slots: int, dtype, device) -> None:
+    def __init__(
+        self, batch: int, cfg: ModelConfig, max_slots: int, dtype, device, transform=None
+    ) -> None:
+        """transform, if given, maps entries before they are stored (the reference of a
+        compressed cache: quantize-dequantize)."""
         shape = (batch, cfg.num_kv_heads, max_slots, cfg.head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.transform = transform
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        if self.transform is not None:
+            k, v = self.transform(k), self.transform(v)
         end = start + k.shape[2]
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
