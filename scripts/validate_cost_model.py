@@ -1,0 +1,184 @@
+"""Cost-model validation: measured against predicted, policy by policy, in one run.
+
+    python scripts/validate_cost_model.py --model opt-30b --gpu-mem 24GB [--profile FILE]
+    python scripts/validate_cost_model.py --model llama-3.1-8b --gpu-mem 10GB
+    python scripts/validate_cost_model.py --model tiny-dir --device cpu --prompt-len 16 --gen-len 4  # smoke
+
+For each policy (the hand-written set below, scaled to the model, plus the search's
+choice): a full generation of one block with dummy weights, then total tok/s and peak
+GPU memory against the cost model's prediction for the same policy and profile. The
+profile is measured at the start of the run unless --profile is given. Writes JSON to
+benchmarks/results/ (and $OUT) and prints a table. Bounds: throughput within +-20%,
+peak GPU within +-10%, no cap exceeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from offload.batch import PaddedBatch
+from offload.cli.common import parse_size
+from offload.executor.caps import cuda_context_bytes
+from offload.executor.executor import Executor
+from offload.models.resolve import resolve_model
+from offload.policies.cost import estimate
+from offload.policies.hardware import HardwareProfile, measure
+from offload.policies.policy import Placement, Policy
+from offload.policies.search import Caps, search
+from offload.sampling import SamplingParams, sample
+
+GB = 1e9
+
+
+def hand_policies() -> dict[str, Policy]:
+    cpu_kv = Placement(0, 1, 0)
+    return {
+        "w25-kvcpu-cpuattn-16x4": Policy(
+            16, 4, weights=Placement(0.25, 0.75, 0), kv_cache=cpu_kv, attention_on_cpu=True
+        ),
+        "w25-kvcpu-gpuattn-16x4": Policy(16, 4, weights=Placement(0.25, 0.75, 0), kv_cache=cpu_kv),
+        "w25-kvcpu-cpuattn-8x8": Policy(
+            8, 8, weights=Placement(0.25, 0.75, 0), kv_cache=cpu_kv, attention_on_cpu=True
+        ),
+        "w15-kv10gpu-gpuattn-32x2": Policy(
+            32, 2, weights=Placement(0.15, 0.85, 0), kv_cache=Placement(0.1, 0.9, 0)
+        ),
+        "w0-kvcpu-cpuattn-48x1": Policy(
+            48, 1, weights=Placement(0, 1, 0), kv_cache=cpu_kv, attention_on_cpu=True
+        ),
+    }
+
+
+def measure_policy(spec, policy: Policy, dtype, device, prompt_len: int, gen_len: int) -> dict:
+    cfg = spec.config
+    ex = Executor(spec.open_weights(), policy, dtype, device)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(
+            10, cfg.vocab_size - 10, (policy.block_size, prompt_len), generator=gen
+        ).tolist()
+        batch = PaddedBatch(cfg, prompts, gen_len, pad_id=1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        ex.start(batch)
+        greedy = SamplingParams(max_new_tokens=gen_len)
+        started = time.perf_counter()
+        logits = ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, prompt_len))
+        prefill = time.perf_counter() - started
+        for t in range(gen_len - 1):
+            ids = sample(logits, greedy, None)
+            logits = ex.forward(ids[:, None], ex.step_inputs(batch, prompt_len + t, 1))
+        sample(logits, greedy, None)
+        seconds = time.perf_counter() - started
+        peak = 0
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated() + cuda_context_bytes(device)
+        return {
+            "total_tok_s": policy.block_size * gen_len / seconds,
+            "prefill_s": prefill,
+            "decode_s": seconds - prefill,
+            "peak_gpu_bytes": peak,
+        }
+    finally:
+        ex.close()
+        del ex
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="opt-30b")
+    p.add_argument("--gpu-mem", default="24GB")
+    p.add_argument("--cpu-mem", default=None)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--profile", type=Path)
+    p.add_argument("--policies", help="comma-separated subset of the hand policies")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args()
+    device = torch.device(args.device)
+    spec = resolve_model(args.model, dummy=True)
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    hw = HardwareProfile.from_file(args.profile) if args.profile else measure(None, quick=True)
+    caps = Caps(
+        parse_size(args.gpu_mem),
+        parse_size(args.cpu_mem) if args.cpu_mem else hw.cpu_mem_bytes,
+        False,
+    )
+    policies = hand_policies()
+    if args.policies:
+        policies = {k: v for k, v in policies.items() if k in args.policies.split(",")}
+    if device.type == "cpu":  # smoke run: small blocks
+        policies = {
+            k: Policy(
+                2, 2, weights=v.weights, kv_cache=v.kv_cache, attention_on_cpu=v.attention_on_cpu
+            )
+            for k, v in policies.items()
+        }
+    else:
+        best = search(spec.config, dtype, args.prompt_len, args.gen_len, hw, caps)
+        policies["searched"] = best.policy
+    res = {
+        "model": args.model,
+        "profile": json.loads(hw.to_json()),
+        "gpu_mem": args.gpu_mem,
+        "runs": {},
+    }
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    outdir = Path(os.environ.get("OUT", args.out))
+    outdir.mkdir(parents=True, exist_ok=True)
+    for name, policy in policies.items():
+        pred = estimate(spec.config, policy, dtype, args.prompt_len, args.gen_len, hw)
+        if device.type == "cuda" and pred.gpu_peak_bytes > caps.gpu_bytes:
+            res["runs"][name] = {
+                "policy": policy.to_dict(),
+                "skipped": "predicted over the GPU cap",
+            }
+            continue
+        got = measure_policy(spec, policy, dtype, device, args.prompt_len, args.gen_len)
+        res["runs"][name] = {
+            "policy": policy.to_dict(),
+            "measured": got,
+            "predicted": {
+                "total_tok_s": pred.total_tok_s,
+                "peak_gpu_bytes": pred.gpu_peak_bytes,
+                "bottleneck": pred.bottleneck,
+            },
+            "throughput_error": got["total_tok_s"] / pred.total_tok_s - 1,
+            "gpu_memory_error": (got["peak_gpu_bytes"] / pred.gpu_peak_bytes - 1)
+            if got["peak_gpu_bytes"]
+            else None,
+            "within_cap": got["peak_gpu_bytes"] <= caps.gpu_bytes,
+        }
+        (outdir / f"validate_cost_model_{stamp}.json").write_text(json.dumps(res, indent=1))
+        print(
+            f"{name}: measured {got['total_tok_s']:.2f} tok/s, predicted {pred.total_tok_s:.2f}",
+            flush=True,
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"validate_cost_model_{stamp}.json").write_text(json.dumps(res, indent=1))
+    print(
+        f"\n{'policy':28s} {'measured':>9s} {'predicted':>9s} {'error':>7s} {'GPU GB':>7s} {'pred GB':>7s}"
+    )
+    for name, r in res["runs"].items():
+        if "skipped" in r:
+            print(f"{name:28s} skipped: {r['skipped']}")
+            continue
+        m, pr = r["measured"], r["predicted"]
+        print(
+            f"{name:28s} {m['total_tok_s']:9.2f} {pr['total_tok_s']:9.2f} {100 * r['throughput_error']:+6.1f}% "
+            f"{m['peak_gpu_bytes'] / GB:7.1f} {pr['peak_gpu_bytes'] / GB:7.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
