@@ -66,9 +66,9 @@ class PlainRunner:
             group = min(kv_compression.group_size, self.cfg.head_dim)
             config = Compression(kv_compression.bits, group, kv_compression.symmetric)
             self.kv_transform = lambda t: fake_quantize(t, config)
-        self.head_w: Weights = source.head(dtype, device)
-        if self.cfg.tie_word_embeddings:
-            self.head_w["lm_head.weight"] = self.embed_w["tok.weight"]
+        # a tied head shares the embedding already loaded instead of loading it again
+        self.head_w: Weights = source.stored_stage("head", 0, dtype, device)
+        self.head_w.setdefault("lm_head.weight", self.embed_w["tok.weight"])
         self.load_seconds = time.perf_counter() - started
         self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.family == "llama" else None
         self._cache: list[LayerKV] = []

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.batch import PaddedBatch
 from offload.engine import LLM
 from offload.io.pinned import PinnedPool
 from offload.io.reader import ExtentReader
 from offload.io.store import WeightStore, write_stage_file
-from tests.tiny_models import hf_logits
+from tests.tiny_models import assert_prefill_logits_match
 
 pytestmark = pytest.mark.gpu
 
@@ -36,16 +35,7 @@ def test_pool_is_pinned_and_reader_copies_to_the_gpu(tmp_path):
 def test_cuda_fp32_logits_match_transformers(case, tiny_checkpoints):
     directory, model = tiny_checkpoints[case]
     llm = LLM(str(directory), device="cuda", dtype="float32")
-    batch = PaddedBatch(llm.config, PROMPTS, max_new_tokens=4, pad_id=0)
-    llm.runner.start(batch)
-    step = llm.runner.step_inputs(batch, 0, batch.prompt_len)
-    ours = llm.runner.forward(batch.prompt_ids, step, last_only=False).cpu()
-    mask = batch.key_valid[:, : batch.prompt_len]
-    ref = hf_logits(model, batch.prompt_ids, mask)
-    for row, prompt in enumerate(PROMPTS):
-        real = slice(batch.prompt_len - len(prompt), batch.prompt_len)
-        err = (ours[row, real] - ref[row, real]).norm() / ref[row, real].norm()
-        assert err <= 1e-4, f"{case} row {row}: {err:.2e}"
+    assert_prefill_logits_match(llm, model, PROMPTS, case)
 
 
 def test_cuda_greedy_matches_cpu(tiny_checkpoints):

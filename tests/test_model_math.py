@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.batch import PaddedBatch
 from offload.engine import LLM
 from offload.sampling import SamplingParams
 from tests import tiny_models
-from tests.tiny_models import hf_logits
+from tests.tiny_models import assert_prefill_logits_match
 
 PROMPTS = [
     [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
@@ -23,16 +22,7 @@ PROMPTS = [
 def test_logits_match_transformers(case, tiny_checkpoints):
     directory, model = tiny_checkpoints[case]
     llm = LLM(str(directory), device="cpu", dtype="float32")
-    batch = PaddedBatch(llm.config, PROMPTS, max_new_tokens=4, pad_id=0)
-    llm.runner.start(batch)
-    step = llm.runner.step_inputs(batch, 0, batch.prompt_len)
-    ours = llm.runner.forward(batch.prompt_ids, step, last_only=False)
-    mask = batch.key_valid[:, : batch.prompt_len]
-    ref = hf_logits(model, batch.prompt_ids, mask)
-    for row, prompt in enumerate(PROMPTS):
-        real = slice(batch.prompt_len - len(prompt), batch.prompt_len)
-        diff = (ours[row, real] - ref[row, real]).norm() / ref[row, real].norm()
-        assert diff <= 1e-4, f"{case}: prompt {row} logits differ, relative error {diff:.2e}"
+    assert_prefill_logits_match(llm, model, PROMPTS, case)
 
 
 @pytest.mark.parametrize("case", list(tiny_models.CASES))

@@ -109,3 +109,18 @@ def hf_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> 
         kwargs["position_ids"] = (mask.long().cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask.long(), **kwargs).logits.float()
+
+
+def assert_prefill_logits_match(llm, model, prompts: list[list[int]], case: str) -> None:
+    """Our prefill logits on a left-padded batch against transformers', row by row."""
+    from offload.batch import PaddedBatch
+
+    batch = PaddedBatch(llm.config, prompts, max_new_tokens=4, pad_id=0)
+    llm.runner.start(batch)
+    step = llm.runner.step_inputs(batch, 0, batch.prompt_len)
+    ours = llm.runner.forward(batch.prompt_ids, step, last_only=False).cpu()
+    ref = hf_logits(model, batch.prompt_ids, batch.key_valid[:, : batch.prompt_len])
+    for row, prompt in enumerate(prompts):
+        real = slice(batch.prompt_len - len(prompt), batch.prompt_len)
+        diff = (ours[row, real] - ref[row, real]).norm() / ref[row, real].norm()
+        assert diff <= 1e-4, f"{case}: prompt {row} logits differ, relative error {diff:.2e}"

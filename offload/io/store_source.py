@@ -23,7 +23,9 @@ class StoreSource(WeightSource):
         self.pool = pool
         self.reader = reader
 
-    def _stage(self, stage: str, index: int, dtype: torch.dtype, device: torch.device) -> Weights:
+    def stored_stage(
+        self, stage: str, index: int, dtype: torch.dtype, device: torch.device
+    ) -> Weights:
         key = f"layer.{index}" if stage == "layer" else stage
         extents = self.store.extents(key)
         blocks = [self.pool.alloc(e.padded) for e in extents]

@@ -172,7 +172,9 @@ class CheckpointSource(WeightSource):
         self.config = config
         self.reader = SafetensorsReader(directory)
 
-    def _stage(self, stage: str, index: int, dtype: torch.dtype, device: torch.device) -> Weights:
+    def stored_stage(
+        self, stage: str, index: int, dtype: torch.dtype, device: torch.device
+    ) -> Weights:
         wanted = self.stored_shapes(stage)
         names = _expand(_hf_names(self.config, stage, index), wanted)
         out: Weights = {}

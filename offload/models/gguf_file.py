@@ -110,7 +110,9 @@ class GGUFSource(WeightSource):
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         return torch.from_numpy(np.array(values, dtype=np.float32))  # own, writable copy
 
-    def _stage(self, stage: str, index: int, dtype: torch.dtype, device: torch.device) -> Weights:
+    def stored_stage(
+        self, stage: str, index: int, dtype: torch.dtype, device: torch.device
+    ) -> Weights:
         cfg = self.config
         wanted = self.stored_shapes(stage)
         out: Weights = {}

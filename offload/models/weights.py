@@ -25,8 +25,10 @@ class WeightSource(ABC):
     config: ModelConfig
 
     @abstractmethod
-    def _stage(self, stage: str, index: int, dtype: torch.dtype, device: torch.device) -> Weights:
-        """The stage's tensors as the source stores them (no tied head)."""
+    def stored_stage(
+        self, stage: str, index: int, dtype: torch.dtype, device: torch.device
+    ) -> Weights:
+        """The stage's tensors as the source holds them (a tied head has no lm_head)."""
 
     def stored_shapes(self, stage: str) -> dict[str, tuple[int, ...]]:
         """Canonical shapes of what the source itself holds for a stage (a tied head
@@ -41,9 +43,9 @@ class WeightSource(ABC):
 
         The head always carries lm_head.weight; for tied embeddings it is the token
         embedding (callers holding both stages may share one tensor)."""
-        weights = self._stage(stage, index, dtype, device)
-        if stage == "head" and self.config.tie_word_embeddings:
-            weights["lm_head.weight"] = self._stage("embed", 0, dtype, device)["tok.weight"]
+        weights = self.stored_stage(stage, index, dtype, device)
+        if stage == "head" and "lm_head.weight" not in weights:
+            weights["lm_head.weight"] = self.stored_stage("embed", 0, dtype, device)["tok.weight"]
         return weights
 
     def embed(self, dtype: torch.dtype, device: torch.device) -> Weights:
@@ -80,7 +82,9 @@ class DummySource(WeightSource):
         self.config = config
         self.seed = seed
 
-    def _stage(self, stage: str, index: int, dtype: torch.dtype, device: torch.device) -> Weights:
+    def stored_stage(
+        self, stage: str, index: int, dtype: torch.dtype, device: torch.device
+    ) -> Weights:
         device = torch.device(device)
         out: Weights = {}
         for name, shape in self.stored_shapes(stage).items():
