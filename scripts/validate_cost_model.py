@@ -102,7 +102,9 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--profile", type=Path)
-    p.add_argument("--policies", help="comma-separated subset of the hand policies")
+    p.add_argument(
+        "--policies", help="comma-separated subset of the policies (hand names, searched)"
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     device = torch.device(args.device)
@@ -115,8 +117,6 @@ def main() -> None:
         False,
     )
     policies = hand_policies()
-    if args.policies:
-        policies = {k: v for k, v in policies.items() if k in args.policies.split(",")}
     if device.type == "cpu":  # smoke run: small blocks
         policies = {
             k: Policy(
@@ -126,7 +126,9 @@ def main() -> None:
         }
     else:
         best = search(spec.config, dtype, args.prompt_len, args.gen_len, hw, caps)
-        policies["searched"] = best.policy
+        policies = {"searched": best.policy, **policies}
+    if args.policies:
+        policies = {k: v for k, v in policies.items() if k in args.policies.split(",")}
     res = {
         "model": args.model,
         "profile": json.loads(hw.to_json()),
