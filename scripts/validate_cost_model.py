@@ -113,7 +113,7 @@ def main() -> None:
     hw = HardwareProfile.from_file(args.profile) if args.profile else measure(None, quick=True)
     caps = Caps(
         parse_size(args.gpu_mem),
-        parse_size(args.cpu_mem) if args.cpu_mem else hw.cpu_mem_bytes,
+        parse_size(args.cpu_mem) if args.cpu_mem else hw.default_cpu_cap,
         False,
     )
     policies = hand_policies()

@@ -25,6 +25,18 @@ def test_logits_match_transformers(case, tiny_checkpoints):
     assert_prefill_logits_match(llm, model, PROMPTS, case)
 
 
+@pytest.mark.parametrize("case", ["llama-gqa", "bloom", "opt-350m-like"])
+def test_mlp_in_row_slices_matches_transformers(case, tiny_checkpoints, monkeypatch):
+    """Prefill runs the MLP in slices of MLP_CHUNK_ROWS token rows; with slices of 5
+    rows (uneven against 4 x 11 rows) the logits still match transformers'."""
+    from offload.models import decoder
+
+    monkeypatch.setattr(decoder, "MLP_CHUNK_ROWS", 5)
+    directory, model = tiny_checkpoints[case]
+    llm = LLM(str(directory), device="cpu", dtype="float32")
+    assert_prefill_logits_match(llm, model, PROMPTS, case)
+
+
 @pytest.mark.parametrize("case", list(tiny_models.CASES))
 def test_greedy_tokens_match_transformers(case, tiny_checkpoints):
     directory, model = tiny_checkpoints[case]

@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", required=True, help="a preset, hub repo id or path (only its config is read)"
     )
     p.add_argument("--gpu-mem", required=True, help="GPU memory cap, e.g. 24GB")
-    p.add_argument("--cpu-mem", help="CPU memory cap (default: this machine's RAM)")
+    p.add_argument("--cpu-mem", help="CPU memory cap (default: 90%% of this machine's RAM)")
     p.add_argument("--nvme", type=Path, help="a directory on fast disk for weights/KV")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
@@ -65,7 +65,7 @@ def _profile(args) -> HardwareProfile:
 
 def _caps(args, hw: HardwareProfile) -> Caps:
     gpu = parse_size(args.gpu_mem)
-    cpu = parse_size(args.cpu_mem) if args.cpu_mem else hw.cpu_mem_bytes
+    cpu = parse_size(args.cpu_mem) if args.cpu_mem else hw.default_cpu_cap
     if gpu <= 0 or cpu <= 0:
         raise UserError("memory caps must be positive")
     if hw.has_gpu and gpu > hw.gpu_mem_bytes:

@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy", type=Path, help="placement policy JSON (runs the offloading executor)"
     )
     p.add_argument("--gpu-mem", help="GPU memory cap, e.g. 24GB")
-    p.add_argument("--cpu-mem", help="CPU memory cap, e.g. 100GB")
+    p.add_argument("--cpu-mem", help="CPU memory cap, e.g. 100GB (default: 90%% of the RAM)")
     p.add_argument("--nvme", type=Path, help="directory for the weight store and KV spill")
     p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the last step here")
     p.add_argument(

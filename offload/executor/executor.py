@@ -171,6 +171,7 @@ class Executor:
         with self.lanes.on("compute", f"L{layer} mb{k} qkv"):
             q, k_new, v_new, residual = decoder.attn_in(self.cfg, w, x, step)
         context = self.kv.attention(layer, k, q, k_new, v_new, step.bias, step.cache_start)
+        del q, k_new, v_new  # [B, T, 3 x hidden] in prefill: not held through the MLP
         # (tensor parallelism: all-reduce the attention output projection here)
         with self.lanes.on("compute", f"L{layer} mb{k} mlp"):
             out = decoder.attn_out_and_mlp(self.cfg, w, context, residual)

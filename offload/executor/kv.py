@@ -344,6 +344,8 @@ class KVManager:
         with self.lanes.on("d2h", f"kv store mb{mb}", 2 * count * self.elt):
             sk.copy_(k, non_blocking=True)
             sv.copy_(v, non_blocking=True)
+        self.lanes.keep(k, "d2h")  # freed by the caller while the copy may still run
+        self.lanes.keep(v, "d2h")
         copied = self.lanes.record("d2h")
         previous = blk.stored
         if blk.rows[2]:  # also ordered after the last user of its disk staging

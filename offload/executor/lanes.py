@@ -143,6 +143,13 @@ class Lanes:
                 end_ev.record(stream)
                 self.tracer.spans.append(_Span(lane, name, start_ev, end_ev, nbytes))
 
+    def keep(self, tensor: torch.Tensor, lane: str) -> None:
+        """Tell the CUDA allocator that `lane` still reads tensor: its memory is not
+        reused by another stream's allocations until that work is done."""
+        stream = self.stream(lane)
+        if stream is not None:
+            tensor.record_stream(stream)
+
     def record(self, lane: str) -> torch.cuda.Event | None:
         stream = self.stream(lane)
         if stream is None:

@@ -134,21 +134,41 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torc
     return out.transpose(1, 2).reshape(batch, num_new, heads * dim)
 
 
+# Prefill pushes tens of thousands of token rows through the MLP at once; in slices of
+# this many rows its intermediate (4-8x the hidden size) stays small on the GPU.
+MLP_CHUNK_ROWS = 4096
+
+
 def attn_out_and_mlp(
     cfg: ModelConfig, w: Weights, context: torch.Tensor, residual: torch.Tensor
 ) -> torch.Tensor:
     """Output projection, residual, MLP block. Returns the layer's output hidden states."""
-    x = residual + F.linear(context, w["o.weight"], w.get("o.bias"))
+    x = F.linear(context, w["o.weight"], w.get("o.bias"))
+    x += residual
     if not cfg.do_layer_norm_before:
         x = _norm(cfg, w, "attn_norm", x)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= MLP_CHUNK_ROWS:
+        return _mlp(cfg, w, rows).view_as(x)
+    out = torch.empty_like(rows)
+    for start in range(0, rows.shape[0], MLP_CHUNK_ROWS):
+        part = slice(start, start + MLP_CHUNK_ROWS)
+        out[part] = _mlp(cfg, w, rows[part])
+    return out.view_as(x)
+
+
+def _mlp(cfg: ModelConfig, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    """The MLP with its residual (and OPT's post-norm) over token rows x [N, hidden]."""
     h = _norm(cfg, w, "mlp_norm", x) if cfg.do_layer_norm_before else x
     residual = h if cfg.residual_from_norm else x
-    up = F.linear(h, w["mlp_in.weight"], w.get("mlp_in.bias"))
-    act = ops.mlp_activation(up, cfg.activation, cfg.gated_mlp)
-    x = residual + F.linear(act, w["mlp_out.weight"], w.get("mlp_out.bias"))
+    act = ops.mlp_activation(
+        F.linear(h, w["mlp_in.weight"], w.get("mlp_in.bias")), cfg.activation, cfg.gated_mlp
+    )
+    out = F.linear(act, w["mlp_out.weight"], w.get("mlp_out.bias"))
+    out += residual
     if not cfg.do_layer_norm_before:
-        x = _norm(cfg, w, "mlp_norm", x)
-    return x
+        out = _norm(cfg, w, "mlp_norm", out)
+    return out
 
 
 def head(cfg: ModelConfig, w: Weights, x: torch.Tensor) -> torch.Tensor:

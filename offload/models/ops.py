@@ -24,14 +24,16 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind:
 
 
 def mlp_activation(x: torch.Tensor, kind: str, gated: bool) -> torch.Tensor:
-    """Apply the MLP nonlinearity; a gated input holds [gate | up] along the last dim."""
+    """Apply the MLP nonlinearity; a gated input holds [gate | up] along the last dim.
+
+    x is a temporary the caller no longer needs (it may be overwritten)."""
     if gated:
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)
     if kind == "gelu_tanh":
         return F.gelu(x, approximate="tanh")
     if kind == "relu":
-        return F.relu(x)
+        return F.relu_(x)  # x is the fresh projection output: no copy
     raise AssertionError(f"unknown activation {kind}")
 
 

@@ -15,6 +15,7 @@ import torch
 from offload.config import ModelConfig
 from offload.executor.weights import stage_cut, stage_image_bytes
 from offload.io.pinned import align_up
+from offload.models import decoder
 from offload.policies.policy import Policy
 
 
@@ -111,12 +112,27 @@ def activation_plan(
         gpu_rows += g
         cpu_bytes += align_up(c * row_bytes) if c else 0
     mb = max(sizes)
+    transient = mb * cfg.vocab_size * 4 * 2  # last-position logits (fp32) and their cat
+    transient += _layer_transient(cfg, mb * prompt_len) * elt
+    # the step's attention bias [B, 1|heads, T, S], built once for the whole block
     heads = cfg.num_heads if cfg.family == "bloom" else 1
-    mlp = (3 if cfg.gated_mlp else 2) * cfg.intermediate_size
-    transient = mb * prompt_len * (mlp + 6 * cfg.hidden_size) * elt
-    transient += mb * heads * prompt_len * max_slots * elt  # attention bias
-    transient += mb * cfg.vocab_size * 4 * 2  # last-position logits (fp32) and their cat
+    transient += batch * heads * prompt_len * max_slots * elt
     return {"act_gpu": gpu_rows * row_bytes * 2, "act_cpu": cpu_bytes, "transient_gpu": transient}
+
+
+def _layer_transient(cfg: ModelConfig, tokens: int) -> int:
+    """Elements a layer holds at its peak over `tokens` new rows, besides its input and
+    output (counted as activations); counted from `decoder`'s own code:
+    attention half: norm output + the fused qkv + RoPE's temporaries of q (3 x hidden)
+    or SDPA's output and its reshape; MLP half: attention output and projection at full
+    size, plus one `MLP_CHUNK_ROWS` slice of the MLP (its input, norm, intermediate and
+    activation, output)."""
+    hidden, qkv = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    attn_half = tokens * (qkv + (4 if cfg.family == "llama" else 3) * hidden)
+    intermediate = (2 if cfg.gated_mlp else 1) * cfg.intermediate_size
+    chunk = min(tokens, decoder.MLP_CHUNK_ROWS)
+    mlp_half = 2 * tokens * hidden + chunk * (2 * hidden + 2 * intermediate)
+    return max(attn_half, mlp_half)
 
 
 def plan_memory(

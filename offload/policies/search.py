@@ -35,8 +35,17 @@ class Caps:
     nvme: bool
 
 
+# The plan counts every tensor the executor allocates, but not the CUDA allocator's
+# block rounding or cuBLAS/SDPA workspaces: the search leaves this share of the GPU cap.
+GPU_HEADROOM = 0.02
+
+
+def _gpu_budget(caps: Caps) -> float:
+    return caps.gpu_bytes * (1 - GPU_HEADROOM)
+
+
 def _fits(est: Estimate, caps: Caps) -> bool:
-    return est.gpu_peak_bytes <= caps.gpu_bytes and est.cpu_peak_bytes <= caps.cpu_bytes
+    return est.gpu_peak_bytes <= _gpu_budget(caps) and est.cpu_peak_bytes <= caps.cpu_bytes
 
 
 def _kv_placement(
@@ -46,7 +55,7 @@ def _kv_placement(
     probe = plan_memory(cfg, _with(base, kv=Placement(0.0, 1.0, 0.0)), dtype, prompt_len, gen_len)
     kv_total = max(probe.detail["kv_cpu"], 1)
     gpu_left = (
-        caps.gpu_bytes
+        _gpu_budget(caps)
         - hw.gpu_context_bytes
         - (probe.gpu_bytes - probe.detail["kv_gpu"])
         - probe.detail["kv_scratch_gpu"]
