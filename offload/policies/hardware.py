@@ -10,7 +10,6 @@ import json
 import os
 import platform
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -130,10 +129,13 @@ def _disk_rates(directory: Path, nbytes: int) -> tuple[float, float]:
     return read, write
 
 
-def _cpu_attention_rate(dtype: torch.dtype, host: torch.Tensor | None = None, gpu=None) -> float:
+def _cpu_attention_rate(
+    dtype: torch.dtype, host: torch.Tensor | None = None, gpu=None, h2d_gbps: float = 0.0
+) -> float:
     """GB/s of KV that the executor's CPU attention (torch SDPA) reads at a decode shape.
 
-    Given a pinned `host` buffer and a `gpu` one, host -> GPU copies run all the while,
+    Given a pinned `host` buffer, a `gpu` one and their measured copy rate, host -> GPU
+    copies run all the while,
     as the executor's weight stream does during its CPU attention: both read DRAM, and
     the contended rate is the one the executor gets (OPT-30B on the H100 machine: 67
     GB/s alone, 47-50 inside the executor)."""
@@ -142,28 +144,22 @@ def _cpu_attention_rate(dtype: torch.dtype, host: torch.Tensor | None = None, gp
     v = torch.randn_like(k)
     q = torch.randn(rows, heads, 1, dim).to(dtype)
     bias = torch.zeros(rows, 1, 1, slots, dtype=dtype)
-    stop = threading.Event()
-
-    def stream_copies() -> None:
-        with torch.cuda.stream(torch.cuda.Stream()):
-            while not stop.is_set():
+    F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # warm up
+    if host is not None:
+        # queue enough copies to outlast the timing; no host thread waits on them (a
+        # spinning waiter would take a core from SDPA's threads, which the executor's
+        # copies never do)
+        side = torch.cuda.Stream()
+        expected = 3 * 2 * k.numel() * k.element_size() / (20 * GB)  # >= SDPA's time
+        with torch.cuda.stream(side):
+            for _ in range(int(expected * h2d_gbps * GB / host.numel()) + 2):
                 gpu.copy_(host, non_blocking=True)
-                torch.cuda.current_stream().synchronize()
-
-    copier = threading.Thread(target=stream_copies, daemon=True) if host is not None else None
-    if copier is not None:
-        copier.start()
-    try:
-        F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # warm up
-        seconds = 0.0
-        for _ in range(3):  # SDPA on the CPU never touches the device: time it directly
-            started = time.perf_counter()
-            F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-            seconds += time.perf_counter() - started
-    finally:
-        stop.set()
-        if copier is not None:
-            copier.join()
+    started = time.perf_counter()
+    for _ in range(3):  # SDPA on the CPU never touches the device: timed directly
+        F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    seconds = time.perf_counter() - started
+    if host is not None:
+        side.synchronize()
     return 3 * 2 * k.numel() * k.element_size() / seconds / GB
 
 
@@ -189,7 +185,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         gpu = torch.empty(size, dtype=torch.uint8, device=dev)
         gpu2 = torch.empty(size, dtype=torch.uint8, device=dev)
         h2d, d2h = _copy_rate(host, gpu), _copy_rate(gpu, host)
-        cpu_attn = _cpu_attention_rate(torch.float16, host, gpu)
+        cpu_attn = _cpu_attention_rate(torch.float16, host, gpu, h2d)
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
         def both() -> None:
