@@ -67,3 +67,13 @@ def test_cuda_executor_policies_give_the_plain_tokens(policy, tiny_checkpoints, 
     ) as llm:
         runs = [[o.token_ids for o in llm.generate(MANY, PARAMS)] for _ in range(3)]
     assert all(run == [o.token_ids for o in plain] for run in runs)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_qlinear_kernel_compiled_matches_reference(bits, symmetric):
+    from tests.kernel_cases import QLINEAR_SHAPES, qlinear_failures
+
+    shapes = [*QLINEAR_SHAPES, (8, 7168, 7168, 64), (512, 4096, 11008, 128)]
+    dtypes = [torch.float16, torch.bfloat16]
+    assert qlinear_failures(bits, symmetric, "cuda", dtypes, shapes) == []

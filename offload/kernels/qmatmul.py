@@ -1,0 +1,159 @@
+"""Dequantize-and-multiply: y = x @ dequantize(W)^T (+ bias) for a group-wise quantized W.
+
+W [N, K] is stored as `quant.QTensor`: codes [N, K / G, G x bits / 8] (int4 packed two a
+byte, low nibble first), fp16 scale (and minimum, asymmetric) [N, K / G, 1]. The Triton
+kernel reads the codes and the group parameters, dequantizes one group of every W row
+in registers and multiplies it into an fp32 accumulator with `tl.dot`: the full-
+precision weight never exists in memory. One kernel serves decode shapes (a few to a
+few hundred rows of x; the W read dominates, so tiles are wide in N) and prefill shapes
+(tiles in M and N); the launcher picks the tiles from the shape.
+
+`qlinear_reference` is the plain-torch definition (dequantize, then `F.linear`) that the
+kernel must match; it also runs wherever Triton or CUDA is absent (the CPU tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from offload.kernels.quant import QTensor, dequantize
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference path runs instead
+    triton = None
+
+
+def qlinear_reference(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, dequantize(w).to(x.dtype), bias)
+
+
+def use_kernel(x: torch.Tensor) -> bool:
+    """The Triton kernel runs on CUDA tensors, or anywhere under TRITON_INTERPRET=1."""
+    if triton is None:
+        return False
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (fp16/bf16/fp32) times the quantized W [N, K]; returns [..., N] in x's dtype."""
+    if not use_kernel(x):
+        return qlinear_reference(x, w, bias)
+    n, k = w.shape
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    cfg = w.config
+    block_m, block_n, warps, stages = _tiles(m, n)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _qmatmul_kernel[grid](
+        rows,
+        w.codes,
+        w.scale,
+        w.minimum if w.minimum is not None else w.scale,
+        bias if bias is not None else out,
+        out,
+        m,
+        n,
+        k,
+        rows.stride(0),
+        BITS=cfg.bits,
+        GROUP=cfg.group_size,
+        SYMMETRIC=cfg.symmetric,
+        HAS_BIAS=bias is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out.view(*x.shape[:-1], n)
+
+
+def _tiles(m: int, n: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, pipeline stages) for an [m, K] x [K, n] product.
+
+    Decode (m <= 64): one M tile and narrow N tiles, so that even the smallest layer
+    spreads its weight read over every SM; prefill: 64 x 128 tiles."""
+    if m <= 16:
+        return 16, 32, 4, 4
+    if m <= 64:
+        return 64, 32, 4, 4
+    if m <= 256:
+        return 128, 64, 8, 3
+    return 128, 128, 8, 3
+
+
+if triton is not None:
+
+    @triton.jit
+    def _qmatmul_kernel(
+        x_ptr,
+        codes_ptr,
+        scale_ptr,
+        min_ptr,
+        bias_ptr,
+        out_ptr,
+        M,
+        N,
+        K: tl.constexpr,
+        stride_xm,
+        BITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        SYMMETRIC: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = rm < M
+        n_ok = rn < N
+        groups = K // GROUP
+        row_bytes = K * BITS // 8
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        kk = tl.arange(0, GROUP)
+        for g in tl.range(0, K // GROUP):
+            xt = tl.load(
+                x_ptr + rm[:, None] * stride_xm + (g * GROUP + kk)[None, :],
+                mask=m_ok[:, None],
+                other=0.0,
+            )
+            if BITS == 8:
+                codes = tl.load(
+                    codes_ptr + rn[:, None] * row_bytes + g * GROUP + kk[None, :],
+                    mask=n_ok[:, None],
+                    other=0,
+                )
+            else:
+                half = tl.arange(0, GROUP // 2)
+                packed = tl.load(
+                    codes_ptr + rn[:, None] * row_bytes + g * (GROUP // 2) + half[None, :],
+                    mask=n_ok[:, None],
+                    other=0,
+                )
+                codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, GROUP))
+            scale = tl.load(scale_ptr + rn * groups + g, mask=n_ok, other=0.0).to(tl.float32)
+            values = codes.to(tl.float32)
+            if SYMMETRIC:
+                values = (values - ((1 << BITS) - 1) // 2) * scale[:, None]
+            else:
+                low = tl.load(min_ptr + rn * groups + g, mask=n_ok, other=0.0).to(tl.float32)
+                values = values * scale[:, None] + low[:, None]
+            acc = tl.dot(xt, tl.trans(values.to(xt.dtype)), acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            out_ptr + rm[:, None] * N + rn[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=m_ok[:, None] & n_ok[None, :],
+        )
