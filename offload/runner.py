@@ -15,21 +15,21 @@ import torch
 
 from offload.batch import PaddedBatch
 from offload.config import ModelConfig
-from offload.kernels.quant import fake_quantize
+from offload.kernels.quant import fake_quantize, is_quantized
 from offload.models import decoder, ops
 from offload.models.decoder import LayerKV, StepInputs, Weights
 from offload.models.weights import WeightSource
 from offload.policies.policy import Compression
 
-MATRICES = ("qkv.weight", "o.weight", "mlp_in.weight", "mlp_out.weight")
-
 
 def _compressed(weights: Weights, config: Compression | None) -> Weights:
+    """The values a compressed run computes with (quantize, dequantize)."""
     if config is None:
         return weights
-    from offload.kernels.quant import fake_quantize
-
-    return {k: fake_quantize(v, config) if k in MATRICES else v for k, v in weights.items()}
+    return {
+        k: fake_quantize(v, config) if is_quantized(k, tuple(v.shape), config) else v
+        for k, v in weights.items()
+    }
 
 
 log = logging.getLogger(__name__)

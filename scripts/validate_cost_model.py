@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from offload.batch import PaddedBatch
-from offload.cli.common import parse_size
+from offload.cli.common import parse_compression, parse_size
 from offload.executor.caps import cuda_context_bytes
 from offload.executor.executor import Executor
 from offload.models.resolve import resolve_model
@@ -125,7 +125,15 @@ def main() -> None:
             for k, v in policies.items()
         }
     else:
-        best = search(spec.config, dtype, args.prompt_len, args.gen_len, hw, caps)
+        best = search(
+            spec.config,
+            dtype,
+            args.prompt_len,
+            args.gen_len,
+            hw,
+            caps,
+            compressions=parse_compression(args.compress),
+        )
         policies = {"searched": best.policy, **policies}
     if args.policies:
         policies = {k: v for k, v in policies.items() if k in args.policies.split(",")}

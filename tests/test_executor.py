@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from offload.engine import LLM
 from offload.errors import UserError
 from offload.executor.caps import MemoryCaps
-from offload.policies.policy import Placement, Policy
+from offload.policies.policy import Compression, Placement, Policy
+from offload.runner import PlainRunner
 from offload.sampling import SamplingParams
+from tests.tiny_models import prefill_logits
 
 PROMPTS = [
     [5, 6, 7, 8, 9, 10, 11],
@@ -163,3 +166,64 @@ def test_block_over_the_cap_is_refused_before_generating(tiny_checkpoints):
         llm.caps = MemoryCaps(cpu_bytes=1)
         with pytest.raises(UserError, match="CPU needs"):
             llm.generate(PROMPTS, PARAMS)
+
+
+INT4 = Compression(bits=4, group_size=32, symmetric=False)
+INT8 = Compression(bits=8, group_size=64, symmetric=True)
+COMPRESSED_POLICIES = ["weights-3-ways", "kv-cpu-cpu-attention", "overlap-everything-split"]
+
+
+def _plain_compressed(directory, compression):
+    llm = LLM(str(directory), device="cpu", dtype="float32", batch_size=8)
+    with llm.spec.open_weights() as source:
+        llm.runner = PlainRunner(
+            source, torch.float32, torch.device("cpu"), weight_compression=compression
+        )
+    return llm
+
+
+def _with_compression(policy: Policy, compression: Compression) -> Policy:
+    return Policy.from_dict({**policy.to_dict(), "weight_compression": compression.__dict__})
+
+
+@pytest.mark.parametrize("compression", [INT4, INT8], ids=["int4-g32", "int8-g64-sym"])
+@pytest.mark.parametrize("case", FAMILIES)
+def test_compressed_weights_give_the_plain_compressed_tokens(
+    case, compression, tiny_checkpoints, tmp_path
+):
+    """Every tier holds the quantized matrices (codes + fp16 group parameters) and the
+    executor multiplies with them; the plain run computes with the same values
+    (quantize-dequantize), so tokens agree exactly on the CPU."""
+    directory, _ = tiny_checkpoints[case]
+    want = [
+        o.token_ids for o in _plain_compressed(directory, compression).generate(PROMPTS, PARAMS)
+    ]
+    for name in COMPRESSED_POLICIES:
+        policy = _with_compression(POLICIES[name], compression)
+        with LLM(
+            str(directory), device="cpu", dtype="float32", policy=policy, nvme=tmp_path
+        ) as llm:
+            got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        assert got == want, f"{case} under {name} with {compression} differs"
+
+
+@pytest.mark.parametrize(
+    ("compression", "bound"), [(INT8, 0.02), (INT4, 0.25)], ids=["int8", "int4"]
+)
+def test_compressed_logits_stay_near_the_uncompressed_run(
+    compression, bound, tiny_checkpoints, tmp_path
+):
+    """Stated bounds on max |logit error| / max |logit| against the uncompressed plain run,
+    over every family and the compressed policies."""
+    for case in FAMILIES:
+        directory, _ = tiny_checkpoints[case]
+        plain = LLM(str(directory), device="cpu", dtype="float32", batch_size=8)
+        want, _ = prefill_logits(plain, PROMPTS)
+        for name in COMPRESSED_POLICIES:
+            policy = _with_compression(POLICIES[name], compression)
+            with LLM(
+                str(directory), device="cpu", dtype="float32", policy=policy, nvme=tmp_path
+            ) as llm:
+                got, _ = prefill_logits(llm, PROMPTS)
+            error = ((got - want).abs().max() / want.abs().max()).item()
+            assert error < bound, f"{case} {name}: relative logit error {error:.3g}"

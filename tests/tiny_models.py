@@ -111,14 +111,19 @@ def hf_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> 
         return model(input_ids=ids, attention_mask=mask.long(), **kwargs).logits.float()
 
 
-def assert_prefill_logits_match(llm, model, prompts: list[list[int]], case: str) -> None:
-    """Our prefill logits on a left-padded batch against transformers', row by row."""
+def prefill_logits(llm, prompts: list[list[int]]):
+    """Our logits at every position of a left-padded batch: (logits [B, T, V], batch)."""
     from offload.batch import PaddedBatch
 
     batch = PaddedBatch(llm.config, prompts, max_new_tokens=4, pad_id=0)
     llm.runner.start(batch)
     step = llm.runner.step_inputs(batch, 0, batch.prompt_len)
-    ours = llm.runner.forward(batch.prompt_ids, step, last_only=False).cpu()
+    return llm.runner.forward(batch.prompt_ids, step, last_only=False).cpu(), batch
+
+
+def assert_prefill_logits_match(llm, model, prompts: list[list[int]], case: str) -> None:
+    """Our prefill logits on a left-padded batch against transformers', row by row."""
+    ours, batch = prefill_logits(llm, prompts)
     ref = hf_logits(model, batch.prompt_ids, batch.key_valid[:, : batch.prompt_len])
     for row, prompt in enumerate(prompts):
         real = slice(batch.prompt_len - len(prompt), batch.prompt_len)

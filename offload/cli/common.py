@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 
 from offload.errors import UserError
+from offload.policies.policy import Compression
 
 _UNITS = {
     "": 1,
@@ -30,6 +31,33 @@ def parse_size(text: str) -> int:
     if match is None or unit not in _UNITS:
         raise UserError(f"cannot parse size {text!r}; write it like 24GB, 24GiB or 512MB")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+COMPRESS_HELP = (
+    "weight compression: none (default), int4 or int8 (group-wise, group 64, asymmetric; "
+    "add -gN for another group size, -sym for symmetric), or auto (the plan search chooses "
+    "among none, int4 and int8)"
+)
+_COMPRESS = re.compile(r"int(4|8)(?:-g(\d+))?(-sym)?")
+
+
+def parse_compression(text: str | None) -> tuple[Compression | None, ...]:
+    """--compress: the weight formats the plan may use (None is uncompressed)."""
+    if text is None or text == "none":
+        return (None,)
+    if text == "auto":
+        return (None, Compression(4, 64, False), Compression(8, 64, False))
+    match = _COMPRESS.fullmatch(text)
+    if match is None:
+        raise UserError(
+            f"--compress {text!r} is not understood; use none, int4, int8, int4-g128, "
+            "int8-sym or auto"
+        )
+    bits, group, sym = match.groups()
+    try:
+        return (Compression(int(bits), int(group or 64), sym is not None),)
+    except ValueError as exc:
+        raise UserError(f"--compress {text}: {exc}") from None
 
 
 def setup_logging(quiet: bool) -> None:

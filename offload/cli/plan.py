@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from offload.cli.common import parse_size, run_cli, setup_logging
+from offload.cli.common import COMPRESS_HELP, parse_compression, parse_size, run_cli, setup_logging
 from offload.engine import DTYPES
 from offload.errors import UserError
 from offload.models.resolve import resolve_model
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-mem", required=True, help="GPU memory cap, e.g. 24GB")
     p.add_argument("--cpu-mem", help="CPU memory cap (default: 90%% of this machine's RAM)")
     p.add_argument("--nvme", type=Path, help="a directory on fast disk for weights/KV")
+    p.add_argument("--compress", default="none", help=COMPRESS_HELP)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--num-prompts", type=int, help="requests in the job (caps the block size)")
@@ -82,7 +83,10 @@ def _plan(args) -> int:
     hw = _profile(args)
     caps = _caps(args, hw)
     dtype = DTYPES[args.dtype]
-    best = search(cfg, dtype, args.prompt_len, args.gen_len, hw, caps, args.num_prompts)
+    args.compressions = parse_compression(args.compress)
+    best = search(
+        cfg, dtype, args.prompt_len, args.gen_len, hw, caps, args.num_prompts, args.compressions
+    )
     what_if = _what_if(cfg, dtype, args, hw, caps, best)
     if args.json:
         print(json.dumps(_as_json(best, what_if), indent=1))
@@ -104,7 +108,16 @@ def _what_if(cfg, dtype, args, hw, caps: Caps, best: Estimate) -> list[tuple[str
     out = []
     for label, trial in trials:
         try:
-            est = search(cfg, dtype, args.prompt_len, args.gen_len, hw, trial, args.num_prompts)
+            est = search(
+                cfg,
+                dtype,
+                args.prompt_len,
+                args.gen_len,
+                hw,
+                trial,
+                args.num_prompts,
+                args.compressions,
+            )
         except UserError:
             continue
         out.append((label, est.total_tok_s / best.total_tok_s))
@@ -197,6 +210,7 @@ def _plot(path: Path, cfg, dtype, args, hw, caps: Caps, best: Estimate) -> None:
             weights=best.policy.weights,
             kv_cache=best.policy.kv_cache,
             attention_on_cpu=best.policy.attention_on_cpu,
+            weight_compression=best.policy.weight_compression,
         )
         est = estimate(cfg, policy, dtype, args.prompt_len, args.gen_len, hw)
         if est.gpu_peak_bytes <= caps.gpu_bytes and est.cpu_peak_bytes <= caps.cpu_bytes:

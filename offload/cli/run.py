@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from offload import jobs
-from offload.cli.common import parse_size, run_cli, setup_logging
+from offload.cli.common import COMPRESS_HELP, parse_compression, parse_size, run_cli, setup_logging
 from offload.engine import LLM
 from offload.errors import UserError
 from offload.executor.caps import MemoryCaps
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-len", type=int, default=512, help="typical prompt tokens (plan search)"
     )
     p.add_argument("--profile", type=Path, help="hardware profile JSON for the plan search")
+    p.add_argument("--compress", default="none", help=COMPRESS_HELP)
     p.add_argument(
         "--restart", action="store_true", help="discard an unfinished job's results and start over"
     )
@@ -146,7 +147,10 @@ def _searched_policy(args: argparse.Namespace, params: SamplingParams) -> Policy
     hw = _profile(args)
     caps = _caps(args, hw)
     dtype = resolve_dtype(args.dtype, resolve_device(args.device), cfg.checkpoint_dtype)
-    best = search(cfg, dtype, args.prompt_len, params.max_new_tokens, hw, caps)
+    compressions = parse_compression(args.compress)
+    best = search(
+        cfg, dtype, args.prompt_len, params.max_new_tokens, hw, caps, compressions=compressions
+    )
     log.info(
         "searched policy: predicted %.1f tok/s, bottleneck %s", best.total_tok_s, best.bottleneck
     )

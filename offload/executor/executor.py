@@ -81,9 +81,16 @@ class Executor:
         store = None
         if policy.weights.disk > 0:
             assert nvme_dir is not None, "the caller checks --nvme for disk policies"
-            store = ensure_store(source, nvme_dir, dtype, progress=progress)
+            store = ensure_store(source, nvme_dir, dtype, progress, policy.weight_compression)
         self.homes = WeightHomes(
-            source, policy.weights, dtype, device, self.pool, self.ledger, store
+            source,
+            policy.weights,
+            dtype,
+            device,
+            self.pool,
+            self.ledger,
+            store,
+            policy.weight_compression,
         )
         self.fetcher = WeightFetcher(
             self.homes, self.lanes, device, self.pool, self.reader, self.ledger

@@ -28,9 +28,10 @@ from offload.io.pinned import PinnedPool, PoolBlock, align_up
 from offload.io.reader import ExtentReader
 from offload.io.store import Extent, WeightStore, stage_keys
 from offload.io.tiers import MemoryLedger, Tier
+from offload.kernels.quant import assemble_stage, compress_stage, stored_layout
 from offload.models.decoder import Weights, stage_shapes
 from offload.models.weights import DummySource, WeightSource
-from offload.policies.policy import Placement
+from offload.policies.policy import Compression, Placement
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ class StageImage:
     size: int
     gpu_end: int
     cpu_end: int
+    shapes: dict[str, tuple[int, ...]]  # the stage's canonical tensors
+    dtype: torch.dtype
+    compression: Compression | None
     gpu_home: torch.Tensor | None = None  # uint8 [gpu_end] on the compute device
     cpu_home: PoolBlock | None = None  # [cpu_end - gpu_end] pinned
     disk_extents: tuple[Extent, ...] = ()  # cover [cpu_end, size), offsets relative to cpu_end
@@ -60,13 +64,16 @@ class StageImage:
         return self.gpu_end == self.size
 
     def views(self, image: torch.Tensor) -> Weights:
-        return {
+        stored = {
             t.name: image[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape)
             for t in self.layout
         }
+        return assemble_stage(stored, self.shapes, self.dtype, self.compression)
 
 
-def _layout(key: str, cfg, dtype: torch.dtype, store: WeightStore | None) -> list[TensorSlot]:
+def _layout(
+    key: str, cfg, dtype: torch.dtype, store: WeightStore | None, compression: Compression | None
+) -> list[TensorSlot]:
     if store is not None:
         base = None
         slots = []
@@ -74,14 +81,15 @@ def _layout(key: str, cfg, dtype: torch.dtype, store: WeightStore | None) -> lis
             base = e.offset if base is None else base
             slots.append(TensorSlot(e.name, e.offset - base, e.nbytes, e.shape, e.dtype))
         return slots
-    size = torch.empty((), dtype=dtype).element_size()
     slots, offset = [], 0
     stage = key.partition(".")[0]
-    for name, shape in stage_shapes(cfg, stage).items():
-        nbytes = size
+    for name, (shape, t_dtype) in stored_layout(
+        stage_shapes(cfg, stage), dtype, compression
+    ).items():
+        nbytes = torch.empty((), dtype=t_dtype).element_size()
         for dim in shape:
             nbytes *= dim
-        slots.append(TensorSlot(name, offset, nbytes, shape, dtype))
+        slots.append(TensorSlot(name, offset, nbytes, shape, t_dtype))
         offset += align_up(nbytes)
     return slots
 
@@ -116,11 +124,13 @@ def stage_cut(size: int, placement: Placement) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def stage_image_bytes(cfg, dtype: torch.dtype) -> tuple[int, ...]:
+def stage_image_bytes(
+    cfg, dtype: torch.dtype, compression: Compression | None = None
+) -> tuple[int, ...]:
     """Image size of every stage (embedding, layers, head), in stage order."""
     return tuple(
         align_up(s.offset + s.nbytes)
-        for s in (_layout(k, cfg, dtype, None)[-1] for k in stage_keys(cfg))
+        for s in (_layout(k, cfg, dtype, None, compression)[-1] for k in stage_keys(cfg))
     )
 
 
@@ -136,16 +146,18 @@ class WeightHomes:
         pool: PinnedPool,
         ledger: MemoryLedger,
         store: WeightStore | None,
+        compression: Compression | None = None,
     ) -> None:
         cfg = source.config
         if placement.disk > 0 and store is None:
             raise UserError("the policy puts weights on disk; give --nvme DIR for the weight store")
         self.images: list[StageImage] = []
         for key in stage_keys(cfg):
-            layout = _layout(key, cfg, dtype, store)
+            layout = _layout(key, cfg, dtype, store, compression)
             size = align_up(layout[-1].offset + layout[-1].nbytes)
             gpu_end, cpu_end = stage_cut(size, placement)
-            image = StageImage(key, layout, size, gpu_end, cpu_end)
+            shapes = stage_shapes(cfg, key.partition(".")[0])
+            image = StageImage(key, layout, size, gpu_end, cpu_end, shapes, dtype, compression)
             host = self._host_image(source, image, dtype, device)
             if gpu_end:
                 image.gpu_home = host[:gpu_end].to(device, copy=True)
@@ -168,7 +180,9 @@ class WeightHomes:
         stage, _, index = image.key.partition(".")
         # dummy weights are made on the compute device (a GPU draws them far faster)
         make_on = device if isinstance(source, DummySource) else torch.device("cpu")
-        weights = source.stage(stage, int(index or 0), dtype, make_on)
+        weights = compress_stage(
+            source.stage(stage, int(index or 0), dtype, make_on), image.compression
+        )
         host = torch.zeros(image.size, dtype=torch.uint8)
         for t in image.layout:
             host[t.offset : t.offset + t.nbytes] = (

@@ -29,8 +29,10 @@ import xxhash
 from offload.config import ModelConfig
 from offload.errors import UserError
 from offload.io.pinned import ALIGN, align_up
+from offload.kernels.quant import compress_stage, stored_layout
 from offload.models.decoder import stage_shapes
 from offload.models.weights import WeightSource
+from offload.policies.policy import Compression
 
 log = logging.getLogger(__name__)
 
@@ -84,22 +86,34 @@ class Extent:
         return align_up(self.nbytes)
 
 
-def store_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+def store_bytes(
+    cfg: ModelConfig, dtype: torch.dtype, compression: Compression | None = None
+) -> int:
     """Bytes a store of this model takes on disk (extents padded to 4 KiB)."""
-    size = torch.empty((), dtype=dtype).element_size()
     total = 0
     for key in stage_keys(cfg):
-        for shape in stage_shapes(cfg, _split_key(key)[0]).values():
-            count = 1
+        shapes = stage_shapes(cfg, _split_key(key)[0])
+        for shape, t_dtype in stored_layout(shapes, dtype, compression).values():
+            count = torch.empty((), dtype=t_dtype).element_size()
             for dim in shape:
                 count *= dim
-            total += align_up(count * size)
+            total += align_up(count)
     return total
 
 
-def store_dir(nvme_dir: Path, cfg: ModelConfig, dtype: torch.dtype) -> Path:
+def compression_name(compression: Compression | None) -> str | None:
+    if compression is None:
+        return None
+    kind = "sym" if compression.symmetric else "asym"
+    return f"int{compression.bits}-g{compression.group_size}-{kind}"
+
+
+def store_dir(
+    nvme_dir: Path, cfg: ModelConfig, dtype: torch.dtype, compression: Compression | None = None
+) -> Path:
     safe_name = "".join(c if c.isalnum() or c in "-._" else "_" for c in cfg.name)
-    return nvme_dir / f"{safe_name}-{cfg.fingerprint()}-{DTYPE_NAMES[dtype]}"
+    suffix = f"-{compression_name(compression)}" if compression is not None else ""
+    return nvme_dir / f"{safe_name}-{cfg.fingerprint()}-{DTYPE_NAMES[dtype]}{suffix}"
 
 
 class WeightStore:
@@ -111,7 +125,13 @@ class WeightStore:
         self.dtype = DTYPES_BY_NAME[manifest["dtype"]]
 
     @classmethod
-    def open(cls, directory: Path, cfg: ModelConfig, dtype: torch.dtype) -> WeightStore:
+    def open(
+        cls,
+        directory: Path,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        compression: Compression | None = None,
+    ) -> WeightStore:
         """Open a store, checking that it is complete and matches the model and dtype."""
         path = directory / MANIFEST
         if not path.is_file():
@@ -126,7 +146,7 @@ class WeightStore:
             "format_version": FORMAT_VERSION,
             "config_hash": cfg.fingerprint(),
             "dtype": DTYPE_NAMES[dtype],
-            "compression": None,
+            "compression": compression_name(compression),
         }
         for key, value in wanted.items():
             if manifest.get(key) != value:
@@ -194,13 +214,18 @@ def _fsync_dir(path: Path) -> None:
 
 
 def convert(
-    source: WeightSource, nvme_dir: Path, dtype: torch.dtype, progress: bool = False
+    source: WeightSource,
+    nvme_dir: Path,
+    dtype: torch.dtype,
+    progress: bool = False,
+    compression: Compression | None = None,
 ) -> Path:
-    """Write a store for `source` under nvme_dir; returns its directory."""
+    """Write a store for `source` under nvme_dir (quantized matrices when compression is
+    given); returns its directory."""
     cfg = source.config
-    final = store_dir(nvme_dir, cfg, dtype)
+    final = store_dir(nvme_dir, cfg, dtype, compression)
     partial = final.with_name(final.name + ".partial")
-    need = store_bytes(cfg, dtype)
+    need = store_bytes(cfg, dtype, compression)
     nvme_dir.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(nvme_dir).free
     if free < need + SPACE_MARGIN:
@@ -220,13 +245,15 @@ def convert(
         for key in keys:
             stage, index = _split_key(key)
             weights = source.stage(stage, index, dtype, torch.device("cpu"))
-            stages[key] = write_stage_file(partial / _stage_file(key), weights)
+            stages[key] = write_stage_file(
+                partial / _stage_file(key), compress_stage(weights, compression)
+            )
         manifest = {
             "format_version": FORMAT_VERSION,
             "model": cfg.name,
             "config_hash": cfg.fingerprint(),
             "dtype": DTYPE_NAMES[dtype],
-            "compression": None,
+            "compression": compression_name(compression),
             "alignment": ALIGN,
             "checksum": "xxh3_64",
             "stages": stages,
@@ -256,15 +283,21 @@ def convert(
 
 
 def ensure_store(
-    source: WeightSource, nvme_dir: Path, dtype: torch.dtype, progress: bool = False
+    source: WeightSource,
+    nvme_dir: Path,
+    dtype: torch.dtype,
+    progress: bool = False,
+    compression: Compression | None = None,
 ) -> WeightStore:
     """Reuse a matching complete store, or build one (a mismatching one is rebuilt)."""
     cfg = source.config
-    directory = store_dir(nvme_dir, cfg, dtype)
+    directory = store_dir(nvme_dir, cfg, dtype, compression)
     if (directory / MANIFEST).is_file():
         try:
-            return WeightStore.open(directory, cfg, dtype)
+            return WeightStore.open(directory, cfg, dtype, compression)
         except UserError as exc:
             log.warning("rebuilding weight store: %s", exc)
-    log.info("writing weight store %s (%.1f GB)", directory, store_bytes(cfg, dtype) / 1e9)
-    return WeightStore.open(convert(source, nvme_dir, dtype, progress), cfg, dtype)
+    size = store_bytes(cfg, dtype, compression)
+    log.info("writing weight store %s (%.1f GB)", directory, size / 1e9)
+    built = convert(source, nvme_dir, dtype, progress, compression)
+    return WeightStore.open(built, cfg, dtype, compression)

@@ -92,3 +92,78 @@ def dequantize(q: QTensor) -> torch.Tensor:
 def fake_quantize(t: torch.Tensor, config: Compression) -> torch.Tensor:
     """quantize then dequantize: the values a compressed run computes with."""
     return dequantize(quantize(t, config))
+
+
+# -- compressed stages: what the tiers store and move ---------------------------------
+# The layer matrices are quantized; norms, biases, embeddings and the head stay in the
+# compute dtype (they are a few percent of a large model's bytes).
+MATRICES = ("qkv.weight", "o.weight", "mlp_in.weight", "mlp_out.weight")
+SCALE, MINIMUM = ".scale", ".min"
+
+
+def is_quantized(name: str, shape: tuple[int, ...], config: Compression | None) -> bool:
+    return config is not None and name in MATRICES and shape[-1] % config.group_size == 0
+
+
+def stored_layout(
+    shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, config: Compression | None
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of what a stage stores: a quantized matrix W [N, K] becomes
+    codes W [N, K / G, G x bits / 8] uint8, W.scale (and W.min) [N, K / G, 1] fp16."""
+    out = {}
+    for name, shape in shapes.items():
+        if not is_quantized(name, shape, config):
+            out[name] = (tuple(shape), dtype)
+            continue
+        assert config is not None
+        *lead, k = shape
+        groups = k // config.group_size
+        out[name] = ((*lead, groups, config.group_size * config.bits // 8), torch.uint8)
+        out[name + SCALE] = ((*lead, groups, 1), torch.float16)
+        if not config.symmetric:
+            out[name + MINIMUM] = ((*lead, groups, 1), torch.float16)
+    return out
+
+
+def compress_stage(
+    weights: dict[str, torch.Tensor], config: Compression | None
+) -> dict[str, torch.Tensor]:
+    """A stage's weights as stored: quantized matrices split into codes and parameters."""
+    out = {}
+    for name, t in weights.items():
+        if not is_quantized(name, tuple(t.shape), config):
+            out[name] = t
+            continue
+        assert config is not None
+        q = quantize(t, config)
+        out[name], out[name + SCALE] = q.codes, q.scale
+        if q.minimum is not None:
+            out[name + MINIMUM] = q.minimum
+    return out
+
+
+def assemble_stage(
+    stored: dict[str, torch.Tensor],
+    shapes: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    config: Compression | None,
+) -> dict[str, torch.Tensor | QTensor]:
+    """The inverse view of `compress_stage`: quantized matrices as `QTensor`s over the
+    stored tensors (no copy), everything else as stored."""
+    out: dict[str, torch.Tensor | QTensor] = {}
+    for name, shape in shapes.items():
+        if name not in stored:
+            continue
+        if is_quantized(name, tuple(shape), config):
+            assert config is not None
+            out[name] = QTensor(
+                stored[name],
+                stored[name + SCALE],
+                stored.get(name + MINIMUM),
+                tuple(shape),
+                dtype,
+                config,
+            )
+        else:
+            out[name] = stored[name]
+    return out

@@ -25,9 +25,20 @@ import torch
 import torch.nn.functional as F
 
 from offload.config import OPT_POSITION_OFFSET, ModelConfig
+from offload.kernels.qmatmul import qlinear
+from offload.kernels.quant import QTensor
 from offload.models import ops
 
-Weights = dict[str, torch.Tensor]
+# A quantized layer matrix arrives as a `QTensor` (compressed weights); `_linear` runs
+# it through the dequantize-and-multiply kernel.
+Weights = dict[str, torch.Tensor | QTensor]
+
+
+def _linear(w: Weights, name: str, x: torch.Tensor) -> torch.Tensor:
+    weight, bias = w[f"{name}.weight"], w.get(f"{name}.bias")
+    if isinstance(weight, QTensor):
+        return qlinear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 @dataclass(frozen=True)
@@ -109,7 +120,7 @@ def attn_in(cfg: ModelConfig, w: Weights, x: torch.Tensor, step: StepInputs):
     batch, num_new, _ = x.shape
     h = _norm(cfg, w, "attn_norm", x) if cfg.do_layer_norm_before else x
     residual = h if cfg.residual_from_norm else x
-    qkv = F.linear(h, w["qkv.weight"], w.get("qkv.bias"))
+    qkv = _linear(w, "qkv", h)
     q_size = cfg.num_heads * cfg.head_dim
     kv_size = cfg.num_kv_heads * cfg.head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -127,10 +138,18 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torc
 
     Returns [B, T, H*D]. Grouped-query heads share KV heads.
     """
+    batch, heads, num_new, dim = q.shape
+    kv_heads = keys.shape[1]
+    if kv_heads != heads and num_new == 1 and bias.shape[1] == 1:
+        # decode with grouped-query heads: the query heads of one KV head become rows of
+        # one attention over it (same math; SDPA's own GQA path copies K/V per query
+        # head, 4-9x slower on the CPU where the executor's CPU attention runs)
+        grouped = q.view(batch, kv_heads, heads // kv_heads, dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bias)
+        return out.reshape(batch, 1, heads * dim)
     out = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=bias, enable_gqa=q.shape[1] != keys.shape[1]
+        q, keys, values, attn_mask=bias, enable_gqa=kv_heads != heads
     )
-    batch, heads, num_new, dim = out.shape
     return out.transpose(1, 2).reshape(batch, num_new, heads * dim)
 
 
@@ -143,7 +162,7 @@ def attn_out_and_mlp(
     cfg: ModelConfig, w: Weights, context: torch.Tensor, residual: torch.Tensor
 ) -> torch.Tensor:
     """Output projection, residual, MLP block. Returns the layer's output hidden states."""
-    x = F.linear(context, w["o.weight"], w.get("o.bias"))
+    x = _linear(w, "o", context)
     x += residual
     if not cfg.do_layer_norm_before:
         x = _norm(cfg, w, "attn_norm", x)
@@ -161,10 +180,8 @@ def _mlp(cfg: ModelConfig, w: Weights, x: torch.Tensor) -> torch.Tensor:
     """The MLP with its residual (and OPT's post-norm) over token rows x [N, hidden]."""
     h = _norm(cfg, w, "mlp_norm", x) if cfg.do_layer_norm_before else x
     residual = h if cfg.residual_from_norm else x
-    act = ops.mlp_activation(
-        F.linear(h, w["mlp_in.weight"], w.get("mlp_in.bias")), cfg.activation, cfg.gated_mlp
-    )
-    out = F.linear(act, w["mlp_out.weight"], w.get("mlp_out.bias"))
+    act = ops.mlp_activation(_linear(w, "mlp_in", h), cfg.activation, cfg.gated_mlp)
+    out = _linear(w, "mlp_out", act)
     out += residual
     if not cfg.do_layer_norm_before:
         out = _norm(cfg, w, "mlp_norm", out)

@@ -43,15 +43,16 @@ class Estimate:
 
 def _layer_bytes(
     cfg: ModelConfig, policy: Policy, dtype: torch.dtype
-) -> tuple[float, float, float]:
-    """Average per-layer (off-GPU, on-disk) bytes, and the embed + head off-GPU bytes."""
-    sizes = stage_image_bytes(cfg, dtype)
+) -> tuple[float, float, float, float]:
+    """Average per-layer off-GPU and on-disk bytes, the embed + head off-GPU bytes, and
+    the average layer's bytes."""
+    sizes = stage_image_bytes(cfg, dtype, policy.weight_compression)
     cuts = [stage_cut(size, policy.weights) for size in sizes]
     off = [size - g for size, (g, _) in zip(sizes, cuts, strict=True)]
     disk = [size - c for size, (_, c) in zip(sizes, cuts, strict=True)]
     layers = slice(1, len(sizes) - 1)
     n = cfg.num_layers
-    return sum(off[layers]) / n, sum(disk[layers]) / n, off[0] + off[-1]
+    return sum(off[layers]) / n, sum(disk[layers]) / n, off[0] + off[-1], sum(sizes[layers]) / n
 
 
 def estimate(
@@ -71,7 +72,7 @@ def estimate(
     rows_disk = sum(d for _, _, d in splits)
     kv_tok = 2 * cfg.num_kv_heads * cfg.head_dim * elt  # one token, one layer
     params = cfg.layer_param_count()
-    off_w, disk_w, ends = _layer_bytes(cfg, policy, dtype)
+    off_w, disk_w, ends, layer_w = _layer_bytes(cfg, policy, dtype)
     micro = max(1, len(splits))
 
     # decode: average context over the generation
@@ -83,7 +84,12 @@ def estimate(
     disk = (disk_w + kv_d) / (hw.disk_read_gbps * GB) + rows_disk * kv_tok / (
         hw.disk_write_gbps * GB
     )
-    compute = 2 * n_seqs * params / (hw.decode_tflops * 1e12) + kv_g / (hw.hbm_gbps * GB)
+    # every micro-batch reads the layer's weights (as stored: compressed when
+    # compressed) from GPU memory, whichever tier they came from, and its GPU-resident KV
+    compute = max(
+        2 * n_seqs * params / (hw.decode_tflops * 1e12),
+        (micro * layer_w + kv_g) / (hw.hbm_gbps * GB),
+    )
     cpu_attn = (kv_c + kv_d) / (hw.cpu_attention_gbps * GB) if policy.attention_on_cpu else 0.0
     if cpu_attn:
         per_micro = cpu_attn / micro

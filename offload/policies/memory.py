@@ -48,13 +48,15 @@ def micro_batch_sizes(policy: Policy, batch: int) -> list[int]:
 
 
 def weight_plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> dict[str, int]:
-    return dict(_weight_plan(cfg, policy.weights, dtype))
+    return dict(_weight_plan(cfg, policy.weights, dtype, policy.weight_compression))
 
 
 @functools.lru_cache(maxsize=4096)
-def _weight_plan(cfg: ModelConfig, placement, dtype: torch.dtype) -> tuple[tuple[str, int], ...]:
+def _weight_plan(
+    cfg: ModelConfig, placement, dtype: torch.dtype, compression
+) -> tuple[tuple[str, int], ...]:
     gpu = cpu = disk = slot = staging = 0
-    for size in stage_image_bytes(cfg, dtype):
+    for size in stage_image_bytes(cfg, dtype, compression):
         gpu_end, cpu_end = stage_cut(size, placement)
         gpu += gpu_end
         if cpu_end > gpu_end:

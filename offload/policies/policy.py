@@ -92,9 +92,9 @@ class Policy:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.activations.disk > 0:
             raise ValueError("activations on disk are not supported; put them on the gpu or cpu")
-        if self.weight_compression is not None or self.kv_compression is not None:
+        if self.kv_compression is not None:
             raise ValueError(
-                "compression is not implemented yet; set weight_compression and kv_compression to null"
+                "a compressed KV cache is not implemented yet; set kv_compression to null"
             )
 
     @property

@@ -21,7 +21,7 @@ from offload.executor.weights import stage_image_bytes
 from offload.policies.cost import Estimate, estimate
 from offload.policies.hardware import HardwareProfile
 from offload.policies.memory import plan_memory
-from offload.policies.policy import Placement, Policy
+from offload.policies.policy import Compression, Placement, Policy
 
 BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 NUM_BATCHES = (1, 2, 4, 8, 16)
@@ -81,14 +81,17 @@ def _with(p: Policy, kv: Placement | None = None, weights: Placement | None = No
         activations=p.activations,
         attention_on_cpu=p.attention_on_cpu,
         overlap=True,
+        weight_compression=p.weight_compression,
     )
 
 
-def _weight_options(cfg, dtype, hw: HardwareProfile, caps: Caps) -> list[Placement]:
+def _weight_options(
+    cfg, dtype, hw: HardwareProfile, caps: Caps, compression: Compression | None
+) -> list[Placement]:
     """Weight placements worth trying: GPU share on a 5% grid up to what the GPU cap
     allows; the rest all in CPU RAM, or (with a disk) as much CPU as the cap leaves for
     weights alone / for half of it, the remainder on disk."""
-    total = sum(stage_image_bytes(cfg, dtype))
+    total = sum(stage_image_bytes(cfg, dtype, compression))
     out = []
     for step in range(WEIGHT_STEPS + 1):
         gpu = step / WEIGHT_STEPS
@@ -112,15 +115,29 @@ def _weight_options(cfg, dtype, hw: HardwareProfile, caps: Caps) -> list[Placeme
     return out
 
 
-def candidates(cfg, dtype, hw: HardwareProfile, caps: Caps, max_block: int | None):
-    weights = _weight_options(cfg, dtype, hw, caps)
-    for size in BATCH_SIZES:
-        for count in NUM_BATCHES:
-            if max_block is not None and size * count > max(max_block, 1) and count > 1:
-                continue
-            for cpu_attention in (False, True):
-                for placement in weights:
-                    yield Policy(size, count, weights=placement, attention_on_cpu=cpu_attention)
+def candidates(
+    cfg,
+    dtype,
+    hw: HardwareProfile,
+    caps: Caps,
+    max_block: int | None,
+    compressions: tuple[Compression | None, ...] = (None,),
+):
+    for compression in compressions:
+        weights = _weight_options(cfg, dtype, hw, caps, compression)
+        for size in BATCH_SIZES:
+            for count in NUM_BATCHES:
+                if max_block is not None and size * count > max(max_block, 1) and count > 1:
+                    continue
+                for cpu_attention in (False, True):
+                    for placement in weights:
+                        yield Policy(
+                            size,
+                            count,
+                            weights=placement,
+                            attention_on_cpu=cpu_attention,
+                            weight_compression=compression,
+                        )
 
 
 def search(
@@ -131,15 +148,18 @@ def search(
     hw: HardwareProfile,
     caps: Caps,
     num_prompts: int | None = None,
+    compressions: tuple[Compression | None, ...] = (None,),
 ) -> Estimate:
-    """The best fitting policy's estimate; `UserError` with the smallest fit if none."""
+    """The best fitting policy's estimate; `UserError` with the smallest fit if none.
+
+    `compressions` are the weight formats the search may choose among (None: fp16)."""
     if prompt_len + gen_len > cfg.max_position_embeddings:
         raise UserError(
             f"prompt {prompt_len} + generation {gen_len} tokens exceed the model's context of "
             f"{cfg.max_position_embeddings}"
         )
     best: Estimate | None = None
-    for base in candidates(cfg, dtype, hw, caps, num_prompts):
+    for base in candidates(cfg, dtype, hw, caps, num_prompts, compressions):
         kv = _kv_placement(cfg, base, dtype, prompt_len, gen_len, hw, caps)
         if kv is None:
             continue
@@ -148,15 +168,20 @@ def search(
         if _fits(est, caps) and (best is None or est.total_tok_s > best.total_tok_s):
             best = est
     if best is None:
-        raise UserError(_smallest_fit(cfg, dtype, prompt_len, gen_len, hw, caps))
+        smallest = min(compressions, key=lambda c: sum(stage_image_bytes(cfg, dtype, c)))
+        raise UserError(_smallest_fit(cfg, dtype, prompt_len, gen_len, hw, caps, smallest))
     return best
 
 
-def _smallest_fit(cfg, dtype, prompt_len, gen_len, hw: HardwareProfile, caps: Caps) -> str:
+def _smallest_fit(
+    cfg, dtype, prompt_len, gen_len, hw: HardwareProfile, caps: Caps, compression
+) -> str:
     on_disk = caps.nvme
     weights = Placement(0.0, 0.0, 1.0) if on_disk else Placement(0.0, 1.0, 0.0)
     kv = Placement(0.0, 0.0, 1.0) if on_disk else Placement(0.0, 1.0, 0.0)
-    policy = Policy(1, 1, weights=weights, kv_cache=kv, attention_on_cpu=True)
+    policy = Policy(
+        1, 1, weights=weights, kv_cache=kv, attention_on_cpu=True, weight_compression=compression
+    )
     est = estimate(cfg, policy, dtype, prompt_len, gen_len, hw)
     hint = "" if on_disk else " (less CPU memory with --nvme)"
     return (
