@@ -102,6 +102,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--profile", type=Path)
+    p.add_argument("--compress", default="none", help="formats the search may use (auto: any)")
     p.add_argument(
         "--policies", help="comma-separated subset of the policies (hand names, searched)"
     )
