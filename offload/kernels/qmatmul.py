@@ -51,6 +51,7 @@ def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> to
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     cfg = w.config
     block_m, block_n, warps, stages = _tiles(m, n)
+    block_k = next(b for b in (256, 128, cfg.group_size) if b % cfg.group_size == 0 and k % b == 0)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _qmatmul_kernel[grid](
         rows,
@@ -70,8 +71,9 @@ def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> to
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        STAGES=stages,
         num_warps=warps,
-        num_stages=stages,
     )
     return out.view(*x.shape[:-1], n)
 
@@ -79,14 +81,13 @@ def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> to
 def _tiles(m: int, n: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, pipeline stages) for an [m, K] x [K, n] product.
 
-    Decode (m <= 64): one M tile and narrow N tiles, so that even the smallest layer
-    spreads its weight read over every SM; prefill: 64 x 128 tiles."""
+    Decode (m <= 64): one M tile and 64-wide N tiles, so that even the smallest layer
+    spreads its weight read over every SM; K steps of up to 256 (several groups) keep
+    enough bytes in flight; prefill: 128 x 128 tiles."""
     if m <= 16:
-        return 16, 32, 4, 4
+        return 16, 64, 4, 4
     if m <= 64:
-        return 64, 32, 4, 4
-    if m <= 256:
-        return 128, 64, 8, 3
+        return 64, 64, 4, 3
     return 128, 128, 8, 3
 
 
@@ -111,6 +112,8 @@ if triton is not None:
         PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        STAGES: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -120,35 +123,39 @@ if triton is not None:
         n_ok = rn < N
         groups = K // GROUP
         row_bytes = K * BITS // 8
+        PER_STEP: tl.constexpr = BLOCK_K // GROUP  # groups per K step
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        kk = tl.arange(0, GROUP)
-        for g in tl.range(0, K // GROUP):
+        kk = tl.arange(0, BLOCK_K)
+        gg = tl.arange(0, PER_STEP)
+        for step in tl.range(0, K // BLOCK_K, num_stages=STAGES):
             xt = tl.load(
-                x_ptr + rm[:, None] * stride_xm + (g * GROUP + kk)[None, :],
+                x_ptr + rm[:, None] * stride_xm + (step * BLOCK_K + kk)[None, :],
                 mask=m_ok[:, None],
                 other=0.0,
             )
             if BITS == 8:
                 codes = tl.load(
-                    codes_ptr + rn[:, None] * row_bytes + g * GROUP + kk[None, :],
+                    codes_ptr + rn[:, None] * row_bytes + step * BLOCK_K + kk[None, :],
                     mask=n_ok[:, None],
                     other=0,
                 )
             else:
-                half = tl.arange(0, GROUP // 2)
+                half = tl.arange(0, BLOCK_K // 2)
                 packed = tl.load(
-                    codes_ptr + rn[:, None] * row_bytes + g * (GROUP // 2) + half[None, :],
+                    codes_ptr + rn[:, None] * row_bytes + step * (BLOCK_K // 2) + half[None, :],
                     mask=n_ok[:, None],
                     other=0,
                 )
-                codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, GROUP))
-            scale = tl.load(scale_ptr + rn * groups + g, mask=n_ok, other=0.0).to(tl.float32)
-            values = codes.to(tl.float32)
+                codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K))
+            params = rn[:, None] * groups + step * PER_STEP + gg[None, :]  # [BLOCK_N, PER_STEP]
+            scale = tl.load(scale_ptr + params, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            values = tl.reshape(codes.to(tl.float32), (BLOCK_N, PER_STEP, GROUP))
             if SYMMETRIC:
-                values = (values - ((1 << BITS) - 1) // 2) * scale[:, None]
+                values = (values - ((1 << BITS) - 1) // 2) * scale[:, :, None]
             else:
-                low = tl.load(min_ptr + rn * groups + g, mask=n_ok, other=0.0).to(tl.float32)
-                values = values * scale[:, None] + low[:, None]
+                low = tl.load(min_ptr + params, mask=n_ok[:, None], other=0.0).to(tl.float32)
+                values = values * scale[:, :, None] + low[:, :, None]
+            values = tl.reshape(values, (BLOCK_N, BLOCK_K))
             acc = tl.dot(xt, tl.trans(values.to(xt.dtype)), acc, input_precision=PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
