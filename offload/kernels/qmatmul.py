@@ -50,8 +50,12 @@ def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> to
     m = rows.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     cfg = w.config
-    block_m, block_n, warps, stages = _tiles(m, n)
-    block_k = next(b for b in (256, 128, cfg.group_size) if b % cfg.group_size == 0 and k % b == 0)
+    block_m, block_n, max_k, warps, stages = _tiles(m, n)
+    block_k = next(
+        b
+        for b in (256, 128, 64, cfg.group_size)
+        if (b <= max_k or b == cfg.group_size) and b % cfg.group_size == 0 and k % b == 0
+    )
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _qmatmul_kernel[grid](
         rows,
@@ -78,17 +82,17 @@ def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> to
     return out.view(*x.shape[:-1], n)
 
 
-def _tiles(m: int, n: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, pipeline stages) for an [m, K] x [K, n] product.
+def _tiles(m: int, n: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, largest K step, warps, pipeline stages) for [m, K] x [K, n].
 
     Decode (m <= 64): one M tile and 64-wide N tiles, so that even the smallest layer
     spreads its weight read over every SM; K steps of up to 256 (several groups) keep
-    enough bytes in flight; prefill: 128 x 128 tiles."""
+    enough bytes in flight; prefill: 128 x 128 tiles with K steps of 64 (shared memory)."""
     if m <= 16:
-        return 16, 64, 4, 4
+        return 16, 64, 256, 4, 4
     if m <= 64:
-        return 64, 64, 4, 3
-    return 128, 128, 8, 3
+        return 64, 64, 128, 4, 3
+    return 128, 128, 64, 8, 3  # (128 + 128) x 64 x 2 bytes a stage: fits shared memory
 
 
 if triton is not None:
