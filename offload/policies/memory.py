@@ -114,7 +114,8 @@ def activation_plan(
         gpu_rows += g
         cpu_bytes += align_up(c * row_bytes) if c else 0
     mb = max(sizes)
-    transient = mb * cfg.vocab_size * 4 * 2  # last-position logits (fp32) and their cat
+    # last-position logits (fp32) of every micro-batch, held until their cat, and the cat
+    transient = batch * cfg.vocab_size * 4 * 2
     transient += _layer_transient(cfg, mb * prompt_len) * elt
     # the step's attention bias [B, 1|heads, T, S], built once for the whole block
     heads = cfg.num_heads if cfg.family == "bloom" else 1
