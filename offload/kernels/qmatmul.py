@@ -32,11 +32,13 @@ def qlinear_reference(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None) ->
     return F.linear(x, dequantize(w).to(x.dtype), bias)
 
 
+# Triton reads TRITON_INTERPRET when it is imported; so do we (not on every matmul)
+_INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def use_kernel(x: torch.Tensor) -> bool:
     """The Triton kernel runs on CUDA tensors, or anywhere under TRITON_INTERPRET=1."""
-    if triton is None:
-        return False
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton is not None and (x.is_cuda or _INTERPRETED)
 
 
 def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
