@@ -14,6 +14,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from offload.kernels.kvquant import QuantKV, decode_attention
 from offload.kernels.qmatmul import qlinear
 from offload.kernels.quant import dequantize, quantize
 from offload.policies.policy import Compression
@@ -53,6 +54,62 @@ def qlinear_failures(
     return failures
 
 
+# (batch, query heads, KV heads, head_dim, token group, slots written, prefill length,
+# per-head bias): grouped and plain heads, a head_dim not a power of two, contexts
+# ending inside a group and on a group boundary, ALiBi-style per-head bias
+ATTENTION_SHAPES = [
+    (2, 8, 2, 64, 64, 150, 100, False),
+    (3, 4, 4, 80, 32, 64, 64, True),
+    (1, 12, 4, 128, 64, 70, 1, True),
+    (2, 6, 1, 32, 16, 17, 9, False),
+]
+
+
+def _sdpa(q, keys, values, bias):
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, enable_gqa=True)
+    return out.transpose(1, 2).flatten(2)
+
+
+def attention_failures(
+    bits: int, symmetric: bool, device: str, dtypes: list[torch.dtype], shapes=ATTENTION_SHAPES
+) -> list[str]:
+    """Decode attention over a compressed cache, filled by a prefill then token by token,
+    checked after every step against SDPA in float64 over the same dequantized K/V."""
+    failures = []
+    gen = torch.Generator().manual_seed(bits * 10 + symmetric + 1)
+    for dtype in dtypes:
+        for batch, heads, kv_heads, dim, group, slots, prefill, per_head in shapes:
+            config = Compression(bits, group, symmetric)
+            cache = QuantKV(batch, kv_heads, dim, slots, config, dtype, torch.device(device))
+            k = (torch.randn(batch, kv_heads, slots, dim, generator=gen) * 2).to(dtype).to(device)
+            k[..., 1] *= 8  # an outlier channel, as rotary keys have
+            v = torch.randn(batch, kv_heads, slots, dim, generator=gen).to(dtype).to(device)
+            bias = torch.randn(batch, heads if per_head else 1, 1, slots, generator=gen)
+            bias[0, ..., : slots // 3] = torch.finfo(dtype).min  # left padding of row 0
+            bias = bias.to(dtype).to(device)
+            cache.write(k[:, :, :prefill], v[:, :, :prefill], 0)
+            for end in range(prefill + 1, slots + 1):
+                cache.write(k[:, :, end - 1 : end], v[:, :, end - 1 : end], end - 1)
+                if end not in (prefill + 1, slots) and end % group not in (0, 1):
+                    continue  # the first and last steps, and around group boundaries
+                q = torch.randn(batch, heads, 1, dim, generator=gen).to(dtype).to(device)
+                keys, values = cache.dequantized(end)
+                mask = bias[..., :end]
+
+                truth = _sdpa(q.double(), keys.double(), values.double(), mask.double())
+                torch_err = (_sdpa(q, keys, values, mask).double() - truth).abs().max().item()
+                ours = decode_attention(q, cache, bias, end)
+                our_err = (ours.double() - truth).abs().max().item()
+                bound = 2 * torch_err + 1e-6 * truth.abs().max().item()
+                if ours.shape != truth.shape or ours.dtype != dtype or not our_err <= bound:
+                    failures.append(
+                        f"bits={bits} sym={symmetric} {dtype} B{batch} H{heads}/{kv_heads} "
+                        f"D{dim} g{group} end {end}: error {our_err:.3g} > bound {bound:.3g}"
+                    )
+    return failures
+
+
 if __name__ == "__main__":  # the interpreter tests' subprocess
-    bits, symmetric = int(sys.argv[1]), sys.argv[2] == "sym"
-    print(json.dumps(qlinear_failures(bits, symmetric, "cpu", [torch.float32, torch.float16])))
+    kind, bits, symmetric = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "sym"
+    cases = {"qlinear": qlinear_failures, "attention": attention_failures}[kind]
+    print(json.dumps(cases(bits, symmetric, "cpu", [torch.float32, torch.float16])))

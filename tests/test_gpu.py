@@ -77,3 +77,17 @@ def test_qlinear_kernel_compiled_matches_reference(bits, symmetric):
     shapes = [*QLINEAR_SHAPES, (8, 7168, 7168, 64), (512, 4096, 11008, 128)]
     dtypes = [torch.float16, torch.bfloat16]
     assert qlinear_failures(bits, symmetric, "cuda", dtypes, shapes) == []
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_quantized_decode_attention_compiled_matches_reference(bits, symmetric):
+    from tests.kernel_cases import ATTENTION_SHAPES, attention_failures
+
+    shapes = [
+        *ATTENTION_SHAPES,
+        (4, 56, 56, 128, 64, 544, 512, False),
+        (3, 64, 8, 128, 64, 300, 250, True),
+    ]
+    dtypes = [torch.float16, torch.bfloat16]
+    assert attention_failures(bits, symmetric, "cuda", dtypes, shapes) == []

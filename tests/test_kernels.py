@@ -37,4 +37,10 @@ def _interpreted(module: str, *args: str) -> list[str]:
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", ["asym", "sym"])
 def test_qlinear_kernel_matches_reference_interpreted(bits, symmetric):
-    assert _interpreted("tests.kernel_cases", str(bits), symmetric) == []
+    assert _interpreted("tests.kernel_cases", "qlinear", str(bits), symmetric) == []
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", ["asym", "sym"])
+def test_quantized_decode_attention_matches_reference_interpreted(bits, symmetric):
+    assert _interpreted("tests.kernel_cases", "attention", str(bits), symmetric) == []
