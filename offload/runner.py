@@ -47,8 +47,9 @@ class PlainRunner:
         weight_compression: Compression | None = None,
         kv_compression: Compression | None = None,
     ) -> None:
-        """With compression given, weights and KV entries take the values the compressed
-        run computes with (quantize-dequantize): the accuracy reference for compression."""
+        """With weight compression given, the layer matrices take the values a compressed
+        run computes with (quantize-dequantize): the reference for compressed runs. With
+        KV compression the cache is compressed (`kernels.kvquant`)."""
         self.cfg: ModelConfig = source.config
         self.dtype, self.device = dtype, device
         started = time.perf_counter()
@@ -61,11 +62,7 @@ class PlainRunner:
         self.layer_w: list[Weights] = [
             _compressed(source.layer(i, dtype, device), weight_compression) for i in layers
         ]
-        self.kv_transform = None
-        if kv_compression is not None:
-            group = min(kv_compression.group_size, self.cfg.head_dim)
-            config = Compression(kv_compression.bits, group, kv_compression.symmetric)
-            self.kv_transform = lambda t: fake_quantize(t, config)
+        self.kv_compression = kv_compression
         # a tied head shares the embedding already loaded instead of loading it again
         self.head_w: Weights = source.stored_stage("head", 0, dtype, device)
         self.head_w.setdefault("lm_head.weight", self.embed_w["tok.weight"])
@@ -78,7 +75,7 @@ class PlainRunner:
         self._cache = []
         self._cache = [
             LayerKV(
-                batch.size, self.cfg, batch.max_slots, self.dtype, self.device, self.kv_transform
+                batch.size, self.cfg, batch.max_slots, self.dtype, self.device, self.kv_compression
             )
             for _ in range(self.cfg.num_layers)
         ]

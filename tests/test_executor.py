@@ -17,7 +17,7 @@ from offload.executor.caps import MemoryCaps
 from offload.policies.policy import Compression, Placement, Policy
 from offload.runner import PlainRunner
 from offload.sampling import SamplingParams
-from tests.tiny_models import prefill_logits
+from tests.tiny_models import decode_logits, prefill_logits
 
 PROMPTS = [
     [5, 6, 7, 8, 9, 10, 11],
@@ -227,3 +227,84 @@ def test_compressed_logits_stay_near_the_uncompressed_run(
                 got, _ = prefill_logits(llm, PROMPTS)
             error = ((got - want).abs().max() / want.abs().max()).item()
             assert error < bound, f"{case} {name}: relative logit error {error:.3g}"
+
+
+# KV groups of 16 tokens, so the short test generations complete groups and keep a tail
+KV4 = Compression(bits=4, group_size=16, symmetric=False)
+KV8 = Compression(bits=8, group_size=16, symmetric=True)
+KV_PARAMS = SamplingParams(max_new_tokens=24)
+# a compressed cache lives on the GPU: the policies vary weights, batches, activations
+KV_POLICIES = {
+    "micro-batches": Policy(gpu_batch_size=2, num_gpu_batches=4),
+    "weights-3-ways": Policy(gpu_batch_size=2, num_gpu_batches=4, weights=W3),
+    "activations-cpu": Policy(
+        gpu_batch_size=3, num_gpu_batches=3, weights=W3, activations=Placement(0.5, 0.5, 0)
+    ),
+}
+
+
+def _with(policy: Policy, **compression: Compression) -> Policy:
+    extra = {k: v.__dict__ for k, v in compression.items()}
+    return Policy.from_dict({**policy.to_dict(), **extra})
+
+
+@pytest.mark.parametrize("compression", [KV4, KV8], ids=["int4-g16", "int8-g16-sym"])
+@pytest.mark.parametrize("case", FAMILIES)
+def test_compressed_kv_gives_the_plain_compressed_tokens(
+    case, compression, tiny_checkpoints, tmp_path
+):
+    """The executor's compressed cache (written per micro-batch, groups completing
+    mid-generation) gives exactly the plain runner's tokens with the same cache format;
+    with int4 weights too."""
+    directory, _ = tiny_checkpoints[case]
+    for weights in (None, INT4):
+        plain = LLM(str(directory), device="cpu", dtype="float32", batch_size=8)
+        with plain.spec.open_weights() as source:
+            plain.runner = PlainRunner(
+                source,
+                torch.float32,
+                torch.device("cpu"),
+                weight_compression=weights,
+                kv_compression=compression,
+            )
+        want = [o.token_ids for o in plain.generate(PROMPTS, KV_PARAMS)]
+        for name, policy in KV_POLICIES.items():
+            extra = {"kv_compression": compression}
+            if weights is not None:
+                extra["weight_compression"] = weights
+            with LLM(
+                str(directory),
+                device="cpu",
+                dtype="float32",
+                policy=_with(policy, **extra),
+                nvme=tmp_path,
+            ) as llm:
+                got = [o.token_ids for o in llm.generate(PROMPTS, KV_PARAMS)]
+            assert got == want, f"{case} under {name} with KV {compression} differs"
+
+
+@pytest.mark.parametrize(("compression", "bound"), [(KV8, 0.02), (KV4, 0.25)], ids=["int8", "int4"])
+def test_compressed_kv_decode_logits_stay_near_the_uncompressed_run(
+    compression, bound, tiny_checkpoints, tmp_path
+):
+    """Stated bounds on max |logit error| / max |logit| of 24 teacher-forced decode
+    steps against the uncompressed plain run, every family, each KV policy."""
+    for case in FAMILIES:
+        directory, _ = tiny_checkpoints[case]
+        plain = LLM(str(directory), device="cpu", dtype="float32", batch_size=8)
+        want = decode_logits(plain, PROMPTS, 24)
+        for name, policy in KV_POLICIES.items():
+            policy = _with(policy, kv_compression=compression)
+            with LLM(
+                str(directory), device="cpu", dtype="float32", policy=policy, nvme=tmp_path
+            ) as llm:
+                got = decode_logits(llm, PROMPTS, 24)
+            error = ((got - want).abs().max() / want.abs().max()).item()
+            assert error < bound, f"{case} {name}: relative logit error {error:.3g}"
+
+
+def test_compressed_kv_off_the_gpu_is_refused():
+    with pytest.raises(ValueError, match="kept on the GPU only"):
+        Policy(kv_cache=Placement(0.5, 0.5, 0), kv_compression=KV4)
+    with pytest.raises(ValueError, match="tokens a key group"):
+        Policy(kv_compression=Compression(4, 48))

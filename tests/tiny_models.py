@@ -129,3 +129,20 @@ def assert_prefill_logits_match(llm, model, prompts: list[list[int]], case: str)
         real = slice(batch.prompt_len - len(prompt), batch.prompt_len)
         diff = (ours[row, real] - ref[row, real]).norm() / ref[row, real].norm()
         assert diff <= 1e-4, f"{case}: prompt {row} logits differ, relative error {diff:.2e}"
+
+
+def decode_logits(llm, prompts: list[list[int]], steps: int):
+    """Logits [B, steps, V] of decode steps after a prefill, teacher-forced with fixed
+    tokens (so two runs see the same inputs whatever they would have sampled)."""
+    from offload.batch import PaddedBatch
+
+    batch = PaddedBatch(llm.config, prompts, max_new_tokens=steps, pad_id=0)
+    llm.runner.start(batch)
+    runner = llm.runner
+    runner.forward(batch.prompt_ids, runner.step_inputs(batch, 0, batch.prompt_len))
+    out = []
+    for i in range(steps):
+        token = torch.full((len(prompts), 1), 3 + 7 * i % 50, dtype=torch.long)
+        step = runner.step_inputs(batch, batch.prompt_len + i, 1)
+        out.append(runner.forward(token, step).cpu())
+    return torch.stack(out, dim=1)

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 
 from offload.errors import UserError
-from offload.policies.policy import Compression
+from offload.policies.policy import KV_GROUPS, Compression
 
 _UNITS = {
     "": 1,
@@ -41,8 +41,16 @@ COMPRESS_HELP = (
 _COMPRESS = re.compile(r"int(4|8)(?:-g(\d+))?(-sym)?")
 
 
-def parse_compression(text: str | None) -> tuple[Compression | None, ...]:
-    """--compress: the weight formats the plan may use (None is uncompressed)."""
+KV_COMPRESS_HELP = (
+    "KV cache compression: none (default), int4 or int8 (keys per channel over groups of "
+    "64 tokens, values per token; -gN for 16, 32 or 128 tokens, -sym for symmetric), or "
+    "auto (the plan search chooses among none, int4 and int8); a compressed cache is kept "
+    "on the GPU"
+)
+
+
+def parse_compression(text: str | None, flag: str = "--compress") -> tuple[Compression | None, ...]:
+    """--compress / --kv-compress: the formats the plan may use (None is uncompressed)."""
     if text is None or text == "none":
         return (None,)
     if text == "auto":
@@ -50,14 +58,25 @@ def parse_compression(text: str | None) -> tuple[Compression | None, ...]:
     match = _COMPRESS.fullmatch(text)
     if match is None:
         raise UserError(
-            f"--compress {text!r} is not understood; use none, int4, int8, int4-g128, "
-            "int8-sym or auto"
+            f"{flag} {text!r} is not understood; use none, int4, int8, int4-g128, int8-sym or auto"
         )
     bits, group, sym = match.groups()
     try:
         return (Compression(int(bits), int(group or 64), sym is not None),)
     except ValueError as exc:
-        raise UserError(f"--compress {text}: {exc}") from None
+        raise UserError(f"{flag} {text}: {exc}") from None
+
+
+def parse_kv_compression(text: str | None) -> tuple[Compression | None, ...]:
+    """--kv-compress: as --compress, with the group counted in tokens (16 to 128)."""
+    formats = parse_compression(text, "--kv-compress")
+    for c in formats:
+        if c is not None and c.group_size not in KV_GROUPS:
+            raise UserError(
+                f"--kv-compress {text}: the group is tokens a key group, one of "
+                f"{', '.join(map(str, KV_GROUPS))}"
+            )
+    return formats
 
 
 def setup_logging(quiet: bool) -> None:

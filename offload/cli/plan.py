@@ -8,7 +8,15 @@ import json
 import sys
 from pathlib import Path
 
-from offload.cli.common import COMPRESS_HELP, parse_compression, parse_size, run_cli, setup_logging
+from offload.cli.common import (
+    COMPRESS_HELP,
+    KV_COMPRESS_HELP,
+    parse_compression,
+    parse_kv_compression,
+    parse_size,
+    run_cli,
+    setup_logging,
+)
 from offload.engine import DTYPES
 from offload.errors import UserError
 from offload.models.resolve import resolve_model
@@ -32,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-mem", help="CPU memory cap (default: 90%% of this machine's RAM)")
     p.add_argument("--nvme", type=Path, help="a directory on fast disk for weights/KV")
     p.add_argument("--compress", default="none", help=COMPRESS_HELP)
+    p.add_argument("--kv-compress", default="none", help=KV_COMPRESS_HELP)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--num-prompts", type=int, help="requests in the job (caps the block size)")
@@ -84,8 +93,17 @@ def _plan(args) -> int:
     caps = _caps(args, hw)
     dtype = DTYPES[args.dtype]
     args.compressions = parse_compression(args.compress)
+    args.kv_compressions = parse_kv_compression(args.kv_compress)
     best = search(
-        cfg, dtype, args.prompt_len, args.gen_len, hw, caps, args.num_prompts, args.compressions
+        cfg,
+        dtype,
+        args.prompt_len,
+        args.gen_len,
+        hw,
+        caps,
+        args.num_prompts,
+        args.compressions,
+        args.kv_compressions,
     )
     what_if = _what_if(cfg, dtype, args, hw, caps, best)
     if args.json:
@@ -117,6 +135,7 @@ def _what_if(cfg, dtype, args, hw, caps: Caps, best: Estimate) -> list[tuple[str
                 trial,
                 args.num_prompts,
                 args.compressions,
+                args.kv_compressions,
             )
         except UserError:
             continue
@@ -145,6 +164,12 @@ def _as_json(best: Estimate, what_if) -> dict:
     }
 
 
+def _format(c) -> str:
+    if c is None:
+        return "none"
+    return f"int{c.bits}-g{c.group_size}{'-sym' if c.symmetric else ''}"
+
+
 def _table(cfg, args, hw: HardwareProfile, best: Estimate, what_if) -> str:
     p, d = best.policy, best.memory.detail
     weights = d["weights_gpu"] + d["weights_cpu"] + d["weights_disk"]
@@ -170,6 +195,7 @@ def _table(cfg, args, hw: HardwareProfile, best: Estimate, what_if) -> str:
         "",
         f"batch: {p.num_gpu_batches} x {p.gpu_batch_size} = {p.block_size} sequences; attention over "
         f"off-GPU KV on the {'CPU' if p.attention_on_cpu else 'GPU'}",
+        f"compression: weights {_format(p.weight_compression)}, KV cache {_format(p.kv_compression)}",
         f"predicted: {best.total_tok_s:.1f} tok/s total (prefill {best.prefill_s:.1f} s = "
         f"{best.prefill_tok_s:.0f} tok/s, decode {best.decode_step_s:.2f} s/step = "
         f"{best.decode_tok_s:.1f} tok/s)",
@@ -211,6 +237,7 @@ def _plot(path: Path, cfg, dtype, args, hw, caps: Caps, best: Estimate) -> None:
             kv_cache=best.policy.kv_cache,
             attention_on_cpu=best.policy.attention_on_cpu,
             weight_compression=best.policy.weight_compression,
+            kv_compression=best.policy.kv_compression,
         )
         est = estimate(cfg, policy, dtype, args.prompt_len, args.gen_len, hw)
         if est.gpu_peak_bytes <= caps.gpu_bytes and est.cpu_peak_bytes <= caps.cpu_bytes:

@@ -13,7 +13,15 @@ import time
 from pathlib import Path
 
 from offload import jobs
-from offload.cli.common import COMPRESS_HELP, parse_compression, parse_size, run_cli, setup_logging
+from offload.cli.common import (
+    COMPRESS_HELP,
+    KV_COMPRESS_HELP,
+    parse_compression,
+    parse_kv_compression,
+    parse_size,
+    run_cli,
+    setup_logging,
+)
 from offload.engine import LLM
 from offload.errors import UserError
 from offload.executor.caps import MemoryCaps
@@ -70,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--profile", type=Path, help="hardware profile JSON for the plan search")
     p.add_argument("--compress", default="none", help=COMPRESS_HELP)
+    p.add_argument("--kv-compress", default="none", help=KV_COMPRESS_HELP)
     p.add_argument(
         "--restart", action="store_true", help="discard an unfinished job's results and start over"
     )
@@ -147,9 +156,15 @@ def _searched_policy(args: argparse.Namespace, params: SamplingParams) -> Policy
     hw = _profile(args)
     caps = _caps(args, hw)
     dtype = resolve_dtype(args.dtype, resolve_device(args.device), cfg.checkpoint_dtype)
-    compressions = parse_compression(args.compress)
     best = search(
-        cfg, dtype, args.prompt_len, params.max_new_tokens, hw, caps, compressions=compressions
+        cfg,
+        dtype,
+        args.prompt_len,
+        params.max_new_tokens,
+        hw,
+        caps,
+        compressions=parse_compression(args.compress),
+        kv_compressions=parse_kv_compression(args.kv_compress),
     )
     log.info(
         "searched policy: predicted %.1f tok/s, bottleneck %s", best.total_tok_s, best.bottleneck

@@ -106,6 +106,7 @@ class Executor:
             spill_dir,
             policy.attention_on_cpu,
             policy.overlap,
+            policy.kv_compression,
         )
         self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.family == "llama" else None
         self._micro: list[slice] = []

@@ -28,6 +28,7 @@ from offload.io.pinned import PinnedPool, PoolBlock, align_up
 from offload.io.spill import SpillFile
 from offload.io.tiers import MemoryLedger, Tier
 from offload.models import decoder
+from offload.policies.policy import Compression
 
 
 def _wait_future(future: Future | None) -> None:
@@ -45,8 +46,7 @@ class KVBlock:
     """One layer's KV for one micro-batch, split by rows across tiers."""
 
     rows: tuple[int, int, int]  # (gpu, cpu, disk) row counts
-    gpu_k: torch.Tensor | None = None
-    gpu_v: torch.Tensor | None = None
+    gpu: decoder.LayerKV | None = None  # the GPU rows' cache (compressed or not)
     cpu_blocks: list[PoolBlock] = field(default_factory=list)
     cpu_k: torch.Tensor | None = None
     cpu_v: torch.Tensor | None = None
@@ -68,8 +68,12 @@ class KVManager:
         spill_dir,
         attention_on_cpu: bool,
         overlap: bool,
+        compression: Compression | None = None,
     ) -> None:
+        """compression: the GPU rows' cache format (policy.kv_compression; the policy
+        keeps a compressed cache wholly on the GPU)."""
         self.cfg, self.lanes, self.device, self.dtype = cfg, lanes, device, dtype
+        self.compression = compression
         self.pool: PinnedPool | None = None  # sized per batch in start()
         self.ledger, self.spill_dir = ledger, spill_dir
         self.attention_on_cpu, self.overlap = attention_on_cpu, overlap
@@ -122,9 +126,10 @@ class KVManager:
                 blk = KVBlock((g, c, d))
                 shape = lambda n: (n, cfg.num_kv_heads, max_slots, cfg.head_dim)  # noqa: E731
                 if g:
-                    blk.gpu_k = torch.empty(shape(g), dtype=self.dtype, device=self.device)
-                    blk.gpu_v = torch.empty(shape(g), dtype=self.dtype, device=self.device)
-                    self._gpu_bytes += 2 * g * per_row
+                    blk.gpu = decoder.LayerKV(
+                        g, cfg, max_slots, self.dtype, self.device, self.compression
+                    )
+                    self._gpu_bytes += blk.gpu.nbytes
                 if c:
                     blk.cpu_blocks = [self.pool.alloc(c * per_row) for _ in range(2)]
                     blk.cpu_k = blk.cpu_blocks[0].view(self.dtype, shape(c))
@@ -292,12 +297,8 @@ class KVManager:
         end = start + q.shape[2]
         outs = []
         if g:
-            assert blk.gpu_k is not None and blk.gpu_v is not None
-            blk.gpu_k[:, :, start:end] = k_new[:g]
-            blk.gpu_v[:, :, start:end] = v_new[:g]
-            outs.append(
-                decoder.attend(q[:g], blk.gpu_k[:, :, :end], blk.gpu_v[:, :, :end], bias[:g])
-            )
+            assert blk.gpu is not None
+            outs.append(blk.gpu.attention(q[:g], k_new[:g], v_new[:g], bias[:g], start))
         if c + d:
             off = slice(g, g + c + d)
             if start == 0:

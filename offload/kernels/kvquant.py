@@ -28,21 +28,13 @@ import torch.nn.functional as F
 
 from offload.kernels.qmatmul import use_kernel
 from offload.kernels.quant import QTensor, dequantize, quantize
-from offload.policies.policy import Compression
+from offload.policies.policy import KV_GROUPS, Compression
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the reference path runs instead
     triton = None
-
-
-def check_kv_compression(config: Compression, head_dim: int) -> str | None:
-    """Why this compression cannot hold a KV cache of this head size, or None."""
-    group = config.group_size
-    if group & (group - 1) or not 16 <= group <= 128:
-        return f"kv_compression group_size must be 16, 32, 64 or 128 (tokens), got {group}"
-    return None
 
 
 def value_group(config: Compression, head_dim: int) -> int:
@@ -65,6 +57,10 @@ def kv_row_bytes(
     return num_kv_heads * (keys + values)
 
 
+# sequences x new tokens quantized at a time by `QuantKV.write`
+WRITE_CHUNK_TOKENS = 4096
+
+
 class QuantKV:
     """One layer's compressed KV for `rows` sequences (format in the module docstring)."""
 
@@ -78,9 +74,8 @@ class QuantKV:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        problem = check_kv_compression(config, head_dim)
-        if problem:
-            raise ValueError(problem)
+        if config.group_size not in KV_GROUPS:
+            raise ValueError(f"KV group size {config.group_size} is not one of {KV_GROUPS}")
         self.config, self.dtype, self.head_dim = config, dtype, head_dim
         self.group = g = config.group_size
         self.value_config = Compression(
@@ -105,27 +100,36 @@ class QuantKV:
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """Store new entries k, v [rows, Hkv, T, D] at slots start .. start + T - 1."""
+        """Store new entries k, v [rows, Hkv, T, D] at slots start .. start + T - 1.
+
+        A prefill is quantized a few sequences at a time, so its float32 temporaries
+        stay small beside the layer's own (prefill rows x T can be tens of thousands)."""
+        rows = max(1, WRITE_CHUNK_TOKENS // k.shape[2])
+        for first in range(0, k.shape[0], rows):
+            part = slice(first, first + rows)
+            self._write(part, k[part], v[part], start)
+
+    def _write(self, part: slice, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         end = start + k.shape[2]
         qv = quantize(v, self.value_config)
-        self.v_codes[:, :, start:end] = qv.codes.flatten(-2)
-        self.v_scale[:, :, start:end] = qv.scale.flatten(-2)
+        self.v_codes[part, :, start:end] = qv.codes.flatten(-2)
+        self.v_scale[part, :, start:end] = qv.scale.flatten(-2)
         if qv.minimum is not None:
-            self.v_min[:, :, start:end] = qv.minimum.flatten(-2)
+            self.v_min[part, :, start:end] = qv.minimum.flatten(-2)
         g = self.group
         first, held = start // g, start % g
-        keys = torch.cat((self.k_tail[:, :, :held], k), dim=2) if held else k
+        keys = torch.cat((self.k_tail[part, :, :held], k), dim=2) if held else k
         full = end // g - first
         if full:
             rows, heads, _, dim = keys.shape
             grouped = keys[:, :, : full * g].reshape(rows, heads, full, g, dim).transpose(-1, -2)
             qk = quantize(grouped, self.config)  # groups of g tokens, per channel
-            self.k_codes[:, :, first : first + full] = qk.codes.squeeze(-2)
-            self.k_scale[:, :, first : first + full] = qk.scale.flatten(-3)
+            self.k_codes[part, :, first : first + full] = qk.codes.squeeze(-2)
+            self.k_scale[part, :, first : first + full] = qk.scale.flatten(-3)
             if qk.minimum is not None:
-                self.k_min[:, :, first : first + full] = qk.minimum.flatten(-3)
+                self.k_min[part, :, first : first + full] = qk.minimum.flatten(-3)
         rest = keys[:, :, full * g :]
-        self.k_tail[:, :, : rest.shape[2]] = rest
+        self.k_tail[part, :, : rest.shape[2]] = rest
 
     def dequantized(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [rows, Hkv, end, D] of slots 0 .. end - 1 in the compute dtype."""

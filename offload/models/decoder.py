@@ -26,9 +26,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from offload.config import OPT_POSITION_OFFSET, ModelConfig
+from offload.kernels.kvquant import QuantKV, decode_attention
 from offload.kernels.qmatmul import qlinear
 from offload.kernels.quant import QTensor
 from offload.models import ops
+from offload.policies.policy import Compression
 
 # A quantized layer matrix arrives as a `QTensor` (compressed weights); `_linear` runs
 # it through the dequantize-and-multiply kernel.
@@ -206,27 +208,53 @@ def head(cfg: ModelConfig, w: Weights, x: torch.Tensor) -> torch.Tensor:
 
 
 class LayerKV:
-    """One layer's KV cache for a batch: k, v [B, Hkv, max_slots, D] on one device."""
+    """One layer's KV cache for a batch on one device: k, v [B, Hkv, max_slots, D], or
+    with `compression` a `kernels.kvquant.QuantKV` (read by the quantized decode
+    attention kernel)."""
 
     def __init__(
-        self, batch: int, cfg: ModelConfig, max_slots: int, dtype, device, transform=None
+        self,
+        batch: int,
+        cfg: ModelConfig,
+        max_slots: int,
+        dtype,
+        device,
+        compression: Compression | None = None,
     ) -> None:
-        """transform, if given, maps entries before they are stored (the reference of a
-        compressed cache: quantize-dequantize)."""
+        self.quant: QuantKV | None = None
+        if compression is not None:
+            self.quant = QuantKV(
+                batch, cfg.num_kv_heads, cfg.head_dim, max_slots, compression, dtype, device
+            )
+            return
         shape = (batch, cfg.num_kv_heads, max_slots, cfg.head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.transform = transform
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        if self.transform is not None:
-            k, v = self.transform(k), self.transform(v)
+    @property
+    def nbytes(self) -> int:
+        if self.quant is not None:
+            return self.quant.nbytes
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """Store the new entries k, v at slots start.. and attend q over the cache.
+
+        A compressed cache: a prefill (start 0) attends over its fresh entries at full
+        precision, a decode step over the compressed cache."""
         end = start + k.shape[2]
+        if self.quant is not None:
+            self.quant.write(k, v, start)
+            if start == 0:
+                return attend(q, k, v, bias)
+            if q.shape[2] == 1:
+                return decode_attention(q, self.quant, bias, end)
+            return attend(q, *self.quant.dequantized(end), bias)
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
-
-    def view(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, :, :num_slots], self.v[:, :, :num_slots]
+        return attend(q, self.k[:, :, :end], self.v[:, :, :end], bias)
 
 
 def layer_forward(
@@ -234,7 +262,5 @@ def layer_forward(
 ) -> torch.Tensor:
     """One decoder layer with its KV cache on the same device as x."""
     q, k, v, residual = attn_in(cfg, w, x, step)
-    kv.write(k, v, step.cache_start)
-    keys, values = kv.view(step.cache_start + x.shape[1])
-    context = attend(q, keys, values, step.bias)
+    context = kv.attention(q, k, v, step.bias, step.cache_start)
     return attn_out_and_mlp(cfg, w, context, residual)

@@ -20,6 +20,7 @@ import torch
 
 from offload.config import ModelConfig
 from offload.executor.weights import stage_cut, stage_image_bytes
+from offload.kernels.kvquant import kv_row_bytes
 from offload.policies.hardware import GB, HardwareProfile
 from offload.policies.memory import MemoryPlan, micro_batch_sizes, plan_memory, row_splits
 from offload.policies.policy import Policy
@@ -71,6 +72,10 @@ def estimate(
     rows_cpu = sum(c for _, c, _ in splits)
     rows_disk = sum(d for _, _, d in splits)
     kv_tok = 2 * cfg.num_kv_heads * cfg.head_dim * elt  # one token, one layer
+    if policy.kv_compression is not None:  # compressed bytes a token (the GPU reads)
+        slots = prompt_len + gen_len
+        kv_tok = kv_row_bytes(cfg.num_kv_heads, cfg.head_dim, slots, dtype, policy.kv_compression)
+        kv_tok /= slots
     params = cfg.layer_param_count()
     off_w, disk_w, ends, layer_w = _layer_bytes(cfg, policy, dtype)
     micro = max(1, len(splits))

@@ -15,6 +15,7 @@ import torch
 from offload.config import ModelConfig
 from offload.executor.weights import stage_cut, stage_image_bytes
 from offload.io.pinned import align_up
+from offload.kernels.kvquant import kv_row_bytes
 from offload.models import decoder
 from offload.policies.policy import Policy
 
@@ -81,6 +82,17 @@ def kv_plan(
     per_row = cfg.num_kv_heads * max_slots * cfg.head_dim * elt
     splits = row_splits(policy.kv_cache, micro_batch_sizes(policy, batch))
     layers = cfg.num_layers
+    if policy.kv_compression is not None:  # kept wholly on the GPU (the policy checks)
+        compressed = kv_row_bytes(
+            cfg.num_kv_heads, cfg.head_dim, max_slots, dtype, policy.kv_compression
+        )
+        return {
+            "kv_gpu": batch * compressed * layers,
+            "kv_cpu": 0,
+            "kv_disk": 0,
+            "kv_scratch_gpu": 0,
+            "kv_staging_cpu": 0,
+        }
     gpu = sum(2 * g * per_row for g, _, _ in splits) * layers
     cpu = sum(2 * align_up(c * per_row) for _, c, _ in splits if c) * layers
     regions = [align_up(d * per_row) for _, _, d in splits]

@@ -73,6 +73,10 @@ class Compression:
             )
 
 
+# token-group sizes a compressed KV cache supports (the decode kernel's tile of tokens)
+KV_GROUPS = (16, 32, 64, 128)
+
+
 @dataclass(frozen=True)
 class Policy:
     gpu_batch_size: int = 8
@@ -93,9 +97,16 @@ class Policy:
         if self.activations.disk > 0:
             raise ValueError("activations on disk are not supported; put them on the gpu or cpu")
         if self.kv_compression is not None:
-            raise ValueError(
-                "a compressed KV cache is not implemented yet; set kv_compression to null"
-            )
+            if self.kv_compression.group_size not in KV_GROUPS:
+                raise ValueError(
+                    f"kv_compression group_size is tokens a key group: one of "
+                    f"{', '.join(map(str, KV_GROUPS))}, got {self.kv_compression.group_size}"
+                )
+            if self.kv_cache.gpu < 1.0:
+                raise ValueError(
+                    "a compressed KV cache is kept on the GPU only (off-GPU homes are not "
+                    "built yet); set kv_cache to {gpu: 1} or kv_compression to null"
+                )
 
     @property
     def block_size(self) -> int:

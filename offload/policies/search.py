@@ -10,6 +10,7 @@ the batch shape (FlexGen's LP relaxes it and rounds); the grid is small enough
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -51,7 +52,10 @@ def _fits(est: Estimate, caps: Caps) -> bool:
 def _kv_placement(
     cfg, base: Policy, dtype, prompt_len, gen_len, hw: HardwareProfile, caps: Caps
 ) -> Placement | None:
-    """Greedy KV placement: as much on the GPU as fits, then the CPU, then disk."""
+    """Greedy KV placement: as much on the GPU as fits, then the CPU, then disk. A
+    compressed cache is kept on the GPU (whether it fits is checked with the rest)."""
+    if base.kv_compression is not None:
+        return Placement(1.0, 0.0, 0.0)
     probe = plan_memory(cfg, _with(base, kv=Placement(0.0, 1.0, 0.0)), dtype, prompt_len, gen_len)
     kv_total = max(probe.detail["kv_cpu"], 1)
     gpu_left = (
@@ -82,6 +86,7 @@ def _with(p: Policy, kv: Placement | None = None, weights: Placement | None = No
         attention_on_cpu=p.attention_on_cpu,
         overlap=True,
         weight_compression=p.weight_compression,
+        kv_compression=p.kv_compression,
     )
 
 
@@ -122,21 +127,26 @@ def candidates(
     caps: Caps,
     max_block: int | None,
     compressions: tuple[Compression | None, ...] = (None,),
+    kv_compressions: tuple[Compression | None, ...] = (None,),
 ):
-    for compression in compressions:
+    for compression, kv_compression in itertools.product(compressions, kv_compressions):
         weights = _weight_options(cfg, dtype, hw, caps, compression)
+        # a compressed cache stays on the GPU, so attention never runs on the CPU
+        cpu_attention_options = (False,) if kv_compression else (False, True)
         for size in BATCH_SIZES:
             for count in NUM_BATCHES:
                 if max_block is not None and size * count > max(max_block, 1) and count > 1:
                     continue
-                for cpu_attention in (False, True):
+                for cpu_attention in cpu_attention_options:
                     for placement in weights:
                         yield Policy(
                             size,
                             count,
                             weights=placement,
+                            kv_cache=Placement(1.0, 0.0, 0.0),
                             attention_on_cpu=cpu_attention,
                             weight_compression=compression,
+                            kv_compression=kv_compression,
                         )
 
 
@@ -149,17 +159,19 @@ def search(
     caps: Caps,
     num_prompts: int | None = None,
     compressions: tuple[Compression | None, ...] = (None,),
+    kv_compressions: tuple[Compression | None, ...] = (None,),
 ) -> Estimate:
     """The best fitting policy's estimate; `UserError` with the smallest fit if none.
 
-    `compressions` are the weight formats the search may choose among (None: fp16)."""
+    `compressions` and `kv_compressions` are the weight and KV formats the search may
+    choose among (None: uncompressed)."""
     if prompt_len + gen_len > cfg.max_position_embeddings:
         raise UserError(
             f"prompt {prompt_len} + generation {gen_len} tokens exceed the model's context of "
             f"{cfg.max_position_embeddings}"
         )
     best: Estimate | None = None
-    for base in candidates(cfg, dtype, hw, caps, num_prompts, compressions):
+    for base in candidates(cfg, dtype, hw, caps, num_prompts, compressions, kv_compressions):
         kv = _kv_placement(cfg, base, dtype, prompt_len, gen_len, hw, caps)
         if kv is None:
             continue
