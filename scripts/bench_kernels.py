@@ -1,16 +1,21 @@
-"""Kernel benchmark: the dequantize-and-multiply at decode shapes against HBM bandwidth.
+"""Kernel benchmark: the compressed-data kernels at decode shapes against HBM bandwidth.
 
-    python scripts/bench_kernels.py [--out benchmarks/results]
+    python scripts/bench_kernels.py [--kernels qlinear,attention] [--out benchmarks/results]
 
-For OPT-30B and Llama-2-70B layer matrices at decode row counts, int4 and int8 (group
-64, asymmetric): time of `qlinear`, the compressed bytes it reads per second as a share
-of the HBM copy rate measured in the same run, and torch's fp16 `F.linear` on the
-uncompressed matrix for comparison. Writes JSON and prints a table.
+qlinear: for OPT-30B and Llama-2-70B layer matrices at decode row counts, int4 and int8
+(group 64, asymmetric): time of `qlinear`, the compressed bytes it reads per second as
+a share of the HBM copy rate measured in the same run, and torch's fp16 `F.linear` on
+the uncompressed matrix for comparison.
+attention: decode attention over a compressed cache (int4 / int8, groups of 64 tokens)
+at OPT-30B, Llama-2-70B (grouped queries) and BLOOM (per-head ALiBi bias) shapes: the
+compressed cache bytes read per second as a share of the same HBM rate, beside SDPA
+over the fp16 cache. Writes JSON and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -19,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from offload.kernels.kvquant import QuantKV, decode_attention
 from offload.kernels.qmatmul import qlinear
 from offload.kernels.quant import quantize
 from offload.policies.policy import Compression
@@ -55,14 +61,60 @@ def hbm_rate(dev: torch.device) -> float:
     return 2 * src.numel() / timed(lambda: dst.copy_(src)) / GB
 
 
+# (model, batch, query heads, KV heads, head_dim, context, per-head bias)
+ATTENTION_SHAPES = [
+    ("opt-30b", 12, 56, 56, 128, 544, False),
+    ("opt-30b", 32, 56, 56, 128, 544, False),
+    ("llama-2-70b", 32, 64, 8, 128, 4096, False),
+    ("bloom", 16, 112, 112, 128, 1024, True),
+]
+
+
+def bench_attention(dev: torch.device, hbm: float) -> list[dict]:
+    out = []
+    for model, batch, heads, kv_heads, dim, ctx, per_head in ATTENTION_SHAPES:
+        k = torch.randn(batch, kv_heads, ctx, dim, device=dev, dtype=torch.float16)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, heads, 1, dim, device=dev, dtype=torch.float16)
+        bias = torch.zeros(batch, heads if per_head else 1, 1, ctx, device=dev, dtype=q.dtype)
+        sdpa = F.scaled_dot_product_attention
+        dense = timed(functools.partial(sdpa, q, k, v, attn_mask=bias, enable_gqa=True))
+        for bits in (4, 8):
+            cache = QuantKV(batch, kv_heads, dim, ctx, Compression(bits, 64, False), q.dtype, dev)
+            cache.write(k, v, 0)
+            seconds = timed(functools.partial(decode_attention, q, cache, bias, ctx))
+            read = cache.nbytes + bias.numel() * 2 + 2 * q.numel() * 2
+            out.append(
+                {
+                    "model": model,
+                    "batch": batch,
+                    "heads": heads,
+                    "kv_heads": kv_heads,
+                    "head_dim": dim,
+                    "context": ctx,
+                    "bits": bits,
+                    "seconds": seconds,
+                    "gbps": read / seconds / GB,
+                    "hbm_share": read / seconds / GB / hbm,
+                    "fp16_sdpa_seconds": dense,
+                    "speedup_vs_fp16": dense / seconds,
+                }
+            )
+            del cache
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--kernels", default="qlinear,attention")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
+    kernels = args.kernels.split(",")
     dev = torch.device("cuda")
     hbm = hbm_rate(dev)
+    attention = bench_attention(dev, hbm) if "attention" in kernels else []
     rows_out = []
-    for model, name, n, k in SHAPES:
+    for model, name, n, k in SHAPES if "qlinear" in kernels else []:
         w = torch.randn(n, k, device=dev, dtype=torch.float16)
         for bits in (4, 8):
             q = quantize(w, Compression(bits, 64, False))
@@ -87,7 +139,12 @@ def main() -> None:
                     }
                 )
         del w
-    res = {"device": torch.cuda.get_device_name(), "hbm_copy_gbps": hbm, "runs": rows_out}
+    res = {
+        "device": torch.cuda.get_device_name(),
+        "hbm_copy_gbps": hbm,
+        "runs": rows_out,
+        "attention": attention,
+    }
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for out in {args.out, Path(os.environ.get("OUT", args.out))}:
         out.mkdir(parents=True, exist_ok=True)
@@ -101,6 +158,13 @@ def main() -> None:
             f"{r['model'] + ' ' + r['matrix']:24s} {r['bits']:4d} {r['rows']:5d} "
             f"{r['seconds'] * 1e6:8.1f} {r['gbps']:7.0f} {100 * r['hbm_share']:5.0f} "
             f"{r['speedup_vs_fp16']:7.2f}"
+        )
+    print(f"\n{'attention':28s} {'bits':>4s} {'us':>8s} {'GB/s':>7s} {'HBM%':>5s} {'vs fp16':>7s}")
+    for r in attention:
+        shape = f"{r['model']} B{r['batch']} S{r['context']}"
+        print(
+            f"{shape:28s} {r['bits']:4d} {r['seconds'] * 1e6:8.1f} {r['gbps']:7.0f} "
+            f"{100 * r['hbm_share']:5.0f} {r['speedup_vs_fp16']:7.2f}"
         )
 
 

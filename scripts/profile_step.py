@@ -27,6 +27,7 @@ def main() -> None:
     p.add_argument("--model", default="opt-30b")
     p.add_argument("--policy", type=Path, required=True)
     p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--python", type=int, default=0, help="also print N top host functions")
     args = p.parse_args()
     spec = resolve_model(args.model, dummy=True)
     policy = Policy.from_file(args.policy)
@@ -51,6 +52,18 @@ def main() -> None:
         torch.cuda.synchronize()
         step = (time.perf_counter() - started) / 3
     print(f"decode step {step * 1e3:.1f} ms")
+    if args.python:  # host-side Python: where the launching thread spends a step
+        import cProfile
+        import pstats
+
+        host = cProfile.Profile()
+        host.enable()
+        for _ in range(3):
+            ids = sample(logits, greedy, None)
+            logits = ex.forward(ids[:, None], ex.step_inputs(batch, pos, 1))
+            pos += 1
+        host.disable()
+        pstats.Stats(host).sort_stats("tottime").print_stats(args.python)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     ex.close()

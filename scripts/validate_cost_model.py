@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from offload.batch import PaddedBatch
-from offload.cli.common import parse_compression, parse_size
+from offload.cli.common import parse_compression, parse_kv_compression, parse_size
 from offload.executor.caps import cuda_context_bytes
 from offload.executor.executor import Executor
 from offload.models.resolve import resolve_model
@@ -64,7 +64,7 @@ def measure_policy(spec, policy: Policy, dtype, device, prompt_len: int, gen_len
             10, cfg.vocab_size - 10, (policy.block_size, prompt_len), generator=gen
         ).tolist()
         batch = PaddedBatch(cfg, prompts, gen_len, pad_id=1)
-        if policy.weight_compression is not None:
+        if policy.weight_compression is not None or policy.kv_compression is not None:
             # Triton compiles its kernels at their first prefill and decode shapes (about
             # a second each, once per process): warm up so the timing is the steady state
             ex.start(batch)
@@ -91,6 +91,7 @@ def measure_policy(spec, policy: Policy, dtype, device, prompt_len: int, gen_len
             "total_tok_s": policy.block_size * gen_len / seconds,
             "prefill_s": prefill,
             "decode_s": seconds - prefill,
+            "decode_step_s": (seconds - prefill) / max(gen_len - 1, 1),
             "peak_gpu_bytes": peak,
         }
     finally:
@@ -110,6 +111,7 @@ def main() -> None:
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--profile", type=Path)
     p.add_argument("--compress", default="none", help="formats the search may use (auto: any)")
+    p.add_argument("--kv-compress", default="none", help="KV formats the search may use")
     p.add_argument(
         "--policies", help="comma-separated subset of the policies (hand names, searched)"
     )
@@ -141,6 +143,7 @@ def main() -> None:
             hw,
             caps,
             compressions=parse_compression(args.compress),
+            kv_compressions=parse_kv_compression(args.kv_compress),
         )
         policies = {"searched": best.policy, **policies}
     if args.policies:

@@ -55,13 +55,14 @@ def qlinear_failures(
 
 
 # (batch, query heads, KV heads, head_dim, token group, slots written, prefill length,
-# per-head bias): grouped and plain heads, a head_dim not a power of two, contexts
+# per-head bias): grouped and plain heads, long enough for several groups a split, a head_dim not a power of two, contexts
 # ending inside a group and on a group boundary, ALiBi-style per-head bias
 ATTENTION_SHAPES = [
     (2, 8, 2, 64, 64, 150, 100, False),
     (3, 4, 4, 80, 32, 64, 64, True),
     (1, 12, 4, 128, 64, 70, 1, True),
     (2, 6, 1, 32, 16, 17, 9, False),
+    (1, 4, 2, 32, 16, 600, 590, False),  # 38 blocks: two groups a split
 ]
 
 

@@ -7,10 +7,11 @@ Format (one layer, `rows` sequences, `max_slots` token slots, compression bits /
   scale with (measured on the demo model: +22% perplexity per token, +1% per channel;
   docs/compression.md). Codes `k_codes` [rows, Hkv, groups, D, G x bits / 8] (int4:
   two tokens a byte, low nibble first), `k_scale` / `k_min` [rows, Hkv, groups, D] fp16.
-  The tokens of the last, incomplete group wait in `k_tail` [rows, Hkv, G, D] in the
-  compute dtype and are quantized when their group completes.
 - values are quantized per token in groups of gcd(G, D) channels: `v_codes`
   [rows, Hkv, slots, D x bits / 8], `v_scale` / `v_min` [rows, Hkv, slots, D / Gv].
+- the tokens of the last, incomplete group wait in `k_tail` / `v_tail` [rows, Hkv, G, D]
+  in the compute dtype: both are quantized when their group completes, so a decode
+  step only copies its entry (the most recent tokens also stay exact, as in KIVI).
 
 Writes must be in slot order (each starts where the last ended), which is how a
 generation fills its cache. Prefill attends over its fresh full-precision K/V; decode
@@ -26,7 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from offload.kernels.qmatmul import use_kernel
+from offload.kernels.qmatmul import dequant, use_kernel
 from offload.kernels.quant import QTensor, dequantize, quantize
 from offload.policies.policy import KV_GROUPS, Compression
 
@@ -50,11 +51,12 @@ def kv_row_bytes(
     g, bits = config.group_size, config.bits
     params = 1 if config.symmetric else 2
     groups = -(-max_slots // g)
-    keys = groups * head_dim * (g * bits // 8 + 2 * params) + g * head_dim * elt
+    keys = groups * head_dim * (g * bits // 8 + 2 * params)
     values = max_slots * (
         head_dim * bits // 8 + 2 * params * head_dim // value_group(config, head_dim)
     )
-    return num_kv_heads * (keys + values)
+    tails = 2 * g * head_dim * elt
+    return num_kv_heads * (keys + values + tails)
 
 
 # sequences x new tokens quantized at a time by `QuantKV.write`
@@ -92,11 +94,12 @@ class QuantKV:
         self.v_codes = torch.empty((*lead, max_slots, head_dim * config.bits // 8), **u8)
         self.v_scale = torch.empty((*lead, max_slots, vg), **f16)
         self.v_min = None if config.symmetric else torch.empty_like(self.v_scale)
+        self.v_tail = torch.empty_like(self.k_tail)
 
     @property
     def nbytes(self) -> int:
         parts = (self.k_codes, self.k_scale, self.k_min, self.k_tail)
-        parts += (self.v_codes, self.v_scale, self.v_min)
+        parts += (self.v_codes, self.v_scale, self.v_min, self.v_tail)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
@@ -111,25 +114,29 @@ class QuantKV:
 
     def _write(self, part: slice, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         end = start + k.shape[2]
-        qv = quantize(v, self.value_config)
-        self.v_codes[part, :, start:end] = qv.codes.flatten(-2)
-        self.v_scale[part, :, start:end] = qv.scale.flatten(-2)
-        if qv.minimum is not None:
-            self.v_min[part, :, start:end] = qv.minimum.flatten(-2)
         g = self.group
         first, held = start // g, start % g
-        keys = torch.cat((self.k_tail[part, :, :held], k), dim=2) if held else k
+        if held:  # tokens [first x g, end): the tail's, then the new ones
+            k = torch.cat((self.k_tail[part, :, :held], k), dim=2)
+            v = torch.cat((self.v_tail[part, :, :held], v), dim=2)
         full = end // g - first
         if full:
-            rows, heads, _, dim = keys.shape
-            grouped = keys[:, :, : full * g].reshape(rows, heads, full, g, dim).transpose(-1, -2)
+            rows, heads, _, dim = k.shape
+            grouped = k[:, :, : full * g].reshape(rows, heads, full, g, dim).transpose(-1, -2)
             qk = quantize(grouped, self.config)  # groups of g tokens, per channel
             self.k_codes[part, :, first : first + full] = qk.codes.squeeze(-2)
             self.k_scale[part, :, first : first + full] = qk.scale.flatten(-3)
             if qk.minimum is not None:
                 self.k_min[part, :, first : first + full] = qk.minimum.flatten(-3)
-        rest = keys[:, :, full * g :]
-        self.k_tail[part, :, : rest.shape[2]] = rest
+            slots = slice(first * g, (first + full) * g)
+            qv = quantize(v[:, :, : full * g], self.value_config)  # per token
+            self.v_codes[part, :, slots] = qv.codes.flatten(-2)
+            self.v_scale[part, :, slots] = qv.scale.flatten(-2)
+            if qv.minimum is not None:
+                self.v_min[part, :, slots] = qv.minimum.flatten(-2)
+        rest = k.shape[2] - full * g
+        self.k_tail[part, :, :rest] = k[:, :, full * g :]
+        self.v_tail[part, :, :rest] = v[:, :, full * g :]
 
     def dequantized(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [rows, Hkv, end, D] of slots 0 .. end - 1 in the compute dtype."""
@@ -146,14 +153,15 @@ class QuantKV:
         keys = dequantize(kq).transpose(-1, -2).reshape(rows, heads, ng * g, dim)
         keys = torch.cat((keys, self.k_tail[:, :, : end - ng * g]), dim=2)
         vq = QTensor(
-            self._value_codes(end),
-            self.v_scale[:, :, :end, :, None],
-            None if self.v_min is None else self.v_min[:, :, :end, :, None],
-            (rows, heads, end, dim),
+            self._value_codes(ng * g),
+            self.v_scale[:, :, : ng * g, :, None],
+            None if self.v_min is None else self.v_min[:, :, : ng * g, :, None],
+            (rows, heads, ng * g, dim),
             self.dtype,
             self.value_config,
         )
-        return keys, dequantize(vq)
+        values = torch.cat((dequantize(vq), self.v_tail[:, :, : end - ng * g]), dim=2)
+        return keys, values
 
     def _value_codes(self, end: int) -> torch.Tensor:
         groups = self.v_scale.shape[-1]
@@ -172,6 +180,12 @@ def decode_attention_reference(
     return out.transpose(1, 2).reshape(batch, 1, heads * dim)
 
 
+# Sequence splits of the decode attention: each program of the first kernel takes
+# GROUPS_PER_SPLIT token groups of one (sequence, KV head), so even a small batch fills
+# the GPU (flash-decoding); the second kernel merges the splits' softmax partials.
+MAX_SPLITS = 32
+
+
 def decode_attention(q: torch.Tensor, cache: QuantKV, bias: torch.Tensor, end: int) -> torch.Tensor:
     """Attention of one new token per sequence over the compressed cache; [B, 1, H x D].
 
@@ -182,21 +196,32 @@ def decode_attention(q: torch.Tensor, cache: QuantKV, bias: torch.Tensor, end: i
     batch, heads, _, dim = q.shape
     kv_heads = cache.k_codes.shape[1]
     rep = heads // kv_heads
-    out = torch.empty((batch, 1, heads * dim), dtype=q.dtype, device=q.device)
     g = cache.group
-    _decode_attention_kernel[(batch, kv_heads)](
+    blocks = end // g + 1  # the full groups, then the tail
+    per_split = triton.next_power_of_2(-(-blocks // MAX_SPLITS))
+    splits = -(-blocks // per_split)
+    block_d = triton.next_power_of_2(dim)
+    part_acc = torch.empty((batch, heads, splits, block_d), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((2, batch, heads, splits), dtype=torch.float32, device=q.device)
+    _attention_split_kernel[(batch, kv_heads, splits)](
         q, q.stride(0), q.stride(1),
         bias, bias.stride(0), bias.stride(1) if bias.shape[1] > 1 else 0, bias.stride(3),
         cache.k_codes, cache.k_scale, cache.k_scale if cache.k_min is None else cache.k_min,
         cache.k_tail,
         cache.v_codes, cache.v_scale, cache.v_scale if cache.v_min is None else cache.v_min,
-        out,
-        end // g, end // g + 1, end % g, cache.k_codes.shape[2], cache.v_codes.shape[2],
+        cache.v_tail,
+        part_acc, part_ml, part_ml[1],
+        end // g, end % g, cache.k_codes.shape[2], cache.v_codes.shape[2], splits,
         1.0 / math.sqrt(dim),
-        HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), REP=rep,
-        BLOCK_R=max(16, triton.next_power_of_2(rep)),
+        HEAD_DIM=dim, BLOCK_D=block_d, REP=rep, BLOCK_R=max(16, triton.next_power_of_2(rep)),
         GROUP=g, VGROUP=cache.value_config.group_size, BITS=cache.config.bits,
-        SYMMETRIC=cache.config.symmetric,
+        SYMMETRIC=cache.config.symmetric, PER_SPLIT=per_split,
+        num_warps=4,
+    )  # fmt: skip
+    out = torch.empty((batch, 1, heads * dim), dtype=q.dtype, device=q.device)
+    _attention_merge_kernel[(batch, heads)](
+        part_acc, part_ml, part_ml[1], out, splits,
+        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
         num_warps=4,
     )  # fmt: skip
     return out
@@ -205,31 +230,30 @@ def decode_attention(q: torch.Tensor, cache: QuantKV, bias: torch.Tensor, end: i
 if triton is not None:
 
     @triton.jit
-    def _dequant(codes, scale, minimum, BITS: tl.constexpr, SYMMETRIC: tl.constexpr):
-        values = codes.to(tl.float32)
-        if SYMMETRIC:
-            return (values - ((1 << BITS) - 1) // 2) * scale
-        return values * scale + minimum
-
-    @triton.jit
-    def _decode_attention_kernel(
+    def _attention_split_kernel(
         q_ptr, q_sb, q_sh,
         bias_ptr, bias_sb, bias_sh, bias_ss,
         kc_ptr, ks_ptr, km_ptr, kt_ptr,
-        vc_ptr, vs_ptr, vm_ptr,
-        out_ptr,
-        full_groups, blocks, tail_len, num_groups, max_slots,
+        vc_ptr, vs_ptr, vm_ptr, vt_ptr,
+        acc_ptr, m_ptr, l_ptr,
+        full_groups, tail_len, num_groups, max_slots, splits,
         sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, REP: tl.constexpr, BLOCK_R: tl.constexpr,
         GROUP: tl.constexpr, VGROUP: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
+        PER_SPLIT: tl.constexpr,
     ):  # fmt: skip
-        """One (sequence, KV head): its REP query heads against every slot, online softmax."""
+        """One (sequence, KV head, split): its REP query heads against PER_SPLIT token
+        groups (block j < full_groups: a compressed group; j == full_groups: the tail);
+        writes the split's softmax max m, sum l and unnormalized output."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
+        split = tl.program_id(2)
         kv_heads = tl.num_programs(1)
         r = tl.arange(0, BLOCK_R)
         d = tl.arange(0, BLOCK_D)
         t = tl.arange(0, GROUP)
+        t_half = tl.arange(0, GROUP // 2)  # int4: the packed bytes of a key row
+        d_half = tl.arange(0, BLOCK_D // 2)  # and of a value row
         r_ok = r < REP
         d_ok = d < HEAD_DIM
         heads = kvh * REP + r
@@ -247,35 +271,33 @@ if triton is not None:
         l_i = tl.zeros((BLOCK_R,), tl.float32)
         acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
         bias_rows = bias_ptr + b * bias_sb + heads[:, None] * bias_sh
-        j = 0
-        # the full groups, then the tail (a while loop: Triton's interpreter cannot take
-        # a runtime bound in range() under numpy 2)
-        while j < blocks:
+        for i in tl.static_range(PER_SPLIT):
+            j = split * PER_SPLIT + i
+            is_full = j < full_groups
+            valid = is_full | ((j == full_groups) & (t < tail_len))  # [GROUP]
             slots = j * GROUP + t
-            if j < full_groups:
+            if is_full:
                 # keys [D, GROUP]: channel d of token t is byte d * k_bytes + t * BITS / 8
-                base = (row * num_groups + j) * HEAD_DIM
+                kbase = (row * num_groups + j) * HEAD_DIM
                 if BITS == 4:
-                    byte = tl.load(
-                        kc_ptr + (base + d[:, None]) * k_bytes + t[None, :] // 2,
+                    kbyte = tl.load(
+                        kc_ptr + (kbase + d[:, None]) * k_bytes + t_half[None, :],
                         mask=d_ok[:, None],
                         other=0,
                     )
-                    codes = (byte >> ((t[None, :] % 2) * 4)) & 0xF
+                    kcodes = tl.interleave(kbyte & 0xF, kbyte >> 4)
                 else:
-                    codes = tl.load(
-                        kc_ptr + (base + d[:, None]) * k_bytes + t[None, :],
+                    kcodes = tl.load(
+                        kc_ptr + (kbase + d[:, None]) * k_bytes + t[None, :],
                         mask=d_ok[:, None],
                         other=0,
                     )
-                scale = tl.load(ks_ptr + base + d, mask=d_ok, other=0.0).to(tl.float32)
-                minimum = tl.load(km_ptr + base + d, mask=d_ok, other=0.0).to(tl.float32)
-                keys_t = _dequant(codes, scale[:, None], minimum[:, None], BITS, SYMMETRIC)
+                kscale = tl.load(ks_ptr + kbase + d, mask=d_ok, other=0.0)
+                kmin = tl.load(km_ptr + kbase + d, mask=d_ok, other=0.0)
+                keys_t = dequant(kcodes, kscale[:, None], kmin[:, None], BITS, SYMMETRIC)
                 keys_t = keys_t.to(dtype)
-                valid = t < GROUP
             else:
                 # the tail: tokens of the incomplete last group, in the compute dtype
-                valid = t < tail_len
                 keys_t = tl.load(
                     kt_ptr + (row * GROUP + t[None, :]) * HEAD_DIM + d[:, None],
                     mask=valid[None, :] & d_ok[:, None],
@@ -285,38 +307,66 @@ if triton is not None:
             bias = tl.load(
                 bias_rows + slots[None, :] * bias_ss, mask=r_ok[:, None] & valid[None, :], other=0.0
             )
-            scores = scores + bias.to(tl.float32)
-            scores = tl.where(valid[None, :], scores, -float("inf"))
+            scores = tl.where(valid[None, :], scores + bias.to(tl.float32), -float("inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(scores - m_new[:, None])
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(scores - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            # values [GROUP, D]: token t's channel d is byte t * v_bytes + d * BITS / 8
-            vrow = row * max_slots + slots
-            if BITS == 4:
-                byte = tl.load(
-                    vc_ptr + vrow[:, None] * v_bytes + d[None, :] // 2,
-                    mask=valid[:, None] & d_ok[None, :],
-                    other=0,
-                )
-                codes = (byte >> ((d[None, :] % 2) * 4)) & 0xF
+            if is_full:
+                # values [GROUP, D]: token t's channel d is byte t * v_bytes + d * BITS / 8
+                vrow = row * max_slots + slots
+                vmask = d_ok[None, :] & (t < GROUP)[:, None]
+                if BITS == 4:
+                    vbyte = tl.load(
+                        vc_ptr + vrow[:, None] * v_bytes + d_half[None, :],
+                        mask=(d_half < HEAD_DIM // 2)[None, :] & (t < GROUP)[:, None],
+                        other=0,
+                    )
+                    vcodes = tl.interleave(vbyte & 0xF, vbyte >> 4)
+                else:
+                    vcodes = tl.load(
+                        vc_ptr + vrow[:, None] * v_bytes + d[None, :], mask=vmask, other=0
+                    )
+                vparams = vrow[:, None] * v_groups + d[None, :] // VGROUP
+                vscale = tl.load(vs_ptr + vparams, mask=vmask, other=0.0)
+                vmin = tl.load(vm_ptr + vparams, mask=vmask, other=0.0)
+                values = dequant(vcodes, vscale, vmin, BITS, SYMMETRIC).to(dtype)
             else:
-                codes = tl.load(
-                    vc_ptr + vrow[:, None] * v_bytes + d[None, :],
+                values = tl.load(
+                    vt_ptr + (row * GROUP + t[:, None]) * HEAD_DIM + d[None, :],
                     mask=valid[:, None] & d_ok[None, :],
-                    other=0,
+                    other=0.0,
                 )
-            params = vrow[:, None] * v_groups + d[None, :] // VGROUP
-            pmask = valid[:, None] & d_ok[None, :]
-            scale = tl.load(vs_ptr + params, mask=pmask, other=0.0).to(tl.float32)
-            minimum = tl.load(vm_ptr + params, mask=pmask, other=0.0).to(tl.float32)
-            values = _dequant(codes, scale, minimum, BITS, SYMMETRIC).to(dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(dtype), values)
             m_i = m_new
-            j += 1
-        acc = acc / l_i[:, None]
+        part = (b * kv_heads * REP + heads) * splits + split  # [BLOCK_R]
+        tl.store(m_ptr + part, m_i, mask=r_ok)
+        tl.store(l_ptr + part, l_i, mask=r_ok)
+        tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=r_ok[:, None])
+
+    @triton.jit
+    def _attention_merge_kernel(
+        acc_ptr, m_ptr, l_ptr, out_ptr, splits,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):  # fmt: skip
+        """One (sequence, query head): the splits' partial softmaxes merged, normalized."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        heads = tl.num_programs(1)
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        part = (b * heads + h) * splits + s
+        s_ok = s < splits
+        m = tl.load(m_ptr + part, mask=s_ok, other=-float("inf"))
+        l_s = tl.load(l_ptr + part, mask=s_ok, other=0.0)
+        acc = tl.load(acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+        m_max = tl.max(m, axis=0)
+        w = tl.where(m == -float("inf"), 0.0, tl.exp(m - m_max))
+        total = tl.sum(w * l_s, axis=0)
+        out = tl.sum(w[:, None] * acc, axis=0) / total
         tl.store(
-            out_ptr + (b * kv_heads * REP + heads[:, None]) * HEAD_DIM + d[None, :],
-            acc.to(dtype),
-            mask=r_ok[:, None] & d_ok[None, :],
+            out_ptr + (b * heads + h) * HEAD_DIM + d,
+            out.to(out_ptr.dtype.element_ty),
+            mask=d < HEAD_DIM,
         )
