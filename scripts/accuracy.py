@@ -1,6 +1,6 @@
 """Accuracy of compression on the demo model: perplexity and greedy-token agreement.
 
-    python scripts/accuracy.py [--window 512]
+    python scripts/accuracy.py [--window 512] [--only "int4-g64 kv" ...]
 
 Perplexity of SmolLM2-135M-Instruct over tests/data/public_domain.txt (2,008 tokens of
 public-domain text) in non-overlapping windows, teacher-forced one token a step,
@@ -70,6 +70,7 @@ def perplexity(llm: LLM, ids: list[int], window: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--window", type=int, default=512)
+    p.add_argument("--only", nargs="*", help="variant names to run (with the uncompressed)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     llm = LLM("demo", device="cpu", dtype="float32", batch_size=12)
@@ -86,7 +87,10 @@ def main() -> None:
         "int4-g32 weights": (Compression(bits=4, group_size=32), None),
         "int4-g32 kv": (None, Compression(bits=4, group_size=32)),
         "int4-g128 kv": (None, Compression(bits=4, group_size=128)),
+        "int4-g32 weights + int4-g64 kv": (Compression(bits=4, group_size=32), int4),
     }
+    if args.only:
+        variants = {k: v for k, v in variants.items() if k == "none" or k in args.only}
     results, base_ppl, base_tokens = {}, None, None
     for name, (wc, kc) in variants.items():
         with llm.spec.open_weights() as source:

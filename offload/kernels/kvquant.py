@@ -228,8 +228,14 @@ def decode_attention(q: torch.Tensor, cache: QuantKV, bias: torch.Tensor, end: i
 
 
 if triton is not None:
-
-    @triton.jit
+    # Triton specializes integer arguments equal to 1 or divisible by 16 (a new compile
+    # each, about a second): the context-dependent ones change every decode step
+    @triton.jit(
+        do_not_specialize=[
+            "bias_sb", "bias_sh",
+            "full_groups", "tail_len", "num_groups", "max_slots", "splits",
+        ]
+    )  # fmt: skip
     def _attention_split_kernel(
         q_ptr, q_sb, q_sh,
         bias_ptr, bias_sb, bias_sh, bias_ss,
@@ -345,7 +351,7 @@ if triton is not None:
         tl.store(l_ptr + part, l_i, mask=r_ok)
         tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=r_ok[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["splits"])
     def _attention_merge_kernel(
         acc_ptr, m_ptr, l_ptr, out_ptr, splits,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,

@@ -110,7 +110,9 @@ if triton is not None:
             return (values - ((1 << BITS) - 1) // 2) * scale
         return values * scale + minimum.to(tl.float32)
 
-    @triton.jit
+    # M (rows: tokens) varies with the batch; not specialized on (a compile of about a
+    # second each time M is 1 or a multiple of 16)
+    @triton.jit(do_not_specialize=["M"])
     def _qmatmul_kernel(
         x_ptr,
         codes_ptr,
