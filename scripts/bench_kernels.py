@@ -104,15 +104,59 @@ def bench_attention(dev: torch.device, hbm: float) -> list[dict]:
     return out
 
 
+# prefill: the block's prompt tokens (12 x 512) through qkv, and the MLP's 4096-row slices
+PREFILL_SHAPES = [
+    ("opt-30b", "qkv", 6144, 3 * 7168, 7168),
+    ("opt-30b", "mlp_in", 4096, 28672, 7168),
+]
+PREFILL_TILES = [  # (BLOCK_M, BLOCK_N, K step, warps, stages); the first is the default
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 4, 3),
+    (128, 256, 64, 8, 3),
+    (64, 128, 64, 4, 4),
+    (128, 64, 64, 4, 4),
+    (128, 128, 128, 8, 3),
+    (256, 128, 64, 8, 3),
+]
+
+
+def bench_prefill(dev: torch.device) -> list[dict]:
+    """Tile sweep of the int4 kernel at prefill shapes, TFLOP/s beside cuBLAS fp16."""
+    out = []
+    for model, name, m, n, k in PREFILL_SHAPES:
+        w = torch.randn(n, k, device=dev, dtype=torch.float16)
+        x = torch.randn(m, k, device=dev, dtype=torch.float16)
+        q = quantize(w, Compression(4, 64, False))
+        flops = 2 * m * n * k
+        dense = timed(functools.partial(F.linear, x, w), repeat=10)
+        for tiles in PREFILL_TILES:
+            try:
+                seconds = timed(functools.partial(qlinear, x, q, None, tiles), repeat=10)
+            except Exception as exc:  # a tile that does not fit shared memory
+                out.append({"shape": f"{model} {name}", "tiles": tiles, "error": str(exc)[:200]})
+                continue
+            out.append(
+                {
+                    "shape": f"{model} {name} m{m}",
+                    "tiles": tiles,
+                    "tflops": flops / seconds / 1e12,
+                    "fp16_tflops": flops / dense / 1e12,
+                }
+            )
+        del w, x, q
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--kernels", default="qlinear,attention")
+    p.add_argument("--kernels", default="qlinear,attention", help="also: prefill (tile sweep)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     kernels = args.kernels.split(",")
     dev = torch.device("cuda")
     hbm = hbm_rate(dev)
     attention = bench_attention(dev, hbm) if "attention" in kernels else []
+    prefill = bench_prefill(dev) if "prefill" in kernels else []
     rows_out = []
     for model, name, n, k in SHAPES if "qlinear" in kernels else []:
         w = torch.randn(n, k, device=dev, dtype=torch.float16)
@@ -144,6 +188,7 @@ def main() -> None:
         "hbm_copy_gbps": hbm,
         "runs": rows_out,
         "attention": attention,
+        "prefill": prefill,
     }
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for out in {args.out, Path(os.environ.get("OUT", args.out))}:
@@ -159,6 +204,13 @@ def main() -> None:
             f"{r['seconds'] * 1e6:8.1f} {r['gbps']:7.0f} {100 * r['hbm_share']:5.0f} "
             f"{r['speedup_vs_fp16']:7.2f}"
         )
+    for r in prefill:
+        if "error" in r:
+            print(f"{r['shape']:28s} {r['tiles']}: {r['error']}")
+        else:
+            print(
+                f"{r['shape']:28s} {r['tiles']}: {r['tflops']:6.1f} TFLOP/s (fp16 {r['fp16_tflops']:.1f})"
+            )
     print(f"\n{'attention':28s} {'bits':>4s} {'us':>8s} {'GB/s':>7s} {'HBM%':>5s} {'vs fp16':>7s}")
     for r in attention:
         shape = f"{r['model']} B{r['batch']} S{r['context']}"

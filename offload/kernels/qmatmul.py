@@ -41,8 +41,12 @@ def use_kernel(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or _INTERPRETED)
 
 
-def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (fp16/bf16/fp32) times the quantized W [N, K]; returns [..., N] in x's dtype."""
+def qlinear(
+    x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, tiles: tuple | None = None
+) -> torch.Tensor:
+    """x [..., K] (fp16/bf16/fp32) times the quantized W [N, K]; returns [..., N] in x's dtype.
+
+    tiles overrides `_tiles(m, n)` (the kernel benchmark's tile sweep)."""
     if not use_kernel(x):
         return qlinear_reference(x, w, bias)
     n, k = w.shape
@@ -52,7 +56,7 @@ def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> to
     m = rows.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     cfg = w.config
-    block_m, block_n, max_k, warps, stages = _tiles(m, n)
+    block_m, block_n, max_k, warps, stages = tiles or _tiles(m, n)
     block_k = next(
         b
         for b in (256, 128, 64, cfg.group_size)
