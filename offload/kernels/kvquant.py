@@ -116,24 +116,27 @@ class QuantKV:
         end = start + k.shape[2]
         g = self.group
         first, held = start // g, start % g
+        full = end // g - first
+        if not full:  # no group completes (most decode steps): the entries join the tail
+            self.k_tail[part, :, held : held + k.shape[2]] = k
+            self.v_tail[part, :, held : held + k.shape[2]] = v
+            return
         if held:  # tokens [first x g, end): the tail's, then the new ones
             k = torch.cat((self.k_tail[part, :, :held], k), dim=2)
             v = torch.cat((self.v_tail[part, :, :held], v), dim=2)
-        full = end // g - first
-        if full:
-            rows, heads, _, dim = k.shape
-            grouped = k[:, :, : full * g].reshape(rows, heads, full, g, dim).transpose(-1, -2)
-            qk = quantize(grouped, self.config)  # groups of g tokens, per channel
-            self.k_codes[part, :, first : first + full] = qk.codes.squeeze(-2)
-            self.k_scale[part, :, first : first + full] = qk.scale.flatten(-3)
-            if qk.minimum is not None:
-                self.k_min[part, :, first : first + full] = qk.minimum.flatten(-3)
-            slots = slice(first * g, (first + full) * g)
-            qv = quantize(v[:, :, : full * g], self.value_config)  # per token
-            self.v_codes[part, :, slots] = qv.codes.flatten(-2)
-            self.v_scale[part, :, slots] = qv.scale.flatten(-2)
-            if qv.minimum is not None:
-                self.v_min[part, :, slots] = qv.minimum.flatten(-2)
+        rows, heads, _, dim = k.shape
+        grouped = k[:, :, : full * g].reshape(rows, heads, full, g, dim).transpose(-1, -2)
+        qk = quantize(grouped, self.config)  # groups of g tokens, per channel
+        self.k_codes[part, :, first : first + full] = qk.codes.squeeze(-2)
+        self.k_scale[part, :, first : first + full] = qk.scale.flatten(-3)
+        if qk.minimum is not None:
+            self.k_min[part, :, first : first + full] = qk.minimum.flatten(-3)
+        slots = slice(first * g, (first + full) * g)
+        qv = quantize(v[:, :, : full * g], self.value_config)  # per token
+        self.v_codes[part, :, slots] = qv.codes.flatten(-2)
+        self.v_scale[part, :, slots] = qv.scale.flatten(-2)
+        if qv.minimum is not None:
+            self.v_min[part, :, slots] = qv.minimum.flatten(-2)
         rest = k.shape[2] - full * g
         self.k_tail[part, :, :rest] = k[:, :, full * g :]
         self.v_tail[part, :, :rest] = v[:, :, full * g :]
@@ -181,7 +184,7 @@ def decode_attention_reference(
 
 
 # Sequence splits of the decode attention: each program of the first kernel takes
-# GROUPS_PER_SPLIT token groups of one (sequence, KV head), so even a small batch fills
+# PER_SPLIT token groups of one (sequence, KV head), so even a small batch fills
 # the GPU (flash-decoding); the second kernel merges the splits' softmax partials.
 MAX_SPLITS = 32
 
@@ -322,11 +325,11 @@ if triton is not None:
             if is_full:
                 # values [GROUP, D]: token t's channel d is byte t * v_bytes + d * BITS / 8
                 vrow = row * max_slots + slots
-                vmask = d_ok[None, :] & (t < GROUP)[:, None]
+                vmask = d_ok[None, :]
                 if BITS == 4:
                     vbyte = tl.load(
                         vc_ptr + vrow[:, None] * v_bytes + d_half[None, :],
-                        mask=(d_half < HEAD_DIM // 2)[None, :] & (t < GROUP)[:, None],
+                        mask=(d_half < HEAD_DIM // 2)[None, :],
                         other=0,
                     )
                     vcodes = tl.interleave(vbyte & 0xF, vbyte >> 4)
