@@ -65,12 +65,13 @@ def measure_policy(spec, policy: Policy, dtype, device, prompt_len: int, gen_len
         ).tolist()
         batch = PaddedBatch(cfg, prompts, gen_len, pad_id=1)
         if policy.weight_compression is not None or policy.kv_compression is not None:
-            # Triton compiles its kernels at their first prefill and decode shapes (about
-            # a second each, once per process): warm up so the timing is the steady state
+            # Triton compiles a kernel per shape class it meets (about a second each, once
+            # per process): a whole warm-up generation, so the timing is the steady state
             ex.start(batch)
             logits = ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, prompt_len))
-            ids = sample(logits, SamplingParams(max_new_tokens=gen_len), None)
-            ex.forward(ids[:, None], ex.step_inputs(batch, prompt_len, 1))
+            for t in range(gen_len - 1):
+                ids = sample(logits, SamplingParams(max_new_tokens=gen_len), None)
+                logits = ex.forward(ids[:, None], ex.step_inputs(batch, prompt_len + t, 1))
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
