@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from offload.kernels import qmatmul
 from offload.kernels.kvquant import QuantKV, decode_attention
-from offload.kernels.qmatmul import qlinear
+from offload.kernels.qmatmul import Tiles, qlinear
 from offload.kernels.quant import quantize
 from offload.policies.policy import Compression
 
@@ -43,12 +44,19 @@ ROWS = [1, 16, 64, 256]
 
 
 def timed(fn, repeat: int = 20) -> float:
-    fn()
+    """GPU seconds a call: `repeat` calls captured in one CUDA graph and replayed, so the
+    host's launch cost (measured apart: --kernels launch) does not hide the kernel's."""
+    fn()  # compiles, and Launcher remembers the compiled kernel
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(repeat):
-        fn()
+    graph.replay()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3 / repeat
@@ -109,54 +117,136 @@ PREFILL_SHAPES = [
     ("opt-30b", "qkv", 6144, 3 * 7168, 7168),
     ("opt-30b", "mlp_in", 4096, 28672, 7168),
 ]
-PREFILL_TILES = [  # (BLOCK_M, BLOCK_N, K step, warps, stages); the first is the default
-    (128, 128, 64, 8, 3),
-    (128, 128, 64, 4, 3),
-    (128, 256, 64, 8, 3),
-    (64, 128, 64, 4, 4),
-    (128, 64, 64, 4, 4),
-    (128, 128, 128, 8, 3),
-    (256, 128, 64, 8, 3),
+PREFILL_TILES = [  # Tiles(BLOCK_M, BLOCK_N, K step, warps, stages); the first is the default
+    Tiles(128, 128, 64, 8, 3),
+    Tiles(128, 128, 64, 4, 3),
+    Tiles(128, 256, 64, 8, 3),
+    Tiles(64, 128, 64, 4, 4),
+    Tiles(128, 64, 64, 4, 4),
+    Tiles(128, 128, 128, 8, 3),
+    Tiles(256, 128, 64, 8, 3),
+]
+
+# decode: OPT-30B's four matrices at the 12 rows of the searched policy's block
+DECODE_SHAPES = [
+    ("opt-30b", "qkv", 12, 3 * 7168, 7168),
+    ("opt-30b", "o", 12, 7168, 7168),
+    ("opt-30b", "mlp_in", 12, 28672, 7168),
+    ("opt-30b", "mlp_out", 12, 7168, 28672),
+]
+DECODE_TILES = [  # the first: no split-K (the earlier default); None: the launcher's choice
+    Tiles(16, 64, 256, 4, 4),
+    None,
+    *(Tiles(16, 64, 256, 4, 4, split) for split in (2, 4, 8, 16)),
+    Tiles(16, 32, 256, 4, 4, 4),
+    Tiles(16, 64, 128, 4, 4, 4),
+    Tiles(16, 64, 128, 4, 4, 8),
+    Tiles(16, 128, 256, 4, 4, 8),
+    Tiles(16, 64, 256, 4, 3, 4),
+    Tiles(16, 64, 256, 8, 4, 4),
+    Tiles(16, 64, 256, 2, 4, 8),
 ]
 
 
-def bench_prefill(dev: torch.device) -> list[dict]:
-    """Tile sweep of the int4 kernel at prefill shapes, TFLOP/s beside cuBLAS fp16."""
+def bench_sweep(dev: torch.device, shapes, tiles_list, hbm: float) -> list[dict]:
+    """int4-g64 `qlinear` over tile choices: TFLOP/s, share of HBM (compressed bytes),
+    cuBLAS fp16 on the same shape, and the largest difference from the default tiles'
+    output (a miscompiled variant shows there)."""
     out = []
-    for model, name, m, n, k in PREFILL_SHAPES:
+    for model, name, m, n, k in shapes:
         w = torch.randn(n, k, device=dev, dtype=torch.float16)
         x = torch.randn(m, k, device=dev, dtype=torch.float16)
         q = quantize(w, Compression(4, 64, False))
         flops = 2 * m * n * k
+        read = q.nbytes + x.numel() * 2 + m * n * 2
         dense = timed(functools.partial(F.linear, x, w), repeat=10)
-        for tiles in PREFILL_TILES:
+        reference = qlinear(x, q, None, tiles_list[0])
+        for tiles in tiles_list:
+            chosen = tiles or qmatmul._tiles(m, n, k, dev)
+            row = {"shape": f"{model} {name} m{m}", "tiles": list(chosen), "default": tiles is None}
             try:
+                diff = (qlinear(x, q, None, tiles) - reference).abs().max().item()
                 seconds = timed(functools.partial(qlinear, x, q, None, tiles), repeat=10)
             except Exception as exc:  # a tile that does not fit shared memory
-                out.append({"shape": f"{model} {name}", "tiles": tiles, "error": str(exc)[:200]})
+                out.append({**row, "error": str(exc)[:200]})
                 continue
             out.append(
                 {
-                    "shape": f"{model} {name} m{m}",
-                    "tiles": tiles,
+                    **row,
+                    "seconds": seconds,
                     "tflops": flops / seconds / 1e12,
+                    "hbm_share": read / seconds / GB / hbm,
                     "fp16_tflops": flops / dense / 1e12,
+                    "fp16_seconds": dense,
+                    "max_diff_vs_default": diff,
                 }
             )
         del w, x, q
     return out
 
 
+def bench_launch(dev: torch.device) -> list[dict]:
+    """Host time of one launch (a tiny problem, so the GPU never holds the host up)."""
+    x = torch.randn(12, 64, device=dev, dtype=torch.float16)
+    w = torch.randn(64, 64, device=dev, dtype=torch.float16)
+    q = quantize(w, Compression(4, 64, False))
+    k = torch.randn(12, 8, 128, 128, device=dev, dtype=torch.float16)
+    cache = QuantKV(12, 8, 128, 128, Compression(4, 64, False), k.dtype, dev)
+    cache.write(k, k, 0)
+    qa = torch.randn(12, 8, 1, 128, device=dev, dtype=torch.float16)
+    bias = torch.zeros(12, 1, 1, 128, device=dev, dtype=k.dtype)
+    calls = {
+        "qlinear": functools.partial(qlinear, x, q),
+        "decode_attention": functools.partial(decode_attention, qa, cache, bias, 128),
+        "F.linear": functools.partial(F.linear, x, w),
+        "torch.empty": functools.partial(torch.empty, (12, 64), device=dev),
+        "add_": functools.partial(x.add_, 0.0),
+    }
+    # beneath `qlinear`: Triton's own launch path, and its compiled launcher called directly
+    rows, o = x, torch.empty(12, 64, device=dev, dtype=x.dtype)
+    args = [rows, q.codes, q.scale, q.minimum, o, o, o, o, 12, 64, 64, 64]
+    consts = dict(BITS=4, GROUP=64, SYMMETRIC=False, HAS_BIAS=False, PRECISION="tf32")
+    consts.update(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, STAGES=4, SPLIT=False, PER_SPLIT=1)
+    jit = functools.partial(qmatmul._qmatmul_kernel[(1, 1)], *args, **consts, num_warps=4)
+    compiled = jit()
+    stream = torch.cuda.current_stream().cuda_stream
+    calls["triton jit launch"] = jit
+    calls["compiled.run"] = functools.partial(
+        compiled.run,
+        *(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None),
+        *args,
+        *consts.values(),
+    )
+    out = []
+    for name, fn in calls.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(1000):
+            fn()
+        host = (time.perf_counter() - started) / 1000
+        torch.cuda.synchronize()
+        out.append({"call": name, "host_us": host * 1e6})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--kernels", default="qlinear,attention", help="also: prefill (tile sweep)")
+    p.add_argument(
+        "--kernels",
+        default="qlinear,attention",
+        help="also: prefill, decode (tile sweeps), launch (host cost)",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     kernels = args.kernels.split(",")
     dev = torch.device("cuda")
     hbm = hbm_rate(dev)
     attention = bench_attention(dev, hbm) if "attention" in kernels else []
-    prefill = bench_prefill(dev) if "prefill" in kernels else []
+    prefill = bench_sweep(dev, PREFILL_SHAPES, PREFILL_TILES, hbm) if "prefill" in kernels else []
+    decode = bench_sweep(dev, DECODE_SHAPES, DECODE_TILES, hbm) if "decode" in kernels else []
+    launch = bench_launch(dev) if "launch" in kernels else []
     rows_out = []
     for model, name, n, k in SHAPES if "qlinear" in kernels else []:
         w = torch.randn(n, k, device=dev, dtype=torch.float16)
@@ -189,6 +279,8 @@ def main() -> None:
         "runs": rows_out,
         "attention": attention,
         "prefill": prefill,
+        "decode": decode,
+        "launch": launch,
     }
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for out in {args.out, Path(os.environ.get("OUT", args.out))}:
@@ -204,13 +296,17 @@ def main() -> None:
             f"{r['seconds'] * 1e6:8.1f} {r['gbps']:7.0f} {100 * r['hbm_share']:5.0f} "
             f"{r['speedup_vs_fp16']:7.2f}"
         )
-    for r in prefill:
+    for r in prefill + decode:
         if "error" in r:
-            print(f"{r['shape']:28s} {r['tiles']}: {r['error']}")
+            print(f"{r['shape']:24s} {r['tiles']}: {r['error']}")
         else:
             print(
-                f"{r['shape']:28s} {r['tiles']}: {r['tflops']:6.1f} TFLOP/s (fp16 {r['fp16_tflops']:.1f})"
+                f"{r['shape']:24s} {r['tiles']}: {r['seconds'] * 1e6:8.1f} us "
+                f"{r['tflops']:6.1f} TFLOP/s (fp16 {r['fp16_tflops']:.1f}) "
+                f"HBM {100 * r['hbm_share']:3.0f}% diff {r['max_diff_vs_default']:.2g}"
             )
+    for r in launch:
+        print(f"launch {r['call']:20s} {r['host_us']:6.1f} us host")
     print(f"\n{'attention':28s} {'bits':>4s} {'us':>8s} {'GB/s':>7s} {'HBM%':>5s} {'vs fp16':>7s}")
     for r in attention:
         shape = f"{r['model']} B{r['batch']} S{r['context']}"

@@ -8,6 +8,7 @@ floor for the cases where torch happens to be exact).
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 
@@ -15,13 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from offload.kernels.kvquant import QuantKV, decode_attention
-from offload.kernels.qmatmul import qlinear
+from offload.kernels.qmatmul import Tiles, qlinear
 from offload.kernels.quant import dequantize, quantize
 from offload.policies.policy import Compression
 
 # (rows, out features, in features, group): odd rows and out features not a multiple
 # of any tile, one and several groups
 QLINEAR_SHAPES = [(1, 40, 64, 64), (3, 72, 192, 32), (37, 130, 256, 64), (300, 96, 128, 64)]
+# the launcher's own tiles, then split-K (K in up to 4 parts of 64: 4, 3, 2 parts above)
+QLINEAR_TILES = [None, Tiles(16, 32, 64, 4, 2, split=4)]
 
 
 def qlinear_failures(
@@ -31,7 +34,7 @@ def qlinear_failures(
     gen = torch.Generator().manual_seed(bits * 10 + symmetric)
     for dtype in dtypes:
         for rows, n, k, group in shapes:
-            for with_bias in (False, True):
+            for with_bias, tiles in itertools.product((False, True), QLINEAR_TILES):
                 w = torch.randn(n, k, generator=gen)
                 x = torch.randn(rows, k, generator=gen).to(dtype)
                 bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
@@ -41,7 +44,7 @@ def qlinear_failures(
                 truth = F.linear(
                     x.double(), weight.double(), bias.double() if bias is not None else None
                 )
-                ours = qlinear(x, q, bias)
+                ours = qlinear(x, q, bias, tiles)
                 torch_err = (F.linear(x, weight, bias).double() - truth).abs().max().item()
                 our_err = (ours.double() - truth).abs().max().item()
                 scale = truth.abs().max().item()
@@ -49,7 +52,7 @@ def qlinear_failures(
                 if ours.shape != truth.shape or ours.dtype != dtype or not our_err <= bound:
                     failures.append(
                         f"bits={bits} sym={symmetric} {dtype} {rows}x{n}x{k} g{group} "
-                        f"bias={with_bias}: error {our_err:.3g} > bound {bound:.3g}"
+                        f"bias={with_bias} {tiles}: error {our_err:.3g} > bound {bound:.3g}"
                     )
     return failures
 

@@ -91,3 +91,17 @@ def test_quantized_decode_attention_compiled_matches_reference(bits, symmetric):
     ]
     dtypes = [torch.float16, torch.bfloat16]
     assert attention_failures(bits, symmetric, "cuda", dtypes, shapes) == []
+
+
+def test_launcher_keys_compiled_kernels_by_alignment():
+    """The same shapes with an unaligned x (a view one element in) after an aligned one:
+    the kernel compiled for 16-byte-aligned pointers must not be reused for it."""
+    from offload.kernels.qmatmul import qlinear, qlinear_reference
+    from offload.kernels.quant import quantize
+    from offload.policies.policy import Compression
+
+    w = quantize(torch.randn(256, 512, device="cuda"), Compression(4, 64, False))
+    wide = torch.randn(5, 513, device="cuda", dtype=torch.float16)
+    for x in (wide[:, :512].clone(), wide[:, 1:]):  # aligned, then 2 bytes off
+        ours, want = qlinear(x, w), qlinear_reference(x, w, None)
+        assert (ours - want).abs().max().item() <= 1e-2 * want.abs().max().item()

@@ -126,6 +126,9 @@ class Lanes:
     @contextlib.contextmanager
     def on(self, lane: str, name: str = "", nbytes: int = 0) -> Iterator[None]:
         """Run the enclosed work on `lane`'s stream (traced when tracing is on)."""
+        if lane == "compute" and self.cuda and not self.tracer.enabled:
+            yield  # already the current stream: switching to it costs host time, nothing else
+            return
         stream = self.stream(lane)
         if stream is None:
             start = time.perf_counter()

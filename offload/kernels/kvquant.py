@@ -27,6 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from offload.kernels.launch import Launcher
 from offload.kernels.qmatmul import dequant, use_kernel
 from offload.kernels.quant import QTensor, dequantize, quantize
 from offload.policies.policy import KV_GROUPS, Compression
@@ -206,7 +207,8 @@ def decode_attention(q: torch.Tensor, cache: QuantKV, bias: torch.Tensor, end: i
     block_d = triton.next_power_of_2(dim)
     part_acc = torch.empty((batch, heads, splits, block_d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((2, batch, heads, splits), dtype=torch.float32, device=q.device)
-    _attention_split_kernel[(batch, kv_heads, splits)](
+    _launch_split(
+        (batch, kv_heads, splits), 4,
         q, q.stride(0), q.stride(1),
         bias, bias.stride(0), bias.stride(1) if bias.shape[1] > 1 else 0, bias.stride(3),
         cache.k_codes, cache.k_scale, cache.k_scale if cache.k_min is None else cache.k_min,
@@ -216,16 +218,15 @@ def decode_attention(q: torch.Tensor, cache: QuantKV, bias: torch.Tensor, end: i
         part_acc, part_ml, part_ml[1],
         end // g, end % g, cache.k_codes.shape[2], cache.v_codes.shape[2], splits,
         1.0 / math.sqrt(dim),
-        HEAD_DIM=dim, BLOCK_D=block_d, REP=rep, BLOCK_R=max(16, triton.next_power_of_2(rep)),
-        GROUP=g, VGROUP=cache.value_config.group_size, BITS=cache.config.bits,
-        SYMMETRIC=cache.config.symmetric, PER_SPLIT=per_split,
-        num_warps=4,
+        # HEAD_DIM, BLOCK_D, REP, BLOCK_R, GROUP, VGROUP, BITS, SYMMETRIC, PER_SPLIT
+        dim, block_d, rep, max(16, triton.next_power_of_2(rep)),
+        g, cache.value_config.group_size, cache.config.bits, cache.config.symmetric, per_split,
     )  # fmt: skip
     out = torch.empty((batch, 1, heads * dim), dtype=q.dtype, device=q.device)
-    _attention_merge_kernel[(batch, heads)](
+    _launch_merge(
+        (batch, heads), 4,
         part_acc, part_ml, part_ml[1], out, splits,
-        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
-        num_warps=4,
+        dim, block_d, triton.next_power_of_2(splits),  # HEAD_DIM, BLOCK_D, BLOCK_S
     )  # fmt: skip
     return out
 
@@ -379,3 +380,6 @@ if triton is not None:
             out.to(out_ptr.dtype.element_ty),
             mask=d < HEAD_DIM,
         )
+
+    _launch_split = Launcher(_attention_split_kernel)
+    _launch_merge = Launcher(_attention_merge_kernel)

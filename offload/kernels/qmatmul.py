@@ -14,11 +14,14 @@ kernel must match; it also runs wherever Triton or CUDA is absent (the CPU tests
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from offload.kernels.launch import Launcher
 from offload.kernels.quant import QTensor, dequantize
 
 try:
@@ -41,12 +44,26 @@ def use_kernel(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or _INTERPRETED)
 
 
+class Tiles(NamedTuple):
+    """How one `qlinear` call is tiled. split > 1 divides K among up to that many programs
+    per output tile (split-K; the largest divisor of the K steps not above it), for decode shapes whose output tiles alone would leave SMs idle
+    or too few bytes in flight; the last of a tile's programs to finish sums the
+    partials in a fixed order (the result does not depend on which finished last)."""
+
+    block_m: int
+    block_n: int
+    max_k: int  # largest K step (several groups)
+    warps: int
+    stages: int
+    split: int = 1
+
+
 def qlinear(
-    x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, tiles: tuple | None = None
+    x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, tiles: Tiles | None = None
 ) -> torch.Tensor:
     """x [..., K] (fp16/bf16/fp32) times the quantized W [N, K]; returns [..., N] in x's dtype.
 
-    tiles overrides `_tiles(m, n)` (the kernel benchmark's tile sweep)."""
+    tiles overrides `_tiles` (the kernel benchmark's sweeps)."""
     if not use_kernel(x):
         return qlinear_reference(x, w, bias)
     n, k = w.shape
@@ -56,49 +73,88 @@ def qlinear(
     m = rows.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     cfg = w.config
-    block_m, block_n, max_k, warps, stages = tiles or _tiles(m, n)
+    t = tiles or _tiles(m, n, k, x.device)
     block_k = next(
         b
         for b in (256, 128, 64, cfg.group_size)
-        if (b <= max_k or b == cfg.group_size) and b % cfg.group_size == 0 and k % b == 0
+        if (b <= t.max_k or b == cfg.group_size) and b % cfg.group_size == 0 and k % b == 0
     )
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _qmatmul_kernel[grid](
+    steps = k // block_k
+    split = max(d for d in range(1, min(t.split, steps) + 1) if steps % d == 0)
+    grid = (-(-m // t.block_m), -(-n // t.block_n), split)
+    partial = counts = out  # unused without split-K
+    if grid[2] > 1:
+        partial = torch.empty((grid[2], m, n), dtype=torch.float32, device=x.device)
+        counts = _tile_counters(x.device, grid[0] * grid[1])
+    _launch(
+        grid,
+        t.warps,
         rows,
         w.codes,
         w.scale,
         w.minimum if w.minimum is not None else w.scale,
         bias if bias is not None else out,
         out,
+        partial,
+        counts,
         m,
         n,
         k,
         rows.stride(0),
-        BITS=cfg.bits,
-        GROUP=cfg.group_size,
-        SYMMETRIC=cfg.symmetric,
-        HAS_BIAS=bias is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        STAGES=stages,
-        num_warps=warps,
+        cfg.bits,
+        cfg.group_size,
+        cfg.symmetric,
+        bias is not None,
+        "ieee" if x.dtype == torch.float32 else "tf32",
+        t.block_m,
+        t.block_n,
+        block_k,
+        t.stages,
+        split > 1,
+        steps // split,
     )
     return out.view(*x.shape[:-1], n)
 
 
-def _tiles(m: int, n: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, largest K step, warps, pipeline stages) for [m, K] x [K, n].
+# Decode shapes: enough programs that every SM holds several (split-K where the output
+# tiles alone are fewer)
+PROGRAMS_PER_SM = 4
 
-    Decode (m <= 64): one M tile and 64-wide N tiles, so that even the smallest layer
-    spreads its weight read over every SM; K steps of up to 256 (several groups) keep
-    enough bytes in flight; prefill: 128 x 128 tiles with K steps of 64 (shared memory)."""
-    if m <= 16:
-        return 16, 64, 256, 4, 4
-    if m <= 64:
-        return 64, 64, 128, 4, 3
-    return 128, 128, 64, 8, 3  # (128 + 128) x 64 x 2 bytes a stage: fits shared memory
+
+def _tiles(m: int, n: int, k: int, device: torch.device) -> Tiles:
+    """The tiles for [m, k] x [k, n].
+
+    Decode (m <= 64): one M tile and 64-wide N tiles, K steps of up to 256 (several
+    groups) to keep bytes in flight, and K split so that there are PROGRAMS_PER_SM
+    programs an SM (each with 4 K steps at least); prefill: 128 x 128 tiles with K
+    steps of 64 (shared memory)."""
+    if m > 64:
+        return Tiles(128, 128, 64, 8, 3)  # (128 + 128) x 64 x 2 bytes a stage: fits
+    block_m, stages = (16, 4) if m <= 16 else (64, 3)
+    tiles = -(-m // block_m) * -(-n // 64)
+    wanted = -(-PROGRAMS_PER_SM * _sm_count(device) // tiles)
+    return Tiles(block_m, 64, 256, 4, stages, max(1, min(wanted, k // 1024)))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# Split-K arrival counters, one per output tile; the last program of a tile sets its
+# counter back to 0. Per stream: kernels on one stream never overlap.
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    counts = _COUNTERS.get((device, stream))
+    if counts is None or counts.numel() < tiles:
+        counts = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[(device, stream)] = counts
+    return counts
 
 
 if triton is not None:
@@ -124,6 +180,8 @@ if triton is not None:
         min_ptr,
         bias_ptr,
         out_ptr,
+        partial_ptr,
+        count_ptr,
         M,
         N,
         K: tl.constexpr,
@@ -137,6 +195,8 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         STAGES: tl.constexpr,
+        SPLIT: tl.constexpr,
+        PER_SPLIT: tl.constexpr,  # K steps a program
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -150,7 +210,9 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         kk = tl.arange(0, BLOCK_K)
         gg = tl.arange(0, PER_STEP)
-        for step in tl.range(0, K // BLOCK_K, num_stages=STAGES):
+        first = tl.program_id(2) * PER_SPLIT
+        for i in tl.range(0, PER_SPLIT, num_stages=STAGES):
+            step = first + i
             xt = tl.load(
                 x_ptr + rm[:, None] * stride_xm + (step * BLOCK_K + kk)[None, :],
                 mask=m_ok[:, None],
@@ -179,10 +241,33 @@ if triton is not None:
             values = dequant(codes, scale[:, :, None], low[:, :, None], BITS, SYMMETRIC)
             values = tl.reshape(values, (BLOCK_N, BLOCK_K))
             acc = tl.dot(xt, tl.trans(values.to(xt.dtype)), acc, input_precision=PRECISION)
+        mask = m_ok[:, None] & n_ok[None, :]
+        offsets = rm[:, None] * N + rn[None, :]
+        if SPLIT:
+            splits = tl.num_programs(2)
+            tl.store(partial_ptr + tl.program_id(2) * M * N + offsets, acc, mask=mask)
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            tile = pid_m * tl.num_programs(1) + pid_n
+            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == splits - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                s = 0
+                while s < splits:  # in split order: the same sum whoever arrives last
+                    total += tl.load(
+                        partial_ptr + s * M * N + offsets,
+                        mask=mask,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    s += 1
+                tl.atomic_xchg(count_ptr + tile, 0)
+                _store(out_ptr, offsets, total, bias_ptr, rn, n_ok, mask, HAS_BIAS)
+        else:
+            _store(out_ptr, offsets, acc, bias_ptr, rn, n_ok, mask, HAS_BIAS)
+
+    @triton.jit
+    def _store(out_ptr, offsets, acc, bias_ptr, rn, n_ok, mask, HAS_BIAS: tl.constexpr):
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(
-            out_ptr + rm[:, None] * N + rn[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=m_ok[:, None] & n_ok[None, :],
-        )
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    _launch = Launcher(_qmatmul_kernel)
