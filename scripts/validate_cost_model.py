@@ -55,9 +55,11 @@ def hand_policies() -> dict[str, Policy]:
     }
 
 
-def measure_policy(spec, policy: Policy, dtype, device, prompt_len: int, gen_len: int) -> dict:
+def measure_policy(
+    spec, policy: Policy, dtype, device, prompt_len: int, gen_len: int, cuda_graphs: bool = True
+) -> dict:
     cfg = spec.config
-    ex = Executor(spec.open_weights(), policy, dtype, device)
+    ex = Executor(spec.open_weights(), policy, dtype, device, cuda_graphs=cuda_graphs)
     try:
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(
@@ -116,6 +118,11 @@ def main() -> None:
     p.add_argument(
         "--policies", help="comma-separated subset of the policies (hand names, searched)"
     )
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="also run each policy without CUDA graphs (named '<policy> eager')",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     device = torch.device(args.device)
@@ -158,7 +165,10 @@ def main() -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     outdir = Path(os.environ.get("OUT", args.out))
     outdir.mkdir(parents=True, exist_ok=True)
-    for name, policy in policies.items():
+    runs = [(name, policy, True) for name, policy in policies.items()]
+    if args.eager:
+        runs += [(f"{name} eager", policy, False) for name, policy in policies.items()]
+    for name, policy, graphs in runs:
         pred = estimate(spec.config, policy, dtype, args.prompt_len, args.gen_len, hw)
         if device.type == "cuda" and pred.gpu_peak_bytes > caps.gpu_bytes:
             res["runs"][name] = {
@@ -166,7 +176,9 @@ def main() -> None:
                 "skipped": "predicted over the GPU cap",
             }
             continue
-        got = measure_policy(spec, policy, dtype, device, args.prompt_len, args.gen_len)
+        got = measure_policy(
+            spec, policy, dtype, device, args.prompt_len, args.gen_len, cuda_graphs=graphs
+        )
         res["runs"][name] = {
             "policy": policy.to_dict(),
             "measured": got,

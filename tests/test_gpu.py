@@ -9,6 +9,8 @@ from offload.engine import LLM
 from offload.io.pinned import PinnedPool
 from offload.io.reader import ExtentReader
 from offload.io.store import WeightStore, write_stage_file
+from offload.policies.policy import Policy
+from tests.test_executor import FAMILIES
 from tests.tiny_models import assert_prefill_logits_match
 
 pytestmark = pytest.mark.gpu
@@ -105,3 +107,53 @@ def test_launcher_keys_compiled_kernels_by_alignment():
     for x in (wide[:, :512].clone(), wide[:, 1:]):  # aligned, then 2 bytes off
         ours, want = qlinear(x, w), qlinear_reference(x, w, None)
         assert (ours - want).abs().max().item() <= 1e-2 * want.abs().max().item()
+
+
+def test_split_k_qlinear_replays_in_a_cuda_graph():
+    """Split-K (arrival counters reset by the last program of a tile) captured once and
+    replayed on new inputs gives exactly the eager result."""
+    from offload.kernels.qmatmul import _tiles, qlinear
+    from offload.kernels.quant import quantize
+    from offload.policies.policy import Compression
+
+    w = quantize(torch.randn(1024, 4096, device="cuda"), Compression(4, 64, False))
+    x = torch.randn(12, 4096, device="cuda", dtype=torch.float16)
+    assert _tiles(12, 1024, 4096, x.device).split > 1
+    qlinear(x, w)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = qlinear(x, w)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(out, qlinear(x, w))
+
+
+@pytest.mark.parametrize("case", FAMILIES)
+def test_cuda_graph_decode_gives_the_eager_tokens(case, tiny_checkpoints, tmp_path):
+    """Decode steps replayed from CUDA graphs give exactly the eager steps' tokens: all on
+    the GPU with several micro-batches, one, and int4 weights with an int4 cache; then a
+    smaller batch (the graphs are captured again for its sizes)."""
+    from tests.test_executor import INT4, KV4, KV_PARAMS, PROMPTS, _with
+
+    directory, _ = tiny_checkpoints[case]
+    policies = {
+        "micro-batches": Policy(gpu_batch_size=2, num_gpu_batches=4),
+        "one-micro-batch": Policy(gpu_batch_size=8, num_gpu_batches=1),
+        "int4-weights-and-kv": _with(
+            Policy(gpu_batch_size=2, num_gpu_batches=4), weight_compression=INT4, kv_compression=KV4
+        ),
+    }
+    for name, policy in policies.items():
+        runs = {}
+        for graphs in (True, False):
+            with LLM(
+                str(directory), device="cuda", dtype="float32", policy=policy, nvme=tmp_path
+            ) as llm:
+                llm.runner.cuda_graphs = graphs
+                runs[graphs] = [
+                    [o.token_ids for o in llm.generate(prompts, KV_PARAMS)]
+                    for prompts in (PROMPTS, PROMPTS[:3])
+                ]
+                assert bool(llm.runner._graphs) == graphs, name
+        assert runs[True] == runs[False], f"{case} under {name}: graphs change the tokens"

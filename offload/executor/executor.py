@@ -29,6 +29,7 @@ import torch
 
 from offload.batch import PaddedBatch
 from offload.config import ModelConfig
+from offload.executor.graphs import DecodeGraphs
 from offload.executor.kv import KVManager
 from offload.executor.lanes import Lanes, Tracer, busy_seconds
 from offload.executor.weights import WeightFetcher, WeightHomes
@@ -68,7 +69,10 @@ class Executor:
         nvme_dir: Path | None = None,
         trace: bool = False,
         progress: bool = False,
+        cuda_graphs: bool = True,
     ) -> None:
+        """cuda_graphs: replay decode steps from CUDA graphs where every stage's weights
+        are on the GPU (`graphs.DecodeGraphs`); False runs every step eagerly."""
         self.cfg: ModelConfig = source.config
         self.policy, self.dtype, self.device = policy, dtype, device
         self.ledger = MemoryLedger()
@@ -112,6 +116,10 @@ class Executor:
         self._micro: list[slice] = []
         self._act_blocks: list[PoolBlock | None] = []
         self.traces: list[StepTrace] = []
+        self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self._graphs: list[DecodeGraphs] = []
+        self._graph_rows: tuple[int, ...] = ()  # micro-batch rows the graphs are for
+        self._warm_rows: tuple[int, ...] = ()  # ran one eager decode step (compiled)
 
     # -- runner interface -------------------------------------------------------------
     def start(self, batch: PaddedBatch) -> None:
@@ -142,6 +150,11 @@ class Executor:
         started = time.perf_counter()
         token_ids = token_ids.to(self.device)
         steps = [_slice_step(step, m) for m in self._micro]
+        graphs = self._decode_graphs(step) if last_only else None
+        if graphs is not None:
+            out = self._forward_graphs(graphs, token_ids, steps)
+            self._sync()
+            return out
         num_stages = len(self.homes.images)
         hidden: list = [None] * len(self._micro)
         logits: list = [None] * len(self._micro)
@@ -172,6 +185,49 @@ class Executor:
             spans = self.tracer.resolved()
             self.traces.append(StepTrace(time.perf_counter() - started, busy_seconds(spans)))
         return out[:, -1] if last_only else out
+
+    # -- a decode step from CUDA graphs ----------------------------------------------------
+    def _decode_graphs(self, step: StepInputs) -> list[DecodeGraphs] | None:
+        """Each micro-batch's graphs, or None where this step runs eagerly: not a decode
+        step, weights or activations off the GPU, tracing on, or the first decode step
+        of these micro-batch sizes (it compiles every kernel before any capture)."""
+        if not (
+            self.cuda_graphs
+            and not self.tracer.enabled
+            and step.positions.shape[1] == 1
+            and step.cache_start > 0
+            and all(image.resident for image in self.homes.images)
+            and all(block is None for block in self._act_blocks)
+        ):
+            return None
+        rows = tuple(m.stop - m.start for m in self._micro)
+        if rows != self._graph_rows:
+            if rows != self._warm_rows:
+                self._warm_rows = rows
+                return None
+            self._graphs = []  # the old sizes' graphs and memory go first
+            stages = [self.fetcher.get(s) for s in range(len(self.homes.images))]
+            rope = self.inv_freq is not None
+            self._graphs = [
+                DecodeGraphs(self.cfg, stages, n, self.dtype, self.device, rope) for n in rows
+            ]
+            self._graph_rows = rows
+        return self._graphs
+
+    def _forward_graphs(
+        self, graphs: list[DecodeGraphs], token_ids: torch.Tensor, steps: list[StepInputs]
+    ) -> torch.Tensor:
+        """The eager schedule's order (each layer for every micro-batch, then the next)
+        with the work between attentions replayed."""
+        for graph, rows, step in zip(graphs, self._micro, steps, strict=True):
+            graph.begin(token_ids[rows], step)
+        for layer in range(self.cfg.num_layers):
+            for k, (graph, step) in enumerate(zip(graphs, steps, strict=True)):
+                q, k_new, v_new = graph.qkv(layer)
+                context = self.kv.attention(layer, k, q, k_new, v_new, step.bias, step.cache_start)
+                graph.after_attention(layer, context)
+                self._prefetch_kv_after(layer, k, step.cache_start)
+        return torch.cat([graph.logits() for graph in graphs], dim=0)
 
     # -- one layer of one micro-batch ---------------------------------------------------
     def _layer(self, layer: int, k: int, w: Weights, x_home, step: StepInputs):
