@@ -78,7 +78,11 @@ ATTENTION_SHAPES = [
 ]
 
 
-def bench_attention(dev: torch.device, hbm: float) -> list[dict]:
+# decode attention: (largest number of splits, warps); the first is the default
+ATTENTION_SWEEP = [(32, 4), (32, 2), (32, 8), (16, 4), (64, 4), (64, 8)]
+
+
+def bench_attention(dev: torch.device, hbm: float, sweep: bool) -> list[dict]:
     out = []
     for model, batch, heads, kv_heads, dim, ctx, per_head in ATTENTION_SHAPES:
         k = torch.randn(batch, kv_heads, ctx, dim, device=dev, dtype=torch.float16)
@@ -90,24 +94,34 @@ def bench_attention(dev: torch.device, hbm: float) -> list[dict]:
         for bits in (4, 8):
             cache = QuantKV(batch, kv_heads, dim, ctx, Compression(bits, 64, False), q.dtype, dev)
             cache.write(k, v, 0)
-            seconds = timed(functools.partial(decode_attention, q, cache, bias, ctx))
             read = cache.nbytes + bias.numel() * 2 + 2 * q.numel() * 2
-            out.append(
-                {
-                    "model": model,
-                    "batch": batch,
-                    "heads": heads,
-                    "kv_heads": kv_heads,
-                    "head_dim": dim,
-                    "context": ctx,
-                    "bits": bits,
-                    "seconds": seconds,
-                    "gbps": read / seconds / GB,
-                    "hbm_share": read / seconds / GB / hbm,
-                    "fp16_sdpa_seconds": dense,
-                    "speedup_vs_fp16": dense / seconds,
-                }
-            )
+            want = decode_attention(q, cache, bias, ctx)
+            for max_splits, warps in ATTENTION_SWEEP if sweep else ATTENTION_SWEEP[:1]:
+                call = functools.partial(decode_attention, q, cache, bias, ctx, max_splits, warps)
+                seconds = timed(call)
+                print(
+                    f"{model} B{batch} int{bits} s{max_splits} w{warps}: {seconds * 1e6:.1f} us",
+                    flush=True,
+                )
+                out.append(
+                    {
+                        "model": model,
+                        "batch": batch,
+                        "heads": heads,
+                        "kv_heads": kv_heads,
+                        "head_dim": dim,
+                        "context": ctx,
+                        "bits": bits,
+                        "max_splits": max_splits,
+                        "warps": warps,
+                        "max_diff_vs_default": (call() - want).abs().max().item(),
+                        "seconds": seconds,
+                        "gbps": read / seconds / GB,
+                        "hbm_share": read / seconds / GB / hbm,
+                        "fp16_sdpa_seconds": dense,
+                        "speedup_vs_fp16": dense / seconds,
+                    }
+                )
             del cache
     return out
 
@@ -134,17 +148,22 @@ DECODE_SHAPES = [
     ("opt-30b", "mlp_in", 12, 28672, 7168),
     ("opt-30b", "mlp_out", 12, 7168, 28672),
 ]
-DECODE_TILES = [  # the first: no split-K (the earlier default); None: the launcher's choice
+DECODE_TILES = [  # the first: no split-K (the earlier default); None: the launcher's choice.
+    # At most 128 dequantized values a thread (BLOCK_N x K step / threads): more spills
+    # registers, and compiles for minutes
     Tiles(16, 64, 256, 4, 4),
     None,
-    *(Tiles(16, 64, 256, 4, 4, split) for split in (2, 4, 8, 16)),
+    Tiles(16, 64, 256, 4, 4, 2),
+    Tiles(16, 64, 256, 4, 4, 4),
+    Tiles(16, 128, 256, 8, 4, 2),
+    Tiles(16, 128, 256, 8, 4, 4),
+    Tiles(16, 128, 128, 4, 4, 4),
+    Tiles(16, 128, 128, 4, 4, 8),
+    Tiles(16, 256, 128, 8, 4, 4),
+    Tiles(16, 256, 128, 8, 4, 8),
     Tiles(16, 32, 256, 4, 4, 4),
     Tiles(16, 64, 128, 4, 4, 4),
-    Tiles(16, 64, 128, 4, 4, 8),
-    Tiles(16, 128, 256, 4, 4, 8),
-    Tiles(16, 64, 256, 4, 3, 4),
-    Tiles(16, 64, 256, 8, 4, 4),
-    Tiles(16, 64, 256, 2, 4, 8),
+    Tiles(16, 64, 128, 2, 4, 8),
 ]
 
 
@@ -170,6 +189,7 @@ def bench_sweep(dev: torch.device, shapes, tiles_list, hbm: float) -> list[dict]
             except Exception as exc:  # a tile that does not fit shared memory
                 out.append({**row, "error": str(exc)[:200]})
                 continue
+            print(f"{row['shape']:24s} {row['tiles']}: {seconds * 1e6:8.1f} us", flush=True)
             out.append(
                 {
                     **row,
@@ -236,14 +256,18 @@ def main() -> None:
     p.add_argument(
         "--kernels",
         default="qlinear,attention",
-        help="also: prefill, decode (tile sweeps), launch (host cost)",
+        help="also: prefill, decode, attention-sweep (sweeps), launch (host cost)",
     )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     kernels = args.kernels.split(",")
     dev = torch.device("cuda")
     hbm = hbm_rate(dev)
-    attention = bench_attention(dev, hbm) if "attention" in kernels else []
+    attention = (
+        bench_attention(dev, hbm, "attention-sweep" in kernels)
+        if {"attention", "attention-sweep"} & set(kernels)
+        else []
+    )
     prefill = bench_sweep(dev, PREFILL_SHAPES, PREFILL_TILES, hbm) if "prefill" in kernels else []
     decode = bench_sweep(dev, DECODE_SHAPES, DECODE_TILES, hbm) if "decode" in kernels else []
     launch = bench_launch(dev) if "launch" in kernels else []
@@ -309,7 +333,7 @@ def main() -> None:
         print(f"launch {r['call']:20s} {r['host_us']:6.1f} us host")
     print(f"\n{'attention':28s} {'bits':>4s} {'us':>8s} {'GB/s':>7s} {'HBM%':>5s} {'vs fp16':>7s}")
     for r in attention:
-        shape = f"{r['model']} B{r['batch']} S{r['context']}"
+        shape = f"{r['model']} B{r['batch']} S{r['context']} s{r['max_splits']} w{r['warps']}"
         print(
             f"{shape:28s} {r['bits']:4d} {r['seconds'] * 1e6:8.1f} {r['gbps']:7.0f} "
             f"{100 * r['hbm_share']:5.0f} {r['speedup_vs_fp16']:7.2f}"

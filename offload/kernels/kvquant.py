@@ -190,11 +190,18 @@ def decode_attention_reference(
 MAX_SPLITS = 32
 
 
-def decode_attention(q: torch.Tensor, cache: QuantKV, bias: torch.Tensor, end: int) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    cache: QuantKV,
+    bias: torch.Tensor,
+    end: int,
+    max_splits: int = MAX_SPLITS,
+    warps: int = 4,
+) -> torch.Tensor:
     """Attention of one new token per sequence over the compressed cache; [B, 1, H x D].
 
     q [B, H, 1, D]; bias [B, 1 | H, 1, >= end] additive (padding, ALiBi). The new token's
-    own K/V must already be written."""
+    own K/V must already be written. max_splits and warps: the kernel benchmark's sweep."""
     if not use_kernel(q):
         return decode_attention_reference(q, cache, bias, end)
     batch, heads, _, dim = q.shape
@@ -202,13 +209,13 @@ def decode_attention(q: torch.Tensor, cache: QuantKV, bias: torch.Tensor, end: i
     rep = heads // kv_heads
     g = cache.group
     blocks = end // g + 1  # the full groups, then the tail
-    per_split = triton.next_power_of_2(-(-blocks // MAX_SPLITS))
+    per_split = triton.next_power_of_2(-(-blocks // max_splits))
     splits = -(-blocks // per_split)
     block_d = triton.next_power_of_2(dim)
     part_acc = torch.empty((batch, heads, splits, block_d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((2, batch, heads, splits), dtype=torch.float32, device=q.device)
     _launch_split(
-        (batch, kv_heads, splits), 4,
+        (batch, kv_heads, splits), warps,
         q, q.stride(0), q.stride(1),
         bias, bias.stride(0), bias.stride(1) if bias.shape[1] > 1 else 0, bias.stride(3),
         cache.k_codes, cache.k_scale, cache.k_scale if cache.k_min is None else cache.k_min,
