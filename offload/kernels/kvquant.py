@@ -311,8 +311,7 @@ if triton is not None:
                     )
                 kscale = tl.load(ks_ptr + kbase + d, mask=d_ok, other=0.0)
                 kmin = tl.load(km_ptr + kbase + d, mask=d_ok, other=0.0)
-                keys_t = dequant(kcodes, kscale[:, None], kmin[:, None], BITS, SYMMETRIC)
-                keys_t = keys_t.to(dtype)
+                keys_t = dequant(kcodes, kscale[:, None], kmin[:, None], BITS, SYMMETRIC, dtype)
             else:
                 # the tail: tokens of the incomplete last group, in the compute dtype
                 keys_t = tl.load(
@@ -348,7 +347,7 @@ if triton is not None:
                 vparams = vrow[:, None] * v_groups + d[None, :] // VGROUP
                 vscale = tl.load(vs_ptr + vparams, mask=vmask, other=0.0)
                 vmin = tl.load(vm_ptr + vparams, mask=vmask, other=0.0)
-                values = dequant(vcodes, vscale, vmin, BITS, SYMMETRIC).to(dtype)
+                values = dequant(vcodes, vscale, vmin, BITS, SYMMETRIC, dtype)
             else:
                 values = tl.load(
                     vt_ptr + (row * GROUP + t[:, None]) * HEAD_DIM + d[None, :],

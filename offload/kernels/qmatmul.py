@@ -158,17 +158,33 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 if triton is not None:
+    FMA16: tl.constexpr = tl.constexpr(not _INTERPRETED)
 
     @triton.jit
-    def dequant(codes, scale, minimum, BITS: tl.constexpr, SYMMETRIC: tl.constexpr):
-        """Codes (uint8, any shape) to float32 values, the fp16 scale (and minimum)
-        broadcast against them. (The same arithmetic in float16 measured up to 17x
-        torch's error on asymmetric groups with large minimums: kept in float32.)"""
+    def dequant(
+        codes, scale, minimum, BITS: tl.constexpr, SYMMETRIC: tl.constexpr, out_dtype: tl.constexpr
+    ):
+        """Codes (uint8, any shape) to values in the compute dtype out_dtype, the fp16 scale (and
+        minimum) broadcast against them.
+
+        float16: a code c becomes the float16 1024 + c by setting the exponent bits above
+        it (exact for c < 1024), and one fused multiply-add in float16 gives the correctly
+        rounded c x scale + minimum: no integer-to-float conversions, the slow part of
+        the float32 way, and the reference's values (float32, then rounded to float16)
+        up to double-rounding ties. A float16 multiply and a separate add instead, tried
+        earlier, measured up to 17x torch's error on groups with large minimums. Other
+        dtypes, and the interpreter (its fma rounds the product first): float32
+        arithmetic, then the cast."""
+        if out_dtype == tl.float16 and FMA16:
+            magic = (codes.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+            if SYMMETRIC:
+                return (magic - (1024 + ((1 << BITS) - 1) // 2)) * scale
+            return tl.fma(magic - 1024, scale, minimum)
         values = codes.to(tl.float32)
         scale = scale.to(tl.float32)
         if SYMMETRIC:
-            return (values - ((1 << BITS) - 1) // 2) * scale
-        return values * scale + minimum.to(tl.float32)
+            return ((values - ((1 << BITS) - 1) // 2) * scale).to(out_dtype)
+        return (values * scale + minimum.to(tl.float32)).to(out_dtype)
 
     # M (rows: tokens) varies with the batch; not specialized on (a compile of about a
     # second each time M is 1 or a multiple of 16)
@@ -238,9 +254,9 @@ if triton is not None:
             if not SYMMETRIC:
                 low = tl.load(min_ptr + params, mask=n_ok[:, None], other=0.0)
             codes = tl.reshape(codes, (BLOCK_N, PER_STEP, GROUP))
-            values = dequant(codes, scale[:, :, None], low[:, :, None], BITS, SYMMETRIC)
+            values = dequant(codes, scale[:, :, None], low[:, :, None], BITS, SYMMETRIC, xt.dtype)
             values = tl.reshape(values, (BLOCK_N, BLOCK_K))
-            acc = tl.dot(xt, tl.trans(values.to(xt.dtype)), acc, input_precision=PRECISION)
+            acc = tl.dot(xt, tl.trans(values), acc, input_precision=PRECISION)
         mask = m_ok[:, None] & n_ok[None, :]
         offsets = rm[:, None] * N + rn[None, :]
         if SPLIT:
