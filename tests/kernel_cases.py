@@ -113,7 +113,49 @@ def attention_failures(
     return failures
 
 
+# writes: the attention cases, and a prefill long enough to be quantized in row chunks
+KV_WRITE_SHAPES = [*ATTENTION_SHAPES, (3, 4, 2, 64, 64, 1560, 1500, False)]
+
+
+def kv_write_failures(
+    bits: int, symmetric: bool, device: str, dtypes: list[torch.dtype], shapes=KV_WRITE_SHAPES
+) -> list[str]:
+    """The cache's quantizing kernel writes exactly the codes, scales and minimums of the
+    plain-torch path: a prefill, then token by token (groups completing from the tail)."""
+    failures = []
+    gen = torch.Generator().manual_seed(bits * 10 + symmetric + 2)
+    for dtype in dtypes:
+        for batch, _, kv_heads, dim, group, slots, prefill, _ in shapes:
+            config = Compression(bits, group, symmetric)
+            ours, ref = (
+                QuantKV(batch, kv_heads, dim, slots, config, dtype, torch.device(device))
+                for _ in "or"
+            )
+            ref._quantize_groups = ref._quantize_groups_reference
+            k = (torch.randn(batch, kv_heads, slots, dim, generator=gen) * 2).to(dtype).to(device)
+            k[..., 1] *= 8
+            v = torch.randn(batch, kv_heads, slots, dim, generator=gen).to(dtype).to(device)
+            for cache in (ours, ref):
+                cache.write(k[:, :, :prefill], v[:, :, :prefill], 0)
+                for end in range(prefill + 1, slots + 1):
+                    cache.write(k[:, :, end - 1 : end], v[:, :, end - 1 : end], end - 1)
+            groups, filled = slots // group, slots // group * group
+            for name in ("k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min"):
+                a, b = getattr(ours, name), getattr(ref, name)
+                if a is None:
+                    continue
+                part = slice(0, groups) if name.startswith("k") else slice(0, filled)
+                if not torch.equal(a[:, :, part], b[:, :, part]):
+                    diff = (a[:, :, part] != b[:, :, part]).sum().item()
+                    failures.append(
+                        f"bits={bits} sym={symmetric} {dtype} B{batch} Hkv{kv_heads} D{dim} "
+                        f"g{group}: {name} differs in {diff} entries"
+                    )
+    return failures
+
+
 if __name__ == "__main__":  # the interpreter tests' subprocess
     kind, bits, symmetric = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "sym"
-    cases = {"qlinear": qlinear_failures, "attention": attention_failures}[kind]
+    cases = {"qlinear": qlinear_failures, "attention": attention_failures}
+    cases = {**cases, "kv-write": kv_write_failures}[kind]
     print(json.dumps(cases(bits, symmetric, "cpu", [torch.float32, torch.float16])))

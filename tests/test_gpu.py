@@ -95,6 +95,15 @@ def test_quantized_decode_attention_compiled_matches_reference(bits, symmetric):
     assert attention_failures(bits, symmetric, "cuda", dtypes, shapes) == []
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_kv_cache_quantizing_kernel_compiled_is_bit_exact(bits, symmetric):
+    from tests.kernel_cases import kv_write_failures
+
+    dtypes = [torch.float16, torch.bfloat16, torch.float32]
+    assert kv_write_failures(bits, symmetric, "cuda", dtypes) == []
+
+
 def test_launcher_keys_compiled_kernels_by_alignment():
     """The same shapes with an unaligned x (a view one element in) after an aligned one:
     the kernel compiled for 16-byte-aligned pointers must not be reused for it."""

@@ -44,3 +44,9 @@ def test_qlinear_kernel_matches_reference_interpreted(bits, symmetric):
 @pytest.mark.parametrize("symmetric", ["asym", "sym"])
 def test_quantized_decode_attention_matches_reference_interpreted(bits, symmetric):
     assert _interpreted("tests.kernel_cases", "attention", str(bits), symmetric) == []
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", ["asym", "sym"])
+def test_kv_cache_quantizing_kernel_is_bit_exact_interpreted(bits, symmetric):
+    assert _interpreted("tests.kernel_cases", "kv-write", str(bits), symmetric) == []
