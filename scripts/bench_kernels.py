@@ -181,7 +181,7 @@ def bench_sweep(dev: torch.device, shapes, tiles_list, hbm: float) -> list[dict]
         dense = timed(functools.partial(F.linear, x, w), repeat=10)
         reference = qlinear(x, q, None, tiles_list[0])
         for tiles in tiles_list:
-            chosen = tiles or qmatmul._tiles(m, n, k, dev)
+            chosen = tiles or qmatmul._tiles(m, n, k, 64, dev)
             row = {"shape": f"{model} {name} m{m}", "tiles": list(chosen), "default": tiles is None}
             try:
                 diff = (qlinear(x, q, None, tiles) - reference).abs().max().item()

@@ -127,7 +127,7 @@ def test_split_k_qlinear_replays_in_a_cuda_graph():
 
     w = quantize(torch.randn(1024, 4096, device="cuda"), Compression(4, 64, False))
     x = torch.randn(12, 4096, device="cuda", dtype=torch.float16)
-    assert _tiles(12, 1024, 4096, x.device).split > 1
+    assert _tiles(12, 1024, 4096, 64, x.device).split > 1
     qlinear(x, w)  # compiled before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

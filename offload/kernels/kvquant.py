@@ -426,12 +426,13 @@ if triton is not None:
     @triton.jit
     def _group_codes(x, valid, BITS: tl.constexpr, SYMMETRIC: tl.constexpr):
         """`quant.quantize` of the groups along x's last axis (float32, masked by valid):
-        (codes as float, scale, minimum), the same arithmetic and rounding."""
+        (codes as float, scale, minimum), the same arithmetic and rounding (a true
+        division for the codes, as torch's tensor division)."""
         levels: tl.constexpr = (1 << BITS) - 1
         if SYMMETRIC:
             half: tl.constexpr = levels // 2
             amax = tl.max(tl.where(valid, tl.abs(x), 0.0), axis=-1, keep_dims=True)
-            scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full(amax.shape, half, tl.float32))
+            scale = tl.maximum(amax, 1e-12) * (1.0 / half)
             y = tl.math.div_rn(x, scale)
             r = tl.floor(tl.abs(y) + 0.5)  # half to even, mirrored for negatives
             r = tl.where((r - tl.abs(y) == 0.5) & (r % 2 == 1), r - 1, r)
@@ -440,18 +441,14 @@ if triton is not None:
             return codes, scale, scale
         low = tl.min(tl.where(valid, x, float("inf")), axis=-1, keep_dims=True)
         high = tl.max(tl.where(valid, x, -float("inf")), axis=-1, keep_dims=True)
-        scale = tl.math.div_rn(
-            tl.maximum(high - low, 1e-12), tl.full(low.shape, levels, tl.float32)
-        )
+        scale = tl.maximum(high - low, 1e-12) * (1.0 / levels)
         codes = _round_half_even(tl.math.div_rn(x - low, scale))
         return tl.minimum(tl.maximum(codes, 0.0), levels), scale, low
 
     @triton.jit
-    def _packed(codes, BITS: tl.constexpr):
-        """Float codes [m, n] to bytes: int4 two a byte along the last axis, low first."""
+    def _pack4(codes):
+        """Float codes [m, n] in [0, 15] to bytes [m, n / 2], two a byte, low first."""
         c = codes.to(tl.uint8)
-        if BITS == 8:
-            return c
         lo, hi = tl.split(tl.reshape(c, (c.shape[0], c.shape[1] // 2, 2)))
         return lo | (hi << 4)
 
@@ -486,11 +483,11 @@ if triton is not None:
         k_bytes: tl.constexpr = GROUP * BITS // 8
         kb = tl.arange(0, k_bytes)
         group_at = (cache_row * num_groups + first + j) * HEAD_DIM + d  # [BLOCK_D]
-        tl.store(
-            kc_ptr + group_at[:, None] * k_bytes + kb[None, :],
-            _packed(codes, BITS),
-            mask=d_ok[:, None],
-        )
+        k_at = kc_ptr + group_at[:, None] * k_bytes + kb[None, :]
+        if BITS == 4:
+            tl.store(k_at, _pack4(codes), mask=d_ok[:, None])
+        else:
+            tl.store(k_at, codes.to(tl.uint8), mask=d_ok[:, None])
         tl.store(ks_ptr + group_at[:, None], scale.to(tl.float16), mask=d_ok[:, None])
         if not SYMMETRIC:
             tl.store(km_ptr + group_at[:, None], low.to(tl.float16), mask=d_ok[:, None])
@@ -507,11 +504,12 @@ if triton is not None:
         slot = cache_row * max_slots + (first + j) * GROUP + t  # [GROUP]
         v_bytes: tl.constexpr = HEAD_DIM * BITS // 8
         vb = tl.arange(0, BLOCK_D * BITS // 8)
-        tl.store(
-            vc_ptr + slot[:, None] * v_bytes + vb[None, :],
-            _packed(tl.reshape(codes, (GROUP, BLOCK_D)), BITS),
-            mask=(vb < v_bytes)[None, :],
-        )
+        v_at = vc_ptr + slot[:, None] * v_bytes + vb[None, :]
+        codes = tl.reshape(codes, (GROUP, BLOCK_D))
+        if BITS == 4:
+            tl.store(v_at, _pack4(codes), mask=(vb < v_bytes)[None, :])
+        else:
+            tl.store(v_at, codes.to(tl.uint8), mask=(vb < v_bytes)[None, :])
         c = tl.arange(0, v_groups)
         c_ok = (c < HEAD_DIM // VGROUP)[None, :]
         per_token = HEAD_DIM // VGROUP

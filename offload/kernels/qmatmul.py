@@ -73,7 +73,7 @@ def qlinear(
     m = rows.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     cfg = w.config
-    t = tiles or _tiles(m, n, k, x.device)
+    t = tiles or _tiles(m, n, k, cfg.group_size, x.device)
     block_k = next(
         b
         for b in (256, 128, 64, cfg.group_size)
@@ -121,14 +121,15 @@ def qlinear(
 PROGRAMS_PER_SM = 4
 
 
-def _tiles(m: int, n: int, k: int, device: torch.device) -> Tiles:
+def _tiles(m: int, n: int, k: int, group: int, device: torch.device) -> Tiles:
     """The tiles for [m, k] x [k, n].
 
     Decode (m <= 64): one M tile and 64-wide N tiles, K steps of up to 256 (several
     groups) to keep bytes in flight, and K split so that there are PROGRAMS_PER_SM
     programs an SM (each with 4 K steps at least); prefill: 256 x 128 tiles (128 x 128
-    below 256 rows) with K steps of 64 (shared memory)."""
-    if m >= 256:  # 6% over 128 x 128 at OPT-30B prefill shapes (bench_kernels --kernels prefill)
+    below 256 rows, or where a group is longer than 64 and so the K step) with K steps
+    of 64 (shared memory)."""
+    if m >= 256 and group <= 64:  # 6% over 128 x 128 at OPT-30B prefill shapes
         return Tiles(256, 128, 64, 8, 3)  # (256 + 128) x 64 x 2 bytes a stage: fits
     if m > 64:
         return Tiles(128, 128, 64, 8, 3)

@@ -55,16 +55,19 @@ def _grouped(t: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def quantize(t: torch.Tensor, config: Compression) -> QTensor:
+    """Scales multiply by the reciprocal of the level count: torch on CUDA divides by a
+    Python number that way and on the CPU truly divides, so this is the arithmetic that
+    is the same on every device (and in the cache's quantizing kernel)."""
     groups = _grouped(t.float(), config.group_size)
     levels = (1 << config.bits) - 1
     if config.symmetric:
         half = levels // 2  # codes 0..levels, zero at `half`
-        scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / half
+        scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) * (1.0 / half)
         codes = (groups / scale).round().clamp(-half, half) + half
         minimum = None
     else:
         minimum = groups.amin(dim=-1, keepdim=True)
-        scale = (groups.amax(dim=-1, keepdim=True) - minimum).clamp(min=1e-12) / levels
+        scale = (groups.amax(dim=-1, keepdim=True) - minimum).clamp(min=1e-12) * (1.0 / levels)
         codes = ((groups - minimum) / scale).round().clamp(0, levels)
     codes = codes.to(torch.uint8)
     if config.bits == 4:
