@@ -76,7 +76,7 @@ def test_cuda_executor_policies_give_the_plain_tokens(policy, tiny_checkpoints, 
 def test_qlinear_kernel_compiled_matches_reference(bits, symmetric):
     from tests.kernel_cases import QLINEAR_SHAPES, qlinear_failures
 
-    shapes = [*QLINEAR_SHAPES, (8, 7168, 7168, 64), (512, 4096, 11008, 128)]
+    shapes = [*QLINEAR_SHAPES, (8, 7168, 7168, 64), (512, 4096, 11008, 128), (2100, 384, 512, 64)]
     dtypes = [torch.float16, torch.bfloat16]
     assert qlinear_failures(bits, symmetric, "cuda", dtypes, shapes) == []
 

@@ -127,9 +127,10 @@ def _tiles(m: int, n: int, k: int, group: int, device: torch.device) -> Tiles:
     Decode (m <= 64): one M tile and 64-wide N tiles, K steps of up to 256 (several
     groups) to keep bytes in flight, and K split so that there are PROGRAMS_PER_SM
     programs an SM (each with 4 K steps at least); prefill: 256 x 128 tiles (128 x 128
-    below 256 rows, or where a group is longer than 64 and so the K step) with K steps
+    below 2048 rows, or where a group is longer than 64 and so the K step) with K steps
     of 64 (shared memory)."""
-    if m >= 256 and group <= 64:  # 6% over 128 x 128 at OPT-30B prefill shapes
+    if m >= 2048 and group <= 64:  # 6% over 128 x 128 at OPT-30B prefill shapes (fewer
+        # rows leave too few 256-row tiles to fill the GPU)
         return Tiles(256, 128, 64, 8, 3)  # (256 + 128) x 64 x 2 bytes a stage: fits
     if m > 64:
         return Tiles(128, 128, 64, 8, 3)
