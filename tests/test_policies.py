@@ -210,3 +210,17 @@ def test_plan_prints_a_readable_table(tmp_path, capsys):
         "what would help",
     ):
         assert words in text
+
+
+def test_plan_counts_decode_graph_buffers_only_where_graphs_run():
+    """All weights and activations on the GPU: the decode graphs' buffers (each layer's
+    qkv twice and residual, the logits, per micro-batch) are in the GPU plan; a policy
+    that streams weights has none."""
+    cfg = ModelConfig.from_hf(PRESETS["opt-30b"], "opt-30b")
+    on = Policy(4, 2)
+    off = Policy(4, 2, weights=Placement(0.5, 0.5, 0))
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    floor = 2 * 8 * (cfg.num_layers * (2 * qkv + cfg.hidden_size) + 2 * cfg.vocab_size)
+    assert on.decode_graphs and not off.decode_graphs
+    assert plan_memory(cfg, on, torch.float16, 64, 8).detail["decode_graphs_gpu"] >= floor
+    assert plan_memory(cfg, off, torch.float16, 64, 8).detail["decode_graphs_gpu"] == 0

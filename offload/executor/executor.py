@@ -189,17 +189,18 @@ class Executor:
     # -- a decode step from CUDA graphs ----------------------------------------------------
     def _decode_graphs(self, step: StepInputs) -> list[DecodeGraphs] | None:
         """Each micro-batch's graphs, or None where this step runs eagerly: not a decode
-        step, weights or activations off the GPU, tracing on, or the first decode step
-        of these micro-batch sizes (it compiles every kernel before any capture)."""
+        step, a policy with weights or activations off the GPU (`Policy.decode_graphs`),
+        tracing on, or the first decode step of these micro-batch sizes (it compiles
+        every kernel before any capture)."""
         if not (
             self.cuda_graphs
+            and self.policy.decode_graphs
             and not self.tracer.enabled
             and step.positions.shape[1] == 1
             and step.cache_start > 0
-            and all(image.resident for image in self.homes.images)
-            and all(block is None for block in self._act_blocks)
         ):
             return None
+        assert all(image.resident for image in self.homes.images), "weights.gpu is 1"
         rows = tuple(m.stop - m.start for m in self._micro)
         if rows != self._graph_rows:
             if rows != self._warm_rows:

@@ -132,7 +132,24 @@ def activation_plan(
     # the step's attention bias [B, 1|heads, T, S], built once for the whole block
     heads = cfg.num_heads if cfg.family == "bloom" else 1
     transient += batch * heads * prompt_len * max_slots * elt
-    return {"act_gpu": gpu_rows * row_bytes * 2, "act_cpu": cpu_bytes, "transient_gpu": transient}
+    return {
+        "act_gpu": gpu_rows * row_bytes * 2,
+        "act_cpu": cpu_bytes,
+        "transient_gpu": transient,
+        "decode_graphs_gpu": _graph_bytes(cfg, policy, sizes) * elt,
+    }
+
+
+def _graph_bytes(cfg: ModelConfig, policy: Policy, sizes: list[int]) -> int:
+    """Elements (fp32 logits counted as two) the decode graphs keep, one set per
+    micro-batch (`executor.graphs`): each layer's qkv (and RoPE's new q and k: twice the
+    qkv at most) and residual, the logits, and one layer's decode temporaries in their
+    memory pool. They stay allocated between batches."""
+    if not policy.decode_graphs:
+        return 0
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    per_row = cfg.num_layers * (2 * qkv + cfg.hidden_size) + 2 * cfg.vocab_size
+    return sum(rows * per_row + _layer_transient(cfg, rows) for rows in sizes)
 
 
 def _layer_transient(cfg: ModelConfig, tokens: int) -> int:

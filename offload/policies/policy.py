@@ -113,6 +113,13 @@ class Policy:
         """Sequences generated together: num_gpu_batches x gpu_batch_size."""
         return self.gpu_batch_size * self.num_gpu_batches
 
+    @property
+    def decode_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs (on CUDA): every weight and activation
+        on the GPU, so the work between attentions is the same every step
+        (`executor.graphs`; the memory plan counts their buffers)."""
+        return self.weights.gpu == 1.0 and self.activations.gpu == 1.0
+
     # -- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
