@@ -36,7 +36,7 @@ from offload.executor.weights import WeightFetcher, WeightHomes
 from offload.io.pinned import PinnedPool, PoolBlock
 from offload.io.reader import ExtentReader
 from offload.io.store import ensure_store
-from offload.io.tiers import MemoryLedger
+from offload.io.tiers import MemoryLedger, Tier
 from offload.models import decoder, ops
 from offload.models.decoder import StepInputs, Weights
 from offload.models.weights import WeightSource
@@ -120,6 +120,7 @@ class Executor:
         self._graphs: list[DecodeGraphs] = []
         self._graph_rows: tuple[int, ...] = ()  # micro-batch rows the graphs are for
         self._warm_rows: tuple[int, ...] = ()  # ran one eager decode step (compiled)
+        self._graph_bytes = 0  # what the graphs' buffers hold, in the ledger
 
     # -- runner interface -------------------------------------------------------------
     def start(self, batch: PaddedBatch) -> None:
@@ -206,14 +207,23 @@ class Executor:
             if rows != self._warm_rows:
                 self._warm_rows = rows
                 return None
-            self._graphs = []  # the old sizes' graphs and memory go first
+            self._drop_graphs()  # the old sizes' graphs and memory go first
             stages = [self.fetcher.get(s) for s in range(len(self.homes.images))]
             rope = self.inv_freq is not None
+            before = torch.cuda.memory_allocated(self.device)
             self._graphs = [
                 DecodeGraphs(self.cfg, stages, n, self.dtype, self.device, rope) for n in rows
             ]
             self._graph_rows = rows
+            self._graph_bytes = max(0, torch.cuda.memory_allocated(self.device) - before)
+            self.ledger.add(Tier.GPU, self._graph_bytes)
         return self._graphs
+
+    def _drop_graphs(self) -> None:
+        self._graphs, self._graph_rows = [], ()
+        if self._graph_bytes:
+            self.ledger.release(Tier.GPU, self._graph_bytes)
+            self._graph_bytes = 0
 
     def _forward_graphs(
         self, graphs: list[DecodeGraphs], token_ids: torch.Tensor, steps: list[StepInputs]
@@ -292,6 +302,7 @@ class Executor:
         return report
 
     def close(self) -> None:
+        self._drop_graphs()
         self.kv.close()
         self.fetcher.close()
         self.reader.close()

@@ -1,10 +1,11 @@
 """Launching a Triton kernel without Triton's per-call argument binding.
 
 Triton's own launch path binds every argument, works out its specialization and
-looks the compiled kernel up on every call: 28.9 us of host time a launch on the
-H100 machine's host, against 8.4 us for calling the compiled kernel's launcher
-directly (`scripts/bench_kernels.py --kernels launch`). A decode step launches a few
-hundred kernels, and the host thread, not the GPU, set the step's time.
+looks the compiled kernel up on every call: 39.1 us of host time a launch on one lent
+H100 machine's host, against 10.6 us for calling the compiled kernel's launcher
+directly (`scripts/bench_kernels.py --kernels launch`, same run; this key costs about
+6 us more). Eager decode steps launch a few hundred kernels, and there the host
+thread, not the GPU, sets the step's time.
 
 `Launcher` keeps the compiled kernel per kind of call and calls its launcher. The key
 is at least as fine as Triton's own specialization: every tensor's dtype and 16-byte
