@@ -62,6 +62,18 @@ def timed(fn, repeat: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / repeat
 
 
+def _rates(read: int, seconds: float, hbm: float, dense: float) -> dict[str, float]:
+    """A kernel's record: its time, bytes read per second and as a share of the HBM
+    copy rate, and its speed-up over the uncompressed torch baseline's time."""
+    gbps = read / seconds / GB
+    return {
+        "seconds": seconds,
+        "gbps": gbps,
+        "hbm_share": gbps / hbm,
+        "speedup_vs_fp16": dense / seconds,
+    }
+
+
 def hbm_rate(dev: torch.device) -> float:
     """Device copy rate, counting the read and the write (GB/s)."""
     src = torch.empty(2**30, dtype=torch.uint8, device=dev)
@@ -125,11 +137,8 @@ def bench_attention(dev: torch.device, hbm: float, sweep: bool) -> list[dict]:
                         "max_splits": max_splits,
                         "warps": warps,
                         "max_diff_vs_default": (call() - want).abs().max().item(),
-                        "seconds": seconds,
-                        "gbps": read / seconds / GB,
-                        "hbm_share": read / seconds / GB / hbm,
+                        **_rates(read, seconds, hbm, dense),
                         "fp16_sdpa_seconds": dense,
-                        "speedup_vs_fp16": dense / seconds,
                     }
                 )
             del cache
@@ -203,9 +212,8 @@ def bench_sweep(dev: torch.device, shapes, tiles_list, hbm: float) -> list[dict]
             out.append(
                 {
                     **row,
-                    "seconds": seconds,
+                    **_rates(read, seconds, hbm, dense),
                     "tflops": flops / seconds / 1e12,
-                    "hbm_share": read / seconds / GB / hbm,
                     "fp16_tflops": flops / dense / 1e12,
                     "fp16_seconds": dense,
                     "max_diff_vs_default": diff,
@@ -299,11 +307,8 @@ def main() -> None:
                         "k": k,
                         "rows": m,
                         "bits": bits,
-                        "seconds": ours,
-                        "gbps": read / ours / GB,
-                        "hbm_share": read / ours / GB / hbm,
+                        **_rates(read, ours, hbm, dense),
                         "fp16_seconds": dense,
-                        "speedup_vs_fp16": dense / ours,
                     }
                 )
         del w

@@ -201,12 +201,12 @@ class Executor:
             and step.cache_start > 0
         ):
             return None
-        assert all(image.resident for image in self.homes.images), "weights.gpu is 1"
         rows = tuple(m.stop - m.start for m in self._micro)
         if rows != self._graph_rows:
             if rows != self._warm_rows:
                 self._warm_rows = rows
                 return None
+            assert all(image.resident for image in self.homes.images), "weights.gpu is 1"
             self._drop_graphs()  # the old sizes' graphs and memory go first
             stages = [self.fetcher.get(s) for s in range(len(self.homes.images))]
             rope = self.inv_freq is not None

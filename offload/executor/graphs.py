@@ -37,7 +37,6 @@ class DecodeGraphs:
         rope: bool,
     ) -> None:
         """stages: every stage's GPU-resident weights (embed, layers, head)."""
-        self.cfg = cfg
         self.ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.rope = None

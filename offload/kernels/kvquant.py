@@ -434,8 +434,7 @@ if triton is not None:
             amax = tl.max(tl.where(valid, tl.abs(x), 0.0), axis=-1, keep_dims=True)
             scale = tl.maximum(amax, 1e-12) * (1.0 / half)
             y = tl.math.div_rn(x, scale)
-            r = tl.floor(tl.abs(y) + 0.5)  # half to even, mirrored for negatives
-            r = tl.where((r - tl.abs(y) == 0.5) & (r % 2 == 1), r - 1, r)
+            r = _round_half_even(tl.abs(y))  # mirrored for negatives, as torch.round
             r = tl.where(y < 0, -r, r)
             codes = tl.minimum(tl.maximum(r, -half), half) + half
             return codes, scale, scale
