@@ -233,12 +233,26 @@ def test_compressed_logits_stay_near_the_uncompressed_run(
 KV4 = Compression(bits=4, group_size=16, symmetric=False)
 KV8 = Compression(bits=8, group_size=16, symmetric=True)
 KV_PARAMS = SamplingParams(max_new_tokens=24)
-# a compressed cache lives on the GPU: the policies vary weights, batches, activations
+# a compressed cache has GPU and CPU homes: the policies vary where its rows live and
+# where their attention runs, with weights, batches and activations
 KV_POLICIES = {
     "micro-batches": Policy(gpu_batch_size=2, num_gpu_batches=4),
     "weights-3-ways": Policy(gpu_batch_size=2, num_gpu_batches=4, weights=W3),
     "activations-cpu": Policy(
         gpu_batch_size=3, num_gpu_batches=3, weights=W3, activations=Placement(0.5, 0.5, 0)
+    ),
+    "kv-cpu-device-attention": Policy(
+        gpu_batch_size=2, num_gpu_batches=4, kv_cache=Placement(0, 1, 0)
+    ),
+    "kv-split-cpu-attention": Policy(
+        gpu_batch_size=3,
+        num_gpu_batches=3,
+        weights=W3,
+        kv_cache=Placement(0.5, 0.5, 0),
+        attention_on_cpu=True,
+    ),
+    "kv-split-serial": Policy(
+        gpu_batch_size=8, num_gpu_batches=1, kv_cache=Placement(0.25, 0.75, 0), overlap=False
     ),
 }
 
@@ -303,8 +317,8 @@ def test_compressed_kv_decode_logits_stay_near_the_uncompressed_run(
             assert error < bound, f"{case} {name}: relative logit error {error:.3g}"
 
 
-def test_compressed_kv_off_the_gpu_is_refused():
-    with pytest.raises(ValueError, match="kept on the GPU only"):
-        Policy(kv_cache=Placement(0.5, 0.5, 0), kv_compression=KV4)
+def test_compressed_kv_on_disk_is_refused():
+    with pytest.raises(ValueError, match="GPU and CPU only"):
+        Policy(kv_cache=Placement(0.5, 0.25, 0.25), kv_compression=KV4)
     with pytest.raises(ValueError, match="tokens a key group"):
         Policy(kv_compression=Compression(4, 48))

@@ -12,6 +12,14 @@ Attention for rows off the GPU runs
   and the attention output cross PCIe;
 - at decode otherwise, on the GPU over the cache loaded into a scratch buffer, which is
   prefetched while the previous micro-batch computes; only the new K/V go back.
+
+A compressed cache (policy.kv_compression, `kernels.kvquant.QuantKV`) has GPU and CPU
+homes (the policy refuses disk rows for it). Its CPU homes are QuantKVs in the pinned
+pool, so compressed bytes are what crosses PCIe: the entries of off-GPU rows are
+quantized on the GPU in a compressed scratch (at prefill, and at decode with attention
+on the GPU, where the scratch first receives the whole home) and `QuantKV.pack` sends
+back only what the write changed. With attention on the CPU a decode step's entries are
+quantized and attended next to the home (the torch path, bit-exact with the kernels).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from offload.executor.lanes import Lanes
 from offload.io.pinned import PinnedPool, PoolBlock, align_up
 from offload.io.spill import SpillFile
 from offload.io.tiers import MemoryLedger, Tier
+from offload.kernels.kvquant import QuantKV, kv_buffer_bytes
 from offload.models import decoder
 from offload.policies.policy import Compression
 
@@ -50,6 +59,7 @@ class KVBlock:
     cpu_blocks: list[PoolBlock] = field(default_factory=list)
     cpu_k: torch.Tensor | None = None
     cpu_v: torch.Tensor | None = None
+    cpu_quant: QuantKV | None = None  # the CPU rows' home of a compressed cache
     disk_offset: int = 0  # spill offset of the K region; V follows at + disk_region
     disk_region: int = 0
     stored: Future | None = None  # the last store of new entries into the off-GPU homes
@@ -70,8 +80,7 @@ class KVManager:
         overlap: bool,
         compression: Compression | None = None,
     ) -> None:
-        """compression: the GPU rows' cache format (policy.kv_compression; the policy
-        keeps a compressed cache wholly on the GPU)."""
+        """compression: the cache format of GPU and CPU homes (policy.kv_compression)."""
         self.cfg, self.lanes, self.device, self.dtype = cfg, lanes, device, dtype
         self.compression = compression
         self.pool: PinnedPool | None = None  # sized per batch in start()
@@ -84,6 +93,7 @@ class KVManager:
         self._owned: list[PoolBlock] = []
         self._gpu_bytes = 0
         self._scratch: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._quant_scratch: list[QuantKV] = []
         self._scratch_free: list[torch.cuda.Event | None] = [None, None]
         self._staging: list[PoolBlock] = []
         self._pending: dict[int, tuple] = {}
@@ -105,12 +115,13 @@ class KVManager:
         self.release()
         cfg = self.cfg
         self.max_slots = max_slots
-        per_row = cfg.num_kv_heads * max_slots * cfg.head_dim * self.elt
+        self.per_row = per_row = cfg.num_kv_heads * max_slots * cfg.head_dim * self.elt
         disk_regions = [align_up(d * per_row) for _, _, d in row_splits]
-        need = sum(2 * align_up(c * per_row) for _, c, _ in row_splits if c) * cfg.num_layers
+        assert self.compression is None or not any(disk_regions), "the policy refuses these"
+        need = sum(self._home_bytes(c) for _, c, _ in row_splits if c) * cfg.num_layers
         off_rows = max((c + d for _, c, d in row_splits), default=0)
         need += 2 * 2 * max(disk_regions, default=0) + sum(align_up(b) for b in act_bytes)
-        need += 2 * align_up(2 * off_rows * per_row)
+        need += 2 * align_up(self._store_bytes(off_rows))
         if self.pool is None or self.pool.capacity < need:
             if self.pool is not None:
                 self.pool.close()
@@ -130,7 +141,11 @@ class KVManager:
                         g, cfg, max_slots, self.dtype, self.device, self.compression
                     )
                     self._gpu_bytes += blk.gpu.nbytes
-                if c:
+                if c and self.compression is not None:
+                    blk.cpu_blocks = [self.pool.alloc(self._home_bytes(c))]
+                    blk.cpu_quant = self._quant(c, torch.device("cpu"), blk.cpu_blocks[0].tensor)
+                    self._owned += blk.cpu_blocks
+                elif c:
                     blk.cpu_blocks = [self.pool.alloc(c * per_row) for _ in range(2)]
                     blk.cpu_k = blk.cpu_blocks[0].view(self.dtype, shape(c))
                     blk.cpu_v = blk.cpu_blocks[1].view(self.dtype, shape(c))
@@ -141,9 +156,13 @@ class KVManager:
                 row.append(blk)
             self.blocks.append(row)
         if off_rows:  # device -> host staging of new entries, two deep
-            self._store_staging = [self.pool.alloc(2 * off_rows * per_row) for _ in range(2)]
+            self._store_staging = [self.pool.alloc(self._store_bytes(off_rows)) for _ in range(2)]
+        if off_rows and self.compression is not None:
+            # where off-GPU rows are quantized (and attended at decode), two deep
+            self._quant_scratch = [self._quant(off_rows, self.device) for _ in range(2)]
+            self._gpu_bytes += 2 * self._quant_scratch[0].nbytes
         # decode scratch for rows whose cache is off the GPU, two deep (prefetch)
-        if off_rows and not self.attention_on_cpu:
+        elif off_rows and not self.attention_on_cpu:
             for _ in range(2):
                 k = torch.empty(
                     (off_rows, cfg.num_kv_heads, max_slots, cfg.head_dim),
@@ -162,6 +181,38 @@ class KVManager:
         self.ledger.add(Tier.CPU, sum(b.reserved for b in self._owned + self._staging))
         return acts
 
+    def _quant(self, rows: int, device: torch.device, buffer=None) -> QuantKV:
+        cfg = self.cfg
+        return QuantKV(
+            rows,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.max_slots,
+            self.compression,
+            self.dtype,
+            device,
+            buffer,
+        )
+
+    def _home_bytes(self, rows: int) -> int:
+        """Pinned bytes of the CPU home of `rows` sequences (one layer, K and V)."""
+        if self.compression is None:
+            return 2 * align_up(rows * self.per_row)
+        return align_up(self._quant_bytes(rows))
+
+    def _store_bytes(self, rows: int) -> int:
+        """Bytes one store of `rows` off-GPU sequences stages: a prefill's new K and V,
+        or (compressed) at most the whole compressed cache."""
+        if self.compression is None:
+            return 2 * rows * self.per_row
+        return self._quant_bytes(rows)
+
+    def _quant_bytes(self, rows: int) -> int:
+        cfg = self.cfg
+        return kv_buffer_bytes(
+            rows, cfg.num_kv_heads, cfg.head_dim, self.max_slots, self.dtype, self.compression
+        )
+
     def release(self) -> None:
         _wait_all(*self._store_busy, *self._disk_busy)
         self._store_busy, self._disk_busy, self._disk_h2d = [None, None], [None, None], [None, None]
@@ -176,6 +227,7 @@ class KVManager:
             self.ledger.release(Tier.DISK, self.spill.capacity)
             self.spill.close()
         self.blocks, self._owned, self._staging, self._scratch = [], [], [], []
+        self._quant_scratch = []
         self._store_staging = []
         self._gpu_bytes, self.spill, self._pending = 0, None, {}
 
@@ -230,6 +282,8 @@ class KVManager:
     def prefetch(self, layer: int, mb: int, num_tokens: int) -> None:
         """Start loading the off-GPU cache of (layer, mb) for its decode attention."""
         if self.attention_on_cpu or mb in self._pending or num_tokens == 0:
+            return
+        if self.compression is not None:  # a CPU home crosses at attention (as _load_scratch)
             return
         blk = self.blocks[layer][mb]
         _, c, d = blk.rows
@@ -301,7 +355,13 @@ class KVManager:
             outs.append(blk.gpu.attention(q[:g], k_new[:g], v_new[:g], bias[:g], start))
         if c + d:
             off = slice(g, g + c + d)
-            if start == 0:
+            if self.compression is not None:
+                outs.append(
+                    self._quant_attention(
+                        layer, blk, mb, q[off], k_new[off], v_new[off], bias[off], start
+                    )
+                )
+            elif start == 0:
                 outs.append(decoder.attend(q[off], k_new[off], v_new[off], bias[off]))
                 self._store(blk, mb, k_new[off], v_new[off], start, end)
             elif self.attention_on_cpu:
@@ -321,6 +381,58 @@ class KVManager:
                 self._scratch_free[mb % 2] = self.lanes.record("compute")
                 self._store(blk, mb, k_new[off], v_new[off], start, end)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    def _quant_attention(
+        self, layer: int, blk: KVBlock, mb: int, q, k_new, v_new, bias, start: int
+    ) -> torch.Tensor:
+        """Attention of the CPU rows of a compressed cache; stores their new entries."""
+        end = start + k_new.shape[2]
+        if start and self.attention_on_cpu:
+            return self._cpu_attention(blk, mb, q, k_new, v_new, bias, start, end)
+        which = mb % 2
+        scratch = self._quant_scratch[which].rows(blk.rows[1])
+        if start:  # the home's cache into the scratch first
+            self.lanes.wait("h2d", self._scratch_free[which])
+            _wait_future(blk.stored)
+            assert blk.cpu_quant is not None
+            with self.lanes.on("h2d", f"kv L{layer} mb{mb}", blk.cpu_quant.nbytes):
+                # whole contiguous tensors (see _load_scratch); unused slots cost (S - t) / S
+                scratch.copy_from(blk.cpu_quant, non_blocking=True)
+            self.lanes.wait("compute", self.lanes.record("h2d"))
+        out = decoder.quant_attention(scratch, q, k_new, v_new, bias, start)
+        packed = scratch.pack(start, end)
+        self._scratch_free[which] = self.lanes.record("compute")
+        self._store_packed(blk, mb, packed, start, end)
+        return out
+
+    def _store_packed(self, blk: KVBlock, mb: int, packed, start: int, end: int) -> None:
+        """Send `QuantKV.pack`ed bytes to the CPU home: as `_store`, through a staging
+        block and a worker thread that unpacks them in place."""
+        which = self._store_turn % 2
+        self._store_turn += 1
+        _wait_future(self._store_busy[which])
+        staging = self._store_staging[which].tensor[: packed.numel()]
+        self.lanes.wait("d2h", self.lanes.record("compute"))
+        with self.lanes.on("d2h", f"kv store mb{mb}", packed.numel()):
+            staging.copy_(packed, non_blocking=True)
+        self.lanes.keep(packed, "d2h")
+        copied = self.lanes.record("d2h")
+        future = self._io.submit(self._unpack, blk, mb, staging, start, end, copied, blk.stored)
+        blk.stored = self._store_busy[which] = future
+        if not self.overlap:
+            future.result()
+
+    def _unpack(self, blk: KVBlock, mb: int, staging, start: int, end: int, copied, previous):
+        """Worker thread: after the copy lands, put the packed bytes in the home."""
+        _wait_future(previous)
+        if copied is not None:
+            copied.synchronize()
+        started = time.perf_counter()
+        assert blk.cpu_quant is not None
+        blk.cpu_quant.unpack(staging, start, end)
+        self.lanes.tracer.host_span(
+            "cpu_copy", f"kv unpack mb{mb}", started, time.perf_counter(), staging.numel()
+        )
 
     def _store(
         self, blk: KVBlock, mb: int, k: torch.Tensor, v: torch.Tensor, start: int, end: int
@@ -396,7 +508,9 @@ class KVManager:
         self.lanes.host_wait(self.lanes.record("d2h"))
         started = time.perf_counter()
         outs = []
-        if c:
+        if blk.cpu_quant is not None:
+            outs.append(decoder.quant_attention(blk.cpu_quant, q_h, k_h, v_h, bias_h, start))
+        elif c:
             assert blk.cpu_k is not None and blk.cpu_v is not None
             blk.cpu_k[:, :, start:end] = k_h[:c]
             blk.cpu_v[:, :, start:end] = v_h[:c]

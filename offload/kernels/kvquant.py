@@ -22,6 +22,7 @@ bias: padding, causality, ALiBi), or its plain-torch reference where there is no
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -44,20 +45,59 @@ def value_group(config: Compression, head_dim: int) -> int:
     return math.gcd(config.group_size, head_dim)
 
 
+# the format's tensors, by non-increasing element size (`QuantKV.pack` relies on it);
+# axis 2 of each is its slot axis (token groups for the keys' codes and parameters)
+COMPONENTS = ("k_tail", "v_tail", "k_scale", "k_min", "v_scale", "v_min", "k_codes", "v_codes")
+# byte alignment of each tensor in a QuantKV's buffer (Triton specializes 16)
+ALIGN = 128
+
+
+def component_shapes(
+    rows: int, num_kv_heads: int, head_dim: int, max_slots: int, config: Compression, dtype
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each present tensor of the format (the module docstring)."""
+    g = config.group_size
+    lead = (rows, num_kv_heads)
+    groups = -(-max_slots // g)
+    value_groups = head_dim // value_group(config, head_dim)
+    shapes = {
+        "k_tail": ((*lead, g, head_dim), dtype),
+        "v_tail": ((*lead, g, head_dim), dtype),
+        "k_scale": ((*lead, groups, head_dim), torch.float16),
+        "k_min": ((*lead, groups, head_dim), torch.float16),
+        "v_scale": ((*lead, max_slots, value_groups), torch.float16),
+        "v_min": ((*lead, max_slots, value_groups), torch.float16),
+        "k_codes": ((*lead, groups, head_dim, g * config.bits // 8), torch.uint8),
+        "v_codes": ((*lead, max_slots, head_dim * config.bits // 8), torch.uint8),
+    }
+    if config.symmetric:
+        del shapes["k_min"], shapes["v_min"]
+    return shapes
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
 def kv_row_bytes(
     num_kv_heads: int, head_dim: int, max_slots: int, dtype: torch.dtype, config: Compression
 ) -> int:
     """Bytes of one sequence's compressed K and V for one layer (tail included)."""
-    elt = torch.empty((), dtype=dtype).element_size()
-    g, bits = config.group_size, config.bits
-    params = 1 if config.symmetric else 2
-    groups = -(-max_slots // g)
-    keys = groups * head_dim * (g * bits // 8 + 2 * params)
-    values = max_slots * (
-        head_dim * bits // 8 + 2 * params * head_dim // value_group(config, head_dim)
-    )
-    tails = 2 * g * head_dim * elt
-    return num_kv_heads * (keys + values + tails)
+    shapes = component_shapes(1, num_kv_heads, head_dim, max_slots, config, dtype)
+    return sum(_nbytes(*spec) for spec in shapes.values())
+
+
+def kv_buffer_bytes(
+    rows: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_slots: int,
+    dtype: torch.dtype,
+    config: Compression,
+) -> int:
+    """Bytes of a `QuantKV` of `rows` sequences: its tensors, each `ALIGN`-aligned."""
+    shapes = component_shapes(rows, num_kv_heads, head_dim, max_slots, config, dtype)
+    return sum(-(-_nbytes(*spec) // ALIGN) * ALIGN for spec in shapes.values())
 
 
 # sequences x new tokens quantized at a time by `QuantKV.write`
@@ -76,32 +116,73 @@ class QuantKV:
         config: Compression,
         dtype: torch.dtype,
         device: torch.device,
+        buffer: torch.Tensor | None = None,
     ) -> None:
+        """buffer: uint8 memory of at least `kv_buffer_bytes` to lay the tensors out in
+        (a pinned pool block for a CPU home); allocated on `device` when None."""
         if config.group_size not in KV_GROUPS:
             raise ValueError(f"KV group size {config.group_size} is not one of {KV_GROUPS}")
         self.config, self.dtype, self.head_dim = config, dtype, head_dim
-        self.group = g = config.group_size
+        self.group = config.group_size
         self.value_config = Compression(
             config.bits, value_group(config, head_dim), config.symmetric
         )
-        groups = -(-max_slots // g)
-        lead = (rows, num_kv_heads)
-        u8, f16 = dict(dtype=torch.uint8, device=device), dict(dtype=torch.float16, device=device)
-        self.k_codes = torch.empty((*lead, groups, head_dim, g * config.bits // 8), **u8)
-        self.k_scale = torch.empty((*lead, groups, head_dim), **f16)
-        self.k_min = None if config.symmetric else torch.empty_like(self.k_scale)
-        self.k_tail = torch.empty((*lead, g, head_dim), dtype=dtype, device=device)
-        vg = head_dim // self.value_config.group_size
-        self.v_codes = torch.empty((*lead, max_slots, head_dim * config.bits // 8), **u8)
-        self.v_scale = torch.empty((*lead, max_slots, vg), **f16)
-        self.v_min = None if config.symmetric else torch.empty_like(self.v_scale)
-        self.v_tail = torch.empty_like(self.k_tail)
+        self.nbytes = kv_buffer_bytes(rows, num_kv_heads, head_dim, max_slots, dtype, config)
+        if buffer is None:
+            buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        assert buffer.numel() >= self.nbytes and buffer.dtype == torch.uint8
+        self.k_min: torch.Tensor | None = None
+        self.v_min: torch.Tensor | None = None
+        offset = 0
+        shapes = component_shapes(rows, num_kv_heads, head_dim, max_slots, config, dtype)
+        for name, (shape, kind) in shapes.items():
+            size = _nbytes(shape, kind)
+            setattr(self, name, buffer[offset : offset + size].view(kind).view(shape))
+            offset += -(-size // ALIGN) * ALIGN
 
-    @property
-    def nbytes(self) -> int:
-        parts = (self.k_codes, self.k_scale, self.k_min, self.k_tail)
-        parts += (self.v_codes, self.v_scale, self.v_min, self.v_tail)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, getattr(self, n)) for n in COMPONENTS if getattr(self, n) is not None]
+
+    def rows(self, count: int) -> QuantKV:
+        """A view of the first `count` sequences (sharing memory)."""
+        view = copy.copy(self)
+        for name, tensor in self._tensors():
+            setattr(view, name, tensor[:count])
+        return view
+
+    def copy_from(self, other: QuantKV, non_blocking: bool = False) -> None:
+        """Copy every tensor of `other` (same format and rows) into this cache."""
+        for name, tensor in self._tensors():
+            tensor.copy_(getattr(other, name), non_blocking=non_blocking)
+
+    def _changed(self, start: int, end: int) -> list[tuple[torch.Tensor, slice]]:
+        """What `write` of slots start .. end - 1 changes: (tensor, slice of axis 2)."""
+        g = self.group
+        first, last = start // g, end // g
+        if first == last:  # the entries joined the tail
+            tail = slice(start - first * g, end - first * g)
+            return [(self.k_tail, tail), (self.v_tail, tail)]
+        groups, slots = slice(first, last), slice(first * g, last * g)
+        axis = {"k_tail": slice(0, end - last * g), "v_tail": slice(0, end - last * g)}
+        axis |= {"k_scale": groups, "k_min": groups, "k_codes": groups}
+        axis |= {"v_scale": slots, "v_min": slots, "v_codes": slots}
+        return [(tensor, axis[name]) for name, tensor in self._tensors()]
+
+    def pack(self, start: int, end: int) -> torch.Tensor:
+        """The bytes `write` of slots start .. end - 1 changed, as one flat uint8 tensor
+        (what crosses to an off-GPU home; `unpack` puts it in place there)."""
+        changed = self._changed(start, end)
+        return torch.cat([t[:, :, part].reshape(-1).view(torch.uint8) for t, part in changed])
+
+    def unpack(self, flat: torch.Tensor, start: int, end: int) -> None:
+        """Put `pack(start, end)` of a cache with the same format and rows in place."""
+        offset = 0
+        for tensor, part in self._changed(start, end):
+            region = tensor[:, :, part]
+            size = region.numel() * tensor.element_size()
+            # pieces come by non-increasing element size, so each offset is aligned
+            region.copy_(flat[offset : offset + size].view(tensor.dtype).view(region.shape))
+            offset += size
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Store new entries k, v [rows, Hkv, T, D] at slots start .. start + T - 1.

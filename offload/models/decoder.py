@@ -240,21 +240,28 @@ class LayerKV:
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, start: int
     ) -> torch.Tensor:
-        """Store the new entries k, v at slots start.. and attend q over the cache.
-
-        A compressed cache: a prefill (start 0) attends over its fresh entries at full
-        precision, a decode step over the compressed cache."""
+        """Store the new entries k, v at slots start.. and attend q over the cache
+        (a compressed one: `quant_attention`)."""
         end = start + k.shape[2]
         if self.quant is not None:
-            self.quant.write(k, v, start)
-            if start == 0:
-                return attend(q, k, v, bias)
-            if q.shape[2] == 1:
-                return decode_attention(q, self.quant, bias, end)
-            return attend(q, *self.quant.dequantized(end), bias)
+            return quant_attention(self.quant, q, k, v, bias, start)
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return attend(q, self.k[:, :, :end], self.v[:, :, :end], bias)
+
+
+def quant_attention(
+    cache: QuantKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, start: int
+) -> torch.Tensor:
+    """Store k, v in the compressed cache at slots start.. and attend q: a prefill
+    (start 0) over its fresh entries at full precision, a decode step over the cache."""
+    cache.write(k, v, start)
+    if start == 0:
+        return attend(q, k, v, bias)
+    end = start + k.shape[2]
+    if q.shape[2] == 1:
+        return decode_attention(q, cache, bias, end)
+    return attend(q, *cache.dequantized(end), bias)
 
 
 def layer_forward(

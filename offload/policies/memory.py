@@ -15,7 +15,7 @@ import torch
 from offload.config import ModelConfig
 from offload.executor.weights import stage_cut, stage_image_bytes
 from offload.io.pinned import align_up
-from offload.kernels.kvquant import kv_row_bytes
+from offload.kernels.kvquant import kv_buffer_bytes
 from offload.models import decoder
 from offload.policies.policy import Policy
 
@@ -82,24 +82,29 @@ def kv_plan(
     per_row = cfg.num_kv_heads * max_slots * cfg.head_dim * elt
     splits = row_splits(policy.kv_cache, micro_batch_sizes(policy, batch))
     layers = cfg.num_layers
-    if policy.kv_compression is not None:  # kept wholly on the GPU (the policy checks)
-        compressed = kv_row_bytes(
-            cfg.num_kv_heads, cfg.head_dim, max_slots, dtype, policy.kv_compression
-        )
+    off_rows = max((c + d for _, c, d in splits), default=0)
+    if policy.kv_compression is not None:  # GPU and CPU homes (`executor.kv`)
+
+        def compressed(rows: int) -> int:
+            return kv_buffer_bytes(
+                rows, cfg.num_kv_heads, cfg.head_dim, max_slots, dtype, policy.kv_compression
+            )
+
         return {
-            "kv_gpu": batch * compressed * layers,
-            "kv_cpu": 0,
+            "kv_gpu": sum(compressed(g) for g, _, _ in splits if g) * layers,
+            "kv_cpu": sum(align_up(compressed(c)) for _, c, _ in splits if c) * layers,
             "kv_disk": 0,
-            "kv_scratch_gpu": 0,
-            "kv_staging_cpu": 0,
+            # two compressed scratches where off-GPU rows are quantized and attended
+            "kv_scratch_gpu": 2 * compressed(off_rows) if off_rows else 0,
+            "kv_staging_cpu": 2 * align_up(compressed(off_rows)) if off_rows else 0,
         }
     gpu = sum(2 * g * per_row for g, _, _ in splits) * layers
     cpu = sum(2 * align_up(c * per_row) for _, c, _ in splits if c) * layers
     regions = [align_up(d * per_row) for _, _, d in splits]
     disk = 2 * layers * sum(regions)
-    off_rows = max((c + d for _, c, d in splits), default=0)
     scratch = 4 * off_rows * per_row if off_rows and not policy.attention_on_cpu else 0
-    staging = 2 * 2 * max(regions, default=0)
+    # disk pages and new entries on their way to off-GPU homes, two deep each
+    staging = 2 * 2 * max(regions, default=0) + 2 * align_up(2 * off_rows * per_row)
     return {
         "kv_gpu": gpu,
         "kv_cpu": cpu,

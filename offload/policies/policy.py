@@ -102,10 +102,11 @@ class Policy:
                     f"kv_compression group_size is tokens a key group: one of "
                     f"{', '.join(map(str, KV_GROUPS))}, got {self.kv_compression.group_size}"
                 )
-            if self.kv_cache.gpu < 1.0:
+            if self.kv_cache.disk > 0:
                 raise ValueError(
-                    "a compressed KV cache is kept on the GPU only (off-GPU homes are not "
-                    "built yet); set kv_cache to {gpu: 1} or kv_compression to null"
+                    "a compressed KV cache is kept on the GPU and CPU only (disk homes for "
+                    "it are not built); set kv_cache's disk share to 0 or kv_compression "
+                    "to null"
                 )
 
     @property

@@ -52,10 +52,8 @@ def _fits(est: Estimate, caps: Caps) -> bool:
 def _kv_placement(
     cfg, base: Policy, dtype, prompt_len, gen_len, hw: HardwareProfile, caps: Caps
 ) -> Placement | None:
-    """Greedy KV placement: as much on the GPU as fits, then the CPU, then disk. A
-    compressed cache is kept on the GPU (whether it fits is checked with the rest)."""
-    if base.kv_compression is not None:
-        return Placement(1.0, 0.0, 0.0)
+    """Greedy KV placement: as much on the GPU as fits, then the CPU, then disk (not
+    for a compressed cache, which has no disk homes)."""
     probe = plan_memory(cfg, _with(base, kv=Placement(0.0, 1.0, 0.0)), dtype, prompt_len, gen_len)
     kv_total = max(probe.detail["kv_cpu"], 1)
     gpu_left = (
@@ -67,10 +65,11 @@ def _kv_placement(
     cpu_left = caps.cpu_bytes - hw.process_base_bytes - (probe.cpu_bytes - probe.detail["kv_cpu"])
     gpu = min(1.0, max(0.0, gpu_left / kv_total))
     cpu = min(1.0 - gpu, max(0.0, cpu_left / kv_total))
-    if 1.0 - gpu - cpu > 1e-9 and not caps.nvme:
+    disk_ok = caps.nvme and base.kv_compression is None
+    if 1.0 - gpu - cpu > 1e-9 and not disk_ok:
         return None
     gpu = math.floor(gpu * 1000) / 1000
-    if not caps.nvme:  # the rounding's remainder goes to the CPU (checked against the cap later)
+    if not disk_ok:  # the rounding's remainder goes to the CPU (checked against the cap later)
         return Placement(gpu, round(1.0 - gpu, 6), 0.0)
     cpu = math.floor(cpu * 1000) / 1000
     return Placement(gpu, cpu, round(1.0 - gpu - cpu, 6))
@@ -131,13 +130,11 @@ def candidates(
 ):
     for compression, kv_compression in itertools.product(compressions, kv_compressions):
         weights = _weight_options(cfg, dtype, hw, caps, compression)
-        # a compressed cache stays on the GPU, so attention never runs on the CPU
-        cpu_attention_options = (False,) if kv_compression else (False, True)
         for size in BATCH_SIZES:
             for count in NUM_BATCHES:
                 if max_block is not None and size * count > max(max_block, 1) and count > 1:
                     continue
-                for cpu_attention in cpu_attention_options:
+                for cpu_attention in (False, True):
                     for placement in weights:
                         yield Policy(
                             size,
