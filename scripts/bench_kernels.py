@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from offload.kernels import qmatmul
-from offload.kernels.kvquant import QuantKV, decode_attention
+from offload.kernels.kvquant import QuantKV, decode_attention, decode_attention_cpu
 from offload.kernels.qmatmul import Tiles, qlinear
 from offload.kernels.quant import quantize
 from offload.policies.policy import Compression
@@ -269,18 +269,93 @@ def bench_launch(dev: torch.device) -> list[dict]:
     return out
 
 
+# CPU attention (the executor's attention_on_cpu): (model, rows, heads, KV heads,
+# head_dim, context); one micro-batch of one layer
+CPU = torch.device("cpu")
+CPU_ATTENTION_SHAPES = [
+    ("opt-30b", 12, 56, 56, 128, 544),
+    ("opt-30b", 48, 56, 56, 128, 544),
+    ("llama-2-70b", 32, 64, 8, 128, 4096),
+]
+
+
+def dram_rate() -> float:
+    """GB/s (read + write) of a 1 GiB host copy: the DRAM ceiling, same run."""
+    src = torch.ones(2**30, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    started = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src)
+    return 3 * 2 * src.numel() / (time.perf_counter() - started) / 1e9
+
+
+def bench_cpu_attention(dram: float) -> list[dict]:
+    """`decode_attention_cpu` over int4 / int8 caches against fp16 SDPA over the same
+    context on the CPU: GB/s of compressed bytes read and their share of the DRAM rate."""
+    out = []
+    for model, batch, heads, kv_heads, dim, ctx in CPU_ATTENTION_SHAPES:
+        k = torch.randn(batch, kv_heads, ctx, dim, dtype=torch.float16)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, heads, 1, dim, dtype=torch.float16)
+        bias = torch.zeros(batch, 1, 1, ctx, dtype=q.dtype)
+        sdpa = functools.partial(
+            F.scaled_dot_product_attention, q, k, v, attn_mask=bias, enable_gqa=True
+        )
+        dense = _host_timed(sdpa)
+        full = 2 * k.numel() * k.element_size()
+        for bits in (4, 8):
+            cache = QuantKV(batch, kv_heads, dim, ctx, Compression(bits, 64, False), q.dtype, CPU)
+            cache.write(k, v, 0)
+            seconds = _host_timed(functools.partial(decode_attention_cpu, q, cache, bias, ctx))
+            out.append(
+                {
+                    "model": model,
+                    "batch": batch,
+                    "heads": heads,
+                    "kv_heads": kv_heads,
+                    "head_dim": dim,
+                    "context": ctx,
+                    "bits": bits,
+                    "seconds": seconds,
+                    "compressed_gbps": cache.nbytes / seconds / 1e9,
+                    "dram_share": cache.nbytes / seconds / 1e9 / dram,
+                    "fp16_sdpa_seconds": dense,
+                    "fp16_sdpa_gbps": full / dense / 1e9,
+                    "speedup_vs_fp16_sdpa": dense / seconds,
+                }
+            )
+            print(
+                f"cpu {model} B{batch} int{bits}: {seconds * 1e3:.1f} ms, "
+                f"{out[-1]['compressed_gbps']:.1f} GB/s; fp16 SDPA {dense * 1e3:.1f} ms",
+                flush=True,
+            )
+    return out
+
+
+def _host_timed(fn, repeat: int = 5) -> float:
+    fn()
+    started = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - started) / repeat
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument(
         "--kernels",
         default="qlinear,attention",
-        help="also: prefill, decode, attention-sweep (sweeps), launch (host cost)",
+        help="also: prefill, decode, attention-sweep (sweeps), launch (host cost), "
+        "cpu-attention (the CPU's attention over a compressed cache; needs no GPU)",
     )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     kernels = args.kernels.split(",")
+    dram = dram_rate() if "cpu-attention" in kernels else 0.0
+    cpu_attention = bench_cpu_attention(dram) if "cpu-attention" in kernels else []
     dev = torch.device("cuda")
-    hbm = hbm_rate(dev)
+    hbm = hbm_rate(dev) if set(kernels) - {"cpu-attention"} else 0.0
     attention = (
         bench_attention(dev, hbm, "attention-sweep" in kernels)
         if {"attention", "attention-sweep"} & set(kernels)
@@ -313,19 +388,27 @@ def main() -> None:
                 )
         del w
     res = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "hbm_copy_gbps": hbm,
         "runs": rows_out,
         "attention": attention,
         "prefill": prefill,
         "decode": decode,
         "launch": launch,
+        "dram_copy_gbps": dram,
+        "cpu_threads": torch.get_num_threads(),
+        "cpu_attention": cpu_attention,
     }
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for out in {args.out, Path(os.environ.get("OUT", args.out))}:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"bench_kernels_{stamp}.json").write_text(json.dumps(res, indent=1))
-    print(f"HBM copy rate {hbm:.0f} GB/s")
+    print(f"HBM copy rate {hbm:.0f} GB/s; DRAM copy rate {dram:.0f} GB/s")
+    for r in cpu_attention:
+        print(
+            f"cpu {r['model']} B{r['batch']} int{r['bits']}: {r['compressed_gbps']:.1f} GB/s "
+            f"({100 * r['dram_share']:.0f}% DRAM), {r['speedup_vs_fp16_sdpa']:.2f}x fp16 SDPA"
+        )
     print(
         f"{'shape':24s} {'bits':>4s} {'rows':>5s} {'us':>8s} {'GB/s':>7s} {'HBM%':>5s} {'vs fp16':>7s}"
     )

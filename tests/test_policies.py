@@ -39,6 +39,7 @@ PROFILE = HardwareProfile(
     decode_tflops=100.0,
     hbm_gbps=2000.0,
     cpu_attention_gbps=40.0,
+    cpu_quant_attention_gbps=10.0,
     dram_gbps=90.0,
     gpu_context_bytes=500_000_000,
     process_base_bytes=2 * GB,

@@ -65,3 +65,31 @@ def test_int4_g32_asymmetric_reproduces_the_demo_models_q4_1_grid():
     back = dequantize(quantize(w, Compression(bits=4, group_size=32)))
     rel = ((back - w).norm() / w.norm()).item()
     assert rel < 2e-3, rel  # float16 scales; Q4_1 keeps them in float16 too
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_cpu_decode_attention_over_the_compressed_cache(bits, symmetric):
+    """The CPU path (codes straight into float32 matmuls, never dequantized) against
+    SDPA in float64 over the dequantized cache: within 2x torch's own error, prefill
+    then every group boundary, contexts inside the first group included."""
+    from tests.kernel_cases import attention_failures
+
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    assert attention_failures(bits, symmetric, "cpu", dtypes) == []
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_pack_unpack_moves_exactly_what_a_write_changed(symmetric):
+    """A home that receives only `pack`ed changes (prefill, single tokens across group
+    boundaries, a multi-token write from inside a group) holds the same cache."""
+    from offload.kernels.kvquant import QuantKV
+
+    config = Compression(4, 16, symmetric)
+    src, home = (QuantKV(3, 2, 24, 70, config, torch.float32, torch.device("cpu")) for _ in "sh")
+    k, v = torch.randn(2, 3, 2, 70, 24).unbind(0)
+    for start, end in [(0, 13), *((t, t + 1) for t in range(13, 40)), (40, 58), (58, 70)]:
+        src.write(k[:, :, start:end], v[:, :, start:end], start)
+        home.unpack(src.pack(start, end), start, end)
+        for ours, want in zip(home.dequantized(end), src.dequantized(end), strict=True):
+            assert torch.equal(ours, want), (start, end)

@@ -4,7 +4,8 @@ Lanes per layer (bytes over the profile's measured rates):
     h2d      weights not on the GPU (+ off-GPU KV when attention runs on the GPU)
     disk     weights on disk (+ disk-resident KV read back)
     compute  2 x tokens x layer parameters / matmul rate (+ GPU-resident KV / HBM rate)
-    cpu_attn off-GPU KV / CPU attention rate (attention_on_cpu)
+    cpu_attn off-GPU KV / CPU attention rate (attention_on_cpu; over a compressed cache
+             its K/V at the dtype's size / the rate measured over a compressed cache)
     d2h      new KV entries stored off the GPU (prefill)
 How the executor overlaps them (measured on OPT-30B, docs/executor.md): with attention
 on the GPU a layer takes its busiest lane; with attention on the CPU the first micro-
@@ -71,11 +72,13 @@ def estimate(
     rows_gpu = sum(g for g, _, _ in splits)
     rows_cpu = sum(c for _, c, _ in splits)
     rows_disk = sum(d for _, _, d in splits)
-    kv_tok = 2 * cfg.num_kv_heads * cfg.head_dim * elt  # one token, one layer
+    kv_tok = full_tok = 2 * cfg.num_kv_heads * cfg.head_dim * elt  # one token, one layer
+    cpu_attention_gbps = hw.cpu_attention_gbps
     if policy.kv_compression is not None:  # compressed bytes a token (the GPU reads)
         slots = prompt_len + gen_len
         kv_tok = kv_row_bytes(cfg.num_kv_heads, cfg.head_dim, slots, dtype, policy.kv_compression)
         kv_tok /= slots
+        cpu_attention_gbps = hw.cpu_quant_attention_gbps * kv_tok / full_tok
     params = cfg.layer_param_count()
     off_w, disk_w, ends, layer_w = _layer_bytes(cfg, policy, dtype)
     micro = max(1, len(splits))
@@ -95,7 +98,7 @@ def estimate(
         2 * n_seqs * params / (hw.decode_tflops * 1e12),
         (micro * layer_w + kv_g) / (hw.hbm_gbps * GB),
     )
-    cpu_attn = (kv_c + kv_d) / (hw.cpu_attention_gbps * GB) if policy.attention_on_cpu else 0.0
+    cpu_attn = (kv_c + kv_d) / (cpu_attention_gbps * GB) if policy.attention_on_cpu else 0.0
     if cpu_attn:
         per_micro = cpu_attn / micro
         layer = max(h2d, per_micro, disk) + per_micro * (micro - 1) + compute

@@ -6,6 +6,7 @@ from a profile file of another machine with `--profile`); none is a constant in 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -20,7 +21,9 @@ import torch.nn.functional as F
 
 from offload.errors import UserError
 from offload.io.direct import open_direct
+from offload.kernels.kvquant import QuantKV, decode_attention_cpu
 from offload.models.demo import cache_dir
+from offload.policies.policy import Compression
 
 GB = 1e9
 
@@ -41,6 +44,8 @@ class HardwareProfile:
     decode_tflops: float
     hbm_gbps: float
     cpu_attention_gbps: float
+    # the same over a compressed (int4-g64) cache, counting its K/V at the compute dtype
+    cpu_quant_attention_gbps: float
     dram_gbps: float
     gpu_context_bytes: int = 0  # CUDA context and library workspaces, measured
     process_base_bytes: int = 0  # host RSS of a loaded engine before any weights
@@ -130,9 +135,15 @@ def _disk_rates(directory: Path, nbytes: int) -> tuple[float, float]:
 
 
 def _cpu_attention_rate(
-    dtype: torch.dtype, host: torch.Tensor | None = None, gpu=None, h2d_gbps: float = 0.0
+    dtype: torch.dtype,
+    host: torch.Tensor | None = None,
+    gpu=None,
+    h2d_gbps: float = 0.0,
+    compressed: bool = False,
 ) -> float:
-    """GB/s of KV that the executor's CPU attention (torch SDPA) reads at a decode shape.
+    """GB/s of KV that the executor's CPU attention (torch SDPA) reads at a decode shape;
+    `compressed`: its attention over an int4-g64 cache (`kvquant.decode_attention_cpu`),
+    counting the K/V it attends at the dtype's size.
 
     Given a pinned `host` buffer, a `gpu` one and their measured copy rate, host -> GPU
     copies run all the while,
@@ -144,7 +155,12 @@ def _cpu_attention_rate(
     v = torch.randn_like(k)
     q = torch.randn(rows, heads, 1, dim).to(dtype)
     bias = torch.zeros(rows, 1, 1, slots, dtype=dtype)
-    F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # warm up
+    attention = functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=bias)
+    if compressed:
+        cache = QuantKV(rows, heads, dim, slots, Compression(4, 64), dtype, torch.device("cpu"))
+        cache.write(k, v, 0)
+        attention = functools.partial(decode_attention_cpu, q, cache, bias, slots)
+    attention()  # warm up
     if host is not None:
         # queue enough copies to outlast the timing; no host thread waits on them (a
         # spinning waiter would take a core from SDPA's threads, which the executor's
@@ -155,8 +171,8 @@ def _cpu_attention_rate(
             for _ in range(int(expected * h2d_gbps * GB / host.numel()) + 2):
                 gpu.copy_(host, non_blocking=True)
     started = time.perf_counter()
-    for _ in range(3):  # SDPA on the CPU never touches the device: timed directly
-        F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    for _ in range(3):  # the CPU attention never touches the device: timed directly
+        attention()
     seconds = time.perf_counter() - started
     if host is not None:
         side.synchronize()
@@ -186,6 +202,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         gpu2 = torch.empty(size, dtype=torch.uint8, device=dev)
         h2d, d2h = _copy_rate(host, gpu), _copy_rate(gpu, host)
         cpu_attn = _cpu_attention_rate(torch.float16, host, gpu, h2d)
+        cpu_quant_attn = _cpu_attention_rate(torch.float16, host, gpu, h2d, compressed=True)
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
         def both() -> None:
@@ -210,6 +227,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
     else:
         h2d = d2h = bidir = pageable = hbm = dram / 2
         cpu_attn = _cpu_attention_rate(torch.float32)
+        cpu_quant_attn = _cpu_attention_rate(torch.float32, compressed=True)
         prefill = decode = _matmul_tflops(1024, 2048, 2048, torch.device("cpu"), torch.float32)
         gpu_mem, name = psutil.virtual_memory().total, f"CPU only ({platform.processor() or 'cpu'})"
         context = 0
@@ -228,6 +246,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         decode_tflops=decode,
         hbm_gbps=hbm,
         cpu_attention_gbps=cpu_attn,
+        cpu_quant_attention_gbps=cpu_quant_attn,
         dram_gbps=dram,
         gpu_context_bytes=int(context),
         process_base_bytes=psutil.Process().memory_info().rss,
