@@ -29,11 +29,14 @@ from offload.executor.executor import Executor
 from offload.models.resolve import resolve_model
 from offload.policies.cost import estimate
 from offload.policies.hardware import HardwareProfile, measure
-from offload.policies.policy import Placement, Policy
+from offload.policies.policy import Compression, Placement, Policy
 from offload.policies.search import Caps, search
 from offload.sampling import SamplingParams, sample
 
 GB = 1e9
+
+
+KV4 = Compression(4, 64, False)
 
 
 def hand_policies() -> dict[str, Policy]:
@@ -51,6 +54,19 @@ def hand_policies() -> dict[str, Policy]:
         ),
         "w0-kvcpu-cpuattn-48x1": Policy(
             48, 1, weights=Placement(0, 1, 0), kv_cache=cpu_kv, attention_on_cpu=True
+        ),
+        # an int4-g64 cache in CPU homes: a quarter of the KV bytes cross PCIe or are
+        # attended on the CPU; the same policies as above otherwise
+        "w25-kv4cpu-gpuattn-16x4": Policy(
+            16, 4, weights=Placement(0.25, 0.75, 0), kv_cache=cpu_kv, kv_compression=KV4
+        ),
+        "w25-kv4cpu-cpuattn-16x4": Policy(
+            16,
+            4,
+            weights=Placement(0.25, 0.75, 0),
+            kv_cache=cpu_kv,
+            attention_on_cpu=True,
+            kv_compression=KV4,
         ),
     }
 
