@@ -93,10 +93,12 @@ def estimate(
         hw.disk_write_gbps * GB
     )
     # every micro-batch reads the layer's weights (as stored: compressed when
-    # compressed) from GPU memory, whichever tier they came from, and its GPU-resident KV
+    # compressed) from GPU memory, whichever tier they came from, and the KV it attends
+    # on the GPU (off-GPU rows from the scratch they were loaded into)
+    kv_hbm = kv_g if policy.attention_on_cpu else kv_g + kv_c + kv_d
     compute = max(
         2 * n_seqs * params / (hw.decode_tflops * 1e12),
-        (micro * layer_w + kv_g) / (hw.hbm_gbps * GB),
+        (micro * layer_w + kv_hbm) / (hw.hbm_gbps * GB),
     )
     cpu_attn = (kv_c + kv_d) / (cpu_attention_gbps * GB) if policy.attention_on_cpu else 0.0
     if cpu_attn:

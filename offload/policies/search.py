@@ -56,13 +56,11 @@ def _kv_placement(
     for a compressed cache, which has no disk homes)."""
     probe = plan_memory(cfg, _with(base, kv=Placement(0.0, 1.0, 0.0)), dtype, prompt_len, gen_len)
     kv_total = max(probe.detail["kv_cpu"], 1)
-    gpu_left = (
-        _gpu_budget(caps)
-        - hw.gpu_context_bytes
-        - (probe.gpu_bytes - probe.detail["kv_gpu"])
-        - probe.detail["kv_scratch_gpu"]
-    )
+    scratch = probe.detail["kv_scratch_gpu"]  # only where some rows are off the GPU
+    gpu_left = _gpu_budget(caps) - hw.gpu_context_bytes - (probe.gpu_bytes - probe.detail["kv_gpu"])
     cpu_left = caps.cpu_bytes - hw.process_base_bytes - (probe.cpu_bytes - probe.detail["kv_cpu"])
+    if gpu_left + scratch >= kv_total:  # all on the GPU, which needs no scratch
+        return Placement(1.0, 0.0, 0.0)
     gpu = min(1.0, max(0.0, gpu_left / kv_total))
     cpu = min(1.0 - gpu, max(0.0, cpu_left / kv_total))
     disk_ok = caps.nvme and base.kv_compression is None
