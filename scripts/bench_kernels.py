@@ -104,6 +104,18 @@ ATTENTION_SHAPES = [
 ATTENTION_SWEEP = [(32, 4), (32, 2), (32, 8), (16, 4), (64, 4), (64, 8)]
 
 
+def _attention_shape(model, batch, heads, kv_heads, dim, ctx, bits) -> dict:
+    return {
+        "model": model,
+        "batch": batch,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": dim,
+        "context": ctx,
+        "bits": bits,
+    }
+
+
 def bench_attention(dev: torch.device, hbm: float, sweep: bool) -> list[dict]:
     out = []
     for model, batch, heads, kv_heads, dim, ctx, per_head in ATTENTION_SHAPES:
@@ -127,13 +139,7 @@ def bench_attention(dev: torch.device, hbm: float, sweep: bool) -> list[dict]:
                 )
                 out.append(
                     {
-                        "model": model,
-                        "batch": batch,
-                        "heads": heads,
-                        "kv_heads": kv_heads,
-                        "head_dim": dim,
-                        "context": ctx,
-                        "bits": bits,
+                        **_attention_shape(model, batch, heads, kv_heads, dim, ctx, bits),
                         "max_splits": max_splits,
                         "warps": warps,
                         "max_diff_vs_default": (call() - want).abs().max().item(),
@@ -310,13 +316,7 @@ def bench_cpu_attention(dram: float) -> list[dict]:
             seconds = _host_timed(functools.partial(decode_attention_cpu, q, cache, bias, ctx))
             out.append(
                 {
-                    "model": model,
-                    "batch": batch,
-                    "heads": heads,
-                    "kv_heads": kv_heads,
-                    "head_dim": dim,
-                    "context": ctx,
-                    "bits": bits,
+                    **_attention_shape(model, batch, heads, kv_heads, dim, ctx, bits),
                     "seconds": seconds,
                     "compressed_gbps": cache.nbytes / seconds / 1e9,
                     "dram_share": cache.nbytes / seconds / 1e9 / dram,
