@@ -24,6 +24,7 @@ quantized and attended next to the home (the torch path, bit-exact with the kern
 
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,6 +49,14 @@ def _wait_future(future: Future | None) -> None:
 def _wait_all(*futures: Future | None) -> None:
     for future in futures:
         _wait_future(future)
+
+
+def _after(previous: Future | None, copied, work) -> None:
+    """Worker thread: once `previous` is done and the `copied` event has passed, work()."""
+    _wait_future(previous)
+    if copied is not None:
+        copied.synchronize()
+    work()
 
 
 @dataclass
@@ -405,78 +414,61 @@ class KVManager:
         self._store_packed(blk, mb, packed, start, end)
         return out
 
-    def _store_packed(self, blk: KVBlock, mb: int, packed, start: int, end: int) -> None:
-        """Send `QuantKV.pack`ed bytes to the CPU home: as `_store`, through a staging
-        block and a worker thread that unpacks them in place."""
-        which = self._store_turn % 2
-        self._store_turn += 1
-        _wait_future(self._store_busy[which])
-        staging = self._store_staging[which].tensor[: packed.numel()]
-        self.lanes.wait("d2h", self.lanes.record("compute"))
-        with self.lanes.on("d2h", f"kv store mb{mb}", packed.numel()):
-            staging.copy_(packed, non_blocking=True)
-        self.lanes.keep(packed, "d2h")
-        copied = self.lanes.record("d2h")
-        future = self._io.submit(self._unpack, blk, mb, staging, start, end, copied, blk.stored)
-        blk.stored = self._store_busy[which] = future
-        if not self.overlap:
-            future.result()
-
-    def _unpack(self, blk: KVBlock, mb: int, staging, start: int, end: int, copied, previous):
-        """Worker thread: after the copy lands, put the packed bytes in the home."""
-        _wait_future(previous)
-        if copied is not None:
-            copied.synchronize()
-        started = time.perf_counter()
-        assert blk.cpu_quant is not None
-        blk.cpu_quant.unpack(staging, start, end)
-        self.lanes.tracer.host_span(
-            "cpu_copy", f"kv unpack mb{mb}", started, time.perf_counter(), staging.numel()
-        )
-
     def _store(
         self, blk: KVBlock, mb: int, k: torch.Tensor, v: torch.Tensor, start: int, end: int
     ) -> None:
-        """Copy new entries of off-GPU rows [c rows | d rows] to their homes.
-
-        The device -> host copy lands in a contiguous pinned staging buffer (a strided
-        pinned destination makes torch fall back to a synchronous pageable copy); a
-        worker thread then scatters it into the homes (and writes disk pages), so the
-        host thread goes on launching work. Readers of the homes wait on `blk.stored`.
-        """
-        n, num = k.shape[0], end - start
-        which = self._store_turn % 2
-        self._store_turn += 1
-        _wait_future(self._store_busy[which])  # the scatter that last used this staging
-        shape = (n, self.cfg.num_kv_heads, num, self.cfg.head_dim)
-        count = n * self.cfg.num_kv_heads * num * self.cfg.head_dim
-        staging = self._store_staging[which].tensor
-        sk = staging[: count * self.elt].view(self.dtype).view(shape)
-        sv = staging[count * self.elt : 2 * count * self.elt].view(self.dtype).view(shape)
-        self.lanes.wait("d2h", self.lanes.record("compute"))
-        with self.lanes.on("d2h", f"kv store mb{mb}", 2 * count * self.elt):
-            sk.copy_(k, non_blocking=True)
-            sv.copy_(v, non_blocking=True)
-        self.lanes.keep(k, "d2h")  # freed by the caller while the copy may still run
-        self.lanes.keep(v, "d2h")
-        copied = self.lanes.record("d2h")
+        """Copy new entries of off-GPU rows [c rows | d rows] to their homes (`_stage`)."""
         previous = blk.stored
         if blk.rows[2]:  # also ordered after the last user of its disk staging
             previous = self._io.submit(_wait_all, previous, self._disk_busy[mb % 2])
-        future = self._io.submit(self._scatter, blk, mb, sk, sv, start, end, copied, previous)
-        blk.stored = self._store_busy[which] = future
+        future = self._stage(blk, mb, [k, v], self._scatter, start, end, previous)
         if blk.rows[2]:
             self._disk_busy[mb % 2] = future
+
+    def _store_packed(self, blk: KVBlock, mb: int, packed, start: int, end: int) -> None:
+        """Send `QuantKV.pack`ed bytes to the CPU home, which `_unpack` puts in place."""
+        self._stage(blk, mb, [packed], self._unpack, start, end, blk.stored)
+
+    def _stage(self, blk: KVBlock, mb: int, sources, work, start: int, end: int, previous):
+        """The one way new entries reach off-GPU homes: `sources` (GPU tensors) are
+        copied one after another into a contiguous pinned staging block (a strided
+        pinned destination makes torch fall back to a synchronous pageable copy), two
+        deep; a worker thread, once the copy has landed and `previous` is done, runs
+        work(blk, mb, *staged views, start, end), so the host thread goes on launching
+        work. Readers of the homes wait on `blk.stored`."""
+        which = self._store_turn % 2
+        self._store_turn += 1
+        _wait_future(self._store_busy[which])  # the work that last read this staging
+        staging, views, offset = self._store_staging[which].tensor, [], 0
+        for src in sources:
+            size = src.numel() * src.element_size()
+            views.append(staging[offset : offset + size].view(src.dtype).view(src.shape))
+            offset += size
+        self.lanes.wait("d2h", self.lanes.record("compute"))
+        with self.lanes.on("d2h", f"kv store mb{mb}", offset):
+            for view, src in zip(views, sources, strict=True):
+                view.copy_(src, non_blocking=True)
+                self.lanes.keep(src, "d2h")  # freed by the caller while the copy may run
+        copied = self.lanes.record("d2h")
+        future = self._io.submit(
+            _after, previous, copied, functools.partial(work, blk, mb, *views, start, end)
+        )
+        blk.stored = self._store_busy[which] = future
         if not self.overlap:
             future.result()
+        return future
 
-    def _scatter(
-        self, blk: KVBlock, mb: int, sk, sv, start: int, end: int, copied, previous
-    ) -> None:
-        """Worker thread: after the copy lands, put the new entries in their homes."""
-        _wait_future(previous)
-        if copied is not None:
-            copied.synchronize()
+    def _unpack(self, blk: KVBlock, mb: int, packed, start: int, end: int) -> None:
+        """Worker thread: put packed bytes in the compressed CPU home."""
+        started = time.perf_counter()
+        assert blk.cpu_quant is not None
+        blk.cpu_quant.unpack(packed, start, end)
+        self.lanes.tracer.host_span(
+            "cpu_copy", f"kv unpack mb{mb}", started, time.perf_counter(), packed.numel()
+        )
+
+    def _scatter(self, blk: KVBlock, mb: int, sk, sv, start: int, end: int) -> None:
+        """Worker thread: put the new entries in their homes (and disk pages)."""
         started = time.perf_counter()
         _, c, d = blk.rows
         if c:
