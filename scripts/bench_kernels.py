@@ -101,7 +101,7 @@ ATTENTION_SHAPES = [
 
 
 # decode attention: (largest number of splits, warps); the first is the default
-ATTENTION_SWEEP = [(32, 4), (32, 2), (32, 8), (16, 4), (64, 4), (64, 8)]
+ATTENTION_SWEEP = [(64, 2), (128, 2), (32, 2), (64, 4), (32, 4)]
 
 
 def _attention_shape(model, batch, heads, kv_heads, dim, ctx, bits) -> dict:

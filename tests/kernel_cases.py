@@ -65,7 +65,7 @@ ATTENTION_SHAPES = [
     (3, 4, 4, 80, 32, 64, 64, True),
     (1, 12, 4, 128, 64, 70, 1, True),
     (2, 6, 1, 32, 16, 17, 9, False),
-    (1, 4, 2, 32, 16, 600, 590, False),  # 38 blocks: two groups a split
+    (1, 4, 2, 32, 16, 1100, 1090, False),  # 69 blocks: two groups a split
 ]
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from offload.kernels.launch import Launcher
-from offload.kernels.qmatmul import dequant, use_kernel
+from offload.kernels.qmatmul import dequant, dequant_nibbles, use_kernel
 from offload.kernels.quant import QTensor, dequantize, quantize
 from offload.policies.policy import KV_GROUPS, Compression
 
@@ -375,7 +375,7 @@ def _decode_attention_rows(q, cache: QuantKV, bias, end: int, first: int) -> tor
 # Sequence splits of the decode attention: each program of the first kernel takes
 # PER_SPLIT token groups of one (sequence, KV head), so even a small batch fills
 # the GPU (flash-decoding); the second kernel merges the splits' softmax partials.
-MAX_SPLITS = 32
+MAX_SPLITS = 64
 
 
 def decode_attention(
@@ -384,7 +384,7 @@ def decode_attention(
     bias: torch.Tensor,
     end: int,
     max_splits: int = MAX_SPLITS,
-    warps: int = 4,
+    warps: int = 2,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over the compressed cache; [B, 1, H x D].
 
@@ -400,6 +400,10 @@ def decode_attention(
     per_split = triton.next_power_of_2(-(-blocks // max_splits))
     splits = -(-blocks // per_split)
     block_d = triton.next_power_of_2(dim)
+    # tensor cores where the query heads of a KV head fill some of the 16 MMA rows and
+    # the planes are at least 16 wide (tl.dot's smallest)
+    dot = rep > 1 and g >= 32 and block_d >= 32
+    block_r = max(16, triton.next_power_of_2(rep)) if dot else triton.next_power_of_2(rep)
     part_acc = torch.empty((batch, heads, splits, block_d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((2, batch, heads, splits), dtype=torch.float32, device=q.device)
     _launch_split(
@@ -414,8 +418,9 @@ def decode_attention(
         end // g, end % g, cache.k_codes.shape[2], cache.v_codes.shape[2], splits,
         1.0 / math.sqrt(dim),
         # HEAD_DIM, BLOCK_D, REP, BLOCK_R, GROUP, VGROUP, BITS, SYMMETRIC, PER_SPLIT
-        dim, block_d, rep, max(16, triton.next_power_of_2(rep)),
+        dim, block_d, rep, block_r,
         g, cache.value_config.group_size, cache.config.bits, cache.config.symmetric, per_split,
+        dot,
     )  # fmt: skip
     out = torch.empty((batch, 1, heads * dim), dtype=q.dtype, device=q.device)
     _launch_merge(
@@ -445,22 +450,30 @@ if triton is not None:
         sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, REP: tl.constexpr, BLOCK_R: tl.constexpr,
         GROUP: tl.constexpr, VGROUP: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
-        PER_SPLIT: tl.constexpr,
+        PER_SPLIT: tl.constexpr, DOT: tl.constexpr,
     ):  # fmt: skip
         """One (sequence, KV head, split): its REP query heads against PER_SPLIT token
-        groups (block j < full_groups: a compressed group; j == full_groups: the tail);
-        writes the split's softmax max m, sum l and unnormalized output."""
+        groups (the compressed groups j < full_groups; the last split also takes the
+        tail); writes the split's softmax max m, sum l and unnormalized output.
+
+        Everything is worked in planes, so int4 codes are never interleaved: keys by
+        even and odd tokens (the low and high nibbles of a key byte), values by even
+        and odd tokens (rows) and even and odd channels (the nibbles of a value byte).
+        The loop over the compressed groups has no branch (a group past the last is
+        masked), so the loads of later groups can be issued early. DOT: the products
+        on tensor cores (tl.dot, 16 query rows at least), else as sums of products
+        (one query head a KV head: 15 of 16 MMA rows would be wasted)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         kv_heads = tl.num_programs(1)
         r = tl.arange(0, BLOCK_R)
         d = tl.arange(0, BLOCK_D)
-        t = tl.arange(0, GROUP)
-        t_half = tl.arange(0, GROUP // 2)  # int4: the packed bytes of a key row
-        d_half = tl.arange(0, BLOCK_D // 2)  # and of a value row
+        dh = tl.arange(0, BLOCK_D // 2)  # even / odd channel planes
+        th = tl.arange(0, GROUP // 2)  # even / odd token planes
         r_ok = r < REP
         d_ok = d < HEAD_DIM
+        dh_ok = dh < HEAD_DIM // 2
         heads = kvh * REP + r
         q = tl.load(
             q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :],
@@ -474,80 +487,149 @@ if triton is not None:
         v_groups: tl.constexpr = HEAD_DIM // VGROUP
         m_i = tl.full((BLOCK_R,), -float("inf"), tl.float32)
         l_i = tl.zeros((BLOCK_R,), tl.float32)
-        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+        acc_e = tl.zeros((BLOCK_R, BLOCK_D // 2), tl.float32)  # even output channels
+        acc_o = tl.zeros((BLOCK_R, BLOCK_D // 2), tl.float32)  # odd
         bias_rows = bias_ptr + b * bias_sb + heads[:, None] * bias_sh
         for i in tl.static_range(PER_SPLIT):
             j = split * PER_SPLIT + i
-            is_full = j < full_groups
-            valid = is_full | ((j == full_groups) & (t < tail_len))  # [GROUP]
-            slots = j * GROUP + t
-            if is_full:
-                # keys [D, GROUP]: channel d of token t is byte d * k_bytes + t * BITS / 8
-                kbase = (row * num_groups + j) * HEAD_DIM
-                if BITS == 4:
-                    kbyte = tl.load(
-                        kc_ptr + (kbase + d[:, None]) * k_bytes + t_half[None, :],
-                        mask=d_ok[:, None],
-                        other=0,
-                    )
-                    kcodes = tl.interleave(kbyte & 0xF, kbyte >> 4)
-                else:
-                    kcodes = tl.load(
-                        kc_ptr + (kbase + d[:, None]) * k_bytes + t[None, :],
-                        mask=d_ok[:, None],
-                        other=0,
-                    )
-                kscale = tl.load(ks_ptr + kbase + d, mask=d_ok, other=0.0)
-                kmin = tl.load(km_ptr + kbase + d, mask=d_ok, other=0.0)
-                keys_t = dequant(kcodes, kscale[:, None], kmin[:, None], BITS, SYMMETRIC, dtype)
-            else:
-                # the tail: tokens of the incomplete last group, in the compute dtype
-                keys_t = tl.load(
-                    kt_ptr + (row * GROUP + t[None, :]) * HEAD_DIM + d[:, None],
-                    mask=valid[None, :] & d_ok[:, None],
-                    other=0.0,
+            ok = j < full_groups
+            # keys [D, GROUP / 2] a plane: channel d of token t is byte d * k_bytes + t * BITS / 8
+            kbase = (row * num_groups + j) * HEAD_DIM
+            kmask = d_ok[:, None] & ok
+            if BITS == 4:
+                kbyte = tl.load(
+                    kc_ptr + (kbase + d[:, None]) * k_bytes + th[None, :], mask=kmask, other=0
                 )
-            scores = tl.dot(q, keys_t) * sm_scale  # [BLOCK_R, GROUP], fp32
-            bias = tl.load(
-                bias_rows + slots[None, :] * bias_ss, mask=r_ok[:, None] & valid[None, :], other=0.0
+            else:
+                k_e, k_o = _pairs(
+                    tl.load(
+                        kc_ptr + (kbase + d[:, None]) * k_bytes + tl.arange(0, GROUP)[None, :],
+                        mask=kmask,
+                        other=0,
+                    ),
+                    BLOCK_D,
+                    GROUP // 2,
+                )
+            kscale = tl.load(ks_ptr + kbase + d, mask=d_ok & ok, other=0.0)[:, None]
+            kmin = tl.load(km_ptr + kbase + d, mask=d_ok & ok, other=0.0)[:, None]
+            if BITS == 4:
+                k_e, k_o = dequant_nibbles(kbyte, kscale, kmin, SYMMETRIC, dtype)
+            else:
+                k_e = dequant(k_e, kscale, kmin, BITS, SYMMETRIC, dtype)
+                k_o = dequant(k_o, kscale, kmin, BITS, SYMMETRIC, dtype)
+            # values [GROUP / 2, D / 2] a plane: token t's channel c is byte t * v_bytes + c * BITS / 8
+            slot_e = j * GROUP + 2 * th
+            v_ee, v_eo = _value_planes(
+                vc_ptr, vs_ptr, vm_ptr, row * max_slots + slot_e, dh, dh_ok, ok,
+                v_bytes, v_groups, VGROUP, BLOCK_D, GROUP, BITS, SYMMETRIC, dtype,
+            )  # fmt: skip
+            v_oe, v_oo = _value_planes(
+                vc_ptr, vs_ptr, vm_ptr, row * max_slots + slot_e + 1, dh, dh_ok, ok,
+                v_bytes, v_groups, VGROUP, BLOCK_D, GROUP, BITS, SYMMETRIC, dtype,
+            )  # fmt: skip
+            m_i, l_i, acc_e, acc_o = _attend(
+                q, k_e, k_o, v_ee, v_eo, v_oe, v_oo, bias_rows, slot_e, bias_ss,
+                ok & (th >= 0), ok & (th >= 0), r_ok, sm_scale, m_i, l_i, acc_e, acc_o, DOT,
+            )  # fmt: skip
+        if split == splits - 1:
+            # the tail: tokens of the incomplete last group, in the compute dtype
+            t = tl.arange(0, GROUP)
+            t_ok = t < tail_len
+            keys = tl.load(
+                kt_ptr + (row * GROUP + t[None, :]) * HEAD_DIM + d[:, None],
+                mask=t_ok[None, :] & d_ok[:, None],
+                other=0.0,
             )
-            scores = tl.where(valid[None, :], scores + bias.to(tl.float32), -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if is_full:
-                # values [GROUP, D]: token t's channel d is byte t * v_bytes + d * BITS / 8
-                vrow = row * max_slots + slots
-                vmask = d_ok[None, :]
-                if BITS == 4:
-                    vbyte = tl.load(
-                        vc_ptr + vrow[:, None] * v_bytes + d_half[None, :],
-                        mask=(d_half < HEAD_DIM // 2)[None, :],
-                        other=0,
-                    )
-                    vcodes = tl.interleave(vbyte & 0xF, vbyte >> 4)
-                else:
-                    vcodes = tl.load(
-                        vc_ptr + vrow[:, None] * v_bytes + d[None, :], mask=vmask, other=0
-                    )
-                vparams = vrow[:, None] * v_groups + d[None, :] // VGROUP
-                vscale = tl.load(vs_ptr + vparams, mask=vmask, other=0.0)
-                vmin = tl.load(vm_ptr + vparams, mask=vmask, other=0.0)
-                values = dequant(vcodes, vscale, vmin, BITS, SYMMETRIC, dtype)
-            else:
-                values = tl.load(
-                    vt_ptr + (row * GROUP + t[:, None]) * HEAD_DIM + d[None, :],
-                    mask=valid[:, None] & d_ok[None, :],
-                    other=0.0,
-                )
-            acc = acc * alpha[:, None] + tl.dot(p.to(dtype), values)
-            m_i = m_new
+            k_e, k_o = _pairs(keys, BLOCK_D, GROUP // 2)
+            tail = vt_ptr + (row * GROUP + 2 * th[:, None]) * HEAD_DIM + d[None, :]
+            e_ok = 2 * th < tail_len
+            o_ok = 2 * th + 1 < tail_len
+            v_ee, v_eo = _pairs(
+                tl.load(tail, mask=e_ok[:, None] & d_ok[None, :], other=0.0),
+                GROUP // 2,
+                BLOCK_D // 2,
+            )
+            v_oe, v_oo = _pairs(
+                tl.load(tail + HEAD_DIM, mask=o_ok[:, None] & d_ok[None, :], other=0.0),
+                GROUP // 2,
+                BLOCK_D // 2,
+            )
+            m_i, l_i, acc_e, acc_o = _attend(
+                q, k_e, k_o, v_ee, v_eo, v_oe, v_oo, bias_rows, full_groups * GROUP + 2 * th,
+                bias_ss, e_ok, o_ok, r_ok, sm_scale, m_i, l_i, acc_e, acc_o, DOT,
+            )  # fmt: skip
         part = (b * kv_heads * REP + heads) * splits + split  # [BLOCK_R]
         tl.store(m_ptr + part, m_i, mask=r_ok)
         tl.store(l_ptr + part, l_i, mask=r_ok)
-        tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=r_ok[:, None])
+        out = acc_ptr + part[:, None] * BLOCK_D + 2 * dh[None, :]
+        tl.store(out, acc_e, mask=r_ok[:, None])
+        tl.store(out + 1, acc_o, mask=r_ok[:, None])
+
+    @triton.jit
+    def _pairs(x, ROWS: tl.constexpr, HALF: tl.constexpr):
+        """x [ROWS, 2 x HALF] as its even and odd columns."""
+        return tl.split(tl.reshape(x, (ROWS, HALF, 2)))
+
+    @triton.jit
+    def _value_planes(
+        vc_ptr, vs_ptr, vm_ptr, vrow, dh, dh_ok, ok,
+        v_bytes: tl.constexpr, v_groups: tl.constexpr, VGROUP: tl.constexpr,
+        BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
+        SYMMETRIC: tl.constexpr, dtype: tl.constexpr,
+    ):  # fmt: skip
+        """The values of cache rows vrow [GROUP / 2], dequantized: even and odd channels."""
+        mask = dh_ok[None, :] & ok
+        # both channels of a pair are in one group (VGROUP is even)
+        params = vrow[:, None] * v_groups + (2 * dh[None, :]) // VGROUP
+        vscale = tl.load(vs_ptr + params, mask=mask, other=0.0)
+        vmin = tl.load(vm_ptr + params, mask=mask, other=0.0)
+        if BITS == 4:
+            vbyte = tl.load(vc_ptr + vrow[:, None] * v_bytes + dh[None, :], mask=mask, other=0)
+            return dequant_nibbles(vbyte, vscale, vmin, SYMMETRIC, dtype)
+        vbyte = tl.load(
+            vc_ptr + vrow[:, None] * v_bytes + tl.arange(0, BLOCK_D)[None, :],
+            mask=(tl.arange(0, BLOCK_D) < v_bytes)[None, :] & ok,
+            other=0,
+        )
+        v_e, v_o = _pairs(vbyte, GROUP // 2, BLOCK_D // 2)
+        return (
+            dequant(v_e, vscale, vmin, BITS, SYMMETRIC, dtype),
+            dequant(v_o, vscale, vmin, BITS, SYMMETRIC, dtype),
+        )
+
+    @triton.jit
+    def _mm(a, b, DOT: tl.constexpr):
+        """a [R, K] @ b [K, N] in float32: tensor cores, or sums of products."""
+        if DOT:
+            return tl.dot(a, b)
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+
+    @triton.jit
+    def _attend(
+        q, k_e, k_o, v_ee, v_eo, v_oe, v_oo, bias_rows, slot_e, bias_ss, e_ok, o_ok, r_ok,
+        sm_scale, m_i, l_i, acc_e, acc_o, DOT: tl.constexpr,
+    ):  # fmt: skip
+        """One block of tokens folded into the running softmax: keys k_e / k_o [D, T]
+        (even / odd tokens), values v_<token><channel> [T, D / 2], e_ok / o_ok [T] which
+        tokens count; slot_e [T] the even tokens' slots (the bias's columns)."""
+        s_e = _mm(q, k_e, DOT) * sm_scale
+        s_o = _mm(q, k_o, DOT) * sm_scale
+        bias = bias_rows + slot_e[None, :] * bias_ss
+        s_e += tl.load(bias, mask=r_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
+        s_o += tl.load(bias + bias_ss, mask=r_ok[:, None] & o_ok[None, :], other=0.0).to(tl.float32)
+        s_e = tl.where(e_ok[None, :], s_e, -float("inf"))
+        s_o = tl.where(o_ok[None, :], s_o, -float("inf"))
+        m_new = tl.maximum(m_i, tl.maximum(tl.max(s_e, axis=1), tl.max(s_o, axis=1)))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
+        alpha = tl.exp(m_i - m_safe)
+        p_e = tl.exp(s_e - m_safe[:, None])
+        p_o = tl.exp(s_o - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p_e, axis=1) + tl.sum(p_o, axis=1)
+        p_e = p_e.to(q.dtype)
+        p_o = p_o.to(q.dtype)
+        acc_e = acc_e * alpha[:, None] + _mm(p_e, v_ee, DOT) + _mm(p_o, v_oe, DOT)
+        acc_o = acc_o * alpha[:, None] + _mm(p_e, v_eo, DOT) + _mm(p_o, v_oo, DOT)
+        return m_new, l_i, acc_e, acc_o
 
     @triton.jit(do_not_specialize=["splits"])
     def _attention_merge_kernel(

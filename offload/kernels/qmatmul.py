@@ -112,6 +112,7 @@ def qlinear(
         t.stages,
         split > 1,
         steps // split,
+        cfg.bits == 4 and block_k >= 32,
     )
     return out.view(*x.shape[:-1], n)
 
@@ -134,7 +135,7 @@ def _tiles(m: int, n: int, k: int, group: int, device: torch.device) -> Tiles:
         return Tiles(256, 128, 64, 8, 3)  # (256 + 128) x 64 x 2 bytes a stage: fits
     if m > 64:
         return Tiles(128, 128, 64, 8, 3)
-    block_m, stages = (16, 4) if m <= 16 else (64, 3)
+    block_m, stages = (16, 3) if m <= 16 else (64, 3)
     tiles = -(-m // block_m) * -(-n // 64)
     wanted = -(-PROGRAMS_PER_SM * _sm_count(device) // tiles)
     return Tiles(block_m, 64, 256, 4, stages, max(1, min(wanted, k // 1024)))
@@ -190,6 +191,87 @@ if triton is not None:
             return ((values - ((1 << BITS) - 1) // 2) * scale).to(out_dtype)
         return (values * scale + minimum.to(tl.float32)).to(out_dtype)
 
+    # int4 codes, four bytes (eight codes) a 32-bit register, to float16 pairs: the bytes
+    # spread over two registers' halves (prmt), a nibble and the exponent bits of 1024
+    # OR-ed in (lop3), 1024 taken off (exact), then one fused multiply-add a pair, as
+    # `dequant` computes it for one value. Outputs: the low nibbles' values (two
+    # registers), then the high nibbles' (two).
+    _NIBBLES = """
+        {
+        .reg .b32 z, mask, magic, a0, a1, b0, b1;
+        mov.b32 z, 0;
+        mov.b32 mask, 0x000F000F;
+        mov.b32 magic, 0x64006400;
+        prmt.b32 a0, $4, z, 0x4140;
+        prmt.b32 a1, $4, z, 0x4342;
+        shr.b32 b0, a0, 4;
+        shr.b32 b1, a1, 4;
+        lop3.b32 a0, a0, mask, magic, 0xEA;
+        lop3.b32 a1, a1, mask, magic, 0xEA;
+        lop3.b32 b0, b0, mask, magic, 0xEA;
+        lop3.b32 b1, b1, mask, magic, 0xEA;
+        sub.f16x2 a0, a0, OFFSET;
+        sub.f16x2 a1, a1, OFFSET;
+        sub.f16x2 b0, b0, OFFSET;
+        sub.f16x2 b1, b1, OFFSET;
+        SCALE
+        mov.b32 $0, a0;
+        mov.b32 $1, a1;
+        mov.b32 $2, b0;
+        mov.b32 $3, b1;
+        }
+    """
+    _NIBBLES_ASYMMETRIC = tl.constexpr(
+        _NIBBLES.replace("OFFSET", "magic").replace(
+            "SCALE",
+            "fma.rn.f16x2 a0, a0, $5, $7; fma.rn.f16x2 a1, a1, $6, $8;"
+            " fma.rn.f16x2 b0, b0, $5, $7; fma.rn.f16x2 b1, b1, $6, $8;",
+        )
+    )
+    # symmetric: the zero point 7 goes with the 1024 (0x6407 is the float16 1031)
+    _NIBBLES_SYMMETRIC = tl.constexpr(
+        _NIBBLES.replace("OFFSET", "half")
+        .replace(".reg .b32 z,", ".reg .b32 half, z,")
+        .replace("mov.b32 z, 0;", "mov.b32 z, 0; mov.b32 half, 0x64076407;")
+        .replace(
+            "SCALE",
+            "mul.rn.f16x2 a0, a0, $5; mul.rn.f16x2 a1, a1, $6;"
+            " mul.rn.f16x2 b0, b0, $5; mul.rn.f16x2 b1, b1, $6;",
+        )
+    )
+
+    @triton.jit
+    def dequant_nibbles(
+        packed, scale, minimum, SYMMETRIC: tl.constexpr, out_dtype: tl.constexpr
+    ):  # fmt: skip
+        """int4 codes, two a byte (uint8, any shape), to the values of their low and high
+        nibbles (each packed's shape), the fp16 scale (and minimum) broadcast against
+        them; the same arithmetic as `dequant`, four bytes at a time in inline PTX for
+        float16 on the GPU."""
+        if out_dtype == tl.float16 and FMA16:
+            scale = tl.broadcast_to(scale, packed.shape)
+            if SYMMETRIC:
+                return tl.inline_asm_elementwise(
+                    _NIBBLES_SYMMETRIC,
+                    "=r,=r,=r,=r,r,r,r",
+                    [packed, scale],
+                    dtype=(tl.float16, tl.float16),
+                    is_pure=True,
+                    pack=4,
+                )
+            return tl.inline_asm_elementwise(
+                _NIBBLES_ASYMMETRIC,
+                "=r,=r,=r,=r,r,r,r,r,r",
+                [packed, scale, tl.broadcast_to(minimum, packed.shape)],
+                dtype=(tl.float16, tl.float16),
+                is_pure=True,
+                pack=4,
+            )
+        return (
+            dequant(packed & 0xF, scale, minimum, 4, SYMMETRIC, out_dtype),
+            dequant(packed >> 4, scale, minimum, 4, SYMMETRIC, out_dtype),
+        )
+
     # M (rows: tokens) varies with the batch; not specialized on (a compile of about a
     # second each time M is 1 or a multiple of 16)
     @triton.jit(do_not_specialize=["M"])
@@ -217,6 +299,7 @@ if triton is not None:
         STAGES: tl.constexpr,
         SPLIT: tl.constexpr,
         PER_SPLIT: tl.constexpr,  # K steps a program
+        PLANES: tl.constexpr,  # int4 by nibble planes (K steps of 32 or more)
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -251,16 +334,35 @@ if triton is not None:
                     mask=n_ok[:, None],
                     other=0,
                 )
-                codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K))
+                if not PLANES:
+                    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K))
             params = rn[:, None] * groups + step * PER_STEP + gg[None, :]  # [BLOCK_N, PER_STEP]
             scale = tl.load(scale_ptr + params, mask=n_ok[:, None], other=0.0)
             low = scale
             if not SYMMETRIC:
                 low = tl.load(min_ptr + params, mask=n_ok[:, None], other=0.0)
-            codes = tl.reshape(codes, (BLOCK_N, PER_STEP, GROUP))
-            values = dequant(codes, scale[:, :, None], low[:, :, None], BITS, SYMMETRIC, xt.dtype)
-            values = tl.reshape(values, (BLOCK_N, BLOCK_K))
-            acc = tl.dot(xt, tl.trans(values), acc, input_precision=PRECISION)
+            if PLANES:
+                # int4 without interleaving: the low nibbles are W's even columns, the
+                # high ones its odd columns; x splits the same way (a small tile)
+                x_even, x_odd = tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 2, 2)))
+                even, odd = dequant_nibbles(
+                    tl.reshape(packed, (BLOCK_N, PER_STEP, GROUP // 2)),
+                    scale[:, :, None],
+                    low[:, :, None],
+                    SYMMETRIC,
+                    xt.dtype,
+                )
+                even = tl.reshape(even, (BLOCK_N, BLOCK_K // 2))
+                odd = tl.reshape(odd, (BLOCK_N, BLOCK_K // 2))
+                acc = tl.dot(x_even, tl.trans(even), acc, input_precision=PRECISION)
+                acc = tl.dot(x_odd, tl.trans(odd), acc, input_precision=PRECISION)
+            else:
+                codes = tl.reshape(codes, (BLOCK_N, PER_STEP, GROUP))
+                values = dequant(
+                    codes, scale[:, :, None], low[:, :, None], BITS, SYMMETRIC, xt.dtype
+                )
+                values = tl.reshape(values, (BLOCK_N, BLOCK_K))
+                acc = tl.dot(xt, tl.trans(values), acc, input_precision=PRECISION)
         mask = m_ok[:, None] & n_ok[None, :]
         offsets = rm[:, None] * N + rn[None, :]
         if SPLIT:
