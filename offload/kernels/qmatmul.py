@@ -191,84 +191,48 @@ if triton is not None:
             return ((values - ((1 << BITS) - 1) // 2) * scale).to(out_dtype)
         return (values * scale + minimum.to(tl.float32)).to(out_dtype)
 
-    # int4 codes, four bytes (eight codes) a 32-bit register, to float16 pairs: the bytes
-    # spread over two registers' halves (prmt), a nibble and the exponent bits of 1024
-    # OR-ed in (lop3), 1024 taken off (exact), then one fused multiply-add a pair, as
-    # `dequant` computes it for one value. Outputs: the low nibbles' values (two
-    # registers), then the high nibbles' (two).
-    _NIBBLES = """
-        {
-        .reg .b32 z, mask, magic, a0, a1, b0, b1;
-        mov.b32 z, 0;
-        mov.b32 mask, 0x000F000F;
-        mov.b32 magic, 0x64006400;
-        prmt.b32 a0, $4, z, 0x4140;
-        prmt.b32 a1, $4, z, 0x4342;
-        shr.b32 b0, a0, 4;
-        shr.b32 b1, a1, 4;
-        lop3.b32 a0, a0, mask, magic, 0xEA;
-        lop3.b32 a1, a1, mask, magic, 0xEA;
-        lop3.b32 b0, b0, mask, magic, 0xEA;
-        lop3.b32 b1, b1, mask, magic, 0xEA;
-        sub.f16x2 a0, a0, OFFSET;
-        sub.f16x2 a1, a1, OFFSET;
-        sub.f16x2 b0, b0, OFFSET;
-        sub.f16x2 b1, b1, OFFSET;
-        SCALE
-        mov.b32 $0, a0;
-        mov.b32 $1, a1;
-        mov.b32 $2, b0;
-        mov.b32 $3, b1;
-        }
-    """
-    _NIBBLES_ASYMMETRIC = tl.constexpr(
-        _NIBBLES.replace("OFFSET", "magic").replace(
-            "SCALE",
-            "fma.rn.f16x2 a0, a0, $5, $7; fma.rn.f16x2 a1, a1, $6, $8;"
-            " fma.rn.f16x2 b0, b0, $5, $7; fma.rn.f16x2 b1, b1, $6, $8;",
-        )
-    )
-    # symmetric: the zero point 7 goes with the 1024 (0x6407 is the float16 1031)
-    _NIBBLES_SYMMETRIC = tl.constexpr(
-        _NIBBLES.replace("OFFSET", "half")
-        .replace(".reg .b32 z,", ".reg .b32 half, z,")
-        .replace("mov.b32 z, 0;", "mov.b32 z, 0; mov.b32 half, 0x64076407;")
-        .replace(
-            "SCALE",
-            "mul.rn.f16x2 a0, a0, $5; mul.rn.f16x2 a1, a1, $6;"
-            " mul.rn.f16x2 b0, b0, $5; mul.rn.f16x2 b1, b1, $6;",
-        )
-    )
+    def _dequant_ptx(bits: int, symmetric: bool) -> tl.constexpr:
+        """Inline PTX (for `tl.inline_asm_elementwise`, 4 codes a call) of `dequant`'s
+        float16 arithmetic on four bytes of codes in one register: the bytes are spread
+        over the halves of two registers (prmt); int8 ORs in the exponent bits of 1024,
+        int4 takes each nibble (lop3: and, or), so each half is the float16 1024 + code;
+        1024 (and a symmetric zero point) is taken off exactly, then one fma (or mul)
+        a pair applies scale and minimum, rounding once as `dequant` does.
 
-    # int8 codes, four bytes a register, to float16 pairs the same way (one output, two
-    # registers); the symmetric zero point 127 goes with the 1024 (0x647F is 1151)
-    _BYTES = """
-        {
-        .reg .b32 z, magic, offset, a0, a1;
-        mov.b32 z, 0;
-        mov.b32 magic, 0x64006400;
-        mov.b32 offset, OFFSET;
-        prmt.b32 a0, $2, z, 0x4140;
-        prmt.b32 a1, $2, z, 0x4342;
-        or.b32 a0, a0, magic;
-        or.b32 a1, a1, magic;
-        sub.f16x2 a0, a0, offset;
-        sub.f16x2 a1, a1, offset;
-        SCALE
-        mov.b32 $0, a0;
-        mov.b32 $1, a1;
-        }
-    """
-    _BYTES_ASYMMETRIC = tl.constexpr(
-        _BYTES.replace("OFFSET", "0x64006400").replace(
-            "SCALE", "fma.rn.f16x2 a0, a0, $3, $5; fma.rn.f16x2 a1, a1, $4, $6;"
-        )
-    )
-    _BYTES_SYMMETRIC = tl.constexpr(
-        _BYTES.replace("OFFSET", "0x647F647F").replace(
-            "SCALE", "mul.rn.f16x2 a0, a0, $3; mul.rn.f16x2 a1, a1, $4;"
-        )
-    )
+        Operands: the outputs (int8: one tensor; int4: the low nibbles' values, then the
+        high ones'; two registers of float16 pairs each), the codes, the scale (two
+        registers), the minimum (two; asymmetric)."""
+        outs = ["a0", "a1", "b0", "b1"] if bits == 4 else ["a0", "a1"]
+        codes, scale = len(outs), len(outs) + 1
+        offset = 0x6400 + (((1 << bits) - 1) // 2 if symmetric else 0)
+        lines = [
+            f".reg .b32 z, mask, magic, offset, {', '.join(outs)};",
+            "mov.b32 z, 0;",
+            "mov.b32 mask, 0x000F000F;",
+            "mov.b32 magic, 0x64006400;",
+            f"mov.b32 offset, 0x{offset:04X}{offset:04X};",
+            f"prmt.b32 a0, ${codes}, z, 0x4140;",
+            f"prmt.b32 a1, ${codes}, z, 0x4342;",
+        ]
+        if bits == 4:
+            lines += ["shr.b32 b0, a0, 4;", "shr.b32 b1, a1, 4;"]
+            lines += [f"lop3.b32 {r}, {r}, mask, magic, 0xEA;" for r in outs]
+        else:
+            lines += [f"or.b32 {r}, {r}, magic;" for r in outs]
+        lines += [f"sub.f16x2 {r}, {r}, offset;" for r in outs]
+        for r in outs:
+            pair = int(r[1])  # which of the two scale (and minimum) registers
+            if symmetric:
+                lines.append(f"mul.rn.f16x2 {r}, {r}, ${scale + pair};")
+            else:
+                lines.append(f"fma.rn.f16x2 {r}, {r}, ${scale + pair}, ${scale + 2 + pair};")
+        lines += [f"mov.b32 ${i}, {r};" for i, r in enumerate(outs)]
+        return tl.constexpr("{\n" + "\n".join(lines) + "\n}")
+
+    _NIBBLES_ASYMMETRIC = _dequant_ptx(4, False)
+    _NIBBLES_SYMMETRIC = _dequant_ptx(4, True)
+    _BYTES_ASYMMETRIC = _dequant_ptx(8, False)
+    _BYTES_SYMMETRIC = _dequant_ptx(8, True)
 
     @triton.jit
     def dequant_bytes(codes, scale, minimum, SYMMETRIC: tl.constexpr, out_dtype: tl.constexpr):
