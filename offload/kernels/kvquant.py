@@ -495,26 +495,16 @@ if triton is not None:
             ok = j < full_groups
             # keys [D, GROUP / 2] a plane: channel d of token t is byte d * k_bytes + t * BITS / 8
             kbase = (row * num_groups + j) * HEAD_DIM
-            kmask = d_ok[:, None] & ok
-            if BITS == 4:
-                kbyte = tl.load(
-                    kc_ptr + (kbase + d[:, None]) * k_bytes + th[None, :], mask=kmask, other=0
-                )
-            else:
-                k_e, k_o = _pairs(
-                    tl.load(
-                        kc_ptr + (kbase + d[:, None]) * k_bytes + tl.arange(0, GROUP)[None, :],
-                        mask=kmask,
-                        other=0,
-                    ),
-                    BLOCK_D,
-                    GROUP // 2,
-                )
             kscale = tl.load(ks_ptr + kbase + d, mask=d_ok & ok, other=0.0)[:, None]
             kmin = tl.load(km_ptr + kbase + d, mask=d_ok & ok, other=0.0)[:, None]
+            krows = kc_ptr + (kbase + d[:, None]) * k_bytes
+            kmask = d_ok[:, None] & ok
             if BITS == 4:
+                kbyte = tl.load(krows + th[None, :], mask=kmask, other=0)
                 k_e, k_o = dequant_nibbles(kbyte, kscale, kmin, SYMMETRIC, dtype)
             else:
+                kbyte = tl.load(krows + tl.arange(0, GROUP)[None, :], mask=kmask, other=0)
+                k_e, k_o = _pairs(kbyte, BLOCK_D, GROUP // 2)
                 k_e = dequant(k_e, kscale, kmin, BITS, SYMMETRIC, dtype)
                 k_o = dequant(k_o, kscale, kmin, BITS, SYMMETRIC, dtype)
             # values [GROUP / 2, D / 2] a plane: token t's channel c is byte t * v_bytes + c * BITS / 8
@@ -527,9 +517,10 @@ if triton is not None:
                 vc_ptr, vs_ptr, vm_ptr, row * max_slots + slot_e + 1, dh, dh_ok, ok,
                 v_bytes, v_groups, VGROUP, BLOCK_D, GROUP, BITS, SYMMETRIC, dtype,
             )  # fmt: skip
+            block_ok = (th >= 0) & ok  # every token of a compressed group, or none
             m_i, l_i, acc_e, acc_o = _attend(
                 q, k_e, k_o, v_ee, v_eo, v_oe, v_oo, bias_rows, slot_e, bias_ss,
-                ok & (th >= 0), ok & (th >= 0), r_ok, sm_scale, m_i, l_i, acc_e, acc_o, DOT,
+                block_ok, block_ok, r_ok, sm_scale, m_i, l_i, acc_e, acc_o, DOT,
             )  # fmt: skip
         if split == splits - 1:
             # the tail: tokens of the incomplete last group, in the compute dtype
