@@ -37,6 +37,7 @@ GB = 1e9
 
 
 KV4 = Compression(4, 64, False)
+W4 = Compression(4, 64, False)
 
 
 def hand_policies() -> dict[str, Policy]:
@@ -67,6 +68,14 @@ def hand_policies() -> dict[str, Policy]:
             kv_cache=cpu_kv,
             attention_on_cpu=True,
             kv_compression=KV4,
+        ),
+        # int4 weights all on the GPU, one sequence of each micro-batch's KV on disk:
+        # an uncompressed cache and an int4-g64 one in the same homes (disk-bound steps)
+        "w4gpu-kv-cpu-disk-gpuattn-8x2": Policy(
+            8, 2, kv_cache=Placement(0, 0.875, 0.125), weight_compression=W4
+        ),
+        "w4gpu-kv4-cpu-disk-gpuattn-8x2": Policy(
+            8, 2, kv_cache=Placement(0, 0.875, 0.125), weight_compression=W4, kv_compression=KV4
         ),
     }
 

@@ -233,7 +233,7 @@ def test_compressed_logits_stay_near_the_uncompressed_run(
 KV4 = Compression(bits=4, group_size=16, symmetric=False)
 KV8 = Compression(bits=8, group_size=16, symmetric=True)
 KV_PARAMS = SamplingParams(max_new_tokens=24)
-# a compressed cache has GPU and CPU homes: the policies vary where its rows live and
+# the policies vary where a compressed cache's rows live (GPU, CPU and disk homes) and
 # where their attention runs, with weights, batches and activations
 KV_POLICIES = {
     "micro-batches": Policy(gpu_batch_size=2, num_gpu_batches=4),
@@ -244,15 +244,18 @@ KV_POLICIES = {
     "kv-cpu-device-attention": Policy(
         gpu_batch_size=2, num_gpu_batches=4, kv_cache=Placement(0, 1, 0)
     ),
-    "kv-split-cpu-attention": Policy(
+    "kv-3-ways-cpu-attention": Policy(
         gpu_batch_size=3,
         num_gpu_batches=3,
         weights=W3,
-        kv_cache=Placement(0.5, 0.5, 0),
+        kv_cache=Placement(0.34, 0.33, 0.33),
         attention_on_cpu=True,
     ),
-    "kv-split-serial": Policy(
-        gpu_batch_size=8, num_gpu_batches=1, kv_cache=Placement(0.25, 0.75, 0), overlap=False
+    "kv-3-ways-serial": Policy(
+        gpu_batch_size=8, num_gpu_batches=1, kv_cache=Placement(0.25, 0.25, 0.5), overlap=False
+    ),
+    "kv-cpu-disk-device-attention": Policy(
+        gpu_batch_size=2, num_gpu_batches=4, kv_cache=Placement(0, 0.5, 0.5)
     ),
 }
 
@@ -317,8 +320,6 @@ def test_compressed_kv_decode_logits_stay_near_the_uncompressed_run(
             assert error < bound, f"{case} {name}: relative logit error {error:.3g}"
 
 
-def test_compressed_kv_on_disk_is_refused():
-    with pytest.raises(ValueError, match="GPU and CPU only"):
-        Policy(kv_cache=Placement(0.5, 0.25, 0.25), kv_compression=KV4)
+def test_kv_group_size_must_be_a_kernel_tile():
     with pytest.raises(ValueError, match="tokens a key group"):
         Policy(kv_compression=Compression(4, 48))

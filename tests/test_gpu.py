@@ -170,9 +170,10 @@ def test_cuda_graph_decode_gives_the_eager_tokens(case, tiny_checkpoints, tmp_pa
 
 
 @pytest.mark.parametrize("case", ["llama-gqa", "bloom", "opt"])
-def test_cuda_compressed_kv_in_cpu_homes(case, tiny_checkpoints, tmp_path):
-    """A compressed cache with CPU homes on CUDA (pinned pool, packed stores on the copy
-    streams, graphs where the weights are all on the GPU): attention on the GPU gives
+def test_cuda_compressed_kv_in_cpu_and_disk_homes(case, tiny_checkpoints, tmp_path):
+    """A compressed cache with CPU and disk homes on CUDA (pinned pool, packed stores on
+    the copy streams, disk homes read ahead, graphs where the weights are all on the
+    GPU): attention on the GPU gives
     exactly the plain run's tokens with the same cache format (the same kernels read
     the same bytes), three runs alike; attention on the CPU (`decode_attention_cpu`
     against the GPU kernel, whose float32 `tl.dot` rounds its inputs to TF32) keeps
@@ -186,7 +187,12 @@ def test_cuda_compressed_kv_in_cpu_homes(case, tiny_checkpoints, tmp_path):
         plain.runner = PlainRunner(source, torch.float32, torch.device("cuda"), kv_compression=KV4)
     want = [o.token_ids for o in plain.generate(PROMPTS, KV_PARAMS)]
     want_logits = decode_logits(plain, PROMPTS, 24)
-    for name in ("kv-cpu-device-attention", "kv-split-serial", "kv-split-cpu-attention"):
+    for name in (
+        "kv-cpu-device-attention",
+        "kv-cpu-disk-device-attention",
+        "kv-3-ways-serial",
+        "kv-3-ways-cpu-attention",
+    ):
         policy = _with(KV_POLICIES[name], kv_compression=KV4)
         with LLM(
             str(directory), device="cuda", dtype="float32", policy=policy, nvme=tmp_path

@@ -92,11 +92,11 @@ def test_more_bandwidth_or_memory_never_predicts_less():
             2,
             3,
             weights=Placement(0.3, 0.4, 0.3),
-            kv_cache=Placement(0.5, 0.5, 0),
+            kv_cache=Placement(0.5, 0.25, 0.25),
             kv_compression=Compression(4, 16),
         ),
     ],
-    ids=["kv-3-ways", "int4-kv-gpu-cpu"],
+    ids=["kv-3-ways", "int4-kv-3-ways"],
 )
 def test_predicted_memory_matches_what_the_executor_allocates(policy, tiny_checkpoints, tmp_path):
     directory, _ = tiny_checkpoints["opt"]

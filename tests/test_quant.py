@@ -87,9 +87,28 @@ def test_pack_unpack_moves_exactly_what_a_write_changed(symmetric):
 
     config = Compression(4, 16, symmetric)
     src, home = (QuantKV(3, 2, 24, 70, config, torch.float32, torch.device("cpu")) for _ in "sh")
+    # a disk home's layout, and a cache that receives only its slots 0 .. end - 1
+    disk = QuantKV(3, 2, 24, 70, config, torch.float32, torch.device("cpu"), slot_major=True)
     k, v = torch.randn(2, 3, 2, 70, 24).unbind(0)
     for start, end in [(0, 13), *((t, t + 1) for t in range(13, 40)), (40, 58), (58, 70)]:
         src.write(k[:, :, start:end], v[:, :, start:end], start)
         home.unpack(src.pack(start, end), start, end)
-        for ours, want in zip(home.dequantized(end), src.dequantized(end), strict=True):
-            assert torch.equal(ours, want), (start, end)
+        disk.unpack(src.pack(start, end), start, end)
+        loaded = QuantKV(3, 2, 24, 70, config, torch.float32, torch.device("cpu"))
+        loaded.copy_slots_from(disk, end)
+        for cache in (home, disk, loaded):
+            for ours, want in zip(cache.dequantized(end), src.dequantized(end), strict=True):
+                assert torch.equal(ours, want), (start, end)
+
+
+def test_slot_major_pieces_of_a_write_are_contiguous():
+    """What a decode step changes in a slot-major cache (the tails' entries; the codes
+    and parameters of a group when it completes) is one contiguous range a tensor."""
+    from offload.kernels.kvquant import QuantKV
+
+    cache = QuantKV(
+        3, 2, 24, 70, Compression(4, 16), torch.float16, torch.device("cpu"), None, True
+    )
+    for start in (20, 31):
+        for name, part in cache.changed(start, start + 1):
+            assert getattr(cache, name)[:, :, part].movedim(2, 0).is_contiguous(), name

@@ -13,13 +13,16 @@ Attention for rows off the GPU runs
 - at decode otherwise, on the GPU over the cache loaded into a scratch buffer, which is
   prefetched while the previous micro-batch computes; only the new K/V go back.
 
-A compressed cache (policy.kv_compression, `kernels.kvquant.QuantKV`) has GPU and CPU
-homes (the policy refuses disk rows for it). Its CPU homes are QuantKVs in the pinned
-pool, so compressed bytes are what crosses PCIe: the entries of off-GPU rows are
-quantized on the GPU in a compressed scratch (at prefill, and at decode with attention
-on the GPU, where the scratch first receives the whole home) and `QuantKV.pack` sends
-back only what the write changed. With attention on the CPU a decode step's entries are
-quantized and attended next to the home (the torch path, bit-exact with the kernels).
+A compressed cache (policy.kv_compression, `kernels.kvquant.QuantKV`) has homes in all
+three tiers: its CPU homes are QuantKVs in the pinned pool, its disk homes slot-major
+QuantKVs in the spill file (the slots a step reads, or a write changes, are a few
+contiguous ranges a tensor: a decode step writes back its entry's pages in the tails,
+and a group's codes once a group). Compressed bytes are what crosses PCIe and the disk:
+the entries of off-GPU rows are quantized on the GPU in a compressed scratch (at
+prefill, and at decode with attention on the GPU, where the scratch first receives the
+CPU home whole and the disk home's held slots) and `QuantKV.pack` sends back only what
+the write changed. With attention on the CPU a decode step's entries are quantized and
+attended next to the home (the torch path, bit-exact with the kernels).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 
 from offload.config import ModelConfig
 from offload.executor.lanes import Lanes
-from offload.io.pinned import PinnedPool, PoolBlock, align_up
+from offload.io.pinned import ALIGN, PinnedPool, PoolBlock, align_up
 from offload.io.spill import SpillFile
 from offload.io.tiers import MemoryLedger, Tier
 from offload.kernels.kvquant import QuantKV, kv_buffer_bytes
@@ -57,6 +60,27 @@ def _after(previous: Future | None, copied, work) -> None:
     if copied is not None:
         copied.synchronize()
     work()
+
+
+def _page_spans(base: torch.Tensor, pieces: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """Byte ranges [lo, hi) of `base`, 4 KiB aligned and merged, that cover the views
+    `pieces` of its memory."""
+    spans = []
+    for piece in pieces:
+        if piece.numel():
+            lo = piece.data_ptr() - base.data_ptr()
+            extent = sum(
+                (n - 1) * step for n, step in zip(piece.shape, piece.stride(), strict=True)
+            )
+            hi = lo + (extent + 1) * piece.element_size()
+            spans.append((lo // ALIGN * ALIGN, align_up(hi)))
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    return merged
 
 
 @dataclass
@@ -89,7 +113,7 @@ class KVManager:
         overlap: bool,
         compression: Compression | None = None,
     ) -> None:
-        """compression: the cache format of GPU and CPU homes (policy.kv_compression)."""
+        """compression: the cache format of every home (policy.kv_compression)."""
         self.cfg, self.lanes, self.device, self.dtype = cfg, lanes, device, dtype
         self.compression = compression
         self.pool: PinnedPool | None = None  # sized per batch in start()
@@ -125,24 +149,23 @@ class KVManager:
         cfg = self.cfg
         self.max_slots = max_slots
         self.per_row = per_row = cfg.num_kv_heads * max_slots * cfg.head_dim * self.elt
-        disk_regions = [align_up(d * per_row) for _, _, d in row_splits]
-        assert self.compression is None or not any(disk_regions), "the policy refuses these"
+        disk_homes = [self._disk_home_bytes(d) for _, _, d in row_splits]
         need = sum(self._home_bytes(c) for _, c, _ in row_splits if c) * cfg.num_layers
         off_rows = max((c + d for _, c, d in row_splits), default=0)
-        need += 2 * 2 * max(disk_regions, default=0) + sum(align_up(b) for b in act_bytes)
+        need += 2 * max(disk_homes, default=0) + sum(align_up(b) for b in act_bytes)
         need += 2 * align_up(self._store_bytes(off_rows))
         if self.pool is None or self.pool.capacity < need:
             if self.pool is not None:
                 self.pool.close()
             self.pool = PinnedPool(max(need, 4096))
-        spill_bytes = 2 * cfg.num_layers * sum(disk_regions)
+        spill_bytes = cfg.num_layers * sum(disk_homes)
         if spill_bytes:
             self.spill = SpillFile(self.spill_dir, spill_bytes)
             self.ledger.add(Tier.DISK, spill_bytes)
         offset = 0
         for _layer in range(cfg.num_layers):
             row = []
-            for (g, c, d), region in zip(row_splits, disk_regions, strict=True):
+            for (g, c, d), home in zip(row_splits, disk_homes, strict=True):
                 blk = KVBlock((g, c, d))
                 shape = lambda n: (n, cfg.num_kv_heads, max_slots, cfg.head_dim)  # noqa: E731
                 if g:
@@ -160,8 +183,8 @@ class KVManager:
                     blk.cpu_v = blk.cpu_blocks[1].view(self.dtype, shape(c))
                     self._owned += blk.cpu_blocks
                 if d:
-                    blk.disk_offset, blk.disk_region = offset, region
-                    offset += 2 * region
+                    blk.disk_offset, blk.disk_region = offset, align_up(d * per_row)
+                    offset += home
                 row.append(blk)
             self.blocks.append(row)
         if off_rows:  # device -> host staging of new entries, two deep
@@ -180,9 +203,9 @@ class KVManager:
                 )
                 self._scratch.append((k, torch.empty_like(k)))
             self._gpu_bytes += 4 * off_rows * per_row
-        max_disk = max(disk_regions, default=0)
-        if max_disk:
-            self._staging = [self.pool.alloc(2 * max_disk) for _ in range(2)]
+        max_disk = max(disk_homes, default=0)
+        if max_disk:  # where disk homes are read, updated and written back, two deep
+            self._staging = [self.pool.alloc(max_disk) for _ in range(2)]
         acts = [self.pool.alloc(b) if b else None for b in act_bytes]
         self._owned += [b for b in acts if b is not None]
         self.ledger.add(Tier.GPU, self._gpu_bytes)
@@ -190,7 +213,7 @@ class KVManager:
         self.ledger.add(Tier.CPU, sum(b.reserved for b in self._owned + self._staging))
         return acts
 
-    def _quant(self, rows: int, device: torch.device, buffer=None) -> QuantKV:
+    def _quant(self, rows: int, device: torch.device, buffer=None, slot_major=False) -> QuantKV:
         cfg = self.cfg
         return QuantKV(
             rows,
@@ -201,6 +224,7 @@ class KVManager:
             self.dtype,
             device,
             buffer,
+            slot_major,
         )
 
     def _home_bytes(self, rows: int) -> int:
@@ -208,6 +232,11 @@ class KVManager:
         if self.compression is None:
             return 2 * align_up(rows * self.per_row)
         return align_up(self._quant_bytes(rows))
+
+    def _disk_home_bytes(self, rows: int) -> int:
+        """Spill bytes of the disk home of `rows` sequences (one layer, K and V), the
+        same as their CPU home: K then V token-major, or a slot-major QuantKV."""
+        return self._home_bytes(rows) if rows else 0
 
     def _store_bytes(self, rows: int) -> int:
         """Bytes one store of `rows` off-GPU sequences stages: a prefill's new K and V,
@@ -257,16 +286,34 @@ class KVManager:
         v = base[blk.disk_region : blk.disk_region + count * self.elt].view(self.dtype).view(shape)
         return k, v
 
-    def _read_disk(self, blk: KVBlock, staging: PoolBlock, num_tokens: int) -> None:
-        """Read the first num_tokens token slots of K and V into staging."""
+    def _disk_quant(self, blk: KVBlock, staging: PoolBlock) -> QuantKV:
+        """The slot-major compressed home of a block's disk rows, in a staging block."""
+        return self._quant(blk.rows[2], torch.device("cpu"), staging.tensor, slot_major=True)
+
+    def _disk_pieces(self, blk: KVBlock, staging: PoolBlock, start: int, end: int) -> list:
+        """Views, in a staging block, of the disk home's bytes that hold (or, from
+        start > 0, a write changes) token slots [start, end)."""
+        if self.compression is None:
+            dk, dv = self._disk_views(blk, staging)
+            return [dk[start:end], dv[start:end]]
+        home = self._disk_quant(blk, staging)
+        return [getattr(home, name)[:, :, part] for name, part in home.changed(start, end)]
+
+    def _disk_io(self, blk, staging: PoolBlock, start: int, end: int, write: bool) -> None:
+        """Read (or write back) the whole pages of the disk home that hold slots
+        [start, end): a few contiguous ranges, as both layouts are token-major."""
         assert self.spill is not None
-        tok = blk.rows[2] * self.cfg.num_kv_heads * self.cfg.head_dim * self.elt
-        nbytes = align_up(num_tokens * tok)
-        started = time.perf_counter()
-        for part in (0, 1):
-            off = part * blk.disk_region
-            self.spill.read(blk.disk_offset + off, staging.tensor[off : off + nbytes])
-        self.lanes.tracer.host_span("disk", "kv read", started, time.perf_counter(), 2 * nbytes)
+        started, moved = time.perf_counter(), 0
+        for lo, hi in _page_spans(staging.tensor, self._disk_pieces(blk, staging, start, end)):
+            io = self.spill.write if write else self.spill.read
+            io(blk.disk_offset + lo, staging.tensor[lo:hi])
+            moved += hi - lo
+        name = "kv write" if write else "kv read"
+        self.lanes.tracer.host_span("disk", name, started, time.perf_counter(), moved)
+
+    def _read_disk(self, blk: KVBlock, staging: PoolBlock, num_tokens: int) -> None:
+        """Read what holds the first num_tokens token slots into staging."""
+        self._disk_io(blk, staging, 0, num_tokens, write=False)
 
     def _read_disk_after(self, blk: KVBlock, which: int, num_tokens: int, busy, h2d) -> None:
         """Worker thread: once staging `which` is free, read this block's disk pages."""
@@ -276,27 +323,19 @@ class KVManager:
         self._read_disk(blk, self._staging[which], num_tokens)
 
     def _write_disk(self, blk: KVBlock, staging: PoolBlock, start: int, end: int) -> None:
-        """Write back the whole pages that hold token slots [start, end)."""
-        assert self.spill is not None
-        tok = blk.rows[2] * self.cfg.num_kv_heads * self.cfg.head_dim * self.elt
-        lo = start * tok // 4096 * 4096
-        hi = align_up(end * tok)
-        started = time.perf_counter()
-        for part in (0, 1):
-            off = part * blk.disk_region
-            self.spill.write(blk.disk_offset + off + lo, staging.tensor[off + lo : off + hi])
-        self.lanes.tracer.host_span("disk", "kv write", started, time.perf_counter(), 2 * (hi - lo))
+        """Write back the whole pages that a write of token slots [start, end) changed."""
+        self._disk_io(blk, staging, start, end, write=True)
 
     # -- decode prefetch (attention on the GPU over an off-GPU cache) ----------------------
     def prefetch(self, layer: int, mb: int, num_tokens: int) -> None:
         """Start loading the off-GPU cache of (layer, mb) for its decode attention."""
         if self.attention_on_cpu or mb in self._pending or num_tokens == 0:
             return
-        if self.compression is not None:  # a CPU home crosses at attention (as _load_scratch)
-            return
         blk = self.blocks[layer][mb]
         _, c, d = blk.rows
-        if not c + d:
+        # a compressed CPU home crosses at attention (as _load_scratch); its disk rows
+        # are read ahead here all the same
+        if not (d if self.compression is not None else c + d):
             return
         which = mb % 2
         disk_future: Future | None = None
@@ -394,22 +433,38 @@ class KVManager:
     def _quant_attention(
         self, layer: int, blk: KVBlock, mb: int, q, k_new, v_new, bias, start: int
     ) -> torch.Tensor:
-        """Attention of the CPU rows of a compressed cache; stores their new entries."""
+        """Attention of the off-GPU rows of a compressed cache; stores their new entries."""
         end = start + k_new.shape[2]
         if start and self.attention_on_cpu:
             return self._cpu_attention(blk, mb, q, k_new, v_new, bias, start, end)
+        _, c, d = blk.rows
         which = mb % 2
-        scratch = self._quant_scratch[which].rows(blk.rows[1])
-        if start:  # the home's cache into the scratch first
+        scratch = self._quant_scratch[which].rows(0, c + d)
+        if start:  # the homes' cache into the scratch first
+            if d and mb not in self._pending:
+                self.prefetch(layer, mb, start)
+            disk_future = self._pending.pop(mb)[2] if d else None
             self.lanes.wait("h2d", self._scratch_free[which])
             _wait_future(blk.stored)
-            assert blk.cpu_quant is not None
-            with self.lanes.on("h2d", f"kv L{layer} mb{mb}", blk.cpu_quant.nbytes):
-                # whole contiguous tensors (see _load_scratch); unused slots cost (S - t) / S
-                scratch.copy_from(blk.cpu_quant, non_blocking=True)
-            self.lanes.wait("compute", self.lanes.record("h2d"))
+            _wait_future(disk_future)
+            home = self._disk_quant(blk, self._staging[which]) if d else None
+            nbytes = blk.cpu_quant.nbytes if blk.cpu_quant is not None else 0
+            nbytes += home.slot_bytes(start) if home is not None else 0
+            with self.lanes.on("h2d", f"kv L{layer} mb{mb}", nbytes):
+                if blk.cpu_quant is not None:  # whole contiguous tensors (see _load_scratch)
+                    scratch.rows(0, c).copy_from(blk.cpu_quant, non_blocking=True)
+                if home is not None:  # the slots held, piece by piece
+                    scratch.rows(c, c + d).copy_slots_from(home, start, non_blocking=True)
+            loaded = self.lanes.record("h2d")
+            if d:
+                self._disk_h2d[which] = loaded
+            self.lanes.wait("compute", loaded)
         out = decoder.quant_attention(scratch, q, k_new, v_new, bias, start)
-        packed = scratch.pack(start, end)
+        packed = [
+            scratch.rows(first, last).pack(start, end)
+            for first, last in ((0, c), (c, c + d))
+            if last > first
+        ]
         self._scratch_free[which] = self.lanes.record("compute")
         self._store_packed(blk, mb, packed, start, end)
         return out
@@ -418,23 +473,29 @@ class KVManager:
         self, blk: KVBlock, mb: int, k: torch.Tensor, v: torch.Tensor, start: int, end: int
     ) -> None:
         """Copy new entries of off-GPU rows [c rows | d rows] to their homes (`_stage`)."""
+        self._ordered_stage(blk, mb, [k, v], self._scatter, start, end)
+
+    def _ordered_stage(self, blk: KVBlock, mb: int, sources, work, start: int, end: int):
+        """`_stage` after the block's last store and, with disk rows, after the last
+        user of its disk staging block (which `work` updates and writes back)."""
         previous = blk.stored
-        if blk.rows[2]:  # also ordered after the last user of its disk staging
+        if blk.rows[2]:
             previous = self._io.submit(_wait_all, previous, self._disk_busy[mb % 2])
-        future = self._stage(blk, mb, [k, v], self._scatter, start, end, previous)
+        future = self._stage(blk, mb, sources, work, start, end, previous)
         if blk.rows[2]:
             self._disk_busy[mb % 2] = future
 
-    def _store_packed(self, blk: KVBlock, mb: int, packed, start: int, end: int) -> None:
-        """Send `QuantKV.pack`ed bytes to the CPU home, which `_unpack` puts in place."""
-        self._stage(blk, mb, [packed], self._unpack, start, end, blk.stored)
+    def _store_packed(self, blk: KVBlock, mb: int, packed: list, start: int, end: int) -> None:
+        """Send `QuantKV.pack`ed bytes of the CPU rows and of the disk rows (those
+        present, in that order) to their homes, where `_unpack` puts them in place."""
+        self._ordered_stage(blk, mb, packed, self._unpack, start, end)
 
     def _stage(self, blk: KVBlock, mb: int, sources, work, start: int, end: int, previous):
         """The one way new entries reach off-GPU homes: `sources` (GPU tensors) are
         copied one after another into a contiguous pinned staging block (a strided
         pinned destination makes torch fall back to a synchronous pageable copy), two
         deep; a worker thread, once the copy has landed and `previous` is done, runs
-        work(blk, mb, *staged views, start, end), so the host thread goes on launching
+        work(blk, mb, start, end, *staged views), so the host thread goes on launching
         work. Readers of the homes wait on `blk.stored`."""
         which = self._store_turn % 2
         self._store_turn += 1
@@ -451,23 +512,30 @@ class KVManager:
                 self.lanes.keep(src, "d2h")  # freed by the caller while the copy may run
         copied = self.lanes.record("d2h")
         future = self._io.submit(
-            _after, previous, copied, functools.partial(work, blk, mb, *views, start, end)
+            _after, previous, copied, functools.partial(work, blk, mb, start, end, *views)
         )
         blk.stored = self._store_busy[which] = future
         if not self.overlap:
             future.result()
         return future
 
-    def _unpack(self, blk: KVBlock, mb: int, packed, start: int, end: int) -> None:
-        """Worker thread: put packed bytes in the compressed CPU home."""
+    def _unpack(self, blk: KVBlock, mb: int, start: int, end: int, *packed) -> None:
+        """Worker thread: put packed bytes in the compressed CPU home and in the disk
+        home (updated in the staging block its attention read it into, then the
+        changed pages written back)."""
         started = time.perf_counter()
-        assert blk.cpu_quant is not None
-        blk.cpu_quant.unpack(packed, start, end)
+        if blk.cpu_quant is not None:
+            blk.cpu_quant.unpack(packed[0], start, end)
+        if blk.rows[2]:
+            staging = self._staging[mb % 2]
+            self._disk_quant(blk, staging).unpack(packed[-1], start, end)
+            self._write_disk(blk, staging, start, end)
+        nbytes = sum(p.numel() for p in packed)
         self.lanes.tracer.host_span(
-            "cpu_copy", f"kv unpack mb{mb}", started, time.perf_counter(), packed.numel()
+            "cpu_copy", f"kv unpack mb{mb}", started, time.perf_counter(), nbytes
         )
 
-    def _scatter(self, blk: KVBlock, mb: int, sk, sv, start: int, end: int) -> None:
+    def _scatter(self, blk: KVBlock, mb: int, start: int, end: int, sk, sv) -> None:
         """Worker thread: put the new entries in their homes (and disk pages)."""
         started = time.perf_counter()
         _, c, d = blk.rows
@@ -501,7 +569,9 @@ class KVManager:
         started = time.perf_counter()
         outs = []
         if blk.cpu_quant is not None:
-            outs.append(decoder.quant_attention(blk.cpu_quant, q_h, k_h, v_h, bias_h, start))
+            outs.append(
+                decoder.quant_attention(blk.cpu_quant, q_h[:c], k_h[:c], v_h[:c], bias_h[:c], start)
+            )
         elif c:
             assert blk.cpu_k is not None and blk.cpu_v is not None
             blk.cpu_k[:, :, start:end] = k_h[:c]
@@ -513,12 +583,21 @@ class KVManager:
             staging = self._staging[mb % 2]
             _wait_future(self._disk_busy[mb % 2])
             self._read_disk(blk, staging, start)
-            dk, dv = self._disk_views(blk, staging)
-            dk[start:end] = k_h[c:].permute(2, 0, 1, 3)
-            dv[start:end] = v_h[c:].permute(2, 0, 1, 3)
-            keys = dk[:end].permute(1, 2, 0, 3)
-            values = dv[:end].permute(1, 2, 0, 3)
-            outs.append(decoder.attend(q_h[c:], keys, values, bias_h[c:]))
+            rows = slice(c, None)
+            if self.compression is not None:
+                home = self._disk_quant(blk, staging)
+                outs.append(
+                    decoder.quant_attention(
+                        home, q_h[rows], k_h[rows], v_h[rows], bias_h[rows], start
+                    )
+                )
+            else:
+                dk, dv = self._disk_views(blk, staging)
+                dk[start:end] = k_h[rows].permute(2, 0, 1, 3)
+                dv[start:end] = v_h[rows].permute(2, 0, 1, 3)
+                keys = dk[:end].permute(1, 2, 0, 3)
+                values = dv[:end].permute(1, 2, 0, 3)
+                outs.append(decoder.attend(q_h[rows], keys, values, bias_h[rows]))
             self._write_disk(blk, staging, start, end)
         context = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         self.lanes.tracer.host_span("cpu_attn", f"attn mb{mb}", started, time.perf_counter(), 0)

@@ -13,6 +13,9 @@ Format (one layer, `rows` sequences, `max_slots` token slots, compression bits /
   in the compute dtype: both are quantized when their group completes, so a decode
   step only copies its entry (the most recent tokens also stay exact, as in KIVI).
 
+A disk home keeps the same tensors slot-major (`QuantKV(slot_major=True)`: each one's
+slot axis first in memory), so the bytes of given slots are contiguous.
+
 Writes must be in slot order (each starts where the last ended), which is how a
 generation fills its cache. Prefill attends over its fresh full-precision K/V; decode
 reads the compressed cache through `decode_attention`: a Triton kernel that
@@ -117,9 +120,16 @@ class QuantKV:
         dtype: torch.dtype,
         device: torch.device,
         buffer: torch.Tensor | None = None,
+        slot_major: bool = False,
     ) -> None:
         """buffer: uint8 memory of at least `kv_buffer_bytes` to lay the tensors out in
-        (a pinned pool block for a CPU home); allocated on `device` when None."""
+        (a pinned pool block for a CPU home); allocated on `device` when None.
+
+        slot_major: each tensor is laid out with its slot axis first ([slots, rows, Hkv,
+        ...], seen through a view in the usual axis order), so the bytes of given slots
+        of every row are one contiguous range: a disk home reads the prefix a decode
+        step needs, and writes back a step's entries (`changed`) as a few whole pages.
+        The kernels take only the usual layout (`copy_slots_from` converts)."""
         if config.group_size not in KV_GROUPS:
             raise ValueError(f"KV group size {config.group_size} is not one of {KV_GROUPS}")
         self.config, self.dtype, self.head_dim = config, dtype, head_dim
@@ -137,17 +147,22 @@ class QuantKV:
         shapes = component_shapes(rows, num_kv_heads, head_dim, max_slots, config, dtype)
         for name, (shape, kind) in shapes.items():
             size = _nbytes(shape, kind)
-            setattr(self, name, buffer[offset : offset + size].view(kind).view(shape))
+            memory = buffer[offset : offset + size].view(kind)
+            if slot_major:
+                moved = (shape[2], *shape[:2], *shape[3:])
+                setattr(self, name, memory.view(moved).movedim(0, 2))
+            else:
+                setattr(self, name, memory.view(shape))
             offset += -(-size // ALIGN) * ALIGN
 
     def _tensors(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, getattr(self, n)) for n in COMPONENTS if getattr(self, n) is not None]
 
-    def rows(self, count: int) -> QuantKV:
-        """A view of the first `count` sequences (sharing memory)."""
+    def rows(self, start: int, stop: int) -> QuantKV:
+        """A view of sequences start .. stop - 1 (sharing memory)."""
         view = copy.copy(self)
         for name, tensor in self._tensors():
-            setattr(view, name, tensor[:count])
+            setattr(view, name, tensor[start:stop])
         return view
 
     def copy_from(self, other: QuantKV, non_blocking: bool = False) -> None:
@@ -155,29 +170,46 @@ class QuantKV:
         for name, tensor in self._tensors():
             tensor.copy_(getattr(other, name), non_blocking=non_blocking)
 
-    def _changed(self, start: int, end: int) -> list[tuple[torch.Tensor, slice]]:
-        """What `write` of slots start .. end - 1 changes: (tensor, slice of axis 2)."""
+    def copy_slots_from(self, other: QuantKV, end: int, non_blocking: bool = False) -> None:
+        """Copy what holds slots 0 .. end - 1 of a slot-major cache `other` (same
+        format and rows) into this one. Each piece crosses as the contiguous range it
+        is and is reordered where it lands (a strided pinned source would make torch
+        copy synchronously through pageable memory)."""
+        for name, part in self.changed(0, end):
+            source = getattr(other, name).movedim(2, 0)[part]
+            moved = source.to(self.k_tail.device, non_blocking=non_blocking)
+            getattr(self, name)[:, :, part].copy_(moved.movedim(0, 2))
+
+    def slot_bytes(self, end: int) -> int:
+        """Bytes of what holds slots 0 .. end - 1 (what `copy_slots_from` moves)."""
+        regions = [getattr(self, name)[:, :, part] for name, part in self.changed(0, end)]
+        return sum(region.numel() * region.element_size() for region in regions)
+
+    def changed(self, start: int, end: int) -> list[tuple[str, slice]]:
+        """What `write` of slots start .. end - 1 changes: (tensor name, slice of its
+        axis 2). changed(0, end) is what holds slots 0 .. end - 1."""
         g = self.group
         first, last = start // g, end // g
         if first == last:  # the entries joined the tail
             tail = slice(start - first * g, end - first * g)
-            return [(self.k_tail, tail), (self.v_tail, tail)]
+            return [("k_tail", tail), ("v_tail", tail)]
         groups, slots = slice(first, last), slice(first * g, last * g)
         axis = {"k_tail": slice(0, end - last * g), "v_tail": slice(0, end - last * g)}
         axis |= {"k_scale": groups, "k_min": groups, "k_codes": groups}
         axis |= {"v_scale": slots, "v_min": slots, "v_codes": slots}
-        return [(tensor, axis[name]) for name, tensor in self._tensors()]
+        return [(name, axis[name]) for name, _ in self._tensors()]
 
     def pack(self, start: int, end: int) -> torch.Tensor:
         """The bytes `write` of slots start .. end - 1 changed, as one flat uint8 tensor
         (what crosses to an off-GPU home; `unpack` puts it in place there)."""
-        changed = self._changed(start, end)
-        return torch.cat([t[:, :, part].reshape(-1).view(torch.uint8) for t, part in changed])
+        regions = [getattr(self, name)[:, :, part] for name, part in self.changed(start, end)]
+        return torch.cat([region.reshape(-1).view(torch.uint8) for region in regions])
 
     def unpack(self, flat: torch.Tensor, start: int, end: int) -> None:
         """Put `pack(start, end)` of a cache with the same format and rows in place."""
         offset = 0
-        for tensor, part in self._changed(start, end):
+        for name, part in self.changed(start, end):
+            tensor = getattr(self, name)
             region = tensor[:, :, part]
             size = region.numel() * tensor.element_size()
             # pieces come by non-increasing element size, so each offset is aligned

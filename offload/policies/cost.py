@@ -74,22 +74,25 @@ def estimate(
     rows_disk = sum(d for _, _, d in splits)
     kv_tok = full_tok = 2 * cfg.num_kv_heads * cfg.head_dim * elt  # one token, one layer
     cpu_attention_gbps = hw.cpu_attention_gbps
+    # decode: average context over the generation
+    slots, ctx = prompt_len + gen_len, prompt_len + gen_len / 2
+    write_tok = full_tok  # bytes a decode step writes to a disk row's home
     if policy.kv_compression is not None:  # compressed bytes a token (the GPU reads)
-        slots = prompt_len + gen_len
         kv_tok = kv_row_bytes(cfg.num_kv_heads, cfg.head_dim, slots, dtype, policy.kv_compression)
         kv_tok /= slots
         cpu_attention_gbps = hw.cpu_quant_attention_gbps * kv_tok / full_tok
+        # a disk home's step writes its entry to the full-precision tail and, once a
+        # group, the group's codes
+        write_tok = full_tok + kv_tok
     params = cfg.layer_param_count()
     off_w, disk_w, ends, layer_w = _layer_bytes(cfg, policy, dtype)
     micro = max(1, len(splits))
 
-    # decode: average context over the generation
-    ctx = prompt_len + gen_len / 2
     kv_g, kv_c, kv_d = (r * ctx * kv_tok for r in (rows_gpu, rows_cpu, rows_disk))
     h2d = off_w / (hw.h2d_gbps * GB)
-    if not policy.attention_on_cpu:
-        h2d += (kv_c + kv_d) / (hw.h2d_gbps * GB)
-    disk = (disk_w + kv_d) / (hw.disk_read_gbps * GB) + rows_disk * kv_tok / (
+    if not policy.attention_on_cpu:  # CPU homes cross whole (all slots), disk pages as read
+        h2d += (rows_cpu * slots * kv_tok + kv_d) / (hw.h2d_gbps * GB)
+    disk = (disk_w + kv_d) / (hw.disk_read_gbps * GB) + rows_disk * write_tok / (
         hw.disk_write_gbps * GB
     )
     # every micro-batch reads the layer's weights (as stored: compressed when

@@ -83,20 +83,24 @@ def kv_plan(
     splits = row_splits(policy.kv_cache, micro_batch_sizes(policy, batch))
     layers = cfg.num_layers
     off_rows = max((c + d for _, c, d in splits), default=0)
-    if policy.kv_compression is not None:  # GPU and CPU homes (`executor.kv`)
+    if policy.kv_compression is not None:  # homes as `executor.kv` lays them out
 
         def compressed(rows: int) -> int:
             return kv_buffer_bytes(
                 rows, cfg.num_kv_heads, cfg.head_dim, max_slots, dtype, policy.kv_compression
             )
 
+        disk_homes = [align_up(compressed(d)) for _, _, d in splits if d]
         return {
             "kv_gpu": sum(compressed(g) for g, _, _ in splits if g) * layers,
             "kv_cpu": sum(align_up(compressed(c)) for _, c, _ in splits if c) * layers,
-            "kv_disk": 0,
+            "kv_disk": sum(disk_homes) * layers,
             # two compressed scratches where off-GPU rows are quantized and attended
             "kv_scratch_gpu": 2 * compressed(off_rows) if off_rows else 0,
-            "kv_staging_cpu": 2 * align_up(compressed(off_rows)) if off_rows else 0,
+            # new entries on their way to off-GPU homes, and disk homes being updated,
+            # two deep each
+            "kv_staging_cpu": (2 * align_up(compressed(off_rows)) if off_rows else 0)
+            + 2 * max(disk_homes, default=0),
         }
     gpu = sum(2 * g * per_row for g, _, _ in splits) * layers
     cpu = sum(2 * align_up(c * per_row) for _, c, _ in splits if c) * layers

@@ -96,18 +96,12 @@ class Policy:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.activations.disk > 0:
             raise ValueError("activations on disk are not supported; put them on the gpu or cpu")
-        if self.kv_compression is not None:
-            if self.kv_compression.group_size not in KV_GROUPS:
-                raise ValueError(
-                    f"kv_compression group_size is tokens a key group: one of "
-                    f"{', '.join(map(str, KV_GROUPS))}, got {self.kv_compression.group_size}"
-                )
-            if self.kv_cache.disk > 0:
-                raise ValueError(
-                    "a compressed KV cache is kept on the GPU and CPU only (disk homes for "
-                    "it are not built); set kv_cache's disk share to 0 or kv_compression "
-                    "to null"
-                )
+        kv = self.kv_compression
+        if kv is not None and kv.group_size not in KV_GROUPS:
+            raise ValueError(
+                f"kv_compression group_size is tokens a key group: one of "
+                f"{', '.join(map(str, KV_GROUPS))}, got {kv.group_size}"
+            )
 
     @property
     def block_size(self) -> int:

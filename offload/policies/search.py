@@ -52,8 +52,7 @@ def _fits(est: Estimate, caps: Caps) -> bool:
 def _kv_placement(
     cfg, base: Policy, dtype, prompt_len, gen_len, hw: HardwareProfile, caps: Caps
 ) -> Placement | None:
-    """Greedy KV placement: as much on the GPU as fits, then the CPU, then disk (not
-    for a compressed cache, which has no disk homes)."""
+    """Greedy KV placement: as much on the GPU as fits, then the CPU, then disk."""
     probe = plan_memory(cfg, _with(base, kv=Placement(0.0, 1.0, 0.0)), dtype, prompt_len, gen_len)
     kv_total = max(probe.detail["kv_cpu"], 1)
     scratch = probe.detail["kv_scratch_gpu"]  # only where some rows are off the GPU
@@ -63,7 +62,7 @@ def _kv_placement(
         return Placement(1.0, 0.0, 0.0)
     gpu = min(1.0, max(0.0, gpu_left / kv_total))
     cpu = min(1.0 - gpu, max(0.0, cpu_left / kv_total))
-    disk_ok = caps.nvme and base.kv_compression is None
+    disk_ok = caps.nvme
     if 1.0 - gpu - cpu > 1e-9 and not disk_ok:
         return None
     gpu = math.floor(gpu * 1000) / 1000
