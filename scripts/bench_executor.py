@@ -1,9 +1,11 @@
 """Executor benchmark: OPT-30B dummy fp16, prompt 512, gen 32, GPU capped at 24 GB.
 
     python scripts/bench_executor.py [--model opt-30b] [--gpu-mem 24GB] [--policies A,B]
+    python scripts/bench_executor.py --policies D-w4-kv-cpu-disk-gpu-attn,E-w4-kv4-cpu-disk-gpu-attn
 
 In one run: the ceilings this step depends on (pinned host -> GPU copy, CPU attention
-over a CPU-resident KV cache at the run's shapes), then full generation runs under
+over a CPU-resident KV cache at the run's shapes, the disk where a policy spills KV),
+then full generation runs under
 hand-written policies sharing one weight placement (built once), each reporting
 prefill, decode and total tokens/s, per-lane busy time and bandwidth of a traced
 decode step, overlap efficiency (busiest lane / step), and measured peak memory.
@@ -34,12 +36,14 @@ from offload.executor.caps import (
 from offload.executor.executor import Executor
 from offload.executor.kv import KVManager
 from offload.models.resolve import resolve_model
+from offload.policies.hardware import disk_rates
 from offload.policies.memory import plan_memory
-from offload.policies.policy import Placement, Policy
+from offload.policies.policy import Compression, Placement, Policy
 from offload.sampling import SamplingParams, sample
 
 GB = 1e9
 WEIGHTS = Placement(0.25, 0.75, 0.0)
+W4 = Compression(4, 64, False)  # int4-g64 weights; the same format for a KV cache
 POLICIES = {
     "A-kv-cpu-cpu-attn": Policy(
         gpu_batch_size=16,
@@ -61,6 +65,23 @@ POLICIES = {
         weights=WEIGHTS,
         kv_cache=Placement(0, 1, 0),
         attention_on_cpu=True,
+    ),
+    # int4 weights all on the GPU, one sequence of each micro-batch's KV on disk: an
+    # uncompressed cache and an int4-g64 one in the same homes (disk-bound steps)
+    "D-w4-kv-cpu-disk-gpu-attn": Policy(
+        gpu_batch_size=8,
+        num_gpu_batches=2,
+        weights=Placement(1, 0, 0),
+        kv_cache=Placement(0, 0.875, 0.125),
+        weight_compression=W4,
+    ),
+    "E-w4-kv4-cpu-disk-gpu-attn": Policy(
+        gpu_batch_size=8,
+        num_gpu_batches=2,
+        weights=Placement(1, 0, 0),
+        kv_cache=Placement(0, 0.875, 0.125),
+        weight_compression=W4,
+        kv_compression=W4,
     ),
 }
 
@@ -100,14 +121,21 @@ def run_policy(
         10, cfg.vocab_size - 10, (batch_size, prompt_len), generator=gen
     ).tolist()
     batch = PaddedBatch(cfg, prompts, gen_len, pad_id=1)
+    greedy = SamplingParams(max_new_tokens=gen_len)
+    ex.tracer.enabled = False
+    if policy.weight_compression is not None or policy.kv_compression is not None:
+        # Triton compiles a kernel per shape class it meets: a whole warm-up generation
+        ex.start(batch)
+        logits = ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, prompt_len))
+        for t in range(gen_len - 1):
+            ids = sample(logits, greedy, None)
+            logits = ex.forward(ids[:, None], ex.step_inputs(batch, prompt_len + t, 1))
     torch.cuda.reset_peak_memory_stats()
     ex.start(batch)
-    greedy = SamplingParams(max_new_tokens=gen_len)
     torch.cuda.synchronize()
     started = time.perf_counter()
     logits = ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, prompt_len))
     prefill_s = time.perf_counter() - started
-    ex.tracer.enabled = False
     started = time.perf_counter()
     step_times = []
     for t in range(gen_len - 1):
@@ -157,7 +185,8 @@ def main() -> None:
     p.add_argument("--gpu-mem", default="24GB")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=",".join(list(POLICIES)[:3]))  # A, B, C
+    p.add_argument("--nvme", type=Path, default=Path("."), help="where KV spills to disk")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     device = torch.device("cuda")
@@ -184,8 +213,11 @@ def main() -> None:
         },
         "runs": {},
     }
+    if any(POLICIES[name].kv_cache.disk for name in names):  # where the spill file goes
+        read, write = disk_rates(args.nvme, 2**30)
+        res["ceiling_disk_gbps"] = {"read": read, "write": write}
     print(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=1), flush=True)
-    check_weights_fit(cfg, first, dtype, device, caps, None)
+    check_weights_fit(cfg, first, dtype, device, caps, args.nvme)
     started = time.perf_counter()
     ex = Executor(spec.open_weights(), first, dtype, device, trace=False)
     res["setup_s"] = time.perf_counter() - started
@@ -195,7 +227,10 @@ def main() -> None:
     outdir = Path(os.environ.get("OUT", args.out))
     for name in names:
         policy = POLICIES[name]
-        assert policy.weights == first.weights, "policies in one run share the weight placement"
+        assert (policy.weights, policy.weight_compression) == (
+            first.weights,
+            first.weight_compression,
+        ), "policies in one run share the weight placement and format"
         try:
             check_block_fits(
                 cfg, policy, dtype, device, caps, args.prompt_len, args.gen_len, process_rss()
@@ -212,9 +247,10 @@ def main() -> None:
             device,
             dtype,
             ex.ledger,
-            Path("."),
+            args.nvme,
             policy.attention_on_cpu,
             policy.overlap,
+            policy.kv_compression,
         )
         trace_path = outdir / f"trace_{name}.json"
         res["runs"][name] = run_policy(ex, policy, args.prompt_len, args.gen_len, trace_path)

@@ -255,6 +255,17 @@ def test_spill_round_trip_at_aligned_offsets(tmp_path):
             spill.write(8192, src.tensor)
             spill.read(8192, dst.tensor)
             assert torch.equal(dst.view(torch.float16, tuple(data.shape)), data)
+        # several pieces at once, one of them several chunks long
+        sizes = [(0, 4096), (3 * 4096, 2**20 + 2 * 4096), (2**21 - 4096, 4096)]
+        with pool.alloc(sum(n for _, n in sizes)) as src, pool.alloc(src.reserved) as dst:
+            src.tensor.copy_(torch.randint(0, 256, (src.reserved,), dtype=torch.uint8))
+            spans, at = [], 0
+            for offset, n in sizes:
+                spans.append((offset, slice(at, at + n)))
+                at += n
+            spill.transfer([(o, src.tensor[part]) for o, part in spans], write=True)
+            spill.transfer([(o, dst.tensor[part]) for o, part in reversed(spans)], write=False)
+            assert torch.equal(dst.tensor[:at], src.tensor[:at])
         path = spill.path
         assert path.exists()
     assert not path.exists(), "spill file left behind"

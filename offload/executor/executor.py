@@ -255,12 +255,8 @@ class Executor:
         return self._store_act(k, out)
 
     def _prefetch_kv_after(self, layer: int, k: int, cache_start: int) -> None:
-        if cache_start == 0 or not self.policy.overlap:
-            return
-        if k + 1 < len(self._micro):
-            self.kv.prefetch(layer, k + 1, cache_start)
-        elif layer + 1 < self.cfg.num_layers:
-            self.kv.prefetch(layer + 1, 0, cache_start)
+        if cache_start and self.policy.overlap:
+            self.kv.prefetch_after(layer, k, cache_start)
 
     # -- activations between stages -----------------------------------------------------
     def _store_act(self, k: int, x: torch.Tensor):

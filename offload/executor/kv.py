@@ -88,6 +88,7 @@ class KVBlock:
     """One layer's KV for one micro-batch, split by rows across tiers."""
 
     rows: tuple[int, int, int]  # (gpu, cpu, disk) row counts
+    slot: int = 0  # which of the two-deep scratch and disk staging buffers it uses
     gpu: decoder.LayerKV | None = None  # the GPU rows' cache (compressed or not)
     cpu_blocks: list[PoolBlock] = field(default_factory=list)
     cpu_k: torch.Tensor | None = None
@@ -129,7 +130,7 @@ class KVManager:
         self._quant_scratch: list[QuantKV] = []
         self._scratch_free: list[torch.cuda.Event | None] = [None, None]
         self._staging: list[PoolBlock] = []
-        self._pending: dict[int, tuple] = {}
+        self._pending: dict[tuple[int, int], tuple] = {}  # (layer, mb): (tokens, disk read)
         self._store_staging: list[PoolBlock] = []
         self._store_busy: list[Future | None] = [None, None]
         # disk staging block p: the last task that uses it, and the last H2D reading it
@@ -163,10 +164,11 @@ class KVManager:
             self.spill = SpillFile(self.spill_dir, spill_bytes)
             self.ledger.add(Tier.DISK, spill_bytes)
         offset = 0
-        for _layer in range(cfg.num_layers):
+        for layer in range(cfg.num_layers):
             row = []
-            for (g, c, d), home in zip(row_splits, disk_homes, strict=True):
-                blk = KVBlock((g, c, d))
+            for mb, ((g, c, d), home) in enumerate(zip(row_splits, disk_homes, strict=True)):
+                # blocks alternate between the buffers in the order they are attended
+                blk = KVBlock((g, c, d), slot=(layer * len(row_splits) + mb) % 2)
                 shape = lambda n: (n, cfg.num_kv_heads, max_slots, cfg.head_dim)  # noqa: E731
                 if g:
                     blk.gpu = decoder.LayerKV(
@@ -303,11 +305,11 @@ class KVManager:
         """Read (or write back) the whole pages of the disk home that hold slots
         [start, end): a few contiguous ranges, as both layouts are token-major."""
         assert self.spill is not None
-        started, moved = time.perf_counter(), 0
-        for lo, hi in _page_spans(staging.tensor, self._disk_pieces(blk, staging, start, end)):
-            io = self.spill.write if write else self.spill.read
-            io(blk.disk_offset + lo, staging.tensor[lo:hi])
-            moved += hi - lo
+        started = time.perf_counter()
+        spans = _page_spans(staging.tensor, self._disk_pieces(blk, staging, start, end))
+        pieces = [(blk.disk_offset + lo, staging.tensor[lo:hi]) for lo, hi in spans]
+        self.spill.transfer(pieces, write)
+        moved = sum(hi - lo for lo, hi in spans)
         name = "kv write" if write else "kv read"
         self.lanes.tracer.host_span("disk", name, started, time.perf_counter(), moved)
 
@@ -329,7 +331,7 @@ class KVManager:
     # -- decode prefetch (attention on the GPU over an off-GPU cache) ----------------------
     def prefetch(self, layer: int, mb: int, num_tokens: int) -> None:
         """Start loading the off-GPU cache of (layer, mb) for its decode attention."""
-        if self.attention_on_cpu or mb in self._pending or num_tokens == 0:
+        if self.attention_on_cpu or (layer, mb) in self._pending or num_tokens == 0:
             return
         blk = self.blocks[layer][mb]
         _, c, d = blk.rows
@@ -337,7 +339,7 @@ class KVManager:
         # are read ahead here all the same
         if not (d if self.compression is not None else c + d):
             return
-        which = mb % 2
+        which = blk.slot
         disk_future: Future | None = None
         if d:
             disk_future = self._io.submit(
@@ -349,13 +351,23 @@ class KVManager:
                 self._disk_h2d[which],
             )
             self._disk_busy[which] = disk_future
-        self._pending[mb] = (layer, num_tokens, disk_future)
+        self._pending[layer, mb] = (num_tokens, disk_future)
 
-    def _load_scratch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        layer, num_tokens, disk_future = self._pending.pop(mb)
+    def prefetch_after(self, layer: int, mb: int, num_tokens: int) -> None:
+        """After the attention of (layer, mb) was issued: start loading the next two
+        blocks in attention order. The second uses this block's buffers, so its disk
+        read starts as soon as this block's store has written them back."""
+        count = len(self.blocks[0]) if self.blocks else 0
+        for ahead in (1, 2):
+            nxt = layer * count + mb + ahead
+            if nxt < len(self.blocks) * count:
+                self.prefetch(nxt // count, nxt % count, num_tokens)
+
+    def _load_scratch(self, layer: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens, disk_future = self._pending.pop((layer, mb))
         blk = self.blocks[layer][mb]
         _, c, d = blk.rows
-        which = mb % 2
+        which = blk.slot
         sk, sv = self._scratch[which]
         self.lanes.wait("h2d", self._scratch_free[which])
         _wait_future(blk.stored)
@@ -419,14 +431,14 @@ class KVManager:
                     )
                 )
             else:
-                if mb not in self._pending:
+                if (layer, mb) not in self._pending:
                     self.prefetch(layer, mb, start)
-                sk, sv = self._load_scratch(mb)
+                sk, sv = self._load_scratch(layer, mb)
                 n = c + d
                 sk[:n, :, start:end] = k_new[off]
                 sv[:n, :, start:end] = v_new[off]
                 outs.append(decoder.attend(q[off], sk[:n, :, :end], sv[:n, :, :end], bias[off]))
-                self._scratch_free[mb % 2] = self.lanes.record("compute")
+                self._scratch_free[blk.slot] = self.lanes.record("compute")
                 self._store(blk, mb, k_new[off], v_new[off], start, end)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
@@ -438,12 +450,12 @@ class KVManager:
         if start and self.attention_on_cpu:
             return self._cpu_attention(blk, mb, q, k_new, v_new, bias, start, end)
         _, c, d = blk.rows
-        which = mb % 2
+        which = blk.slot
         scratch = self._quant_scratch[which].rows(0, c + d)
         if start:  # the homes' cache into the scratch first
-            if d and mb not in self._pending:
+            if d and (layer, mb) not in self._pending:
                 self.prefetch(layer, mb, start)
-            disk_future = self._pending.pop(mb)[2] if d else None
+            disk_future = self._pending.pop((layer, mb))[1] if d else None
             self.lanes.wait("h2d", self._scratch_free[which])
             _wait_future(blk.stored)
             _wait_future(disk_future)
@@ -480,10 +492,10 @@ class KVManager:
         user of its disk staging block (which `work` updates and writes back)."""
         previous = blk.stored
         if blk.rows[2]:
-            previous = self._io.submit(_wait_all, previous, self._disk_busy[mb % 2])
+            previous = self._io.submit(_wait_all, previous, self._disk_busy[blk.slot])
         future = self._stage(blk, mb, sources, work, start, end, previous)
         if blk.rows[2]:
-            self._disk_busy[mb % 2] = future
+            self._disk_busy[blk.slot] = future
 
     def _store_packed(self, blk: KVBlock, mb: int, packed: list, start: int, end: int) -> None:
         """Send `QuantKV.pack`ed bytes of the CPU rows and of the disk rows (those
@@ -527,7 +539,7 @@ class KVManager:
         if blk.cpu_quant is not None:
             blk.cpu_quant.unpack(packed[0], start, end)
         if blk.rows[2]:
-            staging = self._staging[mb % 2]
+            staging = self._staging[blk.slot]
             self._disk_quant(blk, staging).unpack(packed[-1], start, end)
             self._write_disk(blk, staging, start, end)
         nbytes = sum(p.numel() for p in packed)
@@ -549,7 +561,7 @@ class KVManager:
             )
         if d:
             # the staging block this micro-batch's attention read its pages into
-            staging = self._staging[mb % 2]
+            staging = self._staging[blk.slot]
             dk, dv = self._disk_views(blk, staging)
             dk[start:end].copy_(sk[c:].permute(2, 0, 1, 3))
             dv[start:end].copy_(sv[c:].permute(2, 0, 1, 3))
@@ -580,8 +592,8 @@ class KVManager:
                 decoder.attend(q_h[:c], blk.cpu_k[:, :, :end], blk.cpu_v[:, :, :end], bias_h[:c])
             )
         if d:
-            staging = self._staging[mb % 2]
-            _wait_future(self._disk_busy[mb % 2])
+            staging = self._staging[blk.slot]
+            _wait_future(self._disk_busy[blk.slot])
             self._read_disk(blk, staging, start)
             rows = slice(c, None)
             if self.compression is not None:

@@ -2,13 +2,16 @@
 
 A `SpillFile` is a preallocated scratch file read and written with O_DIRECT at 4 KiB
 aligned offsets and lengths, from and into pinned pool memory (same rules as the
-weight store). It is deleted on close; nothing in it outlives the run.
+weight store), in chunks with several requests in flight (as `io.reader` reads the
+store: one request at a time leaves the drive idle between requests). It is deleted
+on close; nothing in it outlives the run.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -17,6 +20,10 @@ from offload.errors import UserError
 from offload.io.direct import open_direct
 from offload.io.pinned import ALIGN, align_up
 
+# requests in flight, and the most one request moves
+THREADS = 8
+CHUNK_BYTES = 2**20
+
 
 class SpillFile:
     def __init__(self, directory: Path, capacity: int) -> None:
@@ -24,6 +31,7 @@ class SpillFile:
         self.path = directory / f"spill-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
         self.capacity = align_up(capacity)
         self.fd, _ = open_direct(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        self._pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="offload-spill")
         try:
             os.posix_fallocate(self.fd, 0, self.capacity)
         except OSError as exc:
@@ -41,14 +49,29 @@ class SpillFile:
         return memoryview(buf.numpy())
 
     def write(self, offset: int, src: torch.Tensor) -> None:
-        view = self._check(offset, src)
-        assert offset + len(view) <= self.capacity, "write past the spill capacity"
+        self.transfer([(offset, src)], write=True)
+
+    def read(self, offset: int, dst: torch.Tensor) -> None:
+        self.transfer([(offset, dst)], write=False)
+
+    def transfer(self, pieces: list[tuple[int, torch.Tensor]], write: bool) -> None:
+        """Write (or read) each (file offset, buffer) piece, all of them at once."""
+        requests = []
+        for offset, buf in pieces:
+            view = self._check(offset, buf)
+            assert offset + len(view) <= self.capacity, "I/O past the spill capacity"
+            for start in range(0, len(view), CHUNK_BYTES):
+                requests.append((offset + start, view[start : start + CHUNK_BYTES]))
+        work = self._write_all if write else self._read_all
+        for future in [self._pool.submit(work, *request) for request in requests]:
+            future.result()
+
+    def _write_all(self, offset: int, view: memoryview) -> None:
         done = 0
         while done < len(view):
             done += os.pwritev(self.fd, [view[done:]], offset + done)
 
-    def read(self, offset: int, dst: torch.Tensor) -> None:
-        view = self._check(offset, dst)
+    def _read_all(self, offset: int, view: memoryview) -> None:
         done = 0
         while done < len(view):
             got = os.preadv(self.fd, [view[done:]], offset + done)
@@ -56,6 +79,7 @@ class SpillFile:
             done += got
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -106,7 +106,7 @@ def _copy_rate(src: torch.Tensor, dst: torch.Tensor) -> float:
     return src.numel() * src.element_size() / _timed(lambda: dst.copy_(src, non_blocking=True)) / GB
 
 
-def _disk_rates(directory: Path, nbytes: int) -> tuple[float, float]:
+def disk_rates(directory: Path, nbytes: int) -> tuple[float, float]:
     """O_DIRECT write and read of one file in `directory` (GB/s)."""
     import mmap
 
@@ -190,7 +190,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
     stand in for PCIe and the CPU's matmul rate for the GPU's."""
     size = 2**26 if quick else 2**29
     disk_dir = nvme or Path(tempfile.gettempdir())
-    disk_read, disk_write = _disk_rates(disk_dir, min(size * 2, 2**30))
+    disk_read, disk_write = disk_rates(disk_dir, min(size * 2, 2**30))
     dram = (
         _copy_rate(torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)) * 2
     )
