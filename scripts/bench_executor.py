@@ -34,7 +34,7 @@ from offload.executor.caps import (
     process_rss,
 )
 from offload.executor.executor import Executor
-from offload.executor.kv import KVManager
+from offload.executor.kv import DISK_BUFFERS, KVManager
 from offload.models.resolve import resolve_model
 from offload.policies.hardware import disk_rates
 from offload.policies.memory import plan_memory
@@ -187,6 +187,12 @@ def main() -> None:
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--policies", default=",".join(list(POLICIES)[:3]))  # A, B, C
     p.add_argument("--nvme", type=Path, default=Path("."), help="where KV spills to disk")
+    p.add_argument(
+        "--disk-buffers",
+        default=str(DISK_BUFFERS),
+        help="disk staging blocks of the KV manager; a list (2,4,2,4) runs each disk "
+        "policy once per entry",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     device = torch.device("cuda")
@@ -225,7 +231,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     outdir = Path(os.environ.get("OUT", args.out))
-    for name in names:
+    depths = [int(n) for n in args.disk_buffers.split(",")]
+    runs = [
+        (name if len(depths) == 1 else f"{name} disk-buffers={n} #{i}", name, n)
+        for name in names
+        for i, n in enumerate(depths if POLICIES[name].kv_cache.disk else depths[:1])
+    ]
+    for key, name, buffers in runs:
         policy = POLICIES[name]
         assert (policy.weights, policy.weight_compression) == (
             first.weights,
@@ -236,8 +248,8 @@ def main() -> None:
                 cfg, policy, dtype, device, caps, args.prompt_len, args.gen_len, process_rss()
             )
         except Exception as exc:  # a refused policy is a result too
-            res["runs"][name] = {"refused": str(exc)}
-            print(name, "refused:", exc, flush=True)
+            res["runs"][key] = {"refused": str(exc)}
+            print(key, "refused:", exc, flush=True)
             continue
         ex.policy = policy
         ex.kv.close()
@@ -251,12 +263,14 @@ def main() -> None:
             policy.attention_on_cpu,
             policy.overlap,
             policy.kv_compression,
+            buffers,
         )
         trace_path = outdir / f"trace_{name}.json"
-        res["runs"][name] = run_policy(ex, policy, args.prompt_len, args.gen_len, trace_path)
-        r = res["runs"][name]
+        res["runs"][key] = run_policy(ex, policy, args.prompt_len, args.gen_len, trace_path)
+        r = res["runs"][key]
+        r["disk_buffers"] = buffers
         print(
-            f"{name}: total {r['total_tok_s']:.1f} tok/s (prefill {r['prefill_tok_s']:.0f}, decode "
+            f"{key}: total {r['total_tok_s']:.1f} tok/s (prefill {r['prefill_tok_s']:.0f}, decode "
             f"{r['decode_tok_s']:.1f}); step {r['traced_step_s'] * 1e3:.0f} ms, busiest "
             f"{r['busiest_lane']}, overlap {r['overlap_efficiency']:.2f}; peak GPU "
             f"{r['peak_gpu_bytes'] / GB:.1f} GB (predicted {r['predicted_gpu_bytes'] / GB:.1f})",

@@ -83,12 +83,19 @@ def _page_spans(base: torch.Tensor, pieces: list[torch.Tensor]) -> list[tuple[in
     return merged
 
 
+# disk staging blocks: a block's disk home is read into one, attended from it, updated
+# and written back; with several, reads run that many blocks ahead of attention, past
+# the latency of the stores before them (bench_executor.py --disk-buffers)
+DISK_BUFFERS = 4
+
+
 @dataclass
 class KVBlock:
     """One layer's KV for one micro-batch, split by rows across tiers."""
 
     rows: tuple[int, int, int]  # (gpu, cpu, disk) row counts
-    slot: int = 0  # which of the two-deep scratch and disk staging buffers it uses
+    slot: int = 0  # which of the two GPU scratch buffers it uses
+    disk_slot: int = 0  # which of the disk staging blocks it is read and updated in
     gpu: decoder.LayerKV | None = None  # the GPU rows' cache (compressed or not)
     cpu_blocks: list[PoolBlock] = field(default_factory=list)
     cpu_k: torch.Tensor | None = None
@@ -113,17 +120,18 @@ class KVManager:
         attention_on_cpu: bool,
         overlap: bool,
         compression: Compression | None = None,
+        disk_buffers: int = DISK_BUFFERS,
     ) -> None:
         """compression: the cache format of every home (policy.kv_compression)."""
         self.cfg, self.lanes, self.device, self.dtype = cfg, lanes, device, dtype
-        self.compression = compression
+        self.compression, self.disk_buffers = compression, disk_buffers
         self.pool: PinnedPool | None = None  # sized per batch in start()
         self.ledger, self.spill_dir = ledger, spill_dir
         self.attention_on_cpu, self.overlap = attention_on_cpu, overlap
         self.elt = torch.empty((), dtype=dtype).element_size()
         self.blocks: list[list[KVBlock]] = []
         self.spill: SpillFile | None = None
-        self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="offload-kv")
+        self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="offload-kv")
         self._owned: list[PoolBlock] = []
         self._gpu_bytes = 0
         self._scratch: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -134,8 +142,8 @@ class KVManager:
         self._store_staging: list[PoolBlock] = []
         self._store_busy: list[Future | None] = [None, None]
         # disk staging block p: the last task that uses it, and the last H2D reading it
-        self._disk_busy: list[Future | None] = [None, None]
-        self._disk_h2d: list[torch.cuda.Event | None] = [None, None]
+        self._disk_busy: list[Future | None] = [None] * disk_buffers
+        self._disk_h2d: list[torch.cuda.Event | None] = [None] * disk_buffers
         self._store_turn = 0
 
     # -- allocation ---------------------------------------------------------------------
@@ -153,7 +161,8 @@ class KVManager:
         disk_homes = [self._disk_home_bytes(d) for _, _, d in row_splits]
         need = sum(self._home_bytes(c) for _, c, _ in row_splits if c) * cfg.num_layers
         off_rows = max((c + d for _, c, d in row_splits), default=0)
-        need += 2 * max(disk_homes, default=0) + sum(align_up(b) for b in act_bytes)
+        need += self.disk_buffers * max(disk_homes, default=0)
+        need += sum(align_up(b) for b in act_bytes)
         need += 2 * align_up(self._store_bytes(off_rows))
         if self.pool is None or self.pool.capacity < need:
             if self.pool is not None:
@@ -167,8 +176,9 @@ class KVManager:
         for layer in range(cfg.num_layers):
             row = []
             for mb, ((g, c, d), home) in enumerate(zip(row_splits, disk_homes, strict=True)):
-                # blocks alternate between the buffers in the order they are attended
-                blk = KVBlock((g, c, d), slot=(layer * len(row_splits) + mb) % 2)
+                # blocks take turns at the buffers in the order they are attended
+                turn = layer * len(row_splits) + mb
+                blk = KVBlock((g, c, d), slot=turn % 2, disk_slot=turn % self.disk_buffers)
                 shape = lambda n: (n, cfg.num_kv_heads, max_slots, cfg.head_dim)  # noqa: E731
                 if g:
                     blk.gpu = decoder.LayerKV(
@@ -206,8 +216,8 @@ class KVManager:
                 self._scratch.append((k, torch.empty_like(k)))
             self._gpu_bytes += 4 * off_rows * per_row
         max_disk = max(disk_homes, default=0)
-        if max_disk:  # where disk homes are read, updated and written back, two deep
-            self._staging = [self.pool.alloc(max_disk) for _ in range(2)]
+        if max_disk:  # where disk homes are read, updated and written back
+            self._staging = [self.pool.alloc(max_disk) for _ in range(self.disk_buffers)]
         acts = [self.pool.alloc(b) if b else None for b in act_bytes]
         self._owned += [b for b in acts if b is not None]
         self.ledger.add(Tier.GPU, self._gpu_bytes)
@@ -255,7 +265,9 @@ class KVManager:
 
     def release(self) -> None:
         _wait_all(*self._store_busy, *self._disk_busy)
-        self._store_busy, self._disk_busy, self._disk_h2d = [None, None], [None, None], [None, None]
+        self._store_busy = [None, None]
+        self._disk_busy = [None] * self.disk_buffers
+        self._disk_h2d = [None] * self.disk_buffers
         for block in self._owned + self._staging:
             block.free()
         cpu = sum(b.reserved for b in self._owned + self._staging)
@@ -339,7 +351,7 @@ class KVManager:
         # are read ahead here all the same
         if not (d if self.compression is not None else c + d):
             return
-        which = blk.slot
+        which = blk.disk_slot
         disk_future: Future | None = None
         if d:
             disk_future = self._io.submit(
@@ -354,11 +366,11 @@ class KVManager:
         self._pending[layer, mb] = (num_tokens, disk_future)
 
     def prefetch_after(self, layer: int, mb: int, num_tokens: int) -> None:
-        """After the attention of (layer, mb) was issued: start loading the next two
-        blocks in attention order. The second uses this block's buffers, so its disk
-        read starts as soon as this block's store has written them back."""
+        """After the attention of (layer, mb) was issued: start loading the next blocks
+        in attention order, one per disk staging block. The last of them uses this
+        block's staging, so its disk read starts once this block's store is written."""
         count = len(self.blocks[0]) if self.blocks else 0
-        for ahead in (1, 2):
+        for ahead in range(1, self.disk_buffers + 1):
             nxt = layer * count + mb + ahead
             if nxt < len(self.blocks) * count:
                 self.prefetch(nxt // count, nxt % count, num_tokens)
@@ -384,13 +396,13 @@ class KVManager:
             if d:
                 # token-major pages cross as they are (contiguous), and are transposed
                 # into the scratch layout on the device
-                dk, dv = self._disk_views(blk, self._staging[which])
+                dk, dv = self._disk_views(blk, self._staging[blk.disk_slot])
                 for home, scratch in ((dk, sk), (dv, sv)):
                     moved = home[:num_tokens].to(self.device, non_blocking=True)
                     scratch[c : c + d, :, :num_tokens].copy_(moved.permute(1, 2, 0, 3))
         loaded = self.lanes.record("h2d")
         if d:
-            self._disk_h2d[which] = loaded
+            self._disk_h2d[blk.disk_slot] = loaded
         self.lanes.wait("compute", loaded)
         return sk, sv
 
@@ -459,7 +471,7 @@ class KVManager:
             self.lanes.wait("h2d", self._scratch_free[which])
             _wait_future(blk.stored)
             _wait_future(disk_future)
-            home = self._disk_quant(blk, self._staging[which]) if d else None
+            home = self._disk_quant(blk, self._staging[blk.disk_slot]) if d else None
             nbytes = blk.cpu_quant.nbytes if blk.cpu_quant is not None else 0
             nbytes += home.slot_bytes(start) if home is not None else 0
             with self.lanes.on("h2d", f"kv L{layer} mb{mb}", nbytes):
@@ -469,7 +481,7 @@ class KVManager:
                     scratch.rows(c, c + d).copy_slots_from(home, start, non_blocking=True)
             loaded = self.lanes.record("h2d")
             if d:
-                self._disk_h2d[which] = loaded
+                self._disk_h2d[blk.disk_slot] = loaded
             self.lanes.wait("compute", loaded)
         out = decoder.quant_attention(scratch, q, k_new, v_new, bias, start)
         packed = [
@@ -492,10 +504,10 @@ class KVManager:
         user of its disk staging block (which `work` updates and writes back)."""
         previous = blk.stored
         if blk.rows[2]:
-            previous = self._io.submit(_wait_all, previous, self._disk_busy[blk.slot])
+            previous = self._io.submit(_wait_all, previous, self._disk_busy[blk.disk_slot])
         future = self._stage(blk, mb, sources, work, start, end, previous)
         if blk.rows[2]:
-            self._disk_busy[blk.slot] = future
+            self._disk_busy[blk.disk_slot] = future
 
     def _store_packed(self, blk: KVBlock, mb: int, packed: list, start: int, end: int) -> None:
         """Send `QuantKV.pack`ed bytes of the CPU rows and of the disk rows (those
@@ -539,7 +551,7 @@ class KVManager:
         if blk.cpu_quant is not None:
             blk.cpu_quant.unpack(packed[0], start, end)
         if blk.rows[2]:
-            staging = self._staging[blk.slot]
+            staging = self._staging[blk.disk_slot]
             self._disk_quant(blk, staging).unpack(packed[-1], start, end)
             self._write_disk(blk, staging, start, end)
         nbytes = sum(p.numel() for p in packed)
@@ -561,7 +573,7 @@ class KVManager:
             )
         if d:
             # the staging block this micro-batch's attention read its pages into
-            staging = self._staging[blk.slot]
+            staging = self._staging[blk.disk_slot]
             dk, dv = self._disk_views(blk, staging)
             dk[start:end].copy_(sk[c:].permute(2, 0, 1, 3))
             dv[start:end].copy_(sv[c:].permute(2, 0, 1, 3))
@@ -592,8 +604,8 @@ class KVManager:
                 decoder.attend(q_h[:c], blk.cpu_k[:, :, :end], blk.cpu_v[:, :, :end], bias_h[:c])
             )
         if d:
-            staging = self._staging[blk.slot]
-            _wait_future(self._disk_busy[blk.slot])
+            staging = self._staging[blk.disk_slot]
+            _wait_future(self._disk_busy[blk.disk_slot])
             self._read_disk(blk, staging, start)
             rows = slice(c, None)
             if self.compression is not None:

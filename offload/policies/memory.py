@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.config import ModelConfig
+from offload.executor.kv import DISK_BUFFERS
 from offload.executor.weights import stage_cut, stage_image_bytes
 from offload.io.pinned import align_up
 from offload.kernels.kvquant import kv_buffer_bytes
@@ -97,18 +98,19 @@ def kv_plan(
             "kv_disk": sum(disk_homes) * layers,
             # two compressed scratches where off-GPU rows are quantized and attended
             "kv_scratch_gpu": 2 * compressed(off_rows) if off_rows else 0,
-            # new entries on their way to off-GPU homes, and disk homes being updated,
-            # two deep each
+            # new entries on their way to off-GPU homes (two deep), and disk homes
+            # being read, updated and written back
             "kv_staging_cpu": (2 * align_up(compressed(off_rows)) if off_rows else 0)
-            + 2 * max(disk_homes, default=0),
+            + DISK_BUFFERS * max(disk_homes, default=0),
         }
     gpu = sum(2 * g * per_row for g, _, _ in splits) * layers
     cpu = sum(2 * align_up(c * per_row) for _, c, _ in splits if c) * layers
     regions = [align_up(d * per_row) for _, _, d in splits]
     disk = 2 * layers * sum(regions)
     scratch = 4 * off_rows * per_row if off_rows and not policy.attention_on_cpu else 0
-    # disk pages and new entries on their way to off-GPU homes, two deep each
-    staging = 2 * 2 * max(regions, default=0) + 2 * align_up(2 * off_rows * per_row)
+    # disk pages being read and updated, and new entries on their way to off-GPU homes
+    # (two deep)
+    staging = DISK_BUFFERS * 2 * max(regions, default=0) + 2 * align_up(2 * off_rows * per_row)
     return {
         "kv_gpu": gpu,
         "kv_cpu": cpu,
