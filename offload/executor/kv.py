@@ -84,9 +84,11 @@ def _page_spans(base: torch.Tensor, pieces: list[torch.Tensor]) -> list[tuple[in
 
 
 # disk staging blocks: a block's disk home is read into one, attended from it, updated
-# and written back; with several, reads run that many blocks ahead of attention, past
-# the latency of the stores before them (bench_executor.py --disk-buffers)
-DISK_BUFFERS = 4
+# and written back; reads run that many blocks ahead of attention. Two measured best:
+# with four, the reads ahead compete with the write-backs on the critical path (H100
+# machine, int4 cache: 24-28 against 30-33 tok/s; fp16 cache alike; run 184357 of
+# bench_executor.py --disk-buffers 2,4,2,4)
+DISK_BUFFERS = 2
 
 
 @dataclass
