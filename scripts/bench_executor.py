@@ -15,6 +15,7 @@ Writes JSON to benchmarks/results/ (and $OUT) and the trace of one decode step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -44,6 +45,13 @@ from offload.sampling import SamplingParams, sample
 GB = 1e9
 WEIGHTS = Placement(0.25, 0.75, 0.0)
 W4 = Compression(4, 64, False)  # int4-g64 weights; the same format for a KV cache
+DISK_KV = Policy(
+    gpu_batch_size=8,
+    num_gpu_batches=2,
+    weights=Placement(1, 0, 0),
+    kv_cache=Placement(0, 0.875, 0.125),
+    weight_compression=W4,
+)
 POLICIES = {
     "A-kv-cpu-cpu-attn": Policy(
         gpu_batch_size=16,
@@ -67,22 +75,9 @@ POLICIES = {
         attention_on_cpu=True,
     ),
     # int4 weights all on the GPU, one sequence of each micro-batch's KV on disk: an
-    # uncompressed cache and an int4-g64 one in the same homes (disk-bound steps)
-    "D-w4-kv-cpu-disk-gpu-attn": Policy(
-        gpu_batch_size=8,
-        num_gpu_batches=2,
-        weights=Placement(1, 0, 0),
-        kv_cache=Placement(0, 0.875, 0.125),
-        weight_compression=W4,
-    ),
-    "E-w4-kv4-cpu-disk-gpu-attn": Policy(
-        gpu_batch_size=8,
-        num_gpu_batches=2,
-        weights=Placement(1, 0, 0),
-        kv_cache=Placement(0, 0.875, 0.125),
-        weight_compression=W4,
-        kv_compression=W4,
-    ),
+    # uncompressed cache, and (E) an int4-g64 one in the same homes (disk-bound steps)
+    "D-w4-kv-cpu-disk-gpu-attn": DISK_KV,
+    "E-w4-kv4-cpu-disk-gpu-attn": dataclasses.replace(DISK_KV, kv_compression=W4),
 }
 
 
