@@ -103,6 +103,9 @@ class KVBlock:
     cpu_k: torch.Tensor | None = None
     cpu_v: torch.Tensor | None = None
     cpu_quant: QuantKV | None = None  # the CPU rows' home of a compressed cache
+    # a compressed cache's disk rows: their slot-major home as read into the block's
+    # disk staging block (`disk_slot`), where it is attended and updated
+    disk_quant: QuantKV | None = None
     disk_offset: int = 0  # spill offset of the K region; V follows at + disk_region
     disk_region: int = 0
     stored: Future | None = None  # the last store of new entries into the off-GPU homes
@@ -174,6 +177,9 @@ class KVManager:
         if spill_bytes:
             self.spill = SpillFile(self.spill_dir, spill_bytes)
             self.ledger.add(Tier.DISK, spill_bytes)
+        max_disk = max(disk_homes, default=0)
+        if max_disk:  # where disk homes are read, updated and written back
+            self._staging = [self.pool.alloc(max_disk) for _ in range(self.disk_buffers)]
         offset = 0
         for layer in range(cfg.num_layers):
             row = []
@@ -199,6 +205,9 @@ class KVManager:
                 if d:
                     blk.disk_offset, blk.disk_region = offset, align_up(d * per_row)
                     offset += home
+                if d and self.compression is not None:  # its view of its staging block
+                    staging = self._staging[blk.disk_slot].tensor
+                    blk.disk_quant = self._quant(d, torch.device("cpu"), staging, slot_major=True)
                 row.append(blk)
             self.blocks.append(row)
         if off_rows:  # device -> host staging of new entries, two deep
@@ -217,9 +226,6 @@ class KVManager:
                 )
                 self._scratch.append((k, torch.empty_like(k)))
             self._gpu_bytes += 4 * off_rows * per_row
-        max_disk = max(disk_homes, default=0)
-        if max_disk:  # where disk homes are read, updated and written back
-            self._staging = [self.pool.alloc(max_disk) for _ in range(self.disk_buffers)]
         acts = [self.pool.alloc(b) if b else None for b in act_bytes]
         self._owned += [b for b in acts if b is not None]
         self.ledger.add(Tier.GPU, self._gpu_bytes)
@@ -302,17 +308,14 @@ class KVManager:
         v = base[blk.disk_region : blk.disk_region + count * self.elt].view(self.dtype).view(shape)
         return k, v
 
-    def _disk_quant(self, blk: KVBlock, staging: PoolBlock) -> QuantKV:
-        """The slot-major compressed home of a block's disk rows, in a staging block."""
-        return self._quant(blk.rows[2], torch.device("cpu"), staging.tensor, slot_major=True)
-
     def _disk_pieces(self, blk: KVBlock, staging: PoolBlock, start: int, end: int) -> list:
         """Views, in a staging block, of the disk home's bytes that hold (or, from
         start > 0, a write changes) token slots [start, end)."""
         if self.compression is None:
             dk, dv = self._disk_views(blk, staging)
             return [dk[start:end], dv[start:end]]
-        home = self._disk_quant(blk, staging)
+        home = blk.disk_quant
+        assert home is not None
         return [getattr(home, name)[:, :, part] for name, part in home.changed(start, end)]
 
     def _disk_io(self, blk, staging: PoolBlock, start: int, end: int, write: bool) -> None:
@@ -473,7 +476,7 @@ class KVManager:
             self.lanes.wait("h2d", self._scratch_free[which])
             _wait_future(blk.stored)
             _wait_future(disk_future)
-            home = self._disk_quant(blk, self._staging[blk.disk_slot]) if d else None
+            home = blk.disk_quant
             nbytes = blk.cpu_quant.nbytes if blk.cpu_quant is not None else 0
             nbytes += home.slot_bytes(start) if home is not None else 0
             with self.lanes.on("h2d", f"kv L{layer} mb{mb}", nbytes):
@@ -554,7 +557,7 @@ class KVManager:
             blk.cpu_quant.unpack(packed[0], start, end)
         if blk.rows[2]:
             staging = self._staging[blk.disk_slot]
-            self._disk_quant(blk, staging).unpack(packed[-1], start, end)
+            blk.disk_quant.unpack(packed[-1], start, end)
             self._write_disk(blk, staging, start, end)
         nbytes = sum(p.numel() for p in packed)
         self.lanes.tracer.host_span(
@@ -611,7 +614,7 @@ class KVManager:
             self._read_disk(blk, staging, start)
             rows = slice(c, None)
             if self.compression is not None:
-                home = self._disk_quant(blk, staging)
+                home = blk.disk_quant
                 outs.append(
                     decoder.quant_attention(
                         home, q_h[rows], k_h[rows], v_h[rows], bias_h[rows], start
