@@ -524,7 +524,9 @@ if triton is not None:
         bias_rows = bias_ptr + b * bias_sb + heads[:, None] * bias_sh
         for i in tl.static_range(PER_SPLIT):
             j = split * PER_SPLIT + i
-            ok = j < full_groups
+            # a one-element block, not a scalar: triton 3.9's interpreter rejects a mask
+            # made of a block & a scalar condition ('mask has unsupported dtype')
+            ok = (j + tl.zeros((1,), tl.int32)) < full_groups
             # keys [D, GROUP / 2] a plane: channel d of token t is byte d * k_bytes + t * BITS / 8
             kbase = (row * num_groups + j) * HEAD_DIM
             kscale = tl.load(ks_ptr + kbase + d, mask=d_ok & ok, other=0.0)[:, None]
