@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from offload.kernels.launch import Launcher
-from offload.kernels.qmatmul import dequant, dequant_nibbles, use_kernel
+from offload.kernels.qmatmul import use_kernel
 from offload.kernels.quant import QTensor, dequantize, quantize
 from offload.policies.policy import KV_GROUPS, Compression
 
@@ -41,6 +41,8 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the reference path runs instead
     triton = None
+else:
+    from offload.kernels.qmatmul import dequant, dequant_nibbles
 
 
 def value_group(config: Compression, head_dim: int) -> int:
