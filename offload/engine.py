@@ -15,16 +15,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from offload.batch import PaddedBatch
 from offload.errors import UserError
-from offload.executor.caps import MemoryCaps, check_block_fits, check_weights_fit, process_rss
 from offload.executor.executor import Executor
 from offload.models.resolve import ModelSpec, resolve_model
+from offload.policies.caps import Baseline, Caps, check_block_fits, check_weights_fit
 from offload.policies.policy import Policy
 from offload.runner import PlainRunner
 from offload.sampling import SamplingParams, make_generators, sample_rows
@@ -105,7 +105,7 @@ class LLM:
         batch_size: int = 16,
         progress: bool = False,
         policy: Policy | None = None,
-        caps: MemoryCaps | None = None,
+        caps: Caps | None = None,
         nvme: Path | None = None,
         trace: bool = False,
     ) -> None:
@@ -117,10 +117,15 @@ class LLM:
         self.config = self.spec.config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, self.config.checkpoint_dtype)
-        self.policy, self.caps = policy, caps or MemoryCaps()
+        self.policy = policy
+        self.caps = replace(caps or Caps(), nvme=nvme is not None)
         self.batch_size = policy.block_size if policy else batch_size
+        # what the process holds before any weights: the baseline of the one accounting
+        self.baseline = Baseline.measure(self.device)
         if policy is not None:
-            check_weights_fit(self.config, policy, self.dtype, self.device, self.caps, nvme)
+            check_weights_fit(
+                self.config, policy, self.dtype, self.device, self.caps, self.baseline
+            )
         self.tokenizer = self.spec.tokenizer()
         with self.spec.open_weights() as source:
             if policy is None:
@@ -195,16 +200,15 @@ class LLM:
         if self.policy is not None:
             longest = max(len(s.prompt_ids) for s in seqs)
             budget = max(s.budget for s in seqs)
-            resident = process_rss() - self.runner.kv_pool_bytes
             check_block_fits(
                 self.config,
                 self.policy,
                 self.dtype,
                 self.device,
                 self.caps,
+                self.baseline,
                 longest,
                 budget,
-                resident,
             )
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].prompt_ids))
         for start in range(0, len(order), self.batch_size):

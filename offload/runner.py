@@ -64,8 +64,9 @@ class PlainRunner:
         ]
         self.kv_compression = kv_compression
         # a tied head shares the embedding already loaded instead of loading it again
-        self.head_w: Weights = source.stored_stage("head", 0, dtype, device)
-        self.head_w.setdefault("lm_head.weight", self.embed_w["tok.weight"])
+        head_w = source.stored_stage("head", 0, dtype, device)
+        head_w.setdefault("lm_head.weight", self.embed_w["tok.weight"])
+        self.head_w: Weights = _compressed(head_w, weight_compression)
         self.load_seconds = time.perf_counter() - started
         self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.family == "llama" else None
         self._cache: list[LayerKV] = []

@@ -27,16 +27,18 @@ import torch.nn.functional as F
 
 from offload.batch import PaddedBatch
 from offload.cli.common import parse_size
-from offload.executor.caps import (
-    MemoryCaps,
+from offload.executor.executor import Executor
+from offload.executor.kv import KVManager
+from offload.io.layout import DISK_BUFFERS
+from offload.models.resolve import resolve_model
+from offload.policies.caps import (
+    Baseline,
+    Caps,
     check_block_fits,
     check_weights_fit,
     cuda_context_bytes,
     process_rss,
 )
-from offload.executor.executor import Executor
-from offload.executor.kv import DISK_BUFFERS, KVManager
-from offload.models.resolve import resolve_model
 from offload.policies.hardware import disk_rates
 from offload.policies.memory import plan_memory
 from offload.policies.policy import Compression, Placement, Policy
@@ -194,7 +196,8 @@ def main() -> None:
     spec = resolve_model(args.model, dummy=True)
     cfg = spec.config
     dtype = torch.float16
-    caps = MemoryCaps(gpu_bytes=parse_size(args.gpu_mem))
+    caps = Caps(gpu_bytes=parse_size(args.gpu_mem), nvme=args.nvme is not None)
+    base = Baseline.measure(device)
     names = args.policies.split(",")
     first = POLICIES[names[0]]
     res: dict = {
@@ -218,7 +221,7 @@ def main() -> None:
         read, write = disk_rates(args.nvme, 2**30)
         res["ceiling_disk_gbps"] = {"read": read, "write": write}
     print(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=1), flush=True)
-    check_weights_fit(cfg, first, dtype, device, caps, args.nvme)
+    check_weights_fit(cfg, first, dtype, device, caps, base)
     started = time.perf_counter()
     ex = Executor(spec.open_weights(), first, dtype, device, trace=False)
     res["setup_s"] = time.perf_counter() - started
@@ -239,9 +242,7 @@ def main() -> None:
             first.weight_compression,
         ), "policies in one run share the weight placement and format"
         try:
-            check_block_fits(
-                cfg, policy, dtype, device, caps, args.prompt_len, args.gen_len, process_rss()
-            )
+            check_block_fits(cfg, policy, dtype, device, caps, base, args.prompt_len, args.gen_len)
         except Exception as exc:  # a refused policy is a result too
             res["runs"][key] = {"refused": str(exc)}
             print(key, "refused:", exc, flush=True)

@@ -13,7 +13,7 @@ import torch
 
 from offload.engine import LLM
 from offload.errors import UserError
-from offload.executor.caps import MemoryCaps
+from offload.policies.caps import Caps
 from offload.policies.policy import Compression, Placement, Policy
 from offload.runner import PlainRunner
 from offload.sampling import SamplingParams
@@ -148,7 +148,7 @@ def test_disk_policy_without_nvme_is_refused(tiny_checkpoints):
 def test_policy_over_the_cap_is_refused_before_loading(tiny_checkpoints):
     directory, _ = tiny_checkpoints["opt"]
     with pytest.raises(UserError, match=r"GPU needs .* GB .* but 0.00 GB is available"):
-        LLM(str(directory), device="cpu", policy=Policy(), caps=MemoryCaps(gpu_bytes=1000))
+        LLM(str(directory), device="cpu", policy=Policy(), caps=Caps(gpu_bytes=1000))
 
 
 def test_block_over_the_cap_is_refused_before_generating(tiny_checkpoints):
@@ -159,11 +159,11 @@ def test_block_over_the_cap_is_refused_before_generating(tiny_checkpoints):
         device="cpu",
         dtype="float32",
         policy=policy,
-        caps=MemoryCaps(cpu_bytes=10**12),
+        caps=Caps(cpu_bytes=10**12),
     ) as llm:
         need = llm.runner.ledger.snapshot()
         assert need["cpu"]["used"] == 0  # no CPU weights
-        llm.caps = MemoryCaps(cpu_bytes=1)
+        llm.caps = Caps(cpu_bytes=1)
         with pytest.raises(UserError, match="CPU needs"):
             llm.generate(PROMPTS, PARAMS)
 

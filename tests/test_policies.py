@@ -14,11 +14,12 @@ from offload.config import ModelConfig
 from offload.engine import LLM
 from offload.errors import UserError
 from offload.io.tiers import Tier
+from offload.policies.caps import Caps
 from offload.policies.cost import estimate
 from offload.policies.hardware import HardwareProfile
 from offload.policies.memory import plan_memory
 from offload.policies.policy import Compression, Placement, Policy
-from offload.policies.search import Caps, search
+from offload.policies.search import search
 from offload.presets import PRESETS
 
 GB = 10**9
@@ -247,7 +248,8 @@ def test_kv_goes_wholly_on_the_gpu_when_it_fits_there_without_a_scratch(kv_compr
     """Rows off the GPU need a scratch on it; a cache that fits on the GPU only without
     that scratch is placed there whole (it was split once, measured 142 against 214
     tok/s), and one a byte too large is split."""
-    from offload.policies.search import GPU_HEADROOM, _kv_placement
+    from offload.policies.caps import GPU_SLACK
+    from offload.policies.search import _kv_placement
 
     cfg = cfg_of("llama-3.1-8b")
     base = Policy(8, 1, kv_compression=kv_compression)
@@ -256,8 +258,8 @@ def test_kv_goes_wholly_on_the_gpu_when_it_fits_there_without_a_scratch(kv_compr
         cfg, dataclasses.replace(base, kv_cache=Placement(0, 1, 0)), torch.float16, 512, 32
     ).detail["kv_scratch_gpu"]
     assert scratch > 0
-    need = on_gpu.gpu_bytes + PROFILE.gpu_context_bytes
     for extra, whole in ((scratch // 2, True), (-on_gpu.detail["kv_gpu"] // 10, False)):
-        caps = Caps((need + extra) / (1 - GPU_HEADROOM), 100 * GB, False)
+        gpu_cap = (on_gpu.gpu_bytes + extra) * (1 + GPU_SLACK) + PROFILE.gpu_context_bytes
+        caps = Caps(int(gpu_cap), 100 * GB, False)
         placement = _kv_placement(cfg, base, torch.float16, 512, 32, PROFILE, caps)
         assert (placement == Placement(1.0, 0.0, 0.0)) == whole, (extra, placement)

@@ -20,9 +20,10 @@ from offload.cli.common import (
 from offload.engine import DTYPES
 from offload.errors import UserError
 from offload.models.resolve import resolve_model
+from offload.policies.caps import Caps
 from offload.policies.cost import Estimate, estimate
 from offload.policies.hardware import HardwareProfile, load_profile, measure, profile_path
-from offload.policies.search import Caps, search
+from offload.policies.search import search
 
 GB = 1e9
 

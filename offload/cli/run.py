@@ -24,8 +24,8 @@ from offload.cli.common import (
 )
 from offload.engine import LLM
 from offload.errors import UserError
-from offload.executor.caps import MemoryCaps
 from offload.io.tiers import Tier
+from offload.policies.caps import Caps
 from offload.policies.policy import Policy
 from offload.sampling import SamplingParams
 
@@ -191,7 +191,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
     output = _check_output(args.output)
     policy = Policy.from_file(args.policy) if args.policy else None
-    caps = MemoryCaps(
+    caps = Caps(
         gpu_bytes=parse_size(args.gpu_mem) if args.gpu_mem else None,
         cpu_bytes=parse_size(args.cpu_mem) if args.cpu_mem else None,
     )
@@ -336,7 +336,7 @@ def _peak_memory(llm: LLM) -> dict:
 
     out = {"cpu_rss_bytes": _peak_rss(), "gpu_bytes": 0, "disk_bytes": 0}
     if llm.device.type == "cuda":
-        from offload.executor.caps import cuda_context_bytes
+        from offload.policies.caps import cuda_context_bytes
 
         out["gpu_bytes"] = torch.cuda.max_memory_allocated(llm.device) + cuda_context_bytes(
             llm.device
@@ -428,7 +428,7 @@ def _executor_report(llm: LLM) -> str:
             lines.append(f"  {name:9s} busy {stats['busy_s'] * 1e3:8.1f} ms  {rate:7.2f} GB/s")
     gpu_peak = 0
     if llm.device.type == "cuda":
-        from offload.executor.caps import cuda_context_bytes
+        from offload.policies.caps import cuda_context_bytes
 
         gpu_peak = torch.cuda.max_memory_allocated(llm.device) + cuda_context_bytes(llm.device)
     hwm = 0

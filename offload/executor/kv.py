@@ -36,10 +36,11 @@ import torch
 
 from offload.config import ModelConfig
 from offload.executor.lanes import Lanes
+from offload.io.layout import DISK_BUFFERS, KVLayout
 from offload.io.pinned import ALIGN, PinnedPool, PoolBlock, align_up
 from offload.io.spill import SpillFile
 from offload.io.tiers import MemoryLedger, Tier
-from offload.kernels.kvquant import QuantKV, kv_buffer_bytes
+from offload.kernels.kvquant import QuantKV
 from offload.models import decoder
 from offload.policies.policy import Compression
 
@@ -81,14 +82,6 @@ def _page_spans(base: torch.Tensor, pieces: list[torch.Tensor]) -> list[tuple[in
         else:
             merged.append((lo, hi))
     return merged
-
-
-# disk staging blocks: a block's disk home is read into one, attended from it, updated
-# and written back; reads run that many blocks ahead of attention. Two measured best:
-# with four, the reads ahead compete with the write-backs on the critical path (H100
-# machine, int4 cache: 24-28 against 30-33 tok/s; fp16 cache alike; run 184357 of
-# bench_executor.py --disk-buffers 2,4,2,4)
-DISK_BUFFERS = 2
 
 
 @dataclass
@@ -162,13 +155,14 @@ class KVManager:
         self.release()
         cfg = self.cfg
         self.max_slots = max_slots
-        self.per_row = per_row = cfg.num_kv_heads * max_slots * cfg.head_dim * self.elt
-        disk_homes = [self._disk_home_bytes(d) for _, _, d in row_splits]
-        need = sum(self._home_bytes(c) for _, c, _ in row_splits if c) * cfg.num_layers
+        self.layout = kv = KVLayout(cfg, self.dtype, max_slots, self.compression)
+        self.per_row = per_row = kv.row_bytes
+        disk_homes = [kv.home_bytes(d) for _, _, d in row_splits]
+        need = sum(kv.home_bytes(c) for _, c, _ in row_splits) * cfg.num_layers
         off_rows = max((c + d for _, c, d in row_splits), default=0)
         need += self.disk_buffers * max(disk_homes, default=0)
         need += sum(align_up(b) for b in act_bytes)
-        need += 2 * align_up(self._store_bytes(off_rows))
+        need += 2 * align_up(kv.store_staging_bytes(off_rows))
         if self.pool is None or self.pool.capacity < need:
             if self.pool is not None:
                 self.pool.close()
@@ -194,7 +188,7 @@ class KVManager:
                     )
                     self._gpu_bytes += blk.gpu.nbytes
                 if c and self.compression is not None:
-                    blk.cpu_blocks = [self.pool.alloc(self._home_bytes(c))]
+                    blk.cpu_blocks = [self.pool.alloc(kv.home_bytes(c))]
                     blk.cpu_quant = self._quant(c, torch.device("cpu"), blk.cpu_blocks[0].tensor)
                     self._owned += blk.cpu_blocks
                 elif c:
@@ -211,7 +205,9 @@ class KVManager:
                 row.append(blk)
             self.blocks.append(row)
         if off_rows:  # device -> host staging of new entries, two deep
-            self._store_staging = [self.pool.alloc(self._store_bytes(off_rows)) for _ in range(2)]
+            self._store_staging = [
+                self.pool.alloc(kv.store_staging_bytes(off_rows)) for _ in range(2)
+            ]
         if off_rows and self.compression is not None:
             # where off-GPU rows are quantized (and attended at decode), two deep
             self._quant_scratch = [self._quant(off_rows, self.device) for _ in range(2)]
@@ -245,30 +241,6 @@ class KVManager:
             device,
             buffer,
             slot_major,
-        )
-
-    def _home_bytes(self, rows: int) -> int:
-        """Pinned bytes of the CPU home of `rows` sequences (one layer, K and V)."""
-        if self.compression is None:
-            return 2 * align_up(rows * self.per_row)
-        return align_up(self._quant_bytes(rows))
-
-    def _disk_home_bytes(self, rows: int) -> int:
-        """Spill bytes of the disk home of `rows` sequences (one layer, K and V), the
-        same as their CPU home: K then V token-major, or a slot-major QuantKV."""
-        return self._home_bytes(rows) if rows else 0
-
-    def _store_bytes(self, rows: int) -> int:
-        """Bytes one store of `rows` off-GPU sequences stages: a prefill's new K and V,
-        or (compressed) at most the whole compressed cache."""
-        if self.compression is None:
-            return 2 * rows * self.per_row
-        return self._quant_bytes(rows)
-
-    def _quant_bytes(self, rows: int) -> int:
-        cfg = self.cfg
-        return kv_buffer_bytes(
-            rows, cfg.num_kv_heads, cfg.head_dim, self.max_slots, self.dtype, self.compression
         )
 
     def release(self) -> None:

@@ -13,7 +13,6 @@ entirely on the GPU is used in place.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -24,11 +23,21 @@ import xxhash
 
 from offload.errors import UserError
 from offload.executor.lanes import Lanes
-from offload.io.pinned import PinnedPool, PoolBlock, align_up
+from offload.io.layout import (
+    EMBED_TABLE,
+    TensorSlot,
+    gathered,
+    gathered_gpu_bytes,
+    image_bytes,
+    stage_cuts,
+    stage_keys,
+    stage_layout,
+)
+from offload.io.pinned import PinnedPool, PoolBlock
 from offload.io.reader import ExtentReader
-from offload.io.store import Extent, WeightStore, stage_keys
+from offload.io.store import Extent, WeightStore
 from offload.io.tiers import MemoryLedger, Tier
-from offload.kernels.quant import assemble_stage, compress_stage, stored_layout
+from offload.kernels.quant import assemble_stage, compress_stage
 from offload.models.decoder import Weights, stage_shapes
 from offload.models.weights import DummySource, WeightSource
 from offload.policies.policy import Compression, Placement
@@ -36,19 +45,10 @@ from offload.policies.policy import Compression, Placement
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class TensorSlot:
-    name: str
-    offset: int
-    nbytes: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
 @dataclass
 class StageImage:
     key: str
-    layout: list[TensorSlot]
+    layout: tuple[TensorSlot, ...]
     size: int
     gpu_end: int
     cpu_end: int
@@ -61,10 +61,14 @@ class StageImage:
     # a GPU-resident stage's views, built once (50 tensors' views cost 0.15 ms of host
     # time a stage, 7 ms a decode step of OPT-30B: measured with scripts/profile_step.py)
     resident_views: Weights | None = None
+    # the embedding's stage when not every weight is on the GPU (`io.layout.gathered`):
+    # whole in pinned memory, its table read there a few rows a step
+    gathered: bool = False
 
     @property
     def resident(self) -> bool:
-        return self.gpu_end == self.size
+        """Used in place: held whole on the GPU, or gathered from."""
+        return self.gpu_end == self.size or self.gathered
 
     def views(self, image: torch.Tensor) -> Weights:
         stored = {
@@ -74,27 +78,11 @@ class StageImage:
         return assemble_stage(stored, self.shapes, self.dtype, self.compression)
 
 
-def _layout(
-    key: str, cfg, dtype: torch.dtype, store: WeightStore | None, compression: Compression | None
-) -> list[TensorSlot]:
-    if store is not None:
-        base = None
-        slots = []
-        for e in store.extents(key):
-            base = e.offset if base is None else base
-            slots.append(TensorSlot(e.name, e.offset - base, e.nbytes, e.shape, e.dtype))
-        return slots
-    slots, offset = [], 0
-    stage = key.partition(".")[0]
-    for name, (shape, t_dtype) in stored_layout(
-        stage_shapes(cfg, stage), dtype, compression
-    ).items():
-        nbytes = torch.empty((), dtype=t_dtype).element_size()
-        for dim in shape:
-            nbytes *= dim
-        slots.append(TensorSlot(name, offset, nbytes, shape, t_dtype))
-        offset += align_up(nbytes)
-    return slots
+def _store_layout(store: WeightStore, key: str) -> tuple[TensorSlot, ...]:
+    """A stage's layout as its store file holds it (offsets from the stage's start)."""
+    extents = store.extents(key)
+    base = extents[0].offset
+    return tuple(TensorSlot(e.name, e.offset - base, e.nbytes, e.shape, e.dtype) for e in extents)
 
 
 def _disk_extents(image: StageImage, store: WeightStore, host: torch.Tensor) -> tuple[Extent, ...]:
@@ -118,25 +106,6 @@ def _disk_extents(image: StageImage, store: WeightStore, host: torch.Tensor) -> 
     return tuple(out)
 
 
-def stage_cut(size: int, placement: Placement) -> tuple[int, int]:
-    """(gpu_end, cpu_end): the 4 KiB-aligned byte offsets where a stage image is cut."""
-    gpu_end = min(size, align_up(int(placement.gpu * size)))
-    if placement.disk == 0:
-        return gpu_end, size
-    return gpu_end, min(size, max(gpu_end, align_up(int((placement.gpu + placement.cpu) * size))))
-
-
-@functools.lru_cache(maxsize=64)
-def stage_image_bytes(
-    cfg, dtype: torch.dtype, compression: Compression | None = None
-) -> tuple[int, ...]:
-    """Image size of every stage (embedding, layers, head), in stage order."""
-    return tuple(
-        align_up(s.offset + s.nbytes)
-        for s in (_layout(k, cfg, dtype, None, compression)[-1] for k in stage_keys(cfg))
-    )
-
-
 class WeightHomes:
     """Places every stage's image across the tiers, reading each stage once at set-up."""
 
@@ -155,12 +124,17 @@ class WeightHomes:
         if placement.disk > 0 and store is None:
             raise UserError("the policy puts weights on disk; give --nvme DIR for the weight store")
         self.images: list[StageImage] = []
-        for key in stage_keys(cfg):
-            layout = _layout(key, cfg, dtype, store, compression)
-            size = align_up(layout[-1].offset + layout[-1].nbytes)
-            gpu_end, cpu_end = stage_cut(size, placement)
+        cuts = stage_cuts(cfg, dtype, compression, placement)
+        for key, (gpu_end, cpu_end) in zip(stage_keys(cfg), cuts, strict=True):
+            layout = (
+                _store_layout(store, key)
+                if store is not None
+                else stage_layout(cfg, key, dtype, compression)
+            )
+            size = image_bytes(layout)
             shapes = stage_shapes(cfg, key.partition(".")[0])
             image = StageImage(key, layout, size, gpu_end, cpu_end, shapes, dtype, compression)
+            image.gathered = gathered(key, placement)
             host = self._host_image(source, image, dtype, device)
             if gpu_end:
                 image.gpu_home = host[:gpu_end].to(device, copy=True)
@@ -173,6 +147,12 @@ class WeightHomes:
                 assert store is not None
                 image.disk_extents = _disk_extents(image, store, host)
                 ledger.add(Tier.DISK, size - cpu_end)
+            if image.gathered:  # the table stays in pinned memory, the rest goes up
+                views = image.views(image.cpu_home.tensor[:size])
+                image.resident_views = {
+                    name: t if name == EMBED_TABLE else t.to(device) for name, t in views.items()
+                }
+                ledger.add(Tier.GPU, gathered_gpu_bytes(cfg, dtype))
             self.images.append(image)
             del host
 

@@ -28,9 +28,9 @@ import xxhash
 
 from offload.config import ModelConfig
 from offload.errors import UserError
+from offload.io.layout import stage_keys, store_bytes
 from offload.io.pinned import ALIGN, align_up
-from offload.kernels.quant import compress_stage, stored_layout
-from offload.models.decoder import stage_shapes
+from offload.kernels.quant import compress_stage
 from offload.models.weights import WeightSource
 from offload.policies.policy import Compression
 
@@ -51,10 +51,6 @@ SPACE_MARGIN = 64 * 2**20
 
 def checksum(data: memoryview | bytes) -> str:
     return xxhash.xxh3_64_hexdigest(data)
-
-
-def stage_keys(cfg: ModelConfig) -> list[str]:
-    return ["embed", *(f"layer.{i}" for i in range(cfg.num_layers)), "head"]
 
 
 def _stage_file(key: str) -> str:
@@ -84,21 +80,6 @@ class Extent:
     @property
     def padded(self) -> int:
         return align_up(self.nbytes)
-
-
-def store_bytes(
-    cfg: ModelConfig, dtype: torch.dtype, compression: Compression | None = None
-) -> int:
-    """Bytes a store of this model takes on disk (extents padded to 4 KiB)."""
-    total = 0
-    for key in stage_keys(cfg):
-        shapes = stage_shapes(cfg, _split_key(key)[0])
-        for shape, t_dtype in stored_layout(shapes, dtype, compression).values():
-            count = torch.empty((), dtype=t_dtype).element_size()
-            for dim in shape:
-                count *= dim
-            total += align_up(count)
-    return total
 
 
 def compression_name(compression: Compression | None) -> str | None:

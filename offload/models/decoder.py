@@ -103,8 +103,13 @@ def stage_shapes(cfg: ModelConfig, stage: str) -> dict[str, tuple[int, ...]]:
 
 
 def embed(cfg: ModelConfig, w: Weights, token_ids: torch.Tensor, positions: torch.Tensor):
-    """Token ids [B, T] -> hidden states [B, T, hidden]."""
-    x = F.embedding(token_ids, w["tok.weight"])
+    """Token ids [B, T] -> hidden states [B, T, hidden]. A table held in host memory
+    (the executor's gathered embedding) is read there: only these rows cross."""
+    table = w["tok.weight"]
+    if table.device != token_ids.device:
+        x = F.embedding(token_ids.to(table.device), table).to(token_ids.device)
+    else:
+        x = F.embedding(token_ids, table)
     if "proj_in.weight" in w:
         x = F.linear(x, w["proj_in.weight"])
     if cfg.family == "opt":
@@ -204,7 +209,7 @@ def head(cfg: ModelConfig, w: Weights, x: torch.Tensor) -> torch.Tensor:
         x = _norm(cfg, w, "final_norm", x)
     if "proj_out.weight" in w:
         x = F.linear(x, w["proj_out.weight"])
-    return F.linear(x, w["lm_head.weight"]).float()
+    return _linear(w, "lm_head", x).float()
 
 
 class LayerKV:

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from offload.config import ModelConfig
-from offload.executor.weights import stage_cut, stage_image_bytes
+from offload.io.layout import gathered, stage_cuts, stage_image_bytes
 from offload.kernels.kvquant import kv_row_bytes
+from offload.policies.caps import Baseline, peak_bytes
 from offload.policies.hardware import GB, HardwareProfile
 from offload.policies.memory import MemoryPlan, micro_batch_sizes, plan_memory, row_splits
 from offload.policies.policy import Policy
@@ -49,8 +50,10 @@ def _layer_bytes(
     """Average per-layer off-GPU and on-disk bytes, the embed + head off-GPU bytes, and
     the average layer's bytes."""
     sizes = stage_image_bytes(cfg, dtype, policy.weight_compression)
-    cuts = [stage_cut(size, policy.weights) for size in sizes]
+    cuts = stage_cuts(cfg, dtype, policy.weight_compression, policy.weights)
     off = [size - g for size, (g, _) in zip(sizes, cuts, strict=True)]
+    if gathered("embed", policy.weights):  # only the block's rows cross, not the table
+        off[0] = 0
     disk = [size - c for size, (_, c) in zip(sizes, cuts, strict=True)]
     layers = slice(1, len(sizes) - 1)
     n = cfg.num_layers
@@ -134,6 +137,7 @@ def estimate(
     decode = (gen_len - 1) * step
     total = prefill + decode
     plan = plan_memory(cfg, policy, dtype, prompt_len, gen_len)
+    gpu_peak, cpu_peak = peak_bytes(plan, Baseline.from_profile(hw))
     return Estimate(
         policy=policy,
         prefill_s=prefill,
@@ -145,6 +149,6 @@ def estimate(
         bottleneck=max(lanes, key=lambda k: lanes[k]),
         lanes_decode_s=lanes,
         memory=plan,
-        gpu_peak_bytes=plan.gpu_bytes + hw.gpu_context_bytes,
-        cpu_peak_bytes=plan.cpu_bytes + hw.process_base_bytes,
+        gpu_peak_bytes=gpu_peak,
+        cpu_peak_bytes=cpu_peak,
     )

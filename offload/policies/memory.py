@@ -13,10 +13,15 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.config import ModelConfig
-from offload.executor.kv import DISK_BUFFERS
-from offload.executor.weights import stage_cut, stage_image_bytes
+from offload.io.layout import (
+    DISK_BUFFERS,
+    KVLayout,
+    gathered,
+    gathered_gpu_bytes,
+    stage_cuts,
+    stage_image_bytes,
+)
 from offload.io.pinned import align_up
-from offload.kernels.kvquant import kv_buffer_bytes
 from offload.models import decoder
 from offload.policies.policy import Policy
 
@@ -27,6 +32,15 @@ class MemoryPlan:
     cpu_bytes: int  # pinned pools: weights, staging, KV, activations
     disk_bytes: int
     detail: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_detail(cls, detail: dict[str, int]) -> MemoryPlan:
+        """Tier totals of named parts, each named `<what>_<tier>`."""
+
+        def total(tier: str) -> int:
+            return sum(v for k, v in detail.items() if k.endswith(f"_{tier}"))
+
+        return cls(total("gpu"), total("cpu"), total("disk"), detail)
 
 
 def row_splits(placement, sizes: list[int]) -> list[tuple[int, int, int]]:
@@ -58,8 +72,13 @@ def _weight_plan(
     cfg: ModelConfig, placement, dtype: torch.dtype, compression
 ) -> tuple[tuple[str, int], ...]:
     gpu = cpu = disk = slot = staging = 0
-    for size in stage_image_bytes(cfg, dtype, compression):
-        gpu_end, cpu_end = stage_cut(size, placement)
+    sizes = stage_image_bytes(cfg, dtype, compression)
+    cuts = stage_cuts(cfg, dtype, compression, placement)
+    if gathered("embed", placement):  # the table stays in CPU memory, its rows cross
+        gpu += gathered_gpu_bytes(cfg, dtype)
+        cpu += sizes[0]
+        sizes, cuts = sizes[1:], cuts[1:]
+    for size, (gpu_end, cpu_end) in zip(sizes, cuts, strict=True):
         gpu += gpu_end
         if cpu_end > gpu_end:
             cpu += cpu_end - gpu_end
@@ -79,44 +98,21 @@ def _weight_plan(
 def kv_plan(
     cfg: ModelConfig, policy: Policy, dtype: torch.dtype, batch: int, max_slots: int
 ) -> dict[str, int]:
-    elt = torch.empty((), dtype=dtype).element_size()
-    per_row = cfg.num_kv_heads * max_slots * cfg.head_dim * elt
+    """The KV homes, scratches and staging the executor's `KVManager.start` allocates."""
+    kv = KVLayout(cfg, dtype, max_slots, policy.kv_compression)
     splits = row_splits(policy.kv_cache, micro_batch_sizes(policy, batch))
     layers = cfg.num_layers
     off_rows = max((c + d for _, c, d in splits), default=0)
-    if policy.kv_compression is not None:  # homes as `executor.kv` lays them out
-
-        def compressed(rows: int) -> int:
-            return kv_buffer_bytes(
-                rows, cfg.num_kv_heads, cfg.head_dim, max_slots, dtype, policy.kv_compression
-            )
-
-        disk_homes = [align_up(compressed(d)) for _, _, d in splits if d]
-        return {
-            "kv_gpu": sum(compressed(g) for g, _, _ in splits if g) * layers,
-            "kv_cpu": sum(align_up(compressed(c)) for _, c, _ in splits if c) * layers,
-            "kv_disk": sum(disk_homes) * layers,
-            # two compressed scratches where off-GPU rows are quantized and attended
-            "kv_scratch_gpu": 2 * compressed(off_rows) if off_rows else 0,
-            # new entries on their way to off-GPU homes (two deep), and disk homes
-            # being read, updated and written back
-            "kv_staging_cpu": (2 * align_up(compressed(off_rows)) if off_rows else 0)
-            + DISK_BUFFERS * max(disk_homes, default=0),
-        }
-    gpu = sum(2 * g * per_row for g, _, _ in splits) * layers
-    cpu = sum(2 * align_up(c * per_row) for _, c, _ in splits if c) * layers
-    regions = [align_up(d * per_row) for _, _, d in splits]
-    disk = 2 * layers * sum(regions)
-    scratch = 4 * off_rows * per_row if off_rows and not policy.attention_on_cpu else 0
-    # disk pages being read and updated, and new entries on their way to off-GPU homes
-    # (two deep)
-    staging = DISK_BUFFERS * 2 * max(regions, default=0) + 2 * align_up(2 * off_rows * per_row)
+    disk_homes = [kv.home_bytes(d) for _, _, d in splits]
     return {
-        "kv_gpu": gpu,
-        "kv_cpu": cpu,
-        "kv_disk": disk,
-        "kv_scratch_gpu": scratch,
-        "kv_staging_cpu": staging,
+        "kv_gpu": sum(kv.gpu_bytes(g) for g, _, _ in splits) * layers,
+        "kv_cpu": sum(kv.home_bytes(c) for _, c, _ in splits) * layers,
+        "kv_disk": sum(disk_homes) * layers,
+        "kv_scratch_gpu": kv.scratch_gpu_bytes(off_rows, policy.attention_on_cpu),
+        # disk homes being read, updated and written back, and new entries on their way
+        # to off-GPU homes (two deep)
+        "kv_staging_cpu": DISK_BUFFERS * max(disk_homes, default=0)
+        + (2 * align_up(kv.store_staging_bytes(off_rows)) if off_rows else 0),
     }
 
 
@@ -189,7 +185,4 @@ def plan_memory(
         **kv_plan(cfg, policy, dtype, batch, max_slots),
         **activation_plan(cfg, policy, dtype, batch, prompt_len, max_slots),
     }
-    gpu = sum(v for k, v in detail.items() if k.endswith("_gpu"))
-    cpu = sum(v for k, v in detail.items() if k.endswith("_cpu"))
-    disk = sum(v for k, v in detail.items() if k.endswith("_disk"))
-    return MemoryPlan(gpu, cpu, disk, detail)
+    return MemoryPlan.from_detail(detail)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
 
 import torch
 
 from offload.config import ModelConfig
 from offload.errors import UserError
-from offload.executor.weights import stage_image_bytes
+from offload.io.layout import stage_image_bytes
+from offload.policies.caps import GPU_SLACK, Baseline, Caps, fit_problem
 from offload.policies.cost import Estimate, estimate
 from offload.policies.hardware import HardwareProfile
 from offload.policies.memory import plan_memory
@@ -29,24 +29,14 @@ NUM_BATCHES = (1, 2, 4, 8, 16)
 WEIGHT_STEPS = 20
 
 
-@dataclass(frozen=True)
-class Caps:
-    gpu_bytes: int
-    cpu_bytes: int
-    nvme: bool
+def _fits(est: Estimate, caps: Caps, hw: HardwareProfile) -> bool:
+    """The engine's own check (`policies.caps`), so a returned plan is never refused."""
+    return fit_problem(est.memory, caps, Baseline.from_profile(hw)) is None
 
 
-# The plan counts every tensor the executor allocates, but not the CUDA allocator's
-# block rounding or cuBLAS/SDPA workspaces: the search leaves this share of the GPU cap.
-GPU_HEADROOM = 0.02
-
-
-def _gpu_budget(caps: Caps) -> float:
-    return caps.gpu_bytes * (1 - GPU_HEADROOM)
-
-
-def _fits(est: Estimate, caps: Caps) -> bool:
-    return est.gpu_peak_bytes <= _gpu_budget(caps) and est.cpu_peak_bytes <= caps.cpu_bytes
+def _plan_gpu_budget(caps: Caps, hw: HardwareProfile) -> float:
+    """Plan bytes the GPU cap leaves: the inverse of `caps.peak_bytes`."""
+    return (caps.gpu_bytes - hw.gpu_context_bytes) / (1 + GPU_SLACK)
 
 
 def _kv_placement(
@@ -56,7 +46,7 @@ def _kv_placement(
     probe = plan_memory(cfg, _with(base, kv=Placement(0.0, 1.0, 0.0)), dtype, prompt_len, gen_len)
     kv_total = max(probe.detail["kv_cpu"], 1)
     scratch = probe.detail["kv_scratch_gpu"]  # only where some rows are off the GPU
-    gpu_left = _gpu_budget(caps) - hw.gpu_context_bytes - (probe.gpu_bytes - probe.detail["kv_gpu"])
+    gpu_left = _plan_gpu_budget(caps, hw) - (probe.gpu_bytes - probe.detail["kv_gpu"])
     cpu_left = caps.cpu_bytes - hw.process_base_bytes - (probe.cpu_bytes - probe.detail["kv_cpu"])
     if gpu_left + scratch >= kv_total:  # all on the GPU, which needs no scratch
         return Placement(1.0, 0.0, 0.0)
@@ -159,6 +149,8 @@ def search(
 
     `compressions` and `kv_compressions` are the weight and KV formats the search may
     choose among (None: uncompressed)."""
+    if caps.gpu_bytes is None or caps.cpu_bytes is None:
+        raise ValueError(f"the search needs both caps resolved to bytes, got {caps}")
     if prompt_len + gen_len > cfg.max_position_embeddings:
         raise UserError(
             f"prompt {prompt_len} + generation {gen_len} tokens exceed the model's context of "
@@ -171,7 +163,7 @@ def search(
             continue
         policy = _with(base, kv=kv)
         est = estimate(cfg, policy, dtype, prompt_len, gen_len, hw)
-        if _fits(est, caps) and (best is None or est.total_tok_s > best.total_tok_s):
+        if _fits(est, caps, hw) and (best is None or est.total_tok_s > best.total_tok_s):
             best = est
     if best is None:
         smallest = min(compressions, key=lambda c: sum(stage_image_bytes(cfg, dtype, c)))

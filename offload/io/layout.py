@@ -1,0 +1,190 @@
+"""The byte layout of weights and KV cache: the one truth that the planner counts and the
+executor allocates.
+
+Weights. Each stage (the embedding, every layer, the head) is one byte image of its
+stored tensors (`kernels.quant.stored_layout`: quantized matrices as codes, scales and
+minima), each tensor 4 KiB aligned, in stage order; the weight store writes the same
+extents. A placement cuts an image at two 4 KiB boundaries (`stage_cut`): bytes
+[0, gpu_end) live on the GPU, [gpu_end, cpu_end) in pinned CPU memory, [cpu_end, size)
+on disk.
+
+KV cache. A home of `rows` sequences for one layer holds K and V for `max_slots`
+tokens: fp16 K then V (each 4 KiB aligned), or one compressed `QuantKV` buffer. CPU and
+disk homes have the same bytes; `DISK_BUFFERS` staging blocks hold disk homes while they
+are read, attended and written back.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from offload.config import ModelConfig
+from offload.io.pinned import align_up
+from offload.kernels.kvquant import kv_buffer_bytes
+from offload.kernels.quant import stored_layout
+from offload.models.decoder import stage_shapes
+
+if TYPE_CHECKING:
+    from offload.kernels.formats import Compression
+
+# disk staging blocks: a block's disk home is read into one, attended from it, updated
+# and written back; reads run that many blocks ahead of attention. Two measured best:
+# with four, the reads ahead compete with the write-backs on the critical path (H100
+# machine, int4 cache: 24-28 against 30-33 tok/s; fp16 cache alike; run 184357 of
+# bench_executor.py --disk-buffers 2,4,2,4)
+DISK_BUFFERS = 2
+
+
+def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    count = torch.empty((), dtype=dtype).element_size()
+    for dim in shape:
+        count *= dim
+    return count
+
+
+# -- weights --------------------------------------------------------------------------
+def stage_keys(cfg: ModelConfig) -> list[str]:
+    return ["embed", *(f"layer.{i}" for i in range(cfg.num_layers)), "head"]
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """One stored tensor's place in its stage image."""
+
+    name: str
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@functools.lru_cache(maxsize=256)
+def stage_layout(
+    cfg: ModelConfig, key: str, dtype: torch.dtype, compression: Compression | None
+) -> tuple[TensorSlot, ...]:
+    """The stored tensors of stage `key` ("embed", "layer.<i>", "head") in image order."""
+    slots, offset = [], 0
+    stored = stored_layout(stage_shapes(cfg, key.partition(".")[0]), dtype, compression)
+    for name, (shape, t_dtype) in stored.items():
+        nbytes = nbytes_of(shape, t_dtype)
+        slots.append(TensorSlot(name, offset, nbytes, shape, t_dtype))
+        offset += align_up(nbytes)
+    return tuple(slots)
+
+
+def image_bytes(layout: tuple[TensorSlot, ...] | list[TensorSlot]) -> int:
+    last = layout[-1]
+    return align_up(last.offset + last.nbytes)
+
+
+@functools.lru_cache(maxsize=64)
+def stage_image_bytes(
+    cfg: ModelConfig, dtype: torch.dtype, compression: Compression | None = None
+) -> tuple[int, ...]:
+    """Image size of every stage (embedding, layers, head), in stage order."""
+    return tuple(image_bytes(stage_layout(cfg, k, dtype, compression)) for k in stage_keys(cfg))
+
+
+def stage_cut(size: int, placement) -> tuple[int, int]:
+    """(gpu_end, cpu_end): the 4 KiB-aligned byte offsets where a stage image is cut by
+    a placement (fractions `gpu`, `cpu`, `disk`: a `policies.Placement`)."""
+    gpu_end = min(size, align_up(int(placement.gpu * size)))
+    if placement.disk == 0:
+        return gpu_end, size
+    return gpu_end, min(size, max(gpu_end, align_up(int((placement.gpu + placement.cpu) * size))))
+
+
+def gathered(key: str, placement) -> bool:
+    """The embedding is read a few rows a step: unless every weight is on the GPU, its
+    stage lives whole in pinned CPU memory, the block's rows are gathered from the table
+    there and cross alone, and its small tensors (positions, norms) are copied to the GPU
+    once. It never passes through a ring slot (BLOOM's table alone is 7.2 GB)."""
+    return key == "embed" and placement.gpu < 1
+
+
+def stage_cuts(
+    cfg: ModelConfig, dtype: torch.dtype, compression: Compression | None, placement
+) -> list[tuple[int, int]]:
+    """(gpu_end, cpu_end) of every stage under a placement: the one rule for planner and
+    executor."""
+    sizes = stage_image_bytes(cfg, dtype, compression)
+    return [
+        (0, size) if gathered(key, placement) else stage_cut(size, placement)
+        for key, size in zip(stage_keys(cfg), sizes, strict=True)
+    ]
+
+
+def gathered_gpu_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """The GPU copies of a gathered embedding stage's tensors besides its table."""
+    layout = stage_layout(cfg, "embed", dtype, None)
+    return sum(align_up(t.nbytes) for t in layout if t.name != EMBED_TABLE)
+
+
+EMBED_TABLE = "tok.weight"
+
+
+def store_bytes(cfg: ModelConfig, dtype: torch.dtype, compression: Compression | None) -> int:
+    """Bytes a weight store of the whole model takes on disk."""
+    return sum(stage_image_bytes(cfg, dtype, compression))
+
+
+# -- KV cache -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KVLayout:
+    """Bytes of KV homes for one layer at `max_slots` tokens a sequence."""
+
+    cfg: ModelConfig
+    dtype: torch.dtype
+    max_slots: int
+    compression: Compression | None = None
+
+    @property
+    def row_bytes(self) -> int:
+        """One sequence's fp16 K (or V) for one layer."""
+        cfg = self.cfg
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        return cfg.num_kv_heads * self.max_slots * cfg.head_dim * elt
+
+    def quant_bytes(self, rows: int) -> int:
+        """One compressed `QuantKV` buffer of `rows` sequences (K and V)."""
+        cfg = self.cfg
+        assert self.compression is not None
+        return kv_buffer_bytes(
+            rows, cfg.num_kv_heads, cfg.head_dim, self.max_slots, self.dtype, self.compression
+        )
+
+    def home_bytes(self, rows: int) -> int:
+        """The CPU (pinned) or disk home of `rows` sequences: K then V, or one QuantKV."""
+        if not rows:
+            return 0
+        if self.compression is None:
+            return 2 * align_up(rows * self.row_bytes)
+        return align_up(self.quant_bytes(rows))
+
+    def gpu_bytes(self, rows: int) -> int:
+        """A GPU-resident cache of `rows` sequences."""
+        if not rows:
+            return 0
+        if self.compression is None:
+            return 2 * rows * self.row_bytes
+        return self.quant_bytes(rows)
+
+    def store_staging_bytes(self, rows: int) -> int:
+        """One store of `rows` off-GPU sequences' new entries: a prefill's new K and V,
+        or (compressed) at most the whole compressed cache."""
+        if self.compression is None:
+            return 2 * rows * self.row_bytes
+        return self.quant_bytes(rows)
+
+    def scratch_gpu_bytes(self, rows: int, attention_on_cpu: bool) -> int:
+        """The two GPU scratches where off-GPU rows are attended (fp16: loaded; compressed:
+        also quantized into), two deep for prefetch."""
+        if not rows:
+            return 0
+        if self.compression is not None:
+            return 2 * self.quant_bytes(rows)
+        return 0 if attention_on_cpu else 4 * rows * self.row_bytes

@@ -1,0 +1,167 @@
+"""Memory caps and the one fit check.
+
+A cap (`--gpu-mem`, `--cpu-mem`) is a promise: the search returns only policies whose
+peak fits, the engine checks the same peak before it loads anything, and the run's
+measured peaks are reported against the same numbers. The peak of a tier is
+
+    GPU:  plan.gpu_bytes x (1 + GPU_SLACK) + the CUDA context and library workspaces
+    CPU:  plan.cpu_bytes + the process's own resident bytes before any plan bytes
+
+where the plan (`policies.memory.plan_memory`) counts every buffer the executor
+allocates, from the byte layout in `io.layout`. The baseline (context, process) comes
+from the hardware profile when planning and is measured live by the engine; both go
+through `peak_bytes`, so the search and the engine never disagree on a plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from offload.config import ModelConfig
+from offload.errors import UserError
+from offload.policies.hardware import HardwareProfile
+from offload.policies.memory import MemoryPlan, plan_memory, weight_plan
+from offload.policies.policy import Policy
+
+# The plan counts every tensor the executor allocates, but not the CUDA caching
+# allocator's block rounding and fragmentation: a GPU peak carries this share on top.
+GPU_SLACK = 0.02
+
+
+@dataclass(frozen=True)
+class Caps:
+    """Byte caps per tier (None: the device's own size) and whether a disk is given."""
+
+    gpu_bytes: int | None = None
+    cpu_bytes: int | None = None
+    nvme: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_bytes", "cpu_bytes"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"memory cap {name}={value!r} must be positive")
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """What a run holds besides its plan: the CUDA context (device bytes the caching
+    allocator does not own) and the process's resident host bytes before any weights."""
+
+    gpu_context_bytes: int = 0
+    process_bytes: int = 0
+
+    @classmethod
+    def measure(cls, device: torch.device) -> Baseline:
+        return cls(cuda_context_bytes(device), process_rss())
+
+    @classmethod
+    def from_profile(cls, hw: HardwareProfile) -> Baseline:
+        return cls(hw.gpu_context_bytes, hw.process_base_bytes)
+
+
+def cuda_context_bytes(device: torch.device) -> int:
+    """Device memory in use that the caching allocator does not own (CUDA context,
+    cuBLAS workspaces): measured, not assumed."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, total - free - torch.cuda.memory_reserved(device))
+
+
+def process_rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def peak_bytes(plan: MemoryPlan, base: Baseline) -> tuple[int, int]:
+    """(GPU, CPU) peak of a run of this plan: the one accounting."""
+    gpu = int(plan.gpu_bytes * (1 + GPU_SLACK)) + base.gpu_context_bytes
+    return gpu, plan.cpu_bytes + base.process_bytes
+
+
+def device_limits(device: torch.device) -> tuple[int, int]:
+    """(GPU, CPU) bytes there are when no cap is given."""
+    cpu = psutil.virtual_memory().total
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, cpu
+    return cpu, cpu
+
+
+def fit_problem(
+    plan: MemoryPlan, caps: Caps, base: Baseline, limits: tuple[int, int] | None = None
+) -> str | None:
+    """None when the plan's peaks fit the caps (and the devices' sizes, where given);
+    else which tier overflows, by how much, and with what in it."""
+    gpu, cpu = peak_bytes(plan, base)
+    gpu_limit, cpu_limit = _limits(caps, limits)
+    if gpu_limit is not None and gpu > gpu_limit:
+        return (
+            f"GPU needs {_gb(gpu)} (plan {_gb(plan.gpu_bytes)} + {GPU_SLACK:.0%} allocator slack "
+            f"+ CUDA context {_gb(base.gpu_context_bytes)}) but {_gb(gpu_limit)} is available"
+        )
+    if cpu_limit is not None and cpu > cpu_limit:
+        return (
+            f"CPU needs {_gb(cpu)} (plan {_gb(plan.cpu_bytes)} + this process "
+            f"{_gb(base.process_bytes)}) but {_gb(cpu_limit)} is available"
+        )
+    return None
+
+
+def _limits(caps: Caps, limits: tuple[int, int] | None) -> tuple[int | None, int | None]:
+    gpu_dev, cpu_dev = limits if limits is not None else (None, None)
+    return _smaller(caps.gpu_bytes, gpu_dev), _smaller(caps.cpu_bytes, cpu_dev)
+
+
+def _smaller(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def check_weights_fit(
+    cfg: ModelConfig,
+    policy: Policy,
+    dtype: torch.dtype,
+    device: torch.device,
+    caps: Caps,
+    base: Baseline,
+) -> None:
+    """Before loading: the weights' share of each tier (homes, ring slots, staging) fits."""
+    if policy.weights.disk > 0 and not caps.nvme:
+        raise UserError("the policy puts weights on disk; give --nvme DIR for the weight store")
+    if policy.kv_cache.disk > 0 and not caps.nvme:
+        raise UserError("the policy puts KV cache on disk; give --nvme DIR for the spill file")
+    plan = MemoryPlan.from_detail(weight_plan(cfg, policy, dtype))
+    problem = fit_problem(plan, caps, base, device_limits(device))
+    if problem:
+        raise UserError(
+            f"the policy's weights do not fit: {problem}; raise the cap or move weights to "
+            "cpu/disk (--nvme)"
+        )
+
+
+def check_block_fits(
+    cfg: ModelConfig,
+    policy: Policy,
+    dtype: torch.dtype,
+    device: torch.device,
+    caps: Caps,
+    base: Baseline,
+    prompt_len: int,
+    max_new_tokens: int,
+) -> None:
+    """Before generating: weights, KV cache and activations of a full block fit."""
+    plan = plan_memory(cfg, policy, dtype, prompt_len, max_new_tokens)
+    problem = fit_problem(plan, caps, base, device_limits(device))
+    if problem:
+        raise UserError(
+            f"the policy does not fit prompt {prompt_len} + {max_new_tokens} new tokens in a "
+            f"block of {policy.block_size}: {problem}; raise the cap, lower the batch, "
+            "or move KV cache to cpu/disk (--nvme)"
+        )

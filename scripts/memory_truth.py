@@ -1,0 +1,165 @@
+"""Measured GPU and host peaks of real runs against the one accounting (`policies.caps`).
+
+For each case (a preset cut to a few layers, so a 176B-wide model runs in seconds; the
+per-layer buffers, the embedding and the head are at full size) and policy: place the
+weights, run one block's prefill and a few decode steps, and record
+torch.cuda.max_memory_allocated / max_memory_reserved, the CUDA context, peak RSS, the
+plan's parts and the ledger. Prints a table and writes JSON (benchmarks/results/ and $OUT).
+
+    python scripts/memory_truth.py [--layers 3] [--prompt-len 512] [--gen-len 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import resource
+import time
+from pathlib import Path
+
+import torch
+from offload.kernels.formats import Compression
+
+from offload.batch import PaddedBatch
+from offload.executor.executor import Executor
+from offload.models.resolve import resolve_model
+from offload.models.weights import DummySource
+from offload.policies.caps import Baseline, peak_bytes
+from offload.policies.memory import plan_memory
+from offload.policies.policy import Placement, Policy
+from offload.sampling import SamplingParams, sample
+
+GB = 1e9
+INT4 = Compression(4, 64, False)
+CASES = {
+    # the BLOOM run of issue 18: int4 weights streamed from CPU, int4 KV mostly in CPU
+    "bloom int4 W+KV, 16 seqs, KV cpu": (
+        "bloom",
+        Policy(
+            8,
+            2,
+            weights=Placement(0, 1, 0),
+            kv_cache=Placement(0.25, 0.75, 0),
+            weight_compression=INT4,
+            kv_compression=INT4,
+        ),
+    ),
+    "bloom int4 W+KV, 2 seqs, all cpu": (
+        "bloom",
+        Policy(
+            2,
+            1,
+            weights=Placement(0, 1, 0),
+            kv_cache=Placement(0, 1, 0),
+            weight_compression=INT4,
+            kv_compression=INT4,
+        ),
+    ),
+    "opt-30b fp16, 48x2 CPU attention": (
+        "opt-30b",
+        Policy(
+            48,
+            2,
+            weights=Placement(0.2, 0.8, 0),
+            kv_cache=Placement(0, 1, 0),
+            attention_on_cpu=True,
+        ),
+    ),
+    "llama-3.1-70b int4 W+KV, 64 seqs on GPU": (
+        "llama-3.1-70b",
+        Policy(
+            32,
+            2,
+            weights=Placement(0, 1, 0),
+            kv_cache=Placement(1, 0, 0),
+            weight_compression=INT4,
+            kv_compression=INT4,
+        ),
+    ),
+}
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_case(name: str, preset: str, policy: Policy, args) -> dict:
+    device = torch.device("cuda")
+    cfg = dataclasses.replace(resolve_model(preset, dummy=True).config, num_layers=args.layers)
+    dtype = torch.float16
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = Baseline.measure(device)
+    ex = Executor(DummySource(cfg), policy, dtype, device)
+    prompts = torch.randint(10, cfg.vocab_size - 10, (policy.block_size, args.prompt_len))
+    batch = PaddedBatch(cfg, prompts.tolist(), args.gen_len, pad_id=1)
+    greedy = SamplingParams(max_tokens=args.gen_len)
+    ex.start(batch)
+    logits = ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, args.prompt_len))
+    prefill_peak = torch.cuda.max_memory_allocated()
+    for t in range(args.gen_len - 1):
+        ids = sample(logits, greedy, None)
+        logits = ex.forward(ids[:, None], ex.step_inputs(batch, args.prompt_len + t, 1))
+    torch.cuda.synchronize()
+    plan = plan_memory(cfg, policy, dtype, args.prompt_len, args.gen_len)
+    planned_gpu, planned_cpu = peak_bytes(plan, base)
+    measured_gpu = torch.cuda.max_memory_allocated() + base.gpu_context_bytes
+    out = {
+        "case": name,
+        "model": preset,
+        "layers": args.layers,
+        "policy": policy.to_dict(),
+        "baseline": dataclasses.asdict(base),
+        "plan_detail": plan.detail,
+        "ledger": ex.ledger.snapshot(),
+        "planned_gpu_peak": planned_gpu,
+        "measured_gpu_peak": measured_gpu,
+        "max_allocated": torch.cuda.max_memory_allocated(),
+        "prefill_max_allocated": prefill_peak,
+        "max_reserved": torch.cuda.max_memory_reserved(),
+        "planned_cpu_peak": planned_cpu,
+        "measured_peak_rss": peak_rss(),
+    }
+    ex.close()
+    del ex, logits
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=4)
+    p.add_argument("--cases", default=",".join(CASES))
+    args = p.parse_args()
+    runs = []
+    for name in args.cases.split(","):
+        preset, policy = CASES[name]
+        try:
+            runs.append(run_case(name, preset, policy, args))
+        except Exception as exc:  # a failed case is a result too
+            runs.append({"case": name, "error": f"{type(exc).__name__}: {exc}"})
+        print(json.dumps(runs[-1]), flush=True)
+    res = {"machine": platform.node(), "gpu": torch.cuda.get_device_name(), "runs": runs}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for folder in (Path("benchmarks/results"), Path(os.environ.get("OUT", "."))):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"memory_truth_{stamp}.json").write_text(json.dumps(res, indent=1))
+    print(f"{'case':44} {'planned':>8} {'measured':>8} {'reserved':>8} {'RSS':>7} {'plan CPU':>8}")
+    for r in runs:
+        if "error" in r:
+            print(f"{r['case']:44} {r['error'][:80]}")
+            continue
+        print(
+            f"{r['case']:44} {r['planned_gpu_peak'] / GB:8.2f} {r['measured_gpu_peak'] / GB:8.2f} "
+            f"{r['max_reserved'] / GB:8.2f} {r['measured_peak_rss'] / GB:7.2f} "
+            f"{r['planned_cpu_peak'] / GB:8.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
