@@ -15,11 +15,11 @@ import torch
 
 from offload.batch import PaddedBatch
 from offload.config import ModelConfig
+from offload.kernels.formats import Compression
 from offload.kernels.quant import fake_quantize, is_quantized
 from offload.models import decoder, ops
 from offload.models.decoder import LayerKV, StepInputs, Weights
 from offload.models.weights import WeightSource
-from offload.policies.policy import Compression
 
 
 def _compressed(weights: Weights, config: Compression | None) -> Weights:

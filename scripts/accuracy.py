@@ -23,7 +23,7 @@ import torch
 
 from offload.batch import PaddedBatch
 from offload.engine import LLM
-from offload.policies.policy import Compression
+from offload.kernels.formats import Compression
 from offload.runner import PlainRunner
 from offload.sampling import SamplingParams
 

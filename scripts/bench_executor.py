@@ -36,10 +36,11 @@ from offload.executor.caps import (
 )
 from offload.executor.executor import Executor
 from offload.executor.kv import DISK_BUFFERS, KVManager
+from offload.kernels.formats import Compression
 from offload.models.resolve import resolve_model
 from offload.policies.hardware import disk_rates
 from offload.policies.memory import plan_memory
-from offload.policies.policy import Compression, Placement, Policy
+from offload.policies.policy import Placement, Policy
 from offload.sampling import SamplingParams, sample
 
 GB = 1e9

@@ -26,10 +26,11 @@ from offload.batch import PaddedBatch
 from offload.cli.common import parse_compression, parse_kv_compression, parse_size
 from offload.executor.caps import cuda_context_bytes
 from offload.executor.executor import Executor
+from offload.kernels.formats import Compression
 from offload.models.resolve import resolve_model
 from offload.policies.cost import estimate
 from offload.policies.hardware import HardwareProfile, measure
-from offload.policies.policy import Compression, Placement, Policy
+from offload.policies.policy import Placement, Policy
 from offload.policies.search import Caps, search
 from offload.sampling import SamplingParams, sample
 

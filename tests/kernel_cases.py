@@ -15,10 +15,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from offload.kernels.formats import Compression
 from offload.kernels.kvquant import QuantKV, decode_attention
 from offload.kernels.qmatmul import Tiles, qlinear
 from offload.kernels.quant import dequantize, quantize
-from offload.policies.policy import Compression
 
 # (rows, out features, in features, group): odd rows and out features not a multiple
 # of any tile, one and several groups

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from offload.kernels.formats import Compression
 from offload.kernels.quant import dequantize, pack_int4, quantize, unpack_int4
-from offload.policies.policy import Compression
 
 
 def test_int4_pack_unpack_is_bit_exact():

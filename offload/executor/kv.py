@@ -39,9 +39,9 @@ from offload.executor.lanes import Lanes
 from offload.io.pinned import ALIGN, PinnedPool, PoolBlock, align_up
 from offload.io.spill import SpillFile
 from offload.io.tiers import MemoryLedger, Tier
+from offload.kernels.formats import Compression
 from offload.kernels.kvquant import QuantKV, kv_buffer_bytes
 from offload.models import decoder
-from offload.policies.policy import Compression
 
 
 def _wait_future(future: Future | None) -> None:

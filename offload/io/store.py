@@ -29,10 +29,10 @@ import xxhash
 from offload.config import ModelConfig
 from offload.errors import UserError
 from offload.io.pinned import ALIGN, align_up
+from offload.kernels.formats import Compression
 from offload.kernels.quant import compress_stage, stored_layout
 from offload.models.decoder import stage_shapes
 from offload.models.weights import WeightSource
-from offload.policies.policy import Compression
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from offload.kernels.formats import KV_GROUPS, Compression, value_group
 from offload.kernels.launch import Launcher
 from offload.kernels.qmatmul import use_kernel
 from offload.kernels.quant import QTensor, dequantize, quantize
-from offload.policies.policy import KV_GROUPS, Compression
 
 try:
     import triton
@@ -43,11 +43,6 @@ except ImportError:  # CPU-only installs: the reference path runs instead
     triton = None
 else:
     from offload.kernels.qmatmul import dequant, dequant_nibbles
-
-
-def value_group(config: Compression, head_dim: int) -> int:
-    """Channels per value group: the group size, or what of it divides head_dim."""
-    return math.gcd(config.group_size, head_dim)
 
 
 # the format's tensors, by non-increasing element size (`QuantKV.pack` relies on it);

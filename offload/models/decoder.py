@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from offload.config import OPT_POSITION_OFFSET, ModelConfig
+from offload.kernels.formats import Compression
 from offload.kernels.kvquant import QuantKV, decode_attention
 from offload.kernels.qmatmul import qlinear
 from offload.kernels.quant import QTensor
 from offload.models import ops
-from offload.policies.policy import Compression
 
 # A quantized layer matrix arrives as a `QTensor` (compressed weights); `_linear` runs
 # it through the dequantize-and-multiply kernel.
