@@ -32,8 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from offload.kernels.formats import KV_GROUPS, Compression, value_group
-from offload.kernels.launch import Launcher
-from offload.kernels.qmatmul import use_kernel
+from offload.kernels.launch import Launcher, use_kernel
 from offload.kernels.quant import QTensor, dequantize, quantize
 
 try:
@@ -42,7 +41,7 @@ try:
 except ImportError:  # CPU-only installs: the reference path runs instead
     triton = None
 else:
-    from offload.kernels.qmatmul import dequant, dequant_nibbles
+    from offload.kernels.dequant import dequant, dequant_nibbles
 
 
 # the format's tensors, by non-increasing element size (`QuantKV.pack` relies on it);
