@@ -40,7 +40,7 @@ from offload.io.pinned import ALIGN, PinnedPool, PoolBlock, align_up
 from offload.io.spill import SpillFile
 from offload.io.tiers import MemoryLedger, Tier
 from offload.kernels.formats import Compression
-from offload.kernels.kvquant import QuantKV, kv_buffer_bytes
+from offload.kernels.kv_cache import QuantKV, kv_buffer_bytes
 from offload.models import decoder
 
 

@@ -27,7 +27,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from offload.config import OPT_POSITION_OFFSET, ModelConfig
 from offload.kernels.formats import Compression
-from offload.kernels.kvquant import QuantKV, decode_attention
+from offload.kernels.kv_attention import decode_attention
+from offload.kernels.kv_cache import QuantKV
 from offload.kernels.qmatmul import qlinear
 from offload.kernels.quant import QTensor
 from offload.models import ops

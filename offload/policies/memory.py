@@ -16,7 +16,7 @@ from offload.config import ModelConfig
 from offload.executor.kv import DISK_BUFFERS
 from offload.executor.weights import stage_cut, stage_image_bytes
 from offload.io.pinned import align_up
-from offload.kernels.kvquant import kv_buffer_bytes
+from offload.kernels.kv_cache import kv_buffer_bytes
 from offload.models import decoder
 from offload.policies.policy import Policy
 
