@@ -15,11 +15,11 @@ import torch
 
 from offload.batch import PaddedBatch
 from offload.config import ModelConfig
+from offload.kernels.formats import Compression
 from offload.kernels.quant import fake_quantize, is_quantized
 from offload.models import decoder, ops
 from offload.models.decoder import LayerKV, StepInputs, Weights
 from offload.models.weights import WeightSource
-from offload.policies.policy import Compression
 
 
 def _compressed(weights: Weights, config: Compression | None) -> Weights:
@@ -49,7 +49,7 @@ class PlainRunner:
     ) -> None:
         """With weight compression given, the layer matrices take the values a compressed
         run computes with (quantize-dequantize): the reference for compressed runs. With
-        KV compression the cache is compressed (`kernels.kvquant`)."""
+        KV compression the cache is compressed (`kernels.kv_cache`)."""
         self.cfg: ModelConfig = source.config
         self.dtype, self.device = dtype, device
         started = time.perf_counter()

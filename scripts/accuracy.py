@@ -6,7 +6,7 @@ Perplexity of SmolLM2-135M-Instruct over tests/data/public_domain.txt (2,008 tok
 public-domain text) in non-overlapping windows, teacher-forced one token a step,
 uncompressed and with group-wise quantization of the weights (the four matrices of
 every layer; quantize-dequantize), the KV cache (the compressed cache of
-`kernels.kvquant`), and both. Greedy agreement: the share of 32 generated tokens equal
+`kernels.kv_cache`), and both. Greedy agreement: the share of 32 generated tokens equal
 to the uncompressed run, over 12 chat prompts.
 Writes JSON to benchmarks/results/.
 """
@@ -23,7 +23,7 @@ import torch
 
 from offload.batch import PaddedBatch
 from offload.engine import LLM
-from offload.policies.policy import Compression
+from offload.kernels.formats import Compression
 from offload.runner import PlainRunner
 from offload.sampling import SamplingParams
 

@@ -30,6 +30,7 @@ from offload.cli.common import parse_size
 from offload.executor.executor import Executor
 from offload.executor.kv import KVManager
 from offload.io.layout import DISK_BUFFERS
+from offload.kernels.formats import Compression
 from offload.models.resolve import resolve_model
 from offload.policies.caps import (
     Baseline,
@@ -41,7 +42,7 @@ from offload.policies.caps import (
 )
 from offload.policies.hardware import disk_rates
 from offload.policies.memory import plan_memory
-from offload.policies.policy import Compression, Placement, Policy
+from offload.policies.policy import Placement, Policy
 from offload.sampling import SamplingParams, sample
 
 GB = 1e9

@@ -25,10 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from offload.kernels import qmatmul
-from offload.kernels.kvquant import QuantKV, decode_attention, decode_attention_cpu
+from offload.kernels.formats import Compression
+from offload.kernels.kv_attention import decode_attention
+from offload.kernels.kv_attention_cpu import decode_attention_cpu
+from offload.kernels.kv_cache import QuantKV
 from offload.kernels.qmatmul import Tiles, qlinear
 from offload.kernels.quant import quantize
-from offload.policies.policy import Compression
 
 GB = 1e9
 # (model, matrix, N, K)

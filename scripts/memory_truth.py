@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 import torch
-from offload.kernels.formats import Compression
 
 from offload.batch import PaddedBatch
 from offload.executor.executor import Executor
+from offload.kernels.formats import Compression
 from offload.models.resolve import resolve_model
 from offload.models.weights import DummySource
 from offload.policies.caps import Baseline, peak_bytes

@@ -25,11 +25,12 @@ import torch
 from offload.batch import PaddedBatch
 from offload.cli.common import parse_compression, parse_kv_compression, parse_size
 from offload.executor.executor import Executor
+from offload.kernels.formats import Compression
 from offload.models.resolve import resolve_model
 from offload.policies.caps import Caps, cuda_context_bytes
 from offload.policies.cost import estimate
 from offload.policies.hardware import HardwareProfile, measure
-from offload.policies.policy import Compression, Placement, Policy
+from offload.policies.policy import Placement, Policy
 from offload.policies.search import search
 from offload.sampling import SamplingParams, sample
 

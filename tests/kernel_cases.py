@@ -8,6 +8,7 @@ floor for the cases where torch happens to be exact).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import sys
@@ -15,10 +16,12 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from offload.kernels.kvquant import QuantKV, decode_attention
+from offload.kernels.formats import Compression
+from offload.kernels.kv_attention import decode_attention
+from offload.kernels.kv_cache import QuantKV
+from offload.kernels.kv_quantize import quantize_groups_reference
 from offload.kernels.qmatmul import Tiles, qlinear
 from offload.kernels.quant import dequantize, quantize
-from offload.policies.policy import Compression
 
 # (rows, out features, in features, group): odd rows and out features not a multiple
 # of any tile, one and several groups
@@ -134,7 +137,7 @@ def kv_write_failures(
                 QuantKV(batch, kv_heads, dim, slots, config, dtype, torch.device(device))
                 for _ in "or"
             )
-            ref._quantize_groups = ref._quantize_groups_reference
+            ref._quantize_groups = functools.partial(quantize_groups_reference, ref)
             k = (torch.randn(batch, kv_heads, slots, dim, generator=gen) * 2).to(dtype).to(device)
             k[..., 1] *= 8
             v = torch.randn(batch, kv_heads, slots, dim, generator=gen).to(dtype).to(device)

@@ -13,8 +13,9 @@ import torch
 
 from offload.engine import LLM
 from offload.errors import UserError
+from offload.kernels.formats import Compression
 from offload.policies.caps import Caps
-from offload.policies.policy import Compression, Placement, Policy
+from offload.policies.policy import Placement, Policy
 from offload.runner import PlainRunner
 from offload.sampling import SamplingParams
 from tests.tiny_models import decode_logits, prefill_logits

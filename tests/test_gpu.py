@@ -108,9 +108,9 @@ def test_kv_cache_quantizing_kernel_compiled_is_bit_exact(bits, symmetric):
 def test_launcher_keys_compiled_kernels_by_alignment():
     """The same shapes with an unaligned x (a view one element in) after an aligned one:
     the kernel compiled for 16-byte-aligned pointers must not be reused for it."""
+    from offload.kernels.formats import Compression
     from offload.kernels.qmatmul import qlinear, qlinear_reference
     from offload.kernels.quant import quantize
-    from offload.policies.policy import Compression
 
     w = quantize(torch.randn(256, 512, device="cuda"), Compression(4, 64, False))
     wide = torch.randn(5, 513, device="cuda", dtype=torch.float16)
@@ -122,9 +122,9 @@ def test_launcher_keys_compiled_kernels_by_alignment():
 def test_split_k_qlinear_replays_in_a_cuda_graph():
     """Split-K (arrival counters reset by the last program of a tile) captured once and
     replayed on new inputs gives exactly the eager result."""
+    from offload.kernels.formats import Compression
     from offload.kernels.qmatmul import _tiles, qlinear
     from offload.kernels.quant import quantize
-    from offload.policies.policy import Compression
 
     w = quantize(torch.randn(1024, 4096, device="cuda"), Compression(4, 64, False))
     x = torch.randn(12, 4096, device="cuda", dtype=torch.float16)

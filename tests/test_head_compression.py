@@ -11,9 +11,9 @@ import torch
 
 from offload.batch import PaddedBatch
 from offload.engine import LLM
+from offload.kernels.formats import Compression
 from offload.kernels.quant import assemble_stage, compress_stage
 from offload.models.decoder import stage_shapes
-from offload.policies.policy import Compression
 
 TEXT = Path(__file__).parent / "data" / "public_domain.txt"
 # measured on this model and text (CPU, fp32, 16 lines cut at 32 tokens): relative L2

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from offload.engine import LLM
-from offload.policies.policy import Compression, Placement, Policy
+from offload.kernels.formats import Compression
+from offload.policies.policy import Placement, Policy
 from offload.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,11 +14,12 @@ from offload.config import ModelConfig
 from offload.engine import LLM
 from offload.errors import UserError
 from offload.io.tiers import Tier
+from offload.kernels.formats import Compression
 from offload.policies.caps import Caps
 from offload.policies.cost import estimate
 from offload.policies.hardware import HardwareProfile
 from offload.policies.memory import plan_memory
-from offload.policies.policy import Compression, Placement, Policy
+from offload.policies.policy import Placement, Policy
 from offload.policies.search import search
 from offload.presets import PRESETS
 

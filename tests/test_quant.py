@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from offload.kernels.formats import Compression
 from offload.kernels.quant import dequantize, pack_int4, quantize, unpack_int4
-from offload.policies.policy import Compression
 
 
 def test_int4_pack_unpack_is_bit_exact():
@@ -83,7 +83,7 @@ def test_cpu_decode_attention_over_the_compressed_cache(bits, symmetric):
 def test_pack_unpack_moves_exactly_what_a_write_changed(symmetric):
     """A home that receives only `pack`ed changes (prefill, single tokens across group
     boundaries, a multi-token write from inside a group) holds the same cache."""
-    from offload.kernels.kvquant import QuantKV
+    from offload.kernels.kv_cache import QuantKV
 
     config = Compression(4, 16, symmetric)
     src, home = (QuantKV(3, 2, 24, 70, config, torch.float32, torch.device("cpu")) for _ in "sh")
@@ -104,7 +104,7 @@ def test_pack_unpack_moves_exactly_what_a_write_changed(symmetric):
 def test_slot_major_pieces_of_a_write_are_contiguous():
     """What a decode step changes in a slot-major cache (the tails' entries; the codes
     and parameters of a group when it completes) is one contiguous range a tensor."""
-    from offload.kernels.kvquant import QuantKV
+    from offload.kernels.kv_cache import QuantKV
 
     cache = QuantKV(
         3, 2, 24, 70, Compression(4, 16), torch.float16, torch.device("cpu"), None, True

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 
 from offload.errors import UserError
-from offload.policies.policy import KV_GROUPS, Compression
+from offload.kernels.formats import KV_GROUPS, Compression
 
 _UNITS = {
     "": 1,

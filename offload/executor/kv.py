@@ -13,7 +13,7 @@ Attention for rows off the GPU runs
 - at decode otherwise, on the GPU over the cache loaded into a scratch buffer, which is
   prefetched while the previous micro-batch computes; only the new K/V go back.
 
-A compressed cache (policy.kv_compression, `kernels.kvquant.QuantKV`) has homes in all
+A compressed cache (policy.kv_compression, `kernels.kv_cache.QuantKV`) has homes in all
 three tiers: its CPU homes are QuantKVs in the pinned pool, its disk homes slot-major
 QuantKVs in the spill file (the slots a step reads, or a write changes, are a few
 contiguous ranges a tensor: a decode step writes back its entry's pages in the tails,
@@ -40,9 +40,9 @@ from offload.io.layout import DISK_BUFFERS, KVLayout
 from offload.io.pinned import ALIGN, PinnedPool, PoolBlock, align_up
 from offload.io.spill import SpillFile
 from offload.io.tiers import MemoryLedger, Tier
-from offload.kernels.kvquant import QuantKV
+from offload.kernels.formats import Compression
+from offload.kernels.kv_cache import QuantKV
 from offload.models import decoder
-from offload.policies.policy import Compression
 
 
 def _wait_future(future: Future | None) -> None:

@@ -37,10 +37,11 @@ from offload.io.pinned import PinnedPool, PoolBlock
 from offload.io.reader import ExtentReader
 from offload.io.store import Extent, WeightStore
 from offload.io.tiers import MemoryLedger, Tier
+from offload.kernels.formats import Compression
 from offload.kernels.quant import assemble_stage, compress_stage
 from offload.models.decoder import Weights, stage_shapes
 from offload.models.weights import DummySource, WeightSource
-from offload.policies.policy import Compression, Placement
+from offload.policies.policy import Placement
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import torch
 
 from offload.config import ModelConfig
 from offload.io.pinned import align_up
-from offload.kernels.kvquant import kv_buffer_bytes
+from offload.kernels.kv_cache import kv_buffer_bytes
 from offload.kernels.quant import stored_layout
 from offload.models.decoder import stage_shapes
 

@@ -30,9 +30,9 @@ from offload.config import ModelConfig
 from offload.errors import UserError
 from offload.io.layout import stage_keys, store_bytes
 from offload.io.pinned import ALIGN, align_up
+from offload.kernels.formats import Compression
 from offload.kernels.quant import compress_stage
 from offload.models.weights import WeightSource
-from offload.policies.policy import Compression
 
 log = logging.getLogger(__name__)
 

@@ -1,2 +1,17 @@
-"""Compression and fused kernels. `quant.py` holds the group-wise quantization math
-(the plain-torch reference every later Triton kernel is checked against)."""
+"""Compression and fused kernels, below everything else (they import nothing outside
+`offload.kernels`).
+
+- `formats.py`: the quantized formats (`Compression`, `KV_GROUPS`), no torch needed.
+- `quant.py`: group-wise quantization in plain torch, the reference every Triton kernel
+  that dequantizes is checked against; the stored form of compressed weights.
+- `qmatmul.py`: dequantize-and-multiply (`qlinear`); `dequant.py`: the Triton
+  dequantization it shares with the decode attention.
+- `kv_cache.py`: the compressed KV cache (`QuantKV`), its layout and byte sizes;
+  `kv_quantize.py`: quantizing its completed token groups; `kv_attention.py`: decode
+  attention over it; `kv_attention_cpu.py`: the same on the CPU.
+- `launch.py`: when kernels run (`use_kernel`) and how they launch (`Launcher`).
+
+Each kernel module holds the format in its docstring, the plain-torch reference, the
+launcher and the Triton kernel; Triton is imported behind a guard, so everything
+imports (and runs its torch path) without it.
+"""

@@ -13,6 +13,9 @@ alignment, every integer's being 1, a multiple of 16 and wider than 32 bits, and
 every constexpr's value. A call of a new kind goes through Triton's path once (which
 compiles or finds the kernel) and is remembered. Under the interpreter, or while a
 Triton launch hook is installed (profilers), every call takes Triton's own path.
+
+`use_kernel` says where the kernels run at all: on CUDA tensors, or anywhere under
+TRITON_INTERPRET=1; elsewhere each op runs its plain-torch path.
 """
 
 from __future__ import annotations
@@ -28,7 +31,13 @@ try:
 except ImportError:  # CPU-only installs never launch
     triton = None
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Triton reads TRITON_INTERPRET when it is imported; so do we (not on every launch)
+INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_kernel(x: torch.Tensor) -> bool:
+    """The Triton kernels run on CUDA tensors, or anywhere under TRITON_INTERPRET=1."""
+    return triton is not None and (x.is_cuda or INTERPRETED)
 
 
 def _kind(arg) -> object:
@@ -50,7 +59,7 @@ class Launcher:
         self.compiled: dict[tuple, object] = {}
 
     def __call__(self, grid: tuple[int, ...], warps: int, *args) -> None:
-        if _INTERPRETED or knobs.runtime.launch_enter_hook is not None:
+        if INTERPRETED or knobs.runtime.launch_enter_hook is not None:
             self.kernel[grid](*args, num_warps=warps)
             return
         device = driver.active.get_current_device()

@@ -3,8 +3,8 @@
 W [N, K] is stored as `quant.QTensor`: codes [N, K / G, G x bits / 8] (int4 packed two a
 byte, low nibble first), fp16 scale (and minimum, asymmetric) [N, K / G, 1]. The Triton
 kernel reads the codes and the group parameters, dequantizes one group of every W row
-in registers and multiplies it into an fp32 accumulator with `tl.dot`: the full-
-precision weight never exists in memory. One kernel serves decode shapes (a few to a
+in registers (`dequant.py`) and multiplies it into an fp32 accumulator with `tl.dot`:
+the full-precision weight never exists in memory. One kernel serves decode shapes (a few to a
 few hundred rows of x; the W read dominates, so tiles are wide in N) and prefill shapes
 (tiles in M and N); the launcher picks the tiles from the shape.
 
@@ -15,13 +15,12 @@ kernel must match; it also runs wherever Triton or CUDA is absent (the CPU tests
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from offload.kernels.launch import Launcher
+from offload.kernels.launch import Launcher, use_kernel
 from offload.kernels.quant import QTensor, dequantize
 
 try:
@@ -29,19 +28,12 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the reference path runs instead
     triton = None
+else:
+    from offload.kernels.dequant import dequant, dequant_bytes, dequant_nibbles
 
 
 def qlinear_reference(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x, dequantize(w).to(x.dtype), bias)
-
-
-# Triton reads TRITON_INTERPRET when it is imported; so do we (not on every matmul)
-_INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def use_kernel(x: torch.Tensor) -> bool:
-    """The Triton kernel runs on CUDA tensors, or anywhere under TRITON_INTERPRET=1."""
-    return triton is not None and (x.is_cuda or _INTERPRETED)
 
 
 class Tiles(NamedTuple):
@@ -163,128 +155,6 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 if triton is not None:
-    FMA16: tl.constexpr = tl.constexpr(not _INTERPRETED)
-
-    @triton.jit
-    def dequant(
-        codes, scale, minimum, BITS: tl.constexpr, SYMMETRIC: tl.constexpr, out_dtype: tl.constexpr
-    ):
-        """Codes (uint8, any shape) to values in the compute dtype out_dtype, the fp16 scale (and
-        minimum) broadcast against them.
-
-        float16: a code c becomes the float16 1024 + c by setting the exponent bits above
-        it (exact for c < 1024), and one fused multiply-add in float16 gives the correctly
-        rounded c x scale + minimum: no integer-to-float conversions, the slow part of
-        the float32 way, and the reference's values (float32, then rounded to float16)
-        up to double-rounding ties. A float16 multiply and a separate add instead, tried
-        earlier, measured up to 17x torch's error on groups with large minimums. Other
-        dtypes, and the interpreter (its fma rounds the product first): float32
-        arithmetic, then the cast."""
-        if out_dtype == tl.float16 and FMA16:
-            magic = (codes.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-            if SYMMETRIC:
-                return (magic - (1024 + ((1 << BITS) - 1) // 2)) * scale
-            return tl.fma(magic - 1024, scale, minimum)
-        values = codes.to(tl.float32)
-        scale = scale.to(tl.float32)
-        if SYMMETRIC:
-            return ((values - ((1 << BITS) - 1) // 2) * scale).to(out_dtype)
-        return (values * scale + minimum.to(tl.float32)).to(out_dtype)
-
-    def _dequant_ptx(bits: int, symmetric: bool) -> tl.constexpr:
-        """Inline PTX (for `tl.inline_asm_elementwise`, 4 codes a call) of `dequant`'s
-        float16 arithmetic on four bytes of codes in one register: the bytes are spread
-        over the halves of two registers (prmt); int8 ORs in the exponent bits of 1024,
-        int4 takes each nibble (lop3: and, or), so each half is the float16 1024 + code;
-        1024 (and a symmetric zero point) is taken off exactly, then one fma (or mul)
-        a pair applies scale and minimum, rounding once as `dequant` does.
-
-        Operands: the outputs (int8: one tensor; int4: the low nibbles' values, then the
-        high ones'; two registers of float16 pairs each), the codes, the scale (two
-        registers), the minimum (two; asymmetric)."""
-        outs = ["a0", "a1", "b0", "b1"] if bits == 4 else ["a0", "a1"]
-        codes, scale = len(outs), len(outs) + 1
-        offset = 0x6400 + (((1 << bits) - 1) // 2 if symmetric else 0)
-        lines = [
-            f".reg .b32 z, mask, magic, offset, {', '.join(outs)};",
-            "mov.b32 z, 0;",
-            "mov.b32 mask, 0x000F000F;",
-            "mov.b32 magic, 0x64006400;",
-            f"mov.b32 offset, 0x{offset:04X}{offset:04X};",
-            f"prmt.b32 a0, ${codes}, z, 0x4140;",
-            f"prmt.b32 a1, ${codes}, z, 0x4342;",
-        ]
-        if bits == 4:
-            lines += ["shr.b32 b0, a0, 4;", "shr.b32 b1, a1, 4;"]
-            lines += [f"lop3.b32 {r}, {r}, mask, magic, 0xEA;" for r in outs]
-        else:
-            lines += [f"or.b32 {r}, {r}, magic;" for r in outs]
-        lines += [f"sub.f16x2 {r}, {r}, offset;" for r in outs]
-        for r in outs:
-            pair = int(r[1])  # which of the two scale (and minimum) registers
-            if symmetric:
-                lines.append(f"mul.rn.f16x2 {r}, {r}, ${scale + pair};")
-            else:
-                lines.append(f"fma.rn.f16x2 {r}, {r}, ${scale + pair}, ${scale + 2 + pair};")
-        lines += [f"mov.b32 ${i}, {r};" for i, r in enumerate(outs)]
-        return tl.constexpr("{\n" + "\n".join(lines) + "\n}")
-
-    _NIBBLES_ASYMMETRIC = _dequant_ptx(4, False)
-    _NIBBLES_SYMMETRIC = _dequant_ptx(4, True)
-    _BYTES_ASYMMETRIC = _dequant_ptx(8, False)
-    _BYTES_SYMMETRIC = _dequant_ptx(8, True)
-
-    @triton.jit
-    def dequant_bytes(codes, scale, minimum, SYMMETRIC: tl.constexpr, out_dtype: tl.constexpr):
-        """int8 codes (uint8, any shape whose threads hold four consecutive codes: loaded
-        rows of codes) to values, as `dequant`; four at a time in inline PTX for float16
-        on the GPU."""
-        if out_dtype == tl.float16 and FMA16:
-            scale = tl.broadcast_to(scale, codes.shape)
-            if SYMMETRIC:
-                return tl.inline_asm_elementwise(
-                    _BYTES_SYMMETRIC, "=r,=r,r,r,r", [codes, scale],
-                    dtype=tl.float16, is_pure=True, pack=4,
-                )  # fmt: skip
-            return tl.inline_asm_elementwise(
-                _BYTES_ASYMMETRIC, "=r,=r,r,r,r,r,r",
-                [codes, scale, tl.broadcast_to(minimum, codes.shape)],
-                dtype=tl.float16, is_pure=True, pack=4,
-            )  # fmt: skip
-        return dequant(codes, scale, minimum, 8, SYMMETRIC, out_dtype)
-
-    @triton.jit
-    def dequant_nibbles(
-        packed, scale, minimum, SYMMETRIC: tl.constexpr, out_dtype: tl.constexpr
-    ):  # fmt: skip
-        """int4 codes, two a byte (uint8, any shape), to the values of their low and high
-        nibbles (each packed's shape), the fp16 scale (and minimum) broadcast against
-        them; the same arithmetic as `dequant`, four bytes at a time in inline PTX for
-        float16 on the GPU."""
-        if out_dtype == tl.float16 and FMA16:
-            scale = tl.broadcast_to(scale, packed.shape)
-            if SYMMETRIC:
-                return tl.inline_asm_elementwise(
-                    _NIBBLES_SYMMETRIC,
-                    "=r,=r,=r,=r,r,r,r",
-                    [packed, scale],
-                    dtype=(tl.float16, tl.float16),
-                    is_pure=True,
-                    pack=4,
-                )
-            return tl.inline_asm_elementwise(
-                _NIBBLES_ASYMMETRIC,
-                "=r,=r,=r,=r,r,r,r,r,r",
-                [packed, scale, tl.broadcast_to(minimum, packed.shape)],
-                dtype=(tl.float16, tl.float16),
-                is_pure=True,
-                pack=4,
-            )
-        return (
-            dequant(packed & 0xF, scale, minimum, 4, SYMMETRIC, out_dtype),
-            dequant(packed >> 4, scale, minimum, 4, SYMMETRIC, out_dtype),
-        )
-
     # M (rows: tokens) varies with the batch; not specialized on (a compile of about a
     # second each time M is 1 or a multiple of 16)
     @triton.jit(do_not_specialize=["M"])

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.policies.policy import Compression
+from offload.kernels.formats import Compression
 
 
 @dataclass(frozen=True)

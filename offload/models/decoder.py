@@ -26,11 +26,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from offload.config import OPT_POSITION_OFFSET, ModelConfig
-from offload.kernels.kvquant import QuantKV, decode_attention
+from offload.kernels.formats import Compression
+from offload.kernels.kv_attention import decode_attention
+from offload.kernels.kv_cache import QuantKV
 from offload.kernels.qmatmul import qlinear
 from offload.kernels.quant import QTensor
 from offload.models import ops
-from offload.policies.policy import Compression
 
 # A quantized layer matrix arrives as a `QTensor` (compressed weights); `_linear` runs
 # it through the dequantize-and-multiply kernel.
@@ -214,7 +215,7 @@ def head(cfg: ModelConfig, w: Weights, x: torch.Tensor) -> torch.Tensor:
 
 class LayerKV:
     """One layer's KV cache for a batch on one device: k, v [B, Hkv, max_slots, D], or
-    with `compression` a `kernels.kvquant.QuantKV` (read by the quantized decode
+    with `compression` a `kernels.kv_cache.QuantKV` (read by the quantized decode
     attention kernel)."""
 
     def __init__(

@@ -21,7 +21,7 @@ import torch
 
 from offload.config import ModelConfig
 from offload.io.layout import gathered, stage_cuts, stage_image_bytes
-from offload.kernels.kvquant import kv_row_bytes
+from offload.kernels.kv_cache import kv_row_bytes
 from offload.policies.caps import Baseline, peak_bytes
 from offload.policies.hardware import GB, HardwareProfile
 from offload.policies.memory import MemoryPlan, micro_batch_sizes, plan_memory, row_splits

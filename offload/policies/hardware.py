@@ -21,9 +21,10 @@ import torch.nn.functional as F
 
 from offload.errors import UserError
 from offload.io.direct import open_direct
-from offload.kernels.kvquant import QuantKV, decode_attention_cpu
+from offload.kernels.formats import Compression
+from offload.kernels.kv_attention_cpu import decode_attention_cpu
+from offload.kernels.kv_cache import QuantKV
 from offload.models.demo import cache_dir
-from offload.policies.policy import Compression
 
 GB = 1e9
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from offload.errors import UserError
+from offload.kernels.formats import KV_GROUPS, Compression
 
 TOLERANCE = 1e-6
 
@@ -56,25 +57,6 @@ class Placement:
         gpu = round(self.gpu * count)
         cpu = round((self.gpu + self.cpu) * count) - gpu
         return gpu, cpu, count - gpu - cpu
-
-
-@dataclass(frozen=True)
-class Compression:
-    bits: int = 4
-    group_size: int = 64
-    symmetric: bool = False
-
-    def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"compression bits must be 4 or 8, got {self.bits!r}")
-        if not isinstance(self.group_size, int) or self.group_size < 2:
-            raise ValueError(
-                f"compression group_size must be an integer >= 2, got {self.group_size!r}"
-            )
-
-
-# token-group sizes a compressed KV cache supports (the decode kernel's tile of tokens)
-KV_GROUPS = (16, 32, 64, 128)
 
 
 @dataclass(frozen=True)

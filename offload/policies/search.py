@@ -18,11 +18,12 @@ import torch
 from offload.config import ModelConfig
 from offload.errors import UserError
 from offload.io.layout import stage_image_bytes
+from offload.kernels.formats import Compression
 from offload.policies.caps import GPU_SLACK, Baseline, Caps, fit_problem
 from offload.policies.cost import Estimate, estimate
 from offload.policies.hardware import HardwareProfile
 from offload.policies.memory import plan_memory
-from offload.policies.policy import Compression, Placement, Policy
+from offload.policies.policy import Placement, Policy
 
 BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 NUM_BATCHES = (1, 2, 4, 8, 16)

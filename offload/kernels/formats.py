@@ -1,0 +1,44 @@
+"""The quantized formats: what a `Compression` names, and the facts every layer that
+stores, moves or computes on compressed tensors shares.
+
+A `Compression` is group-wise quantization to `bits` (4 or 8) a value: groups of
+`group_size` consecutive values share a float16 scale, and a float16 minimum unless
+`symmetric` (then codes are centred on (2^bits - 1) // 2). int4 codes are packed two
+a byte, low nibble first.
+
+- Weights (`quant.py`): groups along a matrix's last dimension (its input features).
+- KV cache (`kvcache.py`): keys per channel over groups of `group_size` tokens, which
+  must be one of `KV_GROUPS`; values per token over `value_group` channels.
+
+Nothing here imports torch or triton: policies, models and the io store read these
+facts without the kernels' dependencies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Compression:
+    bits: int = 4
+    group_size: int = 64
+    symmetric: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"compression bits must be 4 or 8, got {self.bits!r}")
+        if not isinstance(self.group_size, int) or self.group_size < 2:
+            raise ValueError(
+                f"compression group_size must be an integer >= 2, got {self.group_size!r}"
+            )
+
+
+# token-group sizes a compressed KV cache supports (the decode kernel's tile of tokens)
+KV_GROUPS = (16, 32, 64, 128)
+
+
+def value_group(config: Compression, head_dim: int) -> int:
+    """Channels per value group: the group size, or what of it divides head_dim."""
+    return math.gcd(config.group_size, head_dim)
