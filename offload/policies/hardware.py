@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from offload.errors import UserError
+from offload.io.atomic import atomic_write
 from offload.io.direct import open_direct
 from offload.kernels.kvquant import QuantKV, decode_attention_cpu
 from offload.models.demo import cache_dir
@@ -82,6 +83,13 @@ class HardwareProfile:
 
 def profile_path() -> Path:
     return cache_dir() / f"hardware-{platform.node() or 'machine'}.json"
+
+
+def save_profile(hw: HardwareProfile, path: Path | None = None) -> Path:
+    """Write the profile atomically (a concurrent reader never sees half a file)."""
+    path = path or profile_path()
+    atomic_write(path, hw.to_json())
+    return path
 
 
 def load_profile(path: Path | None = None) -> HardwareProfile | None:

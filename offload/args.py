@@ -1,0 +1,198 @@
+"""`EngineArgs`: every engine option, defined once with its default and help.
+
+`LLM(...)` and every CLI (offload-run, offload-plan, offload-convert) build from this
+dataclass (`offload.cli.flags` turns its fields into argparse flags), so a flag means
+the same everywhere, dtype default included. Like vLLM's `EngineArgs`; memory caps use
+our flag names here and accelerate's (`max_memory`, `offload_folder`) in `LLM`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offload.errors import UserError
+from offload.policies.policy import KV_GROUPS, Compression
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int, flag: str = "size") -> int:
+    """Parse "24GB", "24GiB", "512MB", "1.5TB" or a plain byte count into bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise UserError(f"cannot parse {flag} {text!r}; write it like 24GB, 24GiB or 512MB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+_COMPRESS = re.compile(r"int(4|8)(?:-g(\d+))?(-sym)?")
+
+
+def parse_compression(text: str | None, flag: str = "--compress") -> tuple[Compression | None, ...]:
+    """--compress / --kv-compress: the formats the plan may use (None is uncompressed)."""
+    if text is None or text == "none":
+        return (None,)
+    if text == "auto":
+        return (None, Compression(4, 64, False), Compression(8, 64, False))
+    match = _COMPRESS.fullmatch(text)
+    if match is None:
+        raise UserError(
+            f"{flag} {text!r} is not understood; use none, int4, int8, int4-g128, int8-sym or auto"
+        )
+    bits, group, sym = match.groups()
+    try:
+        return (Compression(int(bits), int(group or 64), sym is not None),)
+    except ValueError as exc:
+        raise UserError(f"{flag} {text}: {exc}") from None
+
+
+def parse_kv_compression(text: str | None) -> tuple[Compression | None, ...]:
+    """--kv-compress: as --compress, with the group counted in tokens (16 to 128)."""
+    formats = parse_compression(text, "--kv-compress")
+    for c in formats:
+        if c is not None and c.group_size not in KV_GROUPS:
+            raise UserError(
+                f"--kv-compress {text}: the group is tokens a key group, one of "
+                f"{', '.join(map(str, KV_GROUPS))}"
+            )
+    return formats
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r} is not a device; use auto, cpu or cuda[:N]") from None
+
+
+def resolve_dtype(name: str, on_gpu: bool, checkpoint_dtype: str) -> torch.dtype:
+    """"auto": float32 on the CPU; on a GPU the checkpoint's float16, else bfloat16."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise UserError(f"unknown dtype {name!r}; choose {', '.join(DTYPE_CHOICES)}")
+        return DTYPES[name]
+    if not on_gpu:
+        return torch.float32
+    return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+
+
+def _opt(default: Any, help: str, **cli: Any) -> Any:
+    return field(default=default, metadata={"help": help, **cli})
+
+
+COMPRESS_HELP = (
+    "weight compression: none (default), int4 or int8 (group-wise, group 64, asymmetric; "
+    "add -gN for another group size, -sym for symmetric), or auto (the plan search chooses "
+    "among none, int4 and int8)"
+)
+KV_COMPRESS_HELP = (
+    "KV cache compression: none (default), int4 or int8 (keys per channel over groups of "
+    "64 tokens, values per token; -gN for 16, 32 or 128 tokens, -sym for symmetric), or "
+    "auto (the plan search chooses among none, int4 and int8); kept on the GPU"
+)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The engine's options. Sizes are strings like "24GB" (or byte counts)."""
+
+    model: str = _opt(
+        "", "demo, a preset (random weights), a hub repo id or a local path", required=True
+    )
+    revision: str | None = _opt(None, "hub revision: a branch, tag or commit (default: main)")
+    dtype: str = _opt(
+        "auto",
+        "compute and store dtype; auto: float32 on the CPU, on a GPU the checkpoint's "
+        "float16 else bfloat16",
+        choices=DTYPE_CHOICES,
+    )
+    device: str = _opt("auto", "auto, cpu or cuda[:N]")
+    dummy: bool = _opt(False, "random weights of the model's shape (no download)")
+    batch_size: int = _opt(16, "sequences per batch (a policy sets its own)", type=int)
+    chat_template: str | None = _opt(
+        None, "a Jinja chat template, or a file holding one, instead of the model's"
+    )
+    generation_config: str = _opt(
+        "auto",
+        "auto: sampling defaults and EOS ids from the model's generation_config.json; "
+        "none: ignore it",
+        choices=("auto", "none"),
+    )
+    policy: Path | None = _opt(None, "placement policy JSON (runs the offloading executor)", type=Path)
+    gpu_mem: str | None = _opt(None, "GPU memory cap, e.g. 24GB (runs the plan search)")
+    cpu_mem: str | None = _opt(None, "CPU memory cap, e.g. 100GB (default: 90%% of the RAM)")
+    nvme: Path | None = _opt(None, "directory on a fast drive for the weight store and KV spill", type=Path)
+    profile: Path | None = _opt(
+        None, "hardware profile JSON for the plan search (default: this machine's)", type=Path
+    )
+    compress: str = _opt("none", COMPRESS_HELP)
+    kv_compress: str = _opt("none", KV_COMPRESS_HELP)
+    prompt_len: int = _opt(512, "typical prompt tokens the plan search sizes for", type=int)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise UserError("no model given; pass --model (demo, a preset, a repo id or a path)")
+        if self.dtype not in DTYPE_CHOICES:
+            raise UserError(f"--dtype {self.dtype!r}: choose {', '.join(DTYPE_CHOICES)}")
+        if self.generation_config not in ("auto", "none"):
+            raise UserError(f"--generation-config {self.generation_config!r}: choose auto or none")
+        for name in ("batch_size", "prompt_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        for name in ("gpu_mem", "cpu_mem"):
+            flag = f"--{name.replace('_', '-')}"
+            value = getattr(self, name)
+            if value is not None and parse_size(value, flag) <= 0:
+                raise UserError(f"{flag} {value} must be more than 0; give a cap like 24GB")
+        if self.nvme is not None and Path(self.nvme).exists() and not Path(self.nvme).is_dir():
+            raise UserError(f"--nvme {self.nvme} is not a directory")
+        if self.policy is not None and not Path(self.policy).is_file():
+            raise UserError(f"--policy {self.policy} does not exist; check the path")
+        if self.profile is not None and not Path(self.profile).is_file():
+            raise UserError(f"--profile {self.profile} does not exist; run offload-profile")
+        self.compressions()
+        self.kv_compressions()
+
+    @property
+    def gpu_bytes(self) -> int | None:
+        return parse_size(self.gpu_mem, "--gpu-mem") if self.gpu_mem is not None else None
+
+    @property
+    def cpu_bytes(self) -> int | None:
+        return parse_size(self.cpu_mem, "--cpu-mem") if self.cpu_mem is not None else None
+
+    @property
+    def wants_search(self) -> bool:
+        """Caps or a store directory without a policy: the plan search picks one."""
+        return self.policy is None and any(
+            v is not None for v in (self.gpu_mem, self.cpu_mem, self.nvme)
+        )
+
+    def compressions(self) -> tuple[Compression | None, ...]:
+        return parse_compression(self.compress)
+
+    def kv_compressions(self) -> tuple[Compression | None, ...]:
+        return parse_kv_compression(self.kv_compress)
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return EngineArgs(**{**values, **changes})
+
+
+ENGINE_FIELDS = tuple(f.name for f in fields(EngineArgs))
