@@ -73,7 +73,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
+        raise UserError(
+            "--device cuda was asked for but no CUDA device is visible; use --device cpu"
+        )
     try:
         return torch.device(name)
     except RuntimeError:
@@ -81,7 +83,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, on_gpu: bool, checkpoint_dtype: str) -> torch.dtype:
-    """"auto": float32 on the CPU; on a GPU the checkpoint's float16, else bfloat16."""
+    """ "auto": float32 on the CPU; on a GPU the checkpoint's float16, else bfloat16."""
     if name != "auto":
         if name not in DTYPES:
             raise UserError(f"unknown dtype {name!r}; choose {', '.join(DTYPE_CHOICES)}")
@@ -91,8 +93,9 @@ def resolve_dtype(name: str, on_gpu: bool, checkpoint_dtype: str) -> torch.dtype
     return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
 
 
-def _opt(default: Any, help: str, **cli: Any) -> Any:
-    return field(default=default, metadata={"help": help, **cli})
+def _meta(help: str, **cli: Any) -> dict[str, Any]:
+    """A field's help and argparse options (for `offload.cli.common`)."""
+    return {"help": help, **cli}
 
 
 COMPRESS_HELP = (
@@ -111,38 +114,67 @@ KV_COMPRESS_HELP = (
 class EngineArgs:
     """The engine's options. Sizes are strings like "24GB" (or byte counts)."""
 
-    model: str = _opt(
-        "", "demo, a preset (random weights), a hub repo id or a local path", required=True
+    model: str = field(
+        default="",
+        metadata=_meta(
+            "demo, a preset (random weights), a hub repo id or a local path", required=True
+        ),
     )
-    revision: str | None = _opt(None, "hub revision: a branch, tag or commit (default: main)")
-    dtype: str = _opt(
-        "auto",
-        "compute and store dtype; auto: float32 on the CPU, on a GPU the checkpoint's "
-        "float16 else bfloat16",
-        choices=DTYPE_CHOICES,
+    revision: str | None = field(
+        default=None, metadata=_meta("hub revision: a branch, tag or commit (default: main)")
     )
-    device: str = _opt("auto", "auto, cpu or cuda[:N]")
-    dummy: bool = _opt(False, "random weights of the model's shape (no download)")
-    batch_size: int = _opt(16, "sequences per batch (a policy sets its own)", type=int)
-    chat_template: str | None = _opt(
-        None, "a Jinja chat template, or a file holding one, instead of the model's"
+    dtype: str = field(
+        default="auto",
+        metadata=_meta(
+            "compute and store dtype; auto: float32 on the CPU, on a GPU the checkpoint's "
+            "float16 else bfloat16",
+            choices=DTYPE_CHOICES,
+        ),
     )
-    generation_config: str = _opt(
-        "auto",
-        "auto: sampling defaults and EOS ids from the model's generation_config.json; "
-        "none: ignore it",
-        choices=("auto", "none"),
+    device: str = field(default="auto", metadata=_meta("auto, cpu or cuda[:N]"))
+    dummy: bool = field(
+        default=False, metadata=_meta("random weights of the model's shape (no download)")
     )
-    policy: Path | None = _opt(None, "placement policy JSON (runs the offloading executor)", type=Path)
-    gpu_mem: str | None = _opt(None, "GPU memory cap, e.g. 24GB (runs the plan search)")
-    cpu_mem: str | None = _opt(None, "CPU memory cap, e.g. 100GB (default: 90%% of the RAM)")
-    nvme: Path | None = _opt(None, "directory on a fast drive for the weight store and KV spill", type=Path)
-    profile: Path | None = _opt(
-        None, "hardware profile JSON for the plan search (default: this machine's)", type=Path
+    batch_size: int = field(
+        default=16, metadata=_meta("sequences per batch (a policy sets its own)", type=int)
     )
-    compress: str = _opt("none", COMPRESS_HELP)
-    kv_compress: str = _opt("none", KV_COMPRESS_HELP)
-    prompt_len: int = _opt(512, "typical prompt tokens the plan search sizes for", type=int)
+    chat_template: str | None = field(
+        default=None,
+        metadata=_meta("a Jinja chat template, or a file holding one, instead of the model's"),
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata=_meta(
+            "auto: sampling defaults and EOS ids from the model's generation_config.json; "
+            "none: ignore it",
+            choices=("auto", "none"),
+        ),
+    )
+    policy: Path | None = field(
+        default=None,
+        metadata=_meta("placement policy JSON (runs the offloading executor)", type=Path),
+    )
+    gpu_mem: str | None = field(
+        default=None, metadata=_meta("GPU memory cap, e.g. 24GB (runs the plan search)")
+    )
+    cpu_mem: str | None = field(
+        default=None, metadata=_meta("CPU memory cap, e.g. 100GB (default: 90%% of the RAM)")
+    )
+    nvme: Path | None = field(
+        default=None,
+        metadata=_meta("directory on a fast drive for the weight store and KV spill", type=Path),
+    )
+    profile: Path | None = field(
+        default=None,
+        metadata=_meta(
+            "hardware profile JSON for the plan search (default: this machine's)", type=Path
+        ),
+    )
+    compress: str = field(default="none", metadata=_meta(COMPRESS_HELP))
+    kv_compress: str = field(default="none", metadata=_meta(KV_COMPRESS_HELP))
+    prompt_len: int = field(
+        default=512, metadata=_meta("typical prompt tokens the plan search sizes for", type=int)
+    )
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -154,7 +186,9 @@ class EngineArgs:
         for name in ("batch_size", "prompt_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+                raise UserError(
+                    f"--{name.replace('_', '-')} must be a positive integer, got {value!r}"
+                )
         for name in ("gpu_mem", "cpu_mem"):
             flag = f"--{name.replace('_', '-')}"
             value = getattr(self, name)
@@ -196,3 +230,36 @@ class EngineArgs:
 
 
 ENGINE_FIELDS = tuple(f.name for f in fields(EngineArgs))
+
+
+def caps_from_max_memory(
+    max_memory: dict[Any, Any] | None, device: torch.device
+) -> tuple[str | None, str | None]:
+    """accelerate's `max_memory` ({0 or "cuda:0": "24GB", "cpu": "100GB"}) as
+    (gpu_mem, cpu_mem); an entry that cannot take effect is an error."""
+    if not max_memory:
+        return None, None
+    gpu, cpu = None, None
+    for key, value in max_memory.items():
+        name = f"cuda:{key}" if isinstance(key, int) else str(key)
+        size = str(value) if not isinstance(value, int) else f"{value}B"
+        if name == "cpu":
+            cpu = size
+        elif name == "cuda" or name.startswith("cuda:"):
+            index = int(name.split(":")[1]) if ":" in name else 0
+            wanted = device.index or 0
+            if gpu is not None or (device.type == "cuda" and index != wanted):
+                raise UserError(
+                    f"max_memory names {name}, but offload runs on one device ({device}); give "
+                    f"one GPU entry, for the device it runs on"
+                )
+            gpu = size
+        elif name == "disk":
+            raise UserError(
+                'max_memory["disk"] cannot be honoured: disk use is not capped; pass '
+                "offload_folder=DIR for the weight store and drop the disk entry"
+            )
+        else:
+            raise UserError(f"max_memory key {key!r} is not a device; use 0 / 'cuda:0' and 'cpu'")
+        parse_size(size, f"max_memory[{key!r}]")
+    return gpu, cpu

@@ -54,7 +54,10 @@ SAMPLING_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "frequency_penalty": ("OpenAI's frequency penalty, -2..2", {"type": float}),
     "seed": ("makes sampling reproducible", {"type": int}),
     "stop": ("a stop string (repeatable)", {"action": "append"}),
-    "stop_token_ids": ("a token id that ends a sequence (repeatable)", {"action": "append", "type": int}),  # fmt: skip
+    "stop_token_ids": (
+        "a token id that ends a sequence (repeatable)",
+        {"action": "append", "type": int},
+    ),
     "ignore_eos": ("keep generating past EOS", {"action": "store_true", "default": None}),
 }
 ALIASES = {"max_tokens": ("--max-new-tokens", "--gen-len")}
@@ -96,7 +99,9 @@ def add_sampling_flags(parser: argparse.ArgumentParser, names: Sequence[str] = (
     for name in names or SAMPLING_FLAGS:
         help_text, options = SAMPLING_FLAGS[name]
         options = {"default": None, **options}
-        group.add_argument(_flag(name), *ALIASES.get(name, ()), dest=name, help=help_text, **options)
+        group.add_argument(
+            _flag(name), *ALIASES.get(name, ()), dest=name, help=help_text, **options
+        )
 
 
 def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> SamplingParams:

@@ -59,6 +59,7 @@ def exclusive(path: Path, what: str, wait: bool = True) -> Iterator[None]:
     """Hold `<path>.lock` for the block: one process at a time per `path`.
 
     wait=True blocks until the holder finishes; wait=False refuses at once."""
+    lock_path(path).parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(lock_path(path)))
     try:
         lock.acquire(timeout=0)

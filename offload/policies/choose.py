@@ -19,7 +19,13 @@ import torch
 from offload.config import ModelConfig
 from offload.errors import UserError
 from offload.policies.cost import Estimate
-from offload.policies.hardware import HardwareProfile, load_profile, measure, profile_path, save_profile
+from offload.policies.hardware import (
+    HardwareProfile,
+    load_profile,
+    measure,
+    profile_path,
+    save_profile,
+)
 from offload.policies.policy import Compression
 from offload.policies.search import Caps, search
 
