@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO, Any
 
 from filelock import FileLock, Timeout
 
@@ -32,15 +33,16 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: str | bytes) -> None:
-    """Replace `path` with `data` atomically and durably (parents are created)."""
+@contextmanager
+def atomic_writer(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """A file object whose contents replace `path` atomically when the block ends
+    without an exception (else `path` is untouched and the temporary file removed)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = data.encode("utf-8") if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -48,6 +50,12 @@ def atomic_write(path: Path, data: str | bytes) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """Replace `path` with `data` atomically and durably (parents are created)."""
+    with atomic_writer(path, "wb") as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
 
 
 def lock_path(path: Path) -> Path:

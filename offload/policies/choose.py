@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from offload.args import resolve_dtype
 from offload.config import ModelConfig
 from offload.errors import UserError
 from offload.policies.cost import Estimate
@@ -41,6 +42,7 @@ class Choice:
     best: Estimate
     profile: HardwareProfile
     caps: Caps
+    dtype: torch.dtype
 
 
 def hardware_profile(
@@ -72,7 +74,7 @@ def plan_caps(gpu_bytes: int, cpu_bytes: int | None, nvme: bool, hw: HardwarePro
 
 def choose_policy(
     cfg: ModelConfig,
-    dtype: torch.dtype,
+    dtype: torch.dtype | str,
     gpu_bytes: int | None,
     cpu_bytes: int | None,
     nvme: Path | None,
@@ -84,7 +86,9 @@ def choose_policy(
     kv_compressions: tuple[Compression | None, ...] = (None,),
     announce: Callable[[str], None] | None = None,
 ) -> Choice:
-    """The placement and batch shape with the highest predicted throughput in the caps."""
+    """The placement and batch shape with the highest predicted throughput in the caps.
+
+    dtype may be a flag's name ("auto": as offload-run would pick on the profiled machine)."""
     if gpu_bytes is None:
         raise UserError(
             "the plan search needs a GPU budget: give --gpu-mem (in Python, max_memory="
@@ -94,7 +98,9 @@ def choose_policy(
         raise UserError("--prompt-len and --max-tokens must be positive")
     hw = hardware_profile(profile, nvme, announce)
     caps = plan_caps(gpu_bytes, cpu_bytes, nvme is not None, hw)
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype, hw.has_gpu, cfg.checkpoint_dtype)
     best = search(
         cfg, dtype, prompt_len, gen_len, hw, caps, num_prompts, compressions, kv_compressions
     )
-    return Choice(best, hw, caps)
+    return Choice(best, hw, caps, dtype)
