@@ -13,25 +13,21 @@ decode ... until every sequence hit EOS, a stop string or its token budget.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from offload.args import DTYPES, EngineArgs, caps_from_max_memory, resolve_device, resolve_dtype
-from offload.batch import PaddedBatch
+from offload.decode_loop import DecodeLoop
 from offload.errors import UserError
 from offload.executor.caps import MemoryCaps, check_block_fits, check_weights_fit, process_rss
 from offload.io.atomic import exclusive
 from offload.models.resolve import resolve_model
-from offload.outputs import CompletionOutput, GenerationStats, RequestOutput
+from offload.outputs import GenerationStats, RequestOutput
 from offload.policies.policy import Policy
 from offload.runner import PlainRunner, Runner
-from offload.sampling import SamplingParams, SequenceSampler, from_generation_config, sample_rows
+from offload.sampling import SamplingParams, from_generation_config
 
 __all__ = ["DTYPES", "LLM", "GenerationStats", "RequestOutput", "resolve_device", "resolve_dtype"]
 
@@ -39,22 +35,6 @@ log = logging.getLogger(__name__)
 
 Prompt = str | dict[str, Any] | list[int]
 Message = dict[str, str]
-
-
-@dataclass
-class _Sequence:
-    """One sample being generated: a request's prompt, its budget and its sampler."""
-
-    request: int
-    sample: int
-    prompt_ids: list[int]
-    budget: int
-    params: SamplingParams
-    sampler: SequenceSampler | None = None
-    generated: list[int] = field(default_factory=list)
-    text: str | None = None  # set when a stop string cut the completion
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
 
 
 class LLM:
@@ -142,9 +122,17 @@ class LLM:
         eos = gen_config.get("eos_token_id")
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids | set(eos)
-        self.pad_id = self.config.pad_token_id or 0
         self.stats = GenerationStats()
         self.on_phase: Callable[[str], None] | None = None  # told "prefill" / "decode"
+        self.loop = DecodeLoop(
+            self.runner,
+            self.config,
+            self.tokenizer,
+            self.eos_ids,
+            self.stats,
+            self._phase,
+            self.device,
+        )
 
     def _search(self, gen_len: int) -> Policy:
         from offload.policies.choose import choose_policy
@@ -288,17 +276,10 @@ class LLM:
         self, requests: Sequence[tuple[list[int], SamplingParams]]
     ) -> list[RequestOutput]:
         """Generate for already-checked token-id prompts, each with its own sampling."""
-        limit = self.config.max_position_embeddings
-        seqs = [
-            _Sequence(r, i, list(ids), min(p.max_tokens or limit, limit - len(ids)), p)
-            for r, (ids, p) in enumerate(requests)
-            for i in range(p.n)
-        ]
-        if not seqs:
-            return []
-        if self.policy is not None:
-            longest = max(len(s.prompt_ids) for s in seqs)
-            budget = max(s.budget for s in seqs)
+        if self.policy is not None and requests:
+            limit = self.config.max_position_embeddings
+            longest = max(len(ids) for ids, _ in requests)
+            budget = max(min(p.max_tokens or limit, limit - len(ids)) for ids, p in requests)
             resident = process_rss() - self.runner.kv_pool_bytes
             check_block_fits(
                 self.config,
@@ -310,74 +291,7 @@ class LLM:
                 budget,
                 resident,
             )
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].prompt_ids))
-        for start in range(0, len(order), self.batch_size):
-            self._generate_batch([seqs[i] for i in order[start : start + self.batch_size]])
-        outs = [RequestOutput(str(r), None, list(ids), []) for r, (ids, _) in enumerate(requests)]
-        for s in seqs:
-            outs[s.request].outputs.append(self._completion(s))
-        return outs
-
-    def _completion(self, s: _Sequence) -> CompletionOutput:
-        text = s.text
-        if text is None:
-            ids = s.generated
-            if isinstance(s.stop_reason, int) and not s.params.include_stop_str_in_output:
-                ids = ids[:-1]
-            text = self.tokenizer.decode(ids, skip_special_tokens=s.params.skip_special_tokens)
-        return CompletionOutput(
-            s.sample, text, s.generated, s.finish_reason or "length", s.stop_reason
-        )
-
-    def _generate_batch(self, seqs: list[_Sequence]) -> None:
-        runner, stats = self.runner, self.stats
-        steps = max(s.budget for s in seqs)
-        batch = PaddedBatch(self.config, [s.prompt_ids for s in seqs], steps, self.pad_id)
-        for seq in seqs:
-            seq.sampler = SequenceSampler(seq.params, self.eos_ids, len(seq.prompt_ids), seq.sample)
-        self._phase("prefill")
-        runner.start(batch)
-        started = time.perf_counter()
-        step = runner.step_inputs(batch, 0, batch.prompt_len)
-        logits = runner.forward(batch.prompt_ids, step)
-        stats.prefill_seconds += self._sync_elapsed(started)
-        stats.prompt_tokens += sum(len(s.prompt_ids) for s in seqs)
-        stats.batches += 1
-        started = time.perf_counter()
-        self._phase("decode")
-        for t in range(steps):
-            next_ids = sample_rows(
-                logits, [s.sampler for s in seqs], [s.prompt_ids + s.generated for s in seqs]
-            )
-            self._append(seqs, next_ids.tolist())
-            if all(s.finish_reason for s in seqs) or t == steps - 1:
-                break
-            step = runner.step_inputs(batch, batch.prompt_len + t, 1)
-            logits = runner.forward(next_ids[:, None], step)
-        stats.decode_seconds += self._sync_elapsed(started)
-
-    def _append(self, seqs: list[_Sequence], next_ids: list[int]) -> None:
-        for seq, token in zip(seqs, next_ids, strict=True):
-            if seq.finish_reason:
-                continue
-            seq.generated.append(token)
-            self.stats.generated_tokens += 1
-            p = seq.params
-            if token in p.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
-            elif token in self.eos_ids and not p.ignore_eos:
-                seq.finish_reason = "stop"
-            elif p.stop and len(seq.generated) >= p.min_tokens:
-                text = self.tokenizer.decode(
-                    seq.generated, skip_special_tokens=p.skip_special_tokens
-                )
-                cuts = [(text.find(s), s) for s in p.stop if s in text]
-                if cuts:
-                    at, stop = min(cuts)
-                    keep = at + len(stop) if p.include_stop_str_in_output else at
-                    seq.text, seq.finish_reason, seq.stop_reason = text[:keep], "stop", stop
-            if not seq.finish_reason and len(seq.generated) >= seq.budget:
-                seq.finish_reason = "length"
+        return self.loop.run(requests, self.batch_size)
 
     # -- lifetime ---------------------------------------------------------------------
     def close(self) -> None:
@@ -389,11 +303,6 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _sync_elapsed(self, started: float) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - started
 
     def _phase(self, name: str) -> None:
         if self.on_phase is not None:

@@ -223,7 +223,7 @@ def _requests(
             kind = "chat" if fmt == "openai" else "flat"
             rid = f"line-{lineno}" if fmt == "openai" else str(lineno)
             yield (
-                JobRequest(index, rid, kind, error=f"line {lineno}: not valid JSON ({exc.msg})"),
+                JobRequest(index, rid, kind, error=f"not valid JSON ({exc.msg})"),
                 lineno,
             )
             continue
