@@ -19,7 +19,24 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from offload.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def resolve_dtype(name: str, on_gpu: bool, checkpoint_dtype: str) -> torch.dtype:
+    """ "auto": float32 on the CPU; on a GPU the checkpoint's float16, else bfloat16."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise UserError(f"unknown dtype {name!r}; choose {', '.join(DTYPE_CHOICES)}")
+        return DTYPES[name]
+    if not on_gpu:
+        return torch.float32
+    return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "bloom", "opt")

@@ -1,8 +1,8 @@
-"""`LLM`: the offline batch generation API.
+"""`LLM`: the offline batch generation API, in vLLM's shape.
 
     llm = LLM("demo")
-    outs = llm.generate(["The capital of France is"], SamplingParams(max_new_tokens=16))
-    print(outs[0].text)
+    outputs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+    print(outputs[0].outputs[0].text)
 
 Prompts are sorted by length and cut into batches (less padding), each batch is
 prefilled in one step and decoded token by token with a KV cache, and results come
@@ -13,113 +13,108 @@ decode ... until every sequence hit EOS, a stop string or its token budget.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
-import torch
-
-from offload.batch import PaddedBatch
+from offload.args import DTYPES, EngineArgs, caps_from_max_memory, resolve_device, resolve_dtype
+from offload.decode_loop import DecodeLoop
 from offload.errors import UserError
-from offload.executor.executor import Executor
-from offload.models.resolve import ModelSpec, resolve_model
+from offload.io.atomic import exclusive
+from offload.models.resolve import resolve_model
+from offload.outputs import GenerationStats, RequestOutput
 from offload.policies.caps import Baseline, Caps, check_block_fits, check_weights_fit
 from offload.policies.policy import Policy
-from offload.runner import PlainRunner
-from offload.sampling import SamplingParams, make_generators, sample_rows
+from offload.runner import PlainRunner, Runner
+from offload.sampling import SamplingParams, from_generation_config
+
+__all__ = ["DTYPES", "LLM", "GenerationStats", "RequestOutput", "resolve_device", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class RequestOutput:
-    prompt: str | None
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
-
-
-@dataclass
-class GenerationStats:
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    batches: int = 0
-
-    @property
-    def seconds(self) -> float:
-        return self.prefill_seconds + self.decode_seconds
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.seconds if self.seconds else 0.0
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(
-            "--device cuda was asked for but no CUDA device is visible; use --device cpu"
-        )
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
-    if name != "auto":
-        if name not in DTYPES:
-            raise UserError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
-        return DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
-
-
-@dataclass
-class _Sequence:
-    prompt: str | None
-    prompt_ids: list[int]
-    budget: int
-    params: SamplingParams
-    generator: torch.Generator | None = None
-    generated: list[int] = field(default_factory=list)
-    text: str | None = None  # set when a stop string cut the completion
-    finish_reason: str | None = None
+Prompt = str | dict[str, Any] | list[int]
+Message = dict[str, str]
 
 
 class LLM:
-    """A model ready to generate. `model` is anything `--model` accepts."""
+    """A model ready to generate. `model` is anything `--model` accepts.
+
+    Keyword arguments are `EngineArgs` fields (dtype, device, revision, batch_size,
+    chat_template, ...), plus accelerate's `max_memory` ({"cuda:0": "24GB", "cpu":
+    "100GB"}) and `offload_folder` (the weight store and KV spill directory): caps
+    without a `policy` run the same plan search as offload-run. `policy` (a `Policy` or
+    a JSON path) runs the offloading executor with that placement.
+    """
 
     def __init__(
         self,
-        model: str | ModelSpec,
-        dtype: str = "auto",
-        device: str = "auto",
-        dummy: bool = False,
-        batch_size: int = 16,
-        progress: bool = False,
-        policy: Policy | None = None,
+        model: str,
+        *,
+        max_memory: dict[Any, Any] | None = None,
+        offload_folder: str | Path | None = None,
+        policy: Policy | str | Path | None = None,
         caps: Caps | None = None,
-        nvme: Path | None = None,
+        nvme: str | Path | None = None,
+        gen_len: int | None = None,
+        progress: bool = False,
         trace: bool = False,
+        **engine_args: Any,
     ) -> None:
-        """policy=None runs everything on one device (the plain runner); a `Policy` runs
-        the offloading executor with its placement, batch shape and the memory caps."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.spec = model if isinstance(model, ModelSpec) else resolve_model(model, dummy=dummy)
+        device = resolve_device(engine_args.get("device", "auto"))
+        gpu_mem, cpu_mem = caps_from_max_memory(max_memory, device)
+        if caps is not None:  # byte caps given as `Caps`: the same as sizes
+            gpu_mem = gpu_mem or (f"{caps.gpu_bytes}B" if caps.gpu_bytes else None)
+            cpu_mem = cpu_mem or (f"{caps.cpu_bytes}B" if caps.cpu_bytes else None)
+        folder = offload_folder if offload_folder is not None else nvme
+        as_path = isinstance(policy, (str, Path))
+        args = EngineArgs(
+            model=model,
+            gpu_mem=gpu_mem,
+            cpu_mem=cpu_mem,
+            nvme=Path(folder) if folder is not None else None,
+            policy=Path(policy) if as_path else None,
+            **engine_args,
+        )
+        self._build(args, None if as_path else policy, gen_len, progress, trace)
+
+    @classmethod
+    def from_engine_args(
+        cls,
+        args: EngineArgs,
+        gen_len: int | None = None,
+        progress: bool = False,
+        trace: bool = False,
+    ) -> LLM:
+        llm = cls.__new__(cls)
+        llm._build(args, None, gen_len, progress, trace)
+        return llm
+
+    def _build(
+        self,
+        args: EngineArgs,
+        policy: Policy | None,
+        gen_len: int | None,
+        progress: bool,
+        trace: bool,
+    ) -> None:
+        self.args = args
+        self.spec = resolve_model(args.model, dummy=args.dummy, revision=args.revision)
         self.config = self.spec.config
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device, self.config.checkpoint_dtype)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(
+            args.dtype, self.device.type == "cuda", self.config.checkpoint_dtype
+        )
+        gen_config = self.spec.generation_config() if args.generation_config == "auto" else {}
+        self.default_sampling = from_generation_config(gen_config)
+        self.chat_template = _chat_template(args.chat_template)
+        if args.policy is not None:
+            policy = Policy.from_file(args.policy)
+        if policy is None and args.wants_search:
+            policy = self._search(gen_len or self.get_default_sampling_params().max_tokens or 256)
         self.policy = policy
-        self.caps = replace(caps or Caps(), nvme=nvme is not None)
-        self.batch_size = policy.block_size if policy else batch_size
+        self.caps = Caps(args.gpu_bytes, args.cpu_bytes, nvme=args.nvme is not None)
+        self.batch_size = policy.block_size if policy else args.batch_size
         # what the process holds before any weights: the baseline of the one accounting
         self.baseline = Baseline.measure(self.device)
         if policy is not None:
@@ -127,30 +122,85 @@ class LLM:
                 self.config, policy, self.dtype, self.device, self.caps, self.baseline
             )
         self.tokenizer = self.spec.tokenizer()
-        with self.spec.open_weights() as source:
-            if policy is None:
-                self.runner = PlainRunner(source, self.dtype, self.device, progress=progress)
-            else:
-                self.runner = Executor(
-                    source,
-                    policy,
-                    self.dtype,
-                    self.device,
-                    nvme_dir=nvme,
-                    trace=trace,
-                    progress=progress,
-                )
-        self.eos_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids
-        self.pad_id = self.config.pad_token_id or 0
+        self.runner: Runner = self._load(progress, trace)
+        eos = gen_config.get("eos_token_id")
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids | set(eos)
         self.stats = GenerationStats()
         self.on_phase: Callable[[str], None] | None = None  # told "prefill" / "decode"
+        self.loop = DecodeLoop(
+            self.runner,
+            self.config,
+            self.tokenizer,
+            self.eos_ids,
+            self.stats,
+            self._phase,
+            self.device,
+        )
+
+    def _search(self, gen_len: int) -> Policy:
+        from offload.policies.choose import choose_policy
+
+        choice = choose_policy(
+            self.config,
+            self.dtype,
+            self.args.gpu_bytes,
+            self.args.cpu_bytes,
+            self.args.nvme,
+            self.args.prompt_len,
+            gen_len,
+            self.args.profile,
+            compressions=self.args.compressions(),
+            kv_compressions=self.args.kv_compressions(),
+        )
+        best = choice.best
+        log.info(
+            "searched policy: predicted %.1f tok/s, bottleneck %s",
+            best.total_tok_s,
+            best.bottleneck,
+        )
+        return best.policy
+
+    def _load(self, progress: bool, trace: bool) -> Runner:
+        nvme, policy = self.args.nvme, self.policy
+        # one process at a time builds or opens a weight store directory
+        lock = exclusive(nvme / "store", "weight store directory") if nvme else nullcontext()
+        with self.spec.open_weights() as source, lock:
+            if policy is None:
+                return PlainRunner(source, self.dtype, self.device, progress=progress)
+            from offload.executor.executor import Executor
+
+            return Executor(
+                source,
+                policy,
+                self.dtype,
+                self.device,
+                nvme_dir=nvme,
+                trace=trace,
+                progress=progress,
+            )
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's)."""
+        return SamplingParams(**self.default_sampling)
+
+    def get_tokenizer(self):
+        return self.tokenizer
 
     # -- prompts ----------------------------------------------------------------------
-    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
-        if chat:
-            text = self.tokenizer.render_chat([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(text, add_special_tokens=False)
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Raw text, as vLLM's generate and the completions API: never templated."""
         return self.tokenizer.encode(prompt)
+
+    def encode_chat(self, messages: list[Message], chat_template: str | None = None) -> list[int]:
+        template = _chat_template(chat_template) or self.chat_template
+        if template is None and not self.tokenizer.has_chat_template:
+            raise UserError(
+                "this model's tokenizer has no chat template; pass --chat-template "
+                "(chat_template=) with one, or send raw prompts"
+            )
+        text = self.tokenizer.render_chat(messages, template)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def check_prompt(self, ids: list[int]) -> None:
         limit = self.config.max_position_embeddings
@@ -161,45 +211,79 @@ class LLM:
                 f"a prompt has {len(ids)} tokens but the model's context is {limit}; shorten it"
             )
 
+    def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.encode_prompt(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if isinstance(prompt.get("prompt"), str):
+                return prompt["prompt"], self.encode_prompt(prompt["prompt"])
+            raise UserError('a prompt dict needs "prompt" (text) or "prompt_token_ids"')
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise UserError(
+            f"a prompt must be text, a token-id list or a dict, got {type(prompt).__name__}"
+        )
+
     # -- generation -------------------------------------------------------------------
     def generate(
         self,
-        prompts: Sequence[str] | Sequence[list[int]],
-        params: SamplingParams | None = None,
-        chat: bool = False,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text, or token ids); outputs in the same order.
+        """Generate for each prompt: text (never templated), {"prompt_token_ids": [...]}
+        or {"prompt": text}. One SamplingParams for all, or one per prompt; None takes
+        the model's defaults. Outputs in the prompts' order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        encoded = [self._prompt_ids(p) for p in prompts]
+        return self._run(encoded, sampling_params)
 
-        chat=True renders each text prompt as a user message with the tokenizer's chat
-        template.
-        """
-        params = params or SamplingParams()
-        requests = []
-        for prompt in prompts:
-            if isinstance(prompt, str):
-                ids = self.encode_prompt(prompt, chat=chat and self.tokenizer.has_chat_template)
-            else:
-                ids = list(prompt)
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate a reply to one conversation (a list of {"role", "content"}) or to
+        each of a list of them, rendered with the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        encoded = []
+        for conversation in conversations:
+            ids = self.encode_chat(list(conversation), chat_template)
+            encoded.append((self.tokenizer.decode(ids, skip_special_tokens=False), ids))
+        return self._run(encoded, sampling_params)
+
+    def _run(self, encoded, sampling_params) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or self.get_default_sampling_params()] * len(encoded)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(encoded):
+                raise ValueError(
+                    f"{len(params)} sampling params for {len(encoded)} prompts; give one, "
+                    "or one per prompt"
+                )
+        for _, ids in encoded:
             self.check_prompt(ids)
-            requests.append((ids, params))
-        outs = self.generate_ids(requests)
-        for out, prompt in zip(outs, prompts, strict=True):
-            out.prompt = prompt if isinstance(prompt, str) else None
+        outs = self.generate_ids([(ids, p) for (_, ids), p in zip(encoded, params, strict=True)])
+        for out, (text, _) in zip(outs, encoded, strict=True):
+            out.prompt = text
         return outs
 
     def generate_ids(
         self, requests: Sequence[tuple[list[int], SamplingParams]]
     ) -> list[RequestOutput]:
         """Generate for already-checked token-id prompts, each with its own sampling."""
-        seqs = []
-        for ids, params in requests:
-            budget = min(params.max_new_tokens, self.config.max_position_embeddings - len(ids))
-            seqs.append(_Sequence(None, list(ids), budget, params))
-        if not seqs:
-            return []
-        if self.policy is not None:
-            longest = max(len(s.prompt_ids) for s in seqs)
-            budget = max(s.budget for s in seqs)
+        if self.policy is not None and requests:
+            limit = self.config.max_position_embeddings
+            longest = max(len(ids) for ids, _ in requests)
+            budget = max(min(p.max_tokens or limit, limit - len(ids)) for ids, p in requests)
             check_block_fits(
                 self.config,
                 self.policy,
@@ -210,52 +294,12 @@ class LLM:
                 longest,
                 budget,
             )
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].prompt_ids))
-        for start in range(0, len(order), self.batch_size):
-            self._generate_batch([seqs[i] for i in order[start : start + self.batch_size]])
-        return [
-            RequestOutput(
-                prompt=s.prompt,
-                text=s.text if s.text is not None else self.tokenizer.decode(s.generated),
-                token_ids=s.generated,
-                prompt_tokens=len(s.prompt_ids),
-                completion_tokens=len(s.generated),
-                finish_reason=s.finish_reason or "length",
-            )
-            for s in seqs
-        ]
+        return self.loop.run(requests, self.batch_size)
 
-    def _generate_batch(self, seqs: list[_Sequence]) -> None:
-        runner, stats = self.runner, self.stats
-        steps = max(s.budget for s in seqs)
-        batch = PaddedBatch(self.config, [s.prompt_ids for s in seqs], steps, self.pad_id)
-        for seq in seqs:
-            gens = make_generators(seq.params, 1)
-            seq.generator = gens[0] if gens else None
-        self._phase("prefill")
-        runner.start(batch)
-        started = time.perf_counter()
-        step = runner.step_inputs(batch, 0, batch.prompt_len)
-        logits = runner.forward(batch.prompt_ids, step)
-        stats.prefill_seconds += self._sync_elapsed(started)
-        stats.prompt_tokens += sum(len(s.prompt_ids) for s in seqs)
-        stats.batches += 1
-        started = time.perf_counter()
-        self._phase("decode")
-        for t in range(steps):
-            next_ids = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
-            self._append(seqs, next_ids.tolist())
-            if all(s.finish_reason for s in seqs) or t == steps - 1:
-                break
-            step = runner.step_inputs(batch, batch.prompt_len + t, 1)
-            logits = runner.forward(next_ids[:, None], step)
-        stats.decode_seconds += self._sync_elapsed(started)
-
+    # -- lifetime ---------------------------------------------------------------------
     def close(self) -> None:
         """Release pinned memory, spill files and reader threads of the executor."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -263,27 +307,21 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _sync_elapsed(self, started: float) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - started
-
     def _phase(self, name: str) -> None:
         if self.on_phase is not None:
             self.on_phase(name)
 
-    def _append(self, seqs: list[_Sequence], next_ids: list[int]) -> None:
-        for seq, token in zip(seqs, next_ids, strict=True):
-            if seq.finish_reason:
-                continue
-            seq.generated.append(token)
-            self.stats.generated_tokens += 1
-            if token in self.eos_ids:
-                seq.finish_reason = "stop"
-            if seq.params.stop:
-                text = self.tokenizer.decode(seq.generated)
-                cuts = [i for i in (text.find(stop) for stop in seq.params.stop) if i >= 0]
-                if cuts:
-                    seq.text, seq.finish_reason = text[: min(cuts)], "stop"
-            if not seq.finish_reason and len(seq.generated) >= seq.budget:
-                seq.finish_reason = "length"
+
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja template, or the template itself."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if len(value) < 4096 and path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise UserError(
+        f"--chat-template {value!r} is neither a file nor a Jinja template; give a path or "
+        "the template text"
+    )

@@ -1,18 +1,16 @@
 """Batch generation jobs: streaming requests in, durable and resumable results out.
 
-A job reads requests (JSONL or plain text) lazily, a window at a time; sorts each
-window by prompt length and cuts it into blocks of the engine's batch size (less
-padding); appends each finished block's results to `<output>.partial` and fsyncs it;
-and at the end writes the results in input order to `<output>` (temporary file, fsync,
-rename). Killed at any moment and started again with the same command, it skips what
-`<output>.partial` holds: nothing lost, nothing twice. The partial file's first line
-records a fingerprint of the input bytes and the generation settings; a run whose
-input or settings differ is refused (`--restart` starts over).
+A job reads requests lazily, a window at a time, from one of three formats: our flat
+JSONL (`prompt` raw text or `messages` a chat, with sampling fields), OpenAI Batch API
+lines (spotted by `custom_id`; `offload.openai_batch`), or plain text, one prompt a
+line. Every line is checked against its format's schema by `scan` before the model
+loads: duplicate ids are refused, and a file of nothing but bad lines is an error.
+Each window is sorted by prompt length and cut into blocks of the engine's batch size;
+finished blocks go to a `ResultLog` (`offload.resultlog`), durable and resumable.
 """
 
 from __future__ import annotations
 
-import array
 import collections
 import hashlib
 import json
@@ -21,27 +19,31 @@ import os
 import signal
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from offload import openai_batch
 from offload.errors import UserError
-from offload.sampling import SamplingParams
+from offload.sampling import SAMPLING_FIELDS, SamplingParams
 
 log = logging.getLogger(__name__)
 
-SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 KNOWN_FIELDS = {"id", "prompt", "messages", *SAMPLING_FIELDS}
+FORMATS = ("text", "jsonl", "openai")
 
 
 @dataclass(frozen=True)
 class JobRequest:
-    """One input line: a prompt or chat messages with sampling, or the error it makes."""
+    """One input line: a prompt (text or token ids) or chat messages with sampling, or
+    the error it makes. kind: "flat" (ours), "completions" or "chat" (OpenAI)."""
 
     index: int
     id: str
+    kind: str = "flat"
     prompt: str | None = None
+    prompt_ids: list[int] | None = None
     messages: list[dict[str, str]] | None = None
     params: SamplingParams | None = None
     error: str | None = None
@@ -59,16 +61,6 @@ def spool_stdin(directory: Path) -> Path:
     return Path(name)
 
 
-def _is_jsonl(path: Path) -> bool:
-    if path.suffix in (".jsonl", ".json"):
-        return True
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.strip():
-                return line.lstrip().startswith("{")
-    return False
-
-
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
     """(line number, text) of the non-blank lines."""
     try:
@@ -82,12 +74,33 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
         raise UserError(f"prompts file {path} is not UTF-8 text ({exc.reason})") from None
 
 
-def scan(path: Path, skip_invalid: bool) -> tuple[int, str]:
-    """Check every line parses (before any generation) and count the requests.
+def file_format(path: Path) -> str:
+    """ "openai" (first line has custom_id), "jsonl" (JSON lines) or "text"."""
+    for _, line in _lines(path):
+        if not line.lstrip().startswith("{") and path.suffix not in (".jsonl", ".json"):
+            return "text"
+        try:
+            first = json.loads(line)
+        except json.JSONDecodeError:
+            return "jsonl"
+        return "openai" if openai_batch.is_openai_line(first) else "jsonl"
+    return "jsonl"
 
-    Returns (count, sha256 of the file). A malformed JSON line is a `UserError` with its
-    line number unless skip_invalid, which lets it through as an error result.
-    """
+
+@dataclass(frozen=True)
+class Scan:
+    count: int
+    sha256: str
+    format: str
+    invalid: int
+
+
+def scan(path: Path, skip_invalid: bool) -> Scan:
+    """Check every line against its format's schema, before any model loading.
+
+    Unparsable JSON is a `UserError` naming the line unless skip_invalid (then an error
+    result); schema errors become error results; duplicate ids and a file without one
+    good line are `UserError`s."""
     digest = hashlib.sha256()
     try:
         with path.open("rb") as f:
@@ -95,27 +108,37 @@ def scan(path: Path, skip_invalid: bool) -> tuple[int, str]:
                 digest.update(chunk)
     except FileNotFoundError:
         raise UserError(f"prompts file {path} does not exist; check the path") from None
-    jsonl = _is_jsonl(path)
+    fmt = file_format(path)
+    seen: dict[str, int] = {}
+    duplicates: list[str] = []
+    bad: list[str] = []
     count = 0
-    for lineno, line in _lines(path):
+    for req, lineno in _requests(path, SamplingParams(), fmt, strict=not skip_invalid):
         count += 1
-        if jsonl and not skip_invalid:
-            try:
-                json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(
-                    f"{path}:{lineno}: not valid JSON ({exc.msg}); fix the line, or pass "
-                    "--skip-invalid to record it as an error and go on"
-                ) from None
+        if req.error is not None:
+            bad.append(f"line {lineno}: {req.error}")
+        if req.id in seen:
+            duplicates.append(f"{req.id!r} on lines {seen[req.id]} and {lineno}")
+        seen.setdefault(req.id, lineno)
     if count == 0:
         raise UserError(f"prompts file {path} holds no prompts")
-    return count, digest.hexdigest()
+    name = "custom_id" if fmt == "openai" else "id"
+    if duplicates:
+        raise UserError(
+            f"{path}: duplicate {name}s: {'; '.join(duplicates[:5])}"
+            f"{' ...' if len(duplicates) > 5 else ''}; give every request its own {name}"
+        )
+    if len(bad) == count:
+        raise UserError(f"{path}: no valid request in {count} line(s); {bad[0]}")
+    for problem in bad[:20]:
+        log.warning("%s: %s (recorded as an error result)", path, problem)
+    return Scan(count, digest.hexdigest(), fmt, len(bad))
 
 
 def make_request(
     index: int, obj: Any, defaults: SamplingParams, lineno: int | None = None
 ) -> JobRequest:
-    """Validate one request object; problems become the request's error, not a crash.
+    """Validate one flat request object; problems become the request's error.
 
     Without an "id" the request is named by its line number (its position otherwise)."""
     default_id = str(lineno if lineno is not None else index + 1)
@@ -123,146 +146,96 @@ def make_request(
         return JobRequest(index, default_id, error="a line must be a JSON object")
     rid = str(obj.get("id", default_id))
     unknown = sorted(set(obj) - KNOWN_FIELDS)
+    prompt, messages = obj.get("prompt"), obj.get("messages")
+    if prompt is None and messages is None:
+        found = f" (found {', '.join(unknown)})" if unknown else ""
+        return JobRequest(
+            index, rid, error=f'no prompt: give "prompt" (raw text) or "messages" (a chat){found}'
+        )
     if unknown:
         return JobRequest(index, rid, error=f"unknown field(s): {', '.join(unknown)}")
-    prompt, messages = obj.get("prompt"), obj.get("messages")
-    if (prompt is None) == (messages is None):
+    if prompt is not None and messages is not None:
         return JobRequest(index, rid, error='give exactly one of "prompt" or "messages"')
     if prompt is not None and not isinstance(prompt, str):
         return JobRequest(index, rid, error='"prompt" must be a string')
-    if messages is not None and (
-        not isinstance(messages, list)
-        or not messages
-        or not all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role")
-            for m in messages
-        )
-    ):
-        return JobRequest(index, rid, error='"messages" must be a list of {"role", "content"}')
+    if messages is not None:
+        try:
+            messages = openai_batch.chat_messages(messages)
+        except ValueError as exc:
+            return JobRequest(index, rid, error=str(exc))
     if prompt is not None and not prompt.strip():
         return JobRequest(index, rid, error="empty prompt")
-    overrides = {k: obj[k] for k in SAMPLING_FIELDS if k in obj}
-    if isinstance(overrides.get("stop"), list):
-        overrides["stop"] = tuple(overrides["stop"])
+    params = _params(defaults, {k: obj[k] for k in SAMPLING_FIELDS if k in obj})
+    if isinstance(params, str):
+        return JobRequest(index, rid, error=params)
+    if params.n > 1:
+        return JobRequest(index, rid, error="n > 1 needs the OpenAI batch format (choices)")
+    return JobRequest(index, rid, "flat", prompt, None, messages, params)
+
+
+def _params(defaults: SamplingParams, overrides: dict[str, Any]) -> SamplingParams | str:
+    """Defaults with a line's overrides, or the error message."""
+    for name in ("stop", "stop_token_ids"):
+        if isinstance(overrides.get(name), list):
+            overrides[name] = tuple(overrides[name])
     try:
-        params = SamplingParams(**{**_as_dict(defaults), **overrides})
+        values = defaults.to_dict() | overrides
+        return SamplingParams(**values)
     except (ValueError, TypeError) as exc:
-        return JobRequest(index, rid, error=f"invalid sampling value: {exc}")
-    return JobRequest(index, rid, prompt, messages, params)
+        return f"invalid sampling value: {exc}"
 
 
-def _as_dict(params: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(params, f.name) for f in fields(params)}
+def make_openai_request(index: int, obj: Any, defaults: SamplingParams, lineno: int) -> JobRequest:
+    """Validate one OpenAI Batch line; problems become the request's error."""
+    custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
+    rid = custom_id if isinstance(custom_id, str) and custom_id else f"line-{lineno}"
+    try:
+        rid, kind, body = openai_batch.parse_line(obj)
+        prompt, overrides = openai_batch.body_request(kind, body)
+    except ValueError as exc:
+        return JobRequest(index, rid, "chat", error=str(exc))
+    params = _params(defaults, overrides)
+    if isinstance(params, str):
+        return JobRequest(index, rid, kind, error=params)
+    text = prompt.get("prompt")
+    if text is not None and not text.strip():
+        return JobRequest(index, rid, kind, error="empty prompt")
+    return JobRequest(
+        index, rid, kind, text, prompt.get("prompt_token_ids"), prompt.get("messages"), params
+    )
 
 
-def iter_requests(path: Path, defaults: SamplingParams) -> Iterator[JobRequest]:
-    """Requests in input order, parsed one line at a time."""
-    jsonl = _is_jsonl(path)
+def _requests(
+    path: Path, defaults: SamplingParams, fmt: str, strict: bool = False
+) -> Iterator[tuple[JobRequest, int]]:
     for index, (lineno, line) in enumerate(_lines(path)):
-        if not jsonl:
-            yield make_request(index, {"prompt": line}, defaults, lineno)
+        if fmt == "text":
+            yield make_request(index, {"prompt": line}, defaults, lineno), lineno
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            yield JobRequest(index, str(lineno), error=f"line {lineno}: not valid JSON ({exc.msg})")
+            if strict:
+                raise UserError(
+                    f"{path}:{lineno}: not valid JSON ({exc.msg}); fix the line, or pass "
+                    "--skip-invalid to record it as an error and go on"
+                ) from None
+            kind = "chat" if fmt == "openai" else "flat"
+            rid = f"line-{lineno}" if fmt == "openai" else str(lineno)
+            yield (
+                JobRequest(index, rid, kind, error=f"not valid JSON ({exc.msg})"),
+                lineno,
+            )
             continue
-        yield make_request(index, obj, defaults, lineno)
-
-
-# -- durable output ------------------------------------------------------------------------
-class ResultLog:
-    """`<output>.partial`: a header with the job fingerprint, then one result a line."""
-
-    def __init__(self, output: Path, fingerprint: dict[str, Any], restart: bool) -> None:
-        self.output = output
-        self.partial = output.with_name(output.name + ".partial")
-        self.fingerprint = fingerprint
-        self._done = bytearray()
-        self.done_count = 0
-        if restart and self.partial.exists():
-            self.partial.unlink()
-        if self.partial.exists():
-            self._load()
+        if fmt == "openai":
+            yield make_openai_request(index, obj, defaults, lineno), lineno
         else:
-            with self.partial.open("w", encoding="utf-8") as f:
-                f.write(json.dumps({"_job": fingerprint}) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-        self._file = self.partial.open("a", encoding="utf-8")
+            yield make_request(index, obj, defaults, lineno), lineno
 
-    def _load(self) -> None:
-        with self.partial.open("rb") as f:
-            data = f.read()
-        lines = data.split(b"\n")
-        torn = lines.pop()  # after the last newline: empty, or a line cut by a crash
-        try:
-            header = json.loads(lines[0])["_job"] if lines else None
-        except (json.JSONDecodeError, KeyError, TypeError):
-            header = None
-        if header != self.fingerprint:
-            changed = sorted(
-                k for k in self.fingerprint if not header or header.get(k) != self.fingerprint[k]
-            )
-            raise UserError(
-                f"{self.partial} belongs to a job with a different {', '.join(changed) or 'header'}; "
-                "run the same command as before to resume it, or add --restart to start over"
-            )
-        for line in lines[1:]:
-            self._mark(json.loads(line)["_index"])
-        if torn:
-            with self.partial.open("r+b") as f:
-                f.truncate(len(data) - len(torn))
-            log.info("dropped a partly written result line from the interrupted run")
 
-    def _mark(self, index: int) -> None:
-        if index >= len(self._done):
-            self._done.extend(bytes(index + 1 - len(self._done) + 1024))
-        if not self._done[index]:
-            self._done[index] = 1
-            self.done_count += 1
-
-    def done(self, index: int) -> bool:
-        return index < len(self._done) and bool(self._done[index])
-
-    def append(self, rows: list[dict[str, Any]]) -> None:
-        if not rows:
-            return
-        self._file.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        for row in rows:
-            self._mark(row["_index"])
-
-    def finalize(self, total: int) -> None:
-        """Write the results in input order to the output file, atomically."""
-        self._file.close()
-        offsets = array.array("q", [-1]) * total
-        with self.partial.open("rb") as f:
-            f.readline()
-            while True:
-                pos = f.tell()
-                line = f.readline()
-                if not line:
-                    break
-                offsets[json.loads(line)["_index"]] = pos
-        missing = offsets.count(-1)
-        assert missing == 0, f"{missing} results missing at finalize"
-        tmp = self.output.with_name(self.output.name + ".tmp")
-        with self.partial.open("rb") as src, tmp.open("w", encoding="utf-8") as dst:
-            for pos in offsets:
-                src.seek(pos)
-                row = json.loads(src.readline())
-                del row["_index"]
-                dst.write(json.dumps(row, ensure_ascii=False) + "\n")
-            dst.flush()
-            os.fsync(dst.fileno())
-        os.replace(tmp, self.output)
-        self.partial.unlink()
-
-    def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+def iter_requests(path: Path, defaults: SamplingParams, fmt: str) -> Iterator[JobRequest]:
+    """Requests in input order, parsed one line at a time."""
+    return (req for req, _ in _requests(path, defaults, fmt))
 
 
 # -- the job loop ----------------------------------------------------------------------------
@@ -299,19 +272,22 @@ class StopFlag:
         signal.signal(signal.SIGINT, self._previous)
 
 
-def result_row(req: JobRequest, out=None, error: str | None = None) -> dict[str, Any]:
+def result_row(req: JobRequest, out=None, error: str | None = None, model: str = "") -> dict:
+    """The output line of a request (with "_index" for ordering): our flat shape, or the
+    Batch API's for OpenAI lines."""
+    error = error if error is not None else (req.error if out is None else None)
+    if req.kind != "flat":
+        if error is not None:
+            row = openai_batch.error_line(req.id, error)
+        else:
+            row = openai_batch.result_line(req.id, req.kind, model, out)
+        return {"_index": req.index, **row}
     row: dict[str, Any] = {"_index": req.index, "id": req.id}
     if req.prompt is not None:
         row["prompt"] = req.prompt
-    if error is not None or out is None:
-        return {
-            **row,
-            "text": "",
-            "prompt_tokens": 0,
-            "completion_tokens": 0,
-            "finish_reason": "error",
-            "error": error or req.error,
-        }
+    if error is not None:
+        return {**row, "text": "", "prompt_tokens": 0, "completion_tokens": 0,
+                "finish_reason": "error", "error": error}  # fmt: skip
     return {
         **row,
         "text": out.text,
@@ -324,16 +300,22 @@ def result_row(req: JobRequest, out=None, error: str | None = None) -> dict[str,
 def run_job(
     llm,
     requests: Iterator[JobRequest],
-    sink: ResultLog,
+    sink,
     stats: JobStats,
-    chat: bool,
     stop: StopFlag,
-    on_block=None,
+    on_block: Callable[[], None] | None = None,
 ) -> None:
     """Generate every request not yet in the sink; results land block by block."""
     window = max(llm.batch_size * 8, 64)
     pending: list[tuple[JobRequest, list[int]]] = []
     errors: list[dict[str, Any]] = []
+    model = llm.spec.name
+
+    def record(rows: list[dict[str, Any]], reasons: list[str], tokens: int) -> None:
+        sink.append(rows)
+        stats.reasons.update(reasons)
+        stats.generated_tokens += tokens
+        stats.done += len(rows)
 
     def flush_window() -> None:
         nonlocal errors
@@ -341,12 +323,13 @@ def run_job(
         for start in range(0, len(pending), llm.batch_size):
             block = pending[start : start + llm.batch_size]
             outs = llm.generate_ids([(ids, req.params) for req, ids in block])
-            rows = [result_row(req, out) for (req, _), out in zip(block, outs, strict=True)]
-            sink.append(rows + errors)
-            for row in rows + errors:
-                stats.reasons[row["finish_reason"]] += 1
-                stats.generated_tokens += row["completion_tokens"]
-            stats.done += len(rows) + len(errors)
+            for (req, _), out in zip(block, outs, strict=True):
+                out.prompt = req.prompt
+            rows = [
+                result_row(req, out, model=model) for (req, _), out in zip(block, outs, strict=True)
+            ]
+            reasons = [out.finish_reason for out in outs] + ["error"] * len(errors)
+            record(rows + errors, reasons, sum(out.completion_tokens for out in outs))
             errors = []
             if on_block:
                 on_block()
@@ -355,26 +338,21 @@ def run_job(
                 return
         pending.clear()
         if errors:  # a window of nothing but errors
-            sink.append(errors)
-            stats.reasons["error"] += len(errors)
-            stats.done += len(errors)
+            record(errors, ["error"] * len(errors), 0)
             errors = []
 
     for req in requests:
         if sink.done(req.index):
             continue
-        row = None
         if req.error is None:
             try:
-                ids = encode_request(llm, req, chat)
+                ids = encode_request(llm, req)
                 llm.check_prompt(ids)
                 pending.append((req, ids))
             except UserError as exc:
-                row = result_row(req, error=str(exc))
+                errors.append(result_row(req, error=str(exc)))
         else:
-            row = result_row(req)
-        if row is not None:
-            errors.append(row)
+            errors.append(result_row(req))
         if len(pending) >= window or len(errors) >= window:
             flush_window()
             if stats.interrupted:
@@ -382,12 +360,11 @@ def run_job(
     flush_window()
 
 
-def encode_request(llm, req: JobRequest, chat: bool) -> list[int]:
-    """Token ids of a request's prompt (chat template applied where asked)."""
-    tok = llm.tokenizer
+def encode_request(llm, req: JobRequest) -> list[int]:
+    """Token ids of a request: raw text or token ids as given, a chat templated."""
     if req.messages is not None:
-        if not tok.has_chat_template:
-            raise UserError('this model\'s tokenizer has no chat template for "messages"')
-        return tok.encode(tok.render_chat(req.messages), add_special_tokens=False)
+        return llm.encode_chat(req.messages)
+    if req.prompt_ids is not None:
+        return list(req.prompt_ids)
     assert req.prompt is not None
-    return llm.encode_prompt(req.prompt, chat=chat and tok.has_chat_template)
+    return llm.encode_prompt(req.prompt)

@@ -1,20 +1,23 @@
-"""The plain single-device runner: every weight and the KV cache on one device.
+"""The runner contract (`Runner`), and the plain single-device runner.
 
-It is the reference every offloading policy is checked against, and the runner the
-engine uses when the model fits. A runner exposes `start(batch)` (a fresh KV cache for
-a `PaddedBatch`) and `forward(token_ids, step, last_only)` (one step of the stack);
-the offloading executor offers the same two calls.
+`engine.LLM` drives a `Runner`: `PlainRunner` here (every weight and the KV cache on
+one device: the reference every offloading policy is checked against, and the runner
+when the model fits) or the offloading `executor.Executor`. Callers (the engine, the
+CLI's reports) use only what `Runner` names.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from offload.batch import PaddedBatch
 from offload.config import ModelConfig
+from offload.io.tiers import Tier
 from offload.kernels.formats import Compression
 from offload.kernels.quant import fake_quantize, is_quantized
 from offload.models import decoder, ops
@@ -33,6 +36,70 @@ def _compressed(weights: Weights, config: Compression | None) -> Weights:
 
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """What the engine and the CLI ask of a runner."""
+
+    load_seconds: float
+
+    def start(self, batch: PaddedBatch) -> None:
+        """A fresh KV cache for this batch (replacing the last one)."""
+
+    def step_inputs(self, batch: PaddedBatch, cache_start: int, num_new: int) -> StepInputs:
+        """Positions, mask and rotary tables of a step, on the runner's device."""
+
+    def forward(
+        self, token_ids: torch.Tensor, step: StepInputs, last_only: bool = True
+    ) -> torch.Tensor:
+        """New tokens [B, T] through the stack: fp32 logits [B, V] (or [B, T, V])."""
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        """Host bytes held for the KV cache's pool (part of the process RSS)."""
+
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes per tier the runner holds now and at peak."""
+
+    def peak_disk_bytes(self) -> int:
+        """The most disk bytes (KV spill) held at once."""
+
+    def trace_report(self) -> str | None:
+        """Per-lane busy time of the last traced step (None when not tracing)."""
+
+    def write_trace(self, path: Path) -> bool:
+        """A Chrome/Perfetto trace of the last step; False when there is none."""
+
+    def close(self) -> None:
+        """Release pinned memory, spill files and threads."""
+
+
+class LaneReports:
+    """The memory and trace reports of a runner with a `ledger`, `tracer` and `traces`."""
+
+    def peak_disk_bytes(self) -> int:
+        return self.ledger.peak(Tier.DISK)
+
+    def write_trace(self, path: Path) -> bool:
+        if not self.tracer.enabled:
+            return False
+        self.tracer.write_chrome(path)
+        return True
+
+    def trace_report(self) -> str | None:
+        if not self.traces:
+            return None
+        last = self.traces[-1]
+        lane, busy = last.busiest
+        lines = [
+            f"last step {last.seconds * 1e3:.1f} ms; busiest lane {lane} {busy * 1e3:.1f} ms; "
+            f"overlap efficiency {busy / last.seconds:.2f}"
+        ]
+        for name, stats in last.lanes.items():
+            rate = stats["bytes"] / stats["busy_s"] / 1e9 if stats["busy_s"] else 0.0
+            lines.append(f"  {name:9s} busy {stats['busy_s'] * 1e3:8.1f} ms  {rate:7.2f} GB/s")
+        return "\n".join(lines)
 
 
 class PlainRunner:
@@ -70,6 +137,26 @@ class PlainRunner:
         self.load_seconds = time.perf_counter() - started
         self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.family == "llama" else None
         self._cache: list[LayerKV] = []
+
+    kv_pool_bytes = 0
+
+    def memory_report(self) -> dict[str, Any]:
+        if self.device.type != "cuda":
+            return {}
+        return {"gpu": {"now": torch.cuda.memory_allocated(self.device),
+                        "peak": torch.cuda.max_memory_allocated(self.device)}}  # fmt: skip
+
+    def peak_disk_bytes(self) -> int:
+        return 0
+
+    def trace_report(self) -> str | None:
+        return None
+
+    def write_trace(self, path: Path) -> bool:
+        return False
+
+    def close(self) -> None:
+        self._cache, self.layer_w = [], []
 
     def start(self, batch: PaddedBatch) -> None:
         """Allocate a fresh KV cache for this batch (replacing the last one)."""

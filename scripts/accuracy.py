@@ -99,7 +99,7 @@ def main() -> None:
             )
         started = time.perf_counter()
         ppl = perplexity(llm, ids, args.window)
-        outs = llm.generate(QUESTIONS, params, chat=True)
+        outs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params)
         tokens = [o.token_ids for o in outs]
         if base_ppl is None:
             base_ppl, base_tokens = ppl, tokens

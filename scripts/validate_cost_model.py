@@ -98,7 +98,7 @@ def measure_policy(
             ex.start(batch)
             logits = ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, prompt_len))
             for t in range(gen_len - 1):
-                ids = sample(logits, SamplingParams(max_new_tokens=gen_len), None)
+                ids = sample(logits, SamplingParams(max_new_tokens=gen_len))
                 logits = ex.forward(ids[:, None], ex.step_inputs(batch, prompt_len + t, 1))
         if device.type == "cuda":
             torch.cuda.synchronize()

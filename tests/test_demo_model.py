@@ -35,17 +35,18 @@ def reference():
 
 
 def test_france_gives_paris(ours):
-    out = ours.generate(
-        ["What is the capital of France?"], SamplingParams(max_new_tokens=24), chat=True
+    out = ours.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=24),
     )
-    assert "Paris" in out[0].text, out[0].text
-    assert out[0].finish_reason == "stop"
+    assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "stop"
 
 
 def test_greedy_equals_transformers_on_the_same_gguf(ours, reference):
     tok, model = reference
     params = SamplingParams(max_new_tokens=24)
-    outs = ours.generate(QUESTIONS, params, chat=True)
+    outs = ours.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params)
     for question, out in zip(QUESTIONS, outs, strict=True):
         ids = tok.apply_chat_template(
             [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt"
@@ -56,7 +57,8 @@ def test_greedy_equals_transformers_on_the_same_gguf(ours, reference):
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False
             )
         ref_ids = gen[0, ids.shape[1] :].tolist()
-        assert out.prompt_tokens == ids.shape[1]
-        assert out.token_ids == ref_ids[: len(out.token_ids)], (
-            f"{question!r}: ours {out.text!r} vs transformers {tok.decode(ref_ids)!r}"
+        got = out.outputs[0]
+        assert out.prompt_token_ids == ids[0].tolist()
+        assert got.token_ids == ref_ids[: len(got.token_ids)], (
+            f"{question!r}: ours {got.text!r} vs transformers {tok.decode(ref_ids)!r}"
         )

@@ -40,10 +40,11 @@ print(json.dumps(generate(Path(sys.argv[1]), Path(sys.argv[2]))))
 def generate(checkpoint: Path, nvme: Path) -> dict[str, list[list[int]]]:
     """Greedy tokens of the plain run and of a compressed, three-tier offloaded run."""
     out = {}
-    for name, policy in (("plain", None), ("int4-offloaded", POLICY)):
-        with LLM(str(checkpoint), policy=policy, nvme=nvme / name) as llm:
-            outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=6))
-            out[name] = [o.token_ids for o in outs]
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
+    for name, policy, folder in (("plain", None, None), ("int4-offloaded", POLICY, nvme)):
+        with LLM(str(checkpoint), policy=policy, offload_folder=folder) as llm:
+            outs = llm.generate(prompts, SamplingParams(max_tokens=6))
+            out[name] = [o.outputs[0].token_ids for o in outs]
     return out
 
 

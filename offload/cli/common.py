@@ -1,82 +1,116 @@
-"""What every CLI shares: user-error handling, logging set-up, size parsing."""
+"""What every CLI shares: flags built from `EngineArgs` and `SamplingParams`, user-error
+handling, logging set-up.
+
+A flag is defined once: `add_engine_flags(parser, names)` makes `--gpu-mem` and friends
+from `EngineArgs`' fields (help and default from there), `add_sampling_flags` makes
+`--max-tokens`, `--temperature`... from `SamplingParams`. Unset sampling flags stay
+unset, so the model's own defaults (generation_config.json) apply, as in Python.
+"""
 
 from __future__ import annotations
 
+import argparse
 import logging
-import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import fields
+from typing import Any
 
+from offload.args import (  # re-exported: scripts and tests import them from here
+    COMPRESS_HELP,
+    KV_COMPRESS_HELP,
+    EngineArgs,
+    parse_compression,
+    parse_kv_compression,
+    parse_size,
+)
 from offload.errors import UserError
-from offload.kernels.formats import KV_GROUPS, Compression
+from offload.sampling import SamplingParams, with_defaults
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
+__all__ = [
+    "COMPRESS_HELP",
+    "KV_COMPRESS_HELP",
+    "add_engine_flags",
+    "add_sampling_flags",
+    "engine_args",
+    "parse_compression",
+    "parse_kv_compression",
+    "parse_size",
+    "run_cli",
+    "sampling_params",
+    "setup_logging",
+]
+
+# SamplingParams fields offered as flags: (help, argparse options)
+SAMPLING_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "max_tokens": ("tokens to generate at most (default 16)", {"type": int}),
+    "min_tokens": ("tokens to generate before EOS or a stop id may end", {"type": int}),
+    "temperature": ("0 (default) is greedy", {"type": float}),
+    "top_p": ("nucleus sampling mass (1 switches it off)", {"type": float}),
+    "top_k": ("-1 (default) switches top-k off", {"type": int}),
+    "min_p": ("drop tokens below this share of the top token's probability", {"type": float}),
+    "repetition_penalty": ("> 1 discourages tokens already in prompt or output", {"type": float}),
+    "presence_penalty": ("OpenAI's presence penalty, -2..2", {"type": float}),
+    "frequency_penalty": ("OpenAI's frequency penalty, -2..2", {"type": float}),
+    "seed": ("makes sampling reproducible", {"type": int}),
+    "stop": ("a stop string (repeatable)", {"action": "append"}),
+    "stop_token_ids": (
+        "a token id that ends a sequence (repeatable)",
+        {"action": "append", "type": int},
+    ),
+    "ignore_eos": ("keep generating past EOS", {"action": "store_true", "default": None}),
 }
+ALIASES = {"max_tokens": ("--max-new-tokens", "--gen-len")}
 
 
-def parse_size(text: str) -> int:
-    """Parse "24GB", "24GiB", "512MB", "1.5TB" or a plain byte count into bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise UserError(f"cannot parse size {text!r}; write it like 24GB, 24GiB or 512MB")
-    return int(float(match.group(1)) * _UNITS[unit])
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
-COMPRESS_HELP = (
-    "weight compression: none (default), int4 or int8 (group-wise, group 64, asymmetric; "
-    "add -gN for another group size, -sym for symmetric), or auto (the plan search chooses "
-    "among none, int4 and int8)"
-)
-_COMPRESS = re.compile(r"int(4|8)(?:-g(\d+))?(-sym)?")
-
-
-KV_COMPRESS_HELP = (
-    "KV cache compression: none (default), int4 or int8 (keys per channel over groups of "
-    "64 tokens, values per token; -gN for 16, 32 or 128 tokens, -sym for symmetric), or "
-    "auto (the plan search chooses among none, int4 and int8); a compressed cache is kept "
-    "on the GPU"
-)
-
-
-def parse_compression(text: str | None, flag: str = "--compress") -> tuple[Compression | None, ...]:
-    """--compress / --kv-compress: the formats the plan may use (None is uncompressed)."""
-    if text is None or text == "none":
-        return (None,)
-    if text == "auto":
-        return (None, Compression(4, 64, False), Compression(8, 64, False))
-    match = _COMPRESS.fullmatch(text)
-    if match is None:
-        raise UserError(
-            f"{flag} {text!r} is not understood; use none, int4, int8, int4-g128, int8-sym or auto"
+def add_engine_flags(
+    parser: argparse.ArgumentParser, names: Sequence[str], required: Sequence[str] = ()
+) -> None:
+    """Flags for these `EngineArgs` fields, with the dataclass's defaults and help."""
+    by_name = {f.name: f for f in fields(EngineArgs)}
+    for name in names:
+        f = by_name[name]
+        meta = dict(f.metadata)
+        help_text = meta.pop("help")
+        must = meta.pop("required", False) or name in required
+        if f.type in (bool, "bool"):
+            parser.add_argument(_flag(name), action="store_true", help=help_text)
+            continue
+        default = None if must else f.default
+        suffix = "" if must or default in (None, "") else f" (default: {default})"
+        parser.add_argument(
+            _flag(name), required=must, default=default, help=help_text + suffix, **meta
         )
-    bits, group, sym = match.groups()
+
+
+def engine_args(args: argparse.Namespace, **extra: Any) -> EngineArgs:
+    """The `EngineArgs` of parsed flags (fields the CLI has no flag for keep defaults)."""
+    names = {f.name for f in fields(EngineArgs)}
+    given = {k: v for k, v in vars(args).items() if k in names}
+    return EngineArgs(**{**given, **extra})
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser, names: Sequence[str] = ()) -> None:
+    group = parser.add_argument_group("sampling (vLLM's SamplingParams; unset: model defaults)")
+    for name in names or SAMPLING_FLAGS:
+        help_text, options = SAMPLING_FLAGS[name]
+        options = {"default": None, **options}
+        group.add_argument(
+            _flag(name), *ALIASES.get(name, ()), dest=name, help=help_text, **options
+        )
+
+
+def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from the sampling flags given, over the model's defaults."""
+    given = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k, None) is not None}
     try:
-        return (Compression(int(bits), int(group or 64), sym is not None),)
+        return with_defaults(None, {**defaults, **given})
     except ValueError as exc:
-        raise UserError(f"{flag} {text}: {exc}") from None
-
-
-def parse_kv_compression(text: str | None) -> tuple[Compression | None, ...]:
-    """--kv-compress: as --compress, with the group counted in tokens (16 to 128)."""
-    formats = parse_compression(text, "--kv-compress")
-    for c in formats:
-        if c is not None and c.group_size not in KV_GROUPS:
-            raise UserError(
-                f"--kv-compress {text}: the group is tokens a key group, one of "
-                f"{', '.join(map(str, KV_GROUPS))}"
-            )
-    return formats
+        raise UserError(str(exc)) from None
 
 
 def setup_logging(quiet: bool) -> None:
@@ -85,7 +119,7 @@ def setup_logging(quiet: bool) -> None:
         format="%(message)s",
         stream=sys.stderr,
     )
-    for noisy in ("transformers", "huggingface_hub", "httpx"):
+    for noisy in ("transformers", "huggingface_hub", "httpx", "filelock"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-from offload.cli.common import parse_compression, run_cli, setup_logging
-from offload.engine import DTYPES
+from offload.args import resolve_device, resolve_dtype
+from offload.cli.common import add_engine_flags, engine_args, run_cli, setup_logging
 from offload.errors import UserError
+from offload.io.atomic import exclusive
 from offload.io.store import ensure_store, store_bytes
 from offload.models.resolve import resolve_model
+
+FLAGS = ("model", "revision", "dtype", "device", "dummy", "nvme", "compress")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,17 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="offload-convert",
         description="Write a model's weights (safetensors, GGUF or dummy) into a weight store "
         "of 4 KiB-aligned extents under --nvme, for O_DIRECT streaming. A matching "
-        "complete store is reused.",
+        "complete store is reused. The store's dtype is the one offload-run uses for "
+        "the same --dtype and --device.",
     )
-    p.add_argument("--model", required=True, help="demo, a preset, a hub repo id or a path")
-    p.add_argument("--nvme", required=True, type=Path, help="directory on a fast drive")
-    p.add_argument("--dtype", default="float16", choices=tuple(DTYPES))
-    p.add_argument("--dummy", action="store_true", help="random weights of the model's shape")
-    p.add_argument(
-        "--compress",
-        default="none",
-        help="store the layer matrices quantized: none, int4 or int8 (-gN, -sym as in offload-plan)",
-    )
+    add_engine_flags(p, FLAGS, required=("nvme",))
     p.add_argument("-q", "--quiet", action="store_true")
     return p
 
@@ -39,15 +34,21 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.quiet)
 
     def body() -> int:
-        formats = parse_compression(args.compress)
+        engine = engine_args(args)
+        formats = engine.compressions()
         if len(formats) != 1:
             raise UserError("offload-convert --compress takes one format (none, int4 or int8)")
         compression = formats[0]
-        spec = resolve_model(args.model, dummy=args.dummy)
-        dtype = DTYPES[args.dtype]
+        spec = resolve_model(engine.model, dummy=engine.dummy, revision=engine.revision)
+        on_gpu = resolve_device(engine.device).type == "cuda"
+        dtype = resolve_dtype(engine.dtype, on_gpu, spec.config.checkpoint_dtype)
         started = time.perf_counter()
-        with spec.open_weights() as source:
-            store = ensure_store(source, args.nvme, dtype, not args.quiet, compression)
+        # the same lock offload-run takes: one process at a time builds a store here
+        with (
+            exclusive(engine.nvme / "store", "weight store directory"),
+            spec.open_weights() as source,
+        ):
+            store = ensure_store(source, engine.nvme, dtype, not args.quiet, compression)
         seconds = time.perf_counter() - started
         size = store_bytes(spec.config, dtype, compression)
         print(

@@ -9,48 +9,45 @@ import sys
 from pathlib import Path
 
 from offload.cli.common import (
-    COMPRESS_HELP,
-    KV_COMPRESS_HELP,
-    parse_compression,
-    parse_kv_compression,
-    parse_size,
+    add_engine_flags,
+    add_sampling_flags,
+    engine_args,
     run_cli,
+    sampling_params,
     setup_logging,
 )
-from offload.engine import DTYPES
 from offload.errors import UserError
 from offload.models.resolve import resolve_model
 from offload.policies.caps import Caps
+from offload.policies.choose import choose_policy
 from offload.policies.cost import Estimate, estimate
-from offload.policies.hardware import HardwareProfile, load_profile, measure, profile_path
+from offload.policies.hardware import HardwareProfile
 from offload.policies.search import search
 
 GB = 1e9
+FLAGS = (
+    "model",
+    "revision",
+    "dtype",
+    "gpu_mem",
+    "cpu_mem",
+    "nvme",
+    "profile",
+    "compress",
+    "kv_compress",
+    "prompt_len",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="offload-plan",
         description="Find the placement and batch shape with the highest predicted throughput "
-        "that fits the memory caps, and explain it.",
+        "that fits the memory caps, and explain it (only the model's config is read).",
     )
-    p.add_argument(
-        "--model", required=True, help="a preset, hub repo id or path (only its config is read)"
-    )
-    p.add_argument("--gpu-mem", required=True, help="GPU memory cap, e.g. 24GB")
-    p.add_argument("--cpu-mem", help="CPU memory cap (default: 90%% of this machine's RAM)")
-    p.add_argument("--nvme", type=Path, help="a directory on fast disk for weights/KV")
-    p.add_argument("--compress", default="none", help=COMPRESS_HELP)
-    p.add_argument("--kv-compress", default="none", help=KV_COMPRESS_HELP)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--gen-len", type=int, default=32)
+    add_engine_flags(p, FLAGS, required=("gpu_mem",))
+    add_sampling_flags(p, ("max_tokens",))
     p.add_argument("--num-prompts", type=int, help="requests in the job (caps the block size)")
-    p.add_argument("--dtype", default="float16", choices=tuple(DTYPES))
-    p.add_argument(
-        "--profile",
-        type=Path,
-        help="hardware profile JSON (default: this machine's, from offload-profile)",
-    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", type=Path, help="draw placement and throughput vs batch size to a PNG")
     return p
@@ -62,50 +59,30 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli("offload-plan", lambda: _plan(args))
 
 
-def _profile(args) -> HardwareProfile:
-    if args.profile is not None:
-        return HardwareProfile.from_file(args.profile)
-    cached = load_profile()
-    if cached is None:
-        print(f"offload-plan: measuring this machine (cached in {profile_path()})", file=sys.stderr)
-        cached = measure(args.nvme, quick=True)
-        profile_path().parent.mkdir(parents=True, exist_ok=True)
-        profile_path().write_text(cached.to_json())
-    return cached
-
-
-def _caps(args, hw: HardwareProfile) -> Caps:
-    gpu = parse_size(args.gpu_mem)
-    cpu = parse_size(args.cpu_mem) if args.cpu_mem else hw.default_cpu_cap
-    if gpu <= 0 or cpu <= 0:
-        raise UserError("memory caps must be positive")
-    if hw.has_gpu and gpu > hw.gpu_mem_bytes:
-        raise UserError(
-            f"--gpu-mem {gpu / GB:.1f} GB is more than the GPU's {hw.gpu_mem_bytes / GB:.1f} GB"
-        )
-    return Caps(gpu, cpu, args.nvme is not None)
-
-
 def _plan(args) -> int:
-    if args.prompt_len < 1 or args.gen_len < 1:
-        raise UserError("--prompt-len and --gen-len must be positive")
-    cfg = resolve_model(args.model, dummy=True).config
-    hw = _profile(args)
-    caps = _caps(args, hw)
-    dtype = DTYPES[args.dtype]
-    args.compressions = parse_compression(args.compress)
-    args.kv_compressions = parse_kv_compression(args.kv_compress)
-    best = search(
+    engine = engine_args(args)  # every flag judged before the machine is measured
+    args.gen_len = sampling_params(args, {}).max_tokens
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise UserError(f"--num-prompts must be positive, got {args.num_prompts}")
+    cfg = resolve_model(engine.model, dummy=True, revision=engine.revision).config
+    args.compressions = engine.compressions()
+    args.kv_compressions = engine.kv_compressions()
+    choice = choose_policy(
         cfg,
-        dtype,
-        args.prompt_len,
+        engine.dtype,
+        engine.gpu_bytes,
+        engine.cpu_bytes,
+        engine.nvme,
+        engine.prompt_len,
         args.gen_len,
-        hw,
-        caps,
+        engine.profile,
         args.num_prompts,
         args.compressions,
         args.kv_compressions,
+        announce=lambda msg: print(f"offload-plan: {msg}", file=sys.stderr),
     )
+    best, hw, caps, dtype = choice.best, choice.profile, choice.caps, choice.dtype
+    args.dtype = str(dtype).removeprefix("torch.")
     what_if = _what_if(cfg, dtype, args, hw, caps, best)
     if args.json:
         print(json.dumps(_as_json(best, what_if), indent=1))

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from offload.cli.common import run_cli, setup_logging
-from offload.policies.hardware import load_profile, measure, profile_path
+from offload.cli.common import add_engine_flags, run_cli, setup_logging
+from offload.policies.hardware import load_profile, measure, profile_path, save_profile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Measure PCIe, disk, GPU and CPU-attention rates and memory sizes of this "
         "machine and cache them as a HardwareProfile JSON.",
     )
-    p.add_argument("--nvme", type=Path, help="measure disk reads/writes (O_DIRECT) here")
+    add_engine_flags(p, ("nvme",))
     p.add_argument("--show", action="store_true", help="print the cached profile")
     p.add_argument("--quick", action="store_true", help="smaller transfers (less accurate)")
     args = p.parse_args(argv)
@@ -33,8 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         hw = measure(args.nvme, quick=args.quick)
         if not hw.has_gpu:
             print("offload-profile: no CUDA device: profiled the CPU path", file=sys.stderr)
-        profile_path().parent.mkdir(parents=True, exist_ok=True)
-        profile_path().write_text(hw.to_json())
+        save_profile(hw)
         print(hw.to_json())
         print(f"offload-profile: saved to {profile_path()}", file=sys.stderr)
         return 0

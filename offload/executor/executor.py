@@ -42,6 +42,7 @@ from offload.models.decoder import StepInputs, Weights
 from offload.models.weights import WeightSource
 from offload.policies.memory import row_splits, weight_plan
 from offload.policies.policy import Policy
+from offload.runner import LaneReports
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class StepTrace:
         return lane, self.lanes[lane]["busy_s"]
 
 
-class Executor:
+class Executor(LaneReports):  # implements runner.Runner
     def __init__(
         self,
         source: WeightSource,

@@ -47,6 +47,19 @@ class ModelSpec:
 
         return CheckpointSource(self.path, self.config)
 
+    def generation_config(self) -> dict[str, Any]:
+        """The model's generation_config.json ({} when it has none, as GGUF files)."""
+        if self.path is None or not self.path.is_dir():
+            return {}
+        path = self.path / "generation_config.json"
+        try:
+            config = json.loads(path.read_text())
+        except FileNotFoundError:
+            return {}
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path} is not valid JSON ({exc}); fix or delete it") from None
+        return config if isinstance(config, dict) else {}
+
     def tokenizer(self):
         from offload.models.tokenizer import load_tokenizer
 
@@ -82,20 +95,73 @@ def _from_path(path: Path, dummy: bool, seed: int) -> ModelSpec:
     raise UserError(f"{path} is neither a model directory nor a .gguf file")
 
 
-def _from_hub(repo_id: str) -> Path | None:
+def _hub_error(repo_id: str, revision: str | None, exc: Exception) -> UserError | None:
+    """One line naming the repo and the fix for the hub's typed errors (None: not one)."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    page = f"https://huggingface.co/{repo_id}"
+    if isinstance(exc, GatedRepoError):
+        return UserError(
+            f"model {repo_id} is gated on the hub; accept its terms at {page}, then log in "
+            "(hf auth login, or set HF_TOKEN)"
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        return UserError(
+            f"model {repo_id} is not on the hub (or is private); check the repo id, or log in "
+            "(hf auth login, or set HF_TOKEN) if it is private"
+        )
+    if isinstance(exc, RevisionNotFoundError):
+        return UserError(
+            f"revision {revision!r} of model {repo_id} does not exist; pass --revision with a "
+            f"branch, tag or commit listed at {page}"
+        )
+    if isinstance(exc, HfHubHTTPError):
+        status = exc.response.status_code if exc.response is not None else "an error"
+        return UserError(f"the hub answered {status} for model {repo_id}; try again later")
+    return None
+
+
+def _from_hub(repo_id: str, revision: str | None = None) -> Path:
+    """The repo's snapshot: from the local cache, else downloaded (config, weights,
+    tokenizer). Hub failures become one-line `UserError`s naming the repo and the fix."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
-    for local_only in (True, False):
-        try:
-            return Path(
-                snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=local_only)
+    def download(local_only: bool) -> Path:
+        return Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                allow_patterns=HUB_PATTERNS,
+                local_files_only=local_only,
             )
-        except (LocalEntryNotFoundError, HFValidationError, OSError) as exc:
-            log.debug("hub lookup of %s (local_only=%s) failed: %s", repo_id, local_only, exc)
-        except Exception as exc:  # the hub client raises many types for "not reachable"
-            log.debug("hub lookup of %s failed: %s", repo_id, exc)
-    return None
+        )
+
+    try:
+        return download(local_only=True)
+    except LocalEntryNotFoundError:
+        pass
+    except HFValidationError as exc:
+        raise UserError(f"{repo_id!r} is not a valid hub repo id ({exc})") from None
+    try:
+        return download(local_only=False)
+    except (LocalEntryNotFoundError, ConnectionError) as exc:  # offline, or no network
+        log.debug("hub download of %s failed: %s", repo_id, exc)
+        raise UserError(
+            f"model {repo_id}{'@' + revision if revision else ''} is not in the local Hugging "
+            "Face cache and the hub cannot be reached (offline); download it on a connected "
+            f"machine (hf download {repo_id})"
+        ) from None
+    except Exception as exc:  # the hub client raises many types; typed ones are named
+        error = _hub_error(repo_id, revision, exc)
+        if error is None:
+            raise UserError(f"cannot fetch model {repo_id} from the hub: {exc}") from None
+        raise error from None
 
 
 def _looks_like_path(text: str) -> bool:
@@ -106,7 +172,9 @@ def _looks_like_path(text: str) -> bool:
     )
 
 
-def resolve_model(text: str, dummy: bool = False, seed: int = 0) -> ModelSpec:
+def resolve_model(
+    text: str, dummy: bool = False, seed: int = 0, revision: str | None = None
+) -> ModelSpec:
     """Resolve a --model argument; raise `UserError` with the fix when nothing matches."""
     if text.lower() in ("demo", DEMO_NAME):
         if dummy:
@@ -123,16 +191,14 @@ def resolve_model(text: str, dummy: bool = False, seed: int = 0) -> ModelSpec:
     if preset is not None and (dummy or "/" not in text):
         return ModelSpec(preset, ModelConfig.from_hf(PRESETS[preset], preset), "dummy", None, seed)
     if "/" in text:
-        local = _from_hub(text)
-        if local is not None:
-            return _from_path(local, dummy, seed)
-        hint = (
-            f", or pass --dummy to run its preset '{preset}' with random weights" if preset else ""
-        )
-        raise UserError(
-            f"model {text} is not in the local Hugging Face cache and the hub is unreachable; "
-            f"download it on a connected machine (hf download {text}){hint}"
-        )
+        try:
+            return _from_path(_from_hub(text, revision), dummy, seed)
+        except UserError as exc:
+            if preset is None:
+                raise
+            raise UserError(
+                f"{exc}, or pass --dummy to run its preset '{preset}' with random weights"
+            ) from None
     raise UserError(
         f"unknown model {text!r}: not a path, a preset or a hub repo id; presets: "
         f"demo, {', '.join(PRESETS)}"

@@ -32,11 +32,15 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def render_chat(self, messages: list[dict[str, str]], template: str | None = None) -> str:
+        """The conversation as the prompt text, ready for the assistant's reply;
+        `template` (Jinja) replaces the tokenizer's own."""
+        return self.hf.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=True
+        )
 
 
 class ByteTokenizer:
@@ -51,10 +55,15 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def render_chat(self, messages: list[dict[str, str]], template: str | None = None) -> str:
+        if template is not None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            return env.from_string(template).render(messages=messages, add_generation_prompt=True)
         return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
 
 

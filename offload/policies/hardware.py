@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from offload.errors import UserError
+from offload.io.atomic import atomic_write
 from offload.io.direct import open_direct
 from offload.kernels.formats import Compression
 from offload.kernels.kv_attention_cpu import decode_attention_cpu
@@ -85,6 +86,13 @@ def profile_path() -> Path:
     return cache_dir() / f"hardware-{platform.node() or 'machine'}.json"
 
 
+def save_profile(hw: HardwareProfile, path: Path | None = None) -> Path:
+    """Write the profile atomically (a concurrent reader never sees half a file)."""
+    path = path or profile_path()
+    atomic_write(path, hw.to_json())
+    return path
+
+
 def load_profile(path: Path | None = None) -> HardwareProfile | None:
     path = path or profile_path()
     return HardwareProfile.from_file(path) if path.is_file() else None
@@ -143,7 +151,7 @@ def _cpu_attention_rate(
     compressed: bool = False,
 ) -> float:
     """GB/s of KV that the executor's CPU attention (torch SDPA) reads at a decode shape;
-    `compressed`: its attention over an int4-g64 cache (`kvquant.decode_attention_cpu`),
+    `compressed`: its attention over an int4-g64 cache (`kv_attention_cpu.decode_attention_cpu`),
     counting the K/V it attends at the dtype's size.
 
     Given a pinned `host` buffer, a `gpu` one and their measured copy rate, host -> GPU

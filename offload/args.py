@@ -1,0 +1,252 @@
+"""`EngineArgs`: every engine option, defined once with its default and help.
+
+`LLM(...)` and every CLI (offload-run, offload-plan, offload-convert) build from this
+dataclass (`offload.cli.flags` turns its fields into argparse flags), so a flag means
+the same everywhere, dtype default included. Like vLLM's `EngineArgs`; memory caps use
+our flag names here and accelerate's (`max_memory`, `offload_folder`) in `LLM`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offload.config import DTYPE_CHOICES
+from offload.errors import UserError
+from offload.kernels.formats import KV_GROUPS, Compression
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int, flag: str = "size") -> int:
+    """Parse "24GB", "24GiB", "512MB", "1.5TB" or a plain byte count into bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise UserError(f"cannot parse {flag} {text!r}; write it like 24GB, 24GiB or 512MB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+_COMPRESS = re.compile(r"int(4|8)(?:-g(\d+))?(-sym)?")
+
+
+def parse_compression(text: str | None, flag: str = "--compress") -> tuple[Compression | None, ...]:
+    """--compress / --kv-compress: the formats the plan may use (None is uncompressed)."""
+    if text is None or text == "none":
+        return (None,)
+    if text == "auto":
+        return (None, Compression(4, 64, False), Compression(8, 64, False))
+    match = _COMPRESS.fullmatch(text)
+    if match is None:
+        raise UserError(
+            f"{flag} {text!r} is not understood; use none, int4, int8, int4-g128, int8-sym or auto"
+        )
+    bits, group, sym = match.groups()
+    try:
+        return (Compression(int(bits), int(group or 64), sym is not None),)
+    except ValueError as exc:
+        raise UserError(f"{flag} {text}: {exc}") from None
+
+
+def parse_kv_compression(text: str | None) -> tuple[Compression | None, ...]:
+    """--kv-compress: as --compress, with the group counted in tokens (16 to 128)."""
+    formats = parse_compression(text, "--kv-compress")
+    for c in formats:
+        if c is not None and c.group_size not in KV_GROUPS:
+            raise UserError(
+                f"--kv-compress {text}: the group is tokens a key group, one of "
+                f"{', '.join(map(str, KV_GROUPS))}"
+            )
+    return formats
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(
+            "--device cuda was asked for but no CUDA device is visible; use --device cpu"
+        )
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r} is not a device; use auto, cpu or cuda[:N]") from None
+
+
+def _meta(help: str, **cli: Any) -> dict[str, Any]:
+    """A field's help and argparse options (for `offload.cli.common`)."""
+    return {"help": help, **cli}
+
+
+COMPRESS_HELP = (
+    "weight compression: none (default), int4 or int8 (group-wise, group 64, asymmetric; "
+    "add -gN for another group size, -sym for symmetric), or auto (the plan search chooses "
+    "among none, int4 and int8)"
+)
+KV_COMPRESS_HELP = (
+    "KV cache compression: none (default), int4 or int8 (keys per channel over groups of "
+    "64 tokens, values per token; -gN for 16, 32 or 128 tokens, -sym for symmetric), or "
+    "auto (the plan search chooses among none, int4 and int8); kept on the GPU"
+)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The engine's options. Sizes are strings like "24GB" (or byte counts)."""
+
+    model: str = field(
+        default="",
+        metadata=_meta(
+            "demo, a preset (random weights), a hub repo id or a local path", required=True
+        ),
+    )
+    revision: str | None = field(
+        default=None, metadata=_meta("hub revision: a branch, tag or commit (default: main)")
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=_meta(
+            "compute and store dtype; auto: float32 on the CPU, on a GPU the checkpoint's "
+            "float16 else bfloat16",
+            choices=DTYPE_CHOICES,
+        ),
+    )
+    device: str = field(default="auto", metadata=_meta("auto, cpu or cuda[:N]"))
+    dummy: bool = field(
+        default=False, metadata=_meta("random weights of the model's shape (no download)")
+    )
+    batch_size: int = field(
+        default=16, metadata=_meta("sequences per batch (a policy sets its own)", type=int)
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata=_meta("a Jinja chat template, or a file holding one, instead of the model's"),
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata=_meta(
+            "auto: sampling defaults and EOS ids from the model's generation_config.json; "
+            "none: ignore it",
+            choices=("auto", "none"),
+        ),
+    )
+    policy: Path | None = field(
+        default=None,
+        metadata=_meta("placement policy JSON (runs the offloading executor)", type=Path),
+    )
+    gpu_mem: str | None = field(
+        default=None, metadata=_meta("GPU memory cap, e.g. 24GB (runs the plan search)")
+    )
+    cpu_mem: str | None = field(
+        default=None, metadata=_meta("CPU memory cap, e.g. 100GB (default: 90%% of the RAM)")
+    )
+    nvme: Path | None = field(
+        default=None,
+        metadata=_meta("directory on a fast drive for the weight store and KV spill", type=Path),
+    )
+    profile: Path | None = field(
+        default=None,
+        metadata=_meta(
+            "hardware profile JSON for the plan search (default: this machine's)", type=Path
+        ),
+    )
+    compress: str = field(default="none", metadata=_meta(COMPRESS_HELP))
+    kv_compress: str = field(default="none", metadata=_meta(KV_COMPRESS_HELP))
+    prompt_len: int = field(
+        default=512, metadata=_meta("typical prompt tokens the plan search sizes for", type=int)
+    )
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise UserError("no model given; pass --model (demo, a preset, a repo id or a path)")
+        if self.dtype not in DTYPE_CHOICES:
+            raise UserError(f"--dtype {self.dtype!r}: choose {', '.join(DTYPE_CHOICES)}")
+        if self.generation_config not in ("auto", "none"):
+            raise UserError(f"--generation-config {self.generation_config!r}: choose auto or none")
+        for name in ("batch_size", "prompt_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise UserError(
+                    f"--{name.replace('_', '-')} must be a positive integer, got {value!r}"
+                )
+        for name in ("gpu_mem", "cpu_mem"):
+            flag = f"--{name.replace('_', '-')}"
+            value = getattr(self, name)
+            if value is not None and parse_size(value, flag) <= 0:
+                raise UserError(f"{flag} {value} must be more than 0; give a cap like 24GB")
+        if self.nvme is not None and Path(self.nvme).exists() and not Path(self.nvme).is_dir():
+            raise UserError(f"--nvme {self.nvme} is not a directory")
+        if self.policy is not None and not Path(self.policy).is_file():
+            raise UserError(f"--policy {self.policy} does not exist; check the path")
+        if self.profile is not None and not Path(self.profile).is_file():
+            raise UserError(f"--profile {self.profile} does not exist; run offload-profile")
+        self.compressions()
+        self.kv_compressions()
+
+    @property
+    def gpu_bytes(self) -> int | None:
+        return parse_size(self.gpu_mem, "--gpu-mem") if self.gpu_mem is not None else None
+
+    @property
+    def cpu_bytes(self) -> int | None:
+        return parse_size(self.cpu_mem, "--cpu-mem") if self.cpu_mem is not None else None
+
+    @property
+    def wants_search(self) -> bool:
+        """Caps or a store directory without a policy: the plan search picks one."""
+        return self.policy is None and any(
+            v is not None for v in (self.gpu_mem, self.cpu_mem, self.nvme)
+        )
+
+    def compressions(self) -> tuple[Compression | None, ...]:
+        return parse_compression(self.compress)
+
+    def kv_compressions(self) -> tuple[Compression | None, ...]:
+        return parse_kv_compression(self.kv_compress)
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return EngineArgs(**{**values, **changes})
+
+
+ENGINE_FIELDS = tuple(f.name for f in fields(EngineArgs))
+
+
+def caps_from_max_memory(
+    max_memory: dict[Any, Any] | None, device: torch.device
+) -> tuple[str | None, str | None]:
+    """accelerate's `max_memory` ({0 or "cuda:0": "24GB", "cpu": "100GB"}) as
+    (gpu_mem, cpu_mem); an entry that cannot take effect is an error."""
+    if not max_memory:
+        return None, None
+    gpu, cpu = None, None
+    for key, value in max_memory.items():
+        name = f"cuda:{key}" if isinstance(key, int) else str(key)
+        size = str(value) if not isinstance(value, int) else f"{value}B"
+        if name == "cpu":
+            cpu = size
+        elif name == "cuda" or name.startswith("cuda:"):
+            index = int(name.split(":")[1]) if ":" in name else 0
+            wanted = device.index or 0
+            if gpu is not None or (device.type == "cuda" and index != wanted):
+                raise UserError(
+                    f"max_memory names {name}, but offload runs on one device ({device}); give "
+                    f"one GPU entry, for the device it runs on"
+                )
+            gpu = size
+        elif name == "disk":
+            raise UserError(
+                'max_memory["disk"] cannot be honoured: disk use is not capped; pass '
+                "offload_folder=DIR for the weight store and drop the disk entry"
+            )
+        else:
+            raise UserError(f"max_memory key {key!r} is not a device; use 0 / 'cuda:0' and 'cpu'")
+        parse_size(size, f"max_memory[{key!r}]")
+    return gpu, cpu

@@ -1,0 +1,123 @@
+"""What offload-run tells the user: the progress bar, the summary line, `--stats` JSON
+and the runner's memory and trace reports (through the `Runner` protocol only)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offload.engine import LLM
+from offload.io.atomic import atomic_write
+from offload.jobs import JobStats
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def peak_memory(llm: LLM) -> dict[str, int]:
+    out = {"cpu_rss_bytes": peak_rss(), "gpu_bytes": 0, "disk_bytes": llm.runner.peak_disk_bytes()}
+    if llm.device.type == "cuda":
+        from offload.policies.caps import cuda_context_bytes
+
+        out["gpu_bytes"] = torch.cuda.max_memory_allocated(llm.device) + cuda_context_bytes(
+            llm.device
+        )
+    return out
+
+
+def summary(llm: LLM, stats: JobStats, load_seconds: float) -> dict[str, Any]:
+    s = llm.stats
+    return {
+        "requests": stats.total,
+        "done_now": stats.done,
+        "done_before": stats.skipped,
+        "finish_reasons": dict(stats.reasons),
+        "generated_tokens": s.generated_tokens,
+        "tokens_per_second": s.tokens_per_second,
+        "seconds": {
+            "loading": load_seconds,
+            "prefill": s.prefill_seconds,
+            "decode": s.decode_seconds,
+            "wall": time.perf_counter() - stats.started,
+        },
+        "policy": llm.policy.to_dict() if llm.policy else None,
+        "peak_memory": peak_memory(llm),
+        "memory": llm.runner.memory_report(),
+    }
+
+
+def report(llm: LLM, stats: JobStats, load_seconds: float, stats_path: Path | None) -> None:
+    """The summary line on stderr (and the runner's reports); `--stats` JSON, atomically."""
+    info = summary(llm, stats, load_seconds)
+    if stats_path is not None:
+        atomic_write(stats_path, json.dumps(info, indent=1, default=str))
+    s = llm.stats
+    print(
+        f"offload-run: {stats.total} requests, {s.generated_tokens} tokens generated in "
+        f"{s.seconds:.2f} s ({s.tokens_per_second:.1f} tok/s; prefill {s.prefill_seconds:.2f} s, "
+        f"decode {s.decode_seconds:.2f} s); load {load_seconds:.1f} s; peak RSS "
+        f"{info['peak_memory']['cpu_rss_bytes'] / 1e9:.2f} GB; "
+        + ", ".join(f"{k} {v}" for k, v in sorted(stats.reasons.items())),
+        file=sys.stderr,
+    )
+    if llm.policy is None:
+        return
+    trace = llm.runner.trace_report()
+    if trace:
+        print(trace, file=sys.stderr)
+    gpu = info["peak_memory"]["gpu_bytes"]
+    print(
+        f"peak GPU {gpu / 1e9:.2f} GB (allocated + CUDA context); peak host RSS "
+        f"{info['peak_memory']['cpu_rss_bytes'] / 1e9:.2f} GB",
+        file=sys.stderr,
+    )
+
+
+class Progress:
+    """A progress bar: requests, tokens, tok/s now and on average, phase, peak memory."""
+
+    def __init__(self, stats: JobStats, llm: LLM) -> None:
+        from tqdm import tqdm
+
+        self.stats, self.llm = stats, llm
+        self.bar = tqdm(
+            total=stats.total,
+            initial=stats.skipped,
+            unit="req",
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
+        self.last_t, self.last_tokens, self.rate = time.perf_counter(), 0, 0.0
+        llm.on_phase = self.set_phase
+
+    def _postfix(self) -> str:
+        s, mem = self.llm.stats, peak_memory(self.llm)
+        gpu = f" GPU {mem['gpu_bytes'] / 1e9:.1f}GB" if mem["gpu_bytes"] else ""
+        return (
+            f"{s.generated_tokens} tok, {self.rate:.1f} tok/s now, {s.tokens_per_second:.1f} avg, "
+            f"{self.stats.phase}, RSS {mem['cpu_rss_bytes'] / 1e9:.1f}GB{gpu}"
+        )
+
+    def set_phase(self, name: str) -> None:
+        self.stats.phase = name
+        self.bar.set_postfix_str(self._postfix(), refresh=True)
+
+    def update(self) -> None:
+        now, gen = time.perf_counter(), self.llm.stats.generated_tokens
+        self.rate = (gen - self.last_tokens) / max(now - self.last_t, 1e-9)  # the last block
+        self.last_t, self.last_tokens = now, gen
+        self.bar.n = self.stats.done + self.stats.skipped
+        self.bar.set_postfix_str(self._postfix(), refresh=True)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,98 @@
+"""offload-run's inputs and outputs: where requests come from (--prompt, --chat, or a
+file: ours, OpenAI Batch or plain text) and where results go (a locked, resumable
+JSONL file, standard output, or the terminal). All checked before the model loads."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from offload import jobs
+from offload.errors import UserError
+from offload.resultlog import MemorySink, ResultLog
+from offload.sampling import SamplingParams
+
+
+@dataclass
+class Source:
+    """The job's requests, counted and fingerprinted; `requests(defaults)` parses them."""
+
+    total: int
+    sha256: str
+    requests: Callable[[SamplingParams], Iterator[jobs.JobRequest]]
+    from_flags: bool  # --prompt / --chat: a bad one fails the run
+    spooled: Path | None = None
+
+
+def check_output(output: str | None) -> Path | None:
+    """Fail before any model loading when the output cannot be written."""
+    if output in (None, "-"):
+        return None
+    path = Path(output)
+    if path.is_dir():
+        raise UserError(f"--output {path} is a directory; give a file path")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UserError(f"cannot write --output {path}: directory {parent} is missing or read-only")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UserError(f"cannot write --output {path}: the file is read-only")
+    return path
+
+
+def open_source(args: argparse.Namespace, output: Path | None) -> Source:
+    """Every input line checked against its schema (duplicates and all-bad refused)."""
+    flags = [{"prompt": t} for t in args.prompt or []]
+    flags += [{"messages": [{"role": "user", "content": t}]} for t in args.chat or []]
+    if args.input is not None and flags:
+        raise UserError("give --prompt/--chat or -i FILE, not both")
+    if args.input is None:
+        if not flags:
+            raise UserError("nothing to generate: give --prompt TEXT, --chat TEXT or -i FILE")
+        sha = hashlib.sha256(json.dumps(flags).encode()).hexdigest()
+
+        def from_flags(defaults: SamplingParams) -> Iterator[jobs.JobRequest]:
+            return (jobs.make_request(i, obj, defaults) for i, obj in enumerate(flags))
+
+        for req in from_flags(SamplingParams()):
+            if req.error:
+                raise UserError(f"prompt {req.id}: {req.error}")
+        return Source(len(flags), sha, from_flags, from_flags=True)
+    path, spooled = args.input, None
+    if str(path) == "-":
+        path = spooled = jobs.spool_stdin(output.parent if output else Path(tempfile.gettempdir()))
+    scan = jobs.scan(path, args.skip_invalid)
+    return Source(
+        scan.count,
+        scan.sha256,
+        lambda defaults: jobs.iter_requests(path, defaults, scan.format),
+        from_flags=False,
+        spooled=spooled,
+    )
+
+
+def open_sink(output: Path | None, fingerprint: dict, restart: bool) -> ResultLog | MemorySink:
+    """A locked, resumable result file, or memory (printed at the end)."""
+    return ResultLog(output, fingerprint, restart) if output else MemorySink()
+
+
+def write_results(sink: ResultLog | MemorySink, total: int, to_stdout: bool) -> None:
+    if isinstance(sink, ResultLog):
+        sink.finalize(total)
+    elif to_stdout:
+        sys.stdout.write(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in sink.sorted_rows())
+        )
+    else:
+        for row in sink.sorted_rows():
+            if "custom_id" in row:
+                print(json.dumps(row, ensure_ascii=False))
+                continue
+            text = row["text"] if row["finish_reason"] != "error" else f"error: {row['error']}"
+            print(f"[{row['id']}] {row.get('prompt', '')}\n{text}\n")

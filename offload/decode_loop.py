@@ -1,0 +1,140 @@
+"""`DecodeLoop`: the generation loop over a `Runner`, one batch at a time.
+
+    tokenize (the caller) -> sort by length, cut into batches -> prefill -> sample ->
+    decode ... until every sequence hit EOS, a stop string or id, or its token budget.
+
+A request with `n` samples is n sequences; each has its own `SequenceSampler`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from offload.batch import PaddedBatch
+from offload.config import ModelConfig
+from offload.outputs import CompletionOutput, GenerationStats, RequestOutput
+from offload.runner import Runner
+from offload.sampling import SamplingParams, SequenceSampler, sample_rows
+
+
+@dataclass
+class _Sequence:
+    """One sample being generated: a request's prompt, its budget and its sampler."""
+
+    request: int
+    sample: int
+    prompt_ids: list[int]
+    budget: int
+    params: SamplingParams
+    sampler: SequenceSampler | None = None
+    generated: list[int] = field(default_factory=list)
+    text: str | None = None  # set when a stop string cut the completion
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class DecodeLoop:
+    def __init__(
+        self,
+        runner: Runner,
+        config: ModelConfig,
+        tokenizer,
+        eos_ids: set[int],
+        stats: GenerationStats,
+        phase: Callable[[str], None],
+        device: torch.device,
+    ) -> None:
+        self.runner, self.config, self.tokenizer = runner, config, tokenizer
+        self.eos_ids, self.stats, self._phase = eos_ids, stats, phase
+        self.pad_id = config.pad_token_id or 0
+        self.device = device
+
+    def run(
+        self, requests: Sequence[tuple[list[int], SamplingParams]], batch_size: int
+    ) -> list[RequestOutput]:
+        """Outputs for checked token-id prompts, in their order, batches of batch_size."""
+        limit = self.config.max_position_embeddings
+        seqs = [
+            _Sequence(r, i, list(ids), min(p.max_tokens or limit, limit - len(ids)), p)
+            for r, (ids, p) in enumerate(requests)
+            for i in range(p.n)
+        ]
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].prompt_ids))
+        for start in range(0, len(order), batch_size):
+            self._generate_batch([seqs[i] for i in order[start : start + batch_size]])
+        outs = [RequestOutput(str(r), None, list(ids), []) for r, (ids, _) in enumerate(requests)]
+        for s in seqs:
+            outs[s.request].outputs.append(self._completion(s))
+        return outs
+
+    def _completion(self, s: _Sequence) -> CompletionOutput:
+        text = s.text
+        if text is None:
+            ids = s.generated
+            if isinstance(s.stop_reason, int) and not s.params.include_stop_str_in_output:
+                ids = ids[:-1]
+            text = self.tokenizer.decode(ids, skip_special_tokens=s.params.skip_special_tokens)
+        return CompletionOutput(
+            s.sample, text, s.generated, s.finish_reason or "length", s.stop_reason
+        )
+
+    def _generate_batch(self, seqs: list[_Sequence]) -> None:
+        runner, stats = self.runner, self.stats
+        steps = max(s.budget for s in seqs)
+        batch = PaddedBatch(self.config, [s.prompt_ids for s in seqs], steps, self.pad_id)
+        for seq in seqs:
+            seq.sampler = SequenceSampler(seq.params, self.eos_ids, len(seq.prompt_ids), seq.sample)
+        self._phase("prefill")
+        runner.start(batch)
+        started = time.perf_counter()
+        step = runner.step_inputs(batch, 0, batch.prompt_len)
+        logits = runner.forward(batch.prompt_ids, step)
+        stats.prefill_seconds += self._sync_elapsed(started)
+        stats.prompt_tokens += sum(len(s.prompt_ids) for s in seqs)
+        stats.batches += 1
+        started = time.perf_counter()
+        self._phase("decode")
+        for t in range(steps):
+            next_ids = sample_rows(
+                logits, [s.sampler for s in seqs], [s.prompt_ids + s.generated for s in seqs]
+            )
+            self._append(seqs, next_ids.tolist())
+            if all(s.finish_reason for s in seqs) or t == steps - 1:
+                break
+            step = runner.step_inputs(batch, batch.prompt_len + t, 1)
+            logits = runner.forward(next_ids[:, None], step)
+        stats.decode_seconds += self._sync_elapsed(started)
+
+    def _append(self, seqs: list[_Sequence], next_ids: list[int]) -> None:
+        for seq, token in zip(seqs, next_ids, strict=True):
+            if seq.finish_reason:
+                continue
+            seq.generated.append(token)
+            self.stats.generated_tokens += 1
+            p = seq.params
+            if token in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+            elif token in self.eos_ids and not p.ignore_eos:
+                seq.finish_reason = "stop"
+            elif p.stop and len(seq.generated) >= p.min_tokens:
+                self._check_stop_strings(seq)
+            if not seq.finish_reason and len(seq.generated) >= seq.budget:
+                seq.finish_reason = "length"
+
+    def _check_stop_strings(self, seq: _Sequence) -> None:
+        p = seq.params
+        text = self.tokenizer.decode(seq.generated, skip_special_tokens=p.skip_special_tokens)
+        cuts = [(text.find(s), s) for s in p.stop if s in text]
+        if cuts:
+            at, stop = min(cuts)
+            keep = at + len(stop) if p.include_stop_str_in_output else at
+            seq.text, seq.finish_reason, seq.stop_reason = text[:keep], "stop", stop
+
+    def _sync_elapsed(self, started: float) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started

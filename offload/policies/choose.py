@@ -1,0 +1,106 @@
+"""`choose_policy`: the plan search's entry point, shared by offload-plan, offload-run and
+`LLM(max_memory=...)`.
+
+It loads the hardware profile (or measures this machine once and caches it), turns
+the memory caps into the search's budget (checked against the machine), and searches.
+Flags and caps are checked by `EngineArgs` before this runs, so a bad cap never costs a
+measurement.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from offload.config import ModelConfig, resolve_dtype
+from offload.errors import UserError
+from offload.kernels.formats import Compression
+from offload.policies.caps import Caps
+from offload.policies.cost import Estimate
+from offload.policies.hardware import (
+    HardwareProfile,
+    load_profile,
+    measure,
+    profile_path,
+    save_profile,
+)
+from offload.policies.search import search
+
+log = logging.getLogger(__name__)
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The searched plan, and the machine and budget it was searched for."""
+
+    best: Estimate
+    profile: HardwareProfile
+    caps: Caps
+    dtype: torch.dtype
+
+
+def hardware_profile(
+    path: Path | None, nvme: Path | None, announce: Callable[[str], None] | None = None
+) -> HardwareProfile:
+    """The profile at `path`, else this machine's cached one, else measured now (cached)."""
+    if path is not None:
+        return HardwareProfile.from_file(path)
+    cached = load_profile()
+    if cached is not None:
+        return cached
+    (announce or log.warning)(f"measuring this machine once (cached in {profile_path()})")
+    hw = measure(nvme, quick=True)
+    save_profile(hw)
+    return hw
+
+
+def plan_caps(gpu_bytes: int, cpu_bytes: int | None, nvme: bool, hw: HardwareProfile) -> Caps:
+    """The search budget; a cap the machine cannot honour is an error."""
+    cpu = cpu_bytes if cpu_bytes is not None else hw.default_cpu_cap
+    if gpu_bytes <= 0 or cpu <= 0:
+        raise UserError("memory caps must be positive")
+    if hw.has_gpu and gpu_bytes > hw.gpu_mem_bytes:
+        raise UserError(
+            f"--gpu-mem {gpu_bytes / GB:.1f} GB is more than the GPU's {hw.gpu_mem_bytes / GB:.1f} GB"
+        )
+    return Caps(gpu_bytes, cpu, nvme)
+
+
+def choose_policy(
+    cfg: ModelConfig,
+    dtype: torch.dtype | str,
+    gpu_bytes: int | None,
+    cpu_bytes: int | None,
+    nvme: Path | None,
+    prompt_len: int,
+    gen_len: int,
+    profile: Path | None = None,
+    num_prompts: int | None = None,
+    compressions: tuple[Compression | None, ...] = (None,),
+    kv_compressions: tuple[Compression | None, ...] = (None,),
+    announce: Callable[[str], None] | None = None,
+) -> Choice:
+    """The placement and batch shape with the highest predicted throughput in the caps.
+
+    dtype may be a flag's name ("auto": as offload-run would pick on the profiled machine)."""
+    if gpu_bytes is None:
+        raise UserError(
+            "the plan search needs a GPU budget: give --gpu-mem (in Python, max_memory="
+            '{"cuda:0": "24GB", ...}) along with the CPU cap or store directory'
+        )
+    if prompt_len < 1 or gen_len < 1:
+        raise UserError("--prompt-len and --max-tokens must be positive")
+    hw = hardware_profile(profile, nvme, announce)
+    caps = plan_caps(gpu_bytes, cpu_bytes, nvme is not None, hw)
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype, hw.has_gpu, cfg.checkpoint_dtype)
+    best = search(
+        cfg, dtype, prompt_len, gen_len, hw, caps, num_prompts, compressions, kv_compressions
+    )
+    return Choice(best, hw, caps, dtype)
