@@ -110,8 +110,9 @@ class LLM:
         self.chat_template = _chat_template(args.chat_template)
         if args.policy is not None:
             policy = Policy.from_file(args.policy)
+        gen_len = gen_len or self.get_default_sampling_params().max_tokens or 256
         if policy is None and args.wants_search:
-            policy = self._search(gen_len or self.get_default_sampling_params().max_tokens or 256)
+            policy = self._search(gen_len)
         self.policy = policy
         self.caps = Caps(args.gpu_bytes, args.cpu_bytes, nvme=args.nvme is not None)
         self.batch_size = policy.block_size if policy else args.batch_size
@@ -120,6 +121,17 @@ class LLM:
         if policy is not None:
             check_weights_fit(
                 self.config, policy, self.dtype, self.device, self.caps, self.baseline
+            )
+            # the block as planned (prompt_len + gen_len) fits, before anything loads
+            check_block_fits(
+                self.config,
+                policy,
+                self.dtype,
+                self.device,
+                self.caps,
+                self.baseline,
+                args.prompt_len,
+                gen_len,
             )
         self.tokenizer = self.spec.tokenizer()
         self.runner: Runner = self._load(progress, trace)
