@@ -24,6 +24,7 @@ from offload.batch import PaddedBatch
 from offload.errors import UserError
 from offload.executor.caps import MemoryCaps, check_block_fits, check_weights_fit, process_rss
 from offload.executor.executor import Executor
+from offload.parallel.comm import TensorParallel
 from offload.models.resolve import ModelSpec, resolve_model
 from offload.policies.policy import Policy
 from offload.runner import PlainRunner
@@ -108,22 +109,35 @@ class LLM:
         caps: MemoryCaps | None = None,
         nvme: Path | None = None,
         trace: bool = False,
+        parallel: TensorParallel | None = None,
     ) -> None:
         """policy=None runs everything on one device (the plain runner); a `Policy` runs
-        the offloading executor with its placement, batch shape and the memory caps."""
+        the offloading executor with its placement, batch shape and the memory caps.
+        parallel: this process is one tensor-parallel rank (`offload.parallel`): the
+        executor runs over the rank's shard, caps and nvme are the rank's own."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.spec = model if isinstance(model, ModelSpec) else resolve_model(model, dummy=dummy)
         self.config = self.spec.config
-        self.device = resolve_device(device)
+        # tensor parallelism: caps are checked for the rank's shard (its ModelConfig)
+        self._rank_config = self.config if parallel is None else parallel.shard.config
+        if parallel is not None and policy is None:
+            policy = Policy(gpu_batch_size=batch_size, num_gpu_batches=1)
+        self.device = resolve_device(device) if parallel is None else parallel.device
         self.dtype = resolve_dtype(dtype, self.device, self.config.checkpoint_dtype)
         self.policy, self.caps = policy, caps or MemoryCaps()
         self.batch_size = policy.block_size if policy else batch_size
         if policy is not None:
-            check_weights_fit(self.config, policy, self.dtype, self.device, self.caps, nvme)
+            check_weights_fit(self._rank_config, policy, self.dtype, self.device, self.caps, nvme)
         self.tokenizer = self.spec.tokenizer()
         with self.spec.open_weights() as source:
-            if policy is None:
+            if parallel is not None:
+                from offload.parallel.rank import make_rank_runner
+
+                self.runner = make_rank_runner(
+                    source, parallel, policy, self.dtype, self.device, nvme, trace, progress
+                )
+            elif policy is None:
                 self.runner = PlainRunner(source, self.dtype, self.device, progress=progress)
             else:
                 self.runner = Executor(
@@ -197,7 +211,7 @@ class LLM:
             budget = max(s.budget for s in seqs)
             resident = process_rss() - self.runner.kv_pool_bytes
             check_block_fits(
-                self.config,
+                self._rank_config,
                 self.policy,
                 self.dtype,
                 self.device,

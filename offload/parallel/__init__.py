@@ -1,0 +1,12 @@
+"""Tensor and data parallelism over torch.distributed (see docs/parallel.md).
+
+`shard.py` slices each stage's weights for a rank (Megatron-style) and gives the
+rank's `ModelConfig`; `comm.py` holds the process groups and the three collectives the
+decoder's seam needs; `rank.py` wraps the executor for one rank; `launch.py` starts the
+ranks through torch.distributed's elastic launcher; `data.py` shards a job's requests
+over data-parallel groups and merges their results.
+"""
+
+from offload.parallel.shard import ShardSource, rank_config, split_sizes
+
+__all__ = ["ShardSource", "rank_config", "split_sizes"]

@@ -1,0 +1,186 @@
+"""Tensor parallelism over gloo on the CPU: every family and policy, TP=2 and TP=4,
+gives TP=1's greedy tokens, and logits within LOGITS_RTOL (fp32; the ranks sum partial
+products in another order than one device does).
+
+Each case spawns its ranks once (torch.multiprocessing) and runs every family and policy
+inside them, so the file starts few processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from offload.engine import LLM
+from offload.errors import UserError
+from offload.parallel.shard import RankShard, rank_config, split_sizes
+from offload.policies.policy import Compression, Placement, Policy
+from offload.sampling import SamplingParams
+from tests.tiny_models import CASES, decode_logits, prefill_logits
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34], [7, 8], [9] * 9]
+PARAMS = SamplingParams(max_new_tokens=6)
+LOGITS_RTOL = 1e-5  # relative norm error of the logits, TP=N against TP=1
+POLICIES = {
+    "one-tier": Policy(gpu_batch_size=2, num_gpu_batches=3),
+    "weights-3-ways": Policy(
+        gpu_batch_size=2, num_gpu_batches=3, weights=Placement(0.3, 0.4, 0.3)
+    ),
+    "kv-cpu-cpu-attention": Policy(
+        gpu_batch_size=2, num_gpu_batches=3, kv_cache=Placement(0, 1, 0), attention_on_cpu=True
+    ),
+    # groups of 16: whole groups in every rank's row-parallel matrices at TP=4
+    "int4-weights-and-kv": Policy(
+        gpu_batch_size=2,
+        num_gpu_batches=3,
+        weight_compression=Compression(4, 16),
+        kv_compression=Compression(4, 16),
+    ),
+}
+FAMILIES = ["llama-gqa", "llama-tied", "qwen2-bias", "mistral-window", "bloom", "opt"]
+# (family, policy) pairs per TP size; TP=4 runs a subset (4 processes on 2 cores):
+# llama-gqa (2 KV heads) and mistral-window (1) have fewer KV heads than ranks.
+RUNS = {
+    2: [(f, p) for f in FAMILIES for p in POLICIES],
+    4: [(f, "weights-3-ways") for f in FAMILIES]
+    + [("llama-gqa", p) for p in POLICIES if p != "weights-3-ways"],
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _generate(directory: Path, policy: Policy, nvme: Path, parallel=None):
+    with LLM(
+        str(directory), device="cpu", dtype="float32", policy=policy, nvme=nvme, parallel=parallel
+    ) as llm:
+        tokens = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        prefill, _ = prefill_logits(llm, PROMPTS[: policy.block_size])
+        decode = decode_logits(llm, PROMPTS[: policy.block_size], 3)
+    return {"tokens": tokens, "prefill": prefill, "decode": decode}
+
+
+def _rank_main(rank: int, tp: int, port: int, runs, dirs, out: Path, scratch: Path) -> None:
+    """One rank: join the group from the launcher's environment, run every case."""
+    from offload.parallel.comm import Topology
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(tp),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(tp),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    topo = Topology.from_env(tp, 1, torch.device("cpu"))
+    results = {}
+    for family, policy_name in runs:
+        parallel = topo.tensor_parallel(LLM_CONFIGS(dirs[family]))
+        nvme = scratch / f"{family}-{policy_name}-rank{rank}"
+        results[family, policy_name] = _generate(
+            dirs[family], POLICIES[policy_name], nvme, parallel
+        )
+    if rank == 0:
+        torch.save(results, out)
+    topo.close()
+
+
+def LLM_CONFIGS(directory: Path):  # noqa: N802 - a lookup, read like a table
+    from offload.models.resolve import resolve_model
+
+    return resolve_model(str(directory)).config
+
+
+@pytest.fixture(scope="module")
+def tp1(tiny_checkpoints, tmp_path_factory):
+    """TP=1 results of every (family, policy) pair any TP size runs."""
+    scratch = tmp_path_factory.mktemp("tp1")
+    pairs = sorted({pair for runs in RUNS.values() for pair in runs})
+    return {
+        (f, p): _generate(tiny_checkpoints[f][0], POLICIES[p], scratch / f"{f}-{p}")
+        for f, p in pairs
+    }
+
+
+@pytest.mark.parametrize("tp", sorted(RUNS))
+def test_tensor_parallel_matches_one_rank(tp, tiny_checkpoints, tp1, tmp_path):
+    dirs = {f: tiny_checkpoints[f][0] for f in FAMILIES}
+    out = tmp_path / "results.pt"
+    mp.start_processes(
+        _rank_main,
+        args=(tp, _free_port(), RUNS[tp], dirs, out, tmp_path),
+        nprocs=tp,
+        start_method="spawn",
+    )
+    got = torch.load(out)
+    for pair in RUNS[tp]:
+        want, have = tp1[pair], got[pair]
+        assert have["tokens"] == want["tokens"], f"TP={tp} {pair}: tokens differ from TP=1"
+        for kind in ("prefill", "decode"):
+            ref = want[kind]
+            err = ((have[kind] - ref).norm() / ref.norm()).item()
+            assert err <= LOGITS_RTOL, f"TP={tp} {pair}: {kind} logits differ by {err:.1e}"
+    # each rank built its own weight store under its own directory
+    assert (tmp_path / f"llama-gqa-weights-3-ways-rank{tp - 1}").is_dir()
+
+
+# -- sharding, without processes ---------------------------------------------------------------
+def test_rank_config_shares_heads_mlp_and_vocab(tiny_checkpoints):
+    cfg = LLM_CONFIGS(tiny_checkpoints["mistral-window"][0])  # 4 heads, 1 KV head
+    parts = [rank_config(cfg, 4, r) for r in range(4)]
+    assert [(p.num_heads, p.num_kv_heads) for p in parts] == [(1, 1)] * 4
+    assert sum(p.vocab_size for p in parts) == cfg.vocab_size
+    assert sum(p.intermediate_size for p in parts) == cfg.intermediate_size
+    assert split_sizes(200, 3, 64) == [67, 67, 66]  # 200 is no multiple of 64: columns
+    assert split_sizes(320, 3, 64) == [128, 128, 64]
+    shard = RankShard.of(LLM_CONFIGS(tiny_checkpoints["llama-gqa"][0]), 4, 3)
+    assert (shard.heads, shard.kv_heads) == (slice(3, 4), slice(1, 2))
+
+
+def test_head_counts_that_do_not_divide_are_refused(tiny_checkpoints):
+    cfg = LLM_CONFIGS(tiny_checkpoints["bloom-5-heads"][0])
+    with pytest.raises(UserError, match="--tp 2 does not divide .* 5 attention heads"):
+        rank_config(cfg, 2, 0)
+    gqa = LLM_CONFIGS(tiny_checkpoints["llama-gqa"][0])  # 4 heads, 2 KV heads
+    with pytest.raises(UserError, match="2 KV heads"):
+        rank_config(gqa.__class__(**{**_fields(gqa), "num_heads": 6, "num_kv_heads": 2}), 3, 0)
+
+
+def _fields(cfg) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
+
+
+def test_uneven_mlp_split_sums_to_the_full_mlp():
+    """Row-parallel partial sums over an MLP width the ranks share unevenly."""
+    from offload.config import ModelConfig
+    from offload.models.decoder import stage_shapes
+    from offload.models.weights import DummySource
+
+    full = ModelConfig("odd", "opt", 64, 48, 1, 6, 6, 8, 100, 64, 1e-5)
+    w = DummySource(full).layer(0, torch.float64, torch.device("cpu"))
+    x = torch.randn(5, 48, dtype=torch.float64)
+    want = torch.relu(x @ w["mlp_in.weight"].T + w["mlp_in.bias"]) @ w["mlp_out.weight"].T
+    want += w["mlp_out.bias"]
+    total = torch.zeros_like(want)
+    for rank in range(3):
+        shard = RankShard.of(full, 3, rank)
+        part = shard.stage("layer", w)
+        for name, shape in stage_shapes(shard.config, "layer").items():
+            assert tuple(part[name].shape) == shape, name
+        hidden = torch.relu(x @ part["mlp_in.weight"].T + part["mlp_in.bias"])
+        total += hidden @ part["mlp_out.weight"].T + part["mlp_out.bias"]
+    assert [RankShard.of(full, 3, r).config.intermediate_size for r in range(3)] == [34, 33, 33]
+    torch.testing.assert_close(total, want)
+
+
+assert set(FAMILIES) <= set(CASES)
