@@ -89,6 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "-q", "--quiet", action="store_true", help="no progress bar; errors and results only"
     )
+    # tensor / data parallelism (offload.parallel, docs/parallel.md)
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel ranks, one per GPU (started through torch.distributed's "
+        "elastic launcher; under torchrun: its world size / --dp)",
+    )
+    p.add_argument(
+        "--dp", type=int, default=1, help="data-parallel groups of --tp ranks (needs --output)"
+    )
     return p
 
 
@@ -138,6 +149,11 @@ class _MemorySink:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.quiet)
+    from offload.parallel import job as parallel_job
+
+    if parallel_job.wanted(args):  # several ranks: start them, or run as one
+        argv = sys.argv[1:] if argv is None else argv
+        return run_cli("offload-run", lambda: parallel_job.main(args, argv))
     return run_cli("offload-run", lambda: _run(args))
 
 
