@@ -194,3 +194,56 @@ def test_uneven_mlp_split_sums_to_the_full_mlp():
 
 
 assert set(FAMILIES) <= set(CASES)
+
+
+# -- data parallel through the CLI: two groups, a killed rank, a resume -------------------------
+def _cli(directory: Path, prompts: Path, output: Path, *extra: str) -> list[str]:
+    return [
+        *("--model", str(directory), "--device", "cpu", "--dtype", "float32"),
+        *("--prompts", str(prompts), "--output", str(output)),
+        *("--max-new-tokens", "8", "--batch-size", "2", "-q", *extra),
+    ]
+
+
+def test_data_parallel_groups_merge_in_order_and_resume_after_kill(tiny_checkpoints, tmp_path):
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from offload.cli.run import main as run_main
+
+    directory = tiny_checkpoints["opt"][0]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"id": f"r{i}", "prompt": f"tell {i * 7}"}) + "\n" for i in range(48))
+    )
+    reference = tmp_path / "one-group.jsonl"
+    assert run_main(_cli(directory, prompts, reference)) == 0
+    output = tmp_path / "two-groups.jsonl"
+    command = [sys.executable, "-m", "offload.cli.run", *_cli(directory, prompts, output)]
+    command += ["--tp", "1", "--dp", "2"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    launcher = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    partial = tmp_path / "two-groups.jsonl.dp1of2.partial"
+    deadline = time.monotonic() + 120
+    while not (partial.exists() and partial.read_text().count("\n") >= 2):
+        assert launcher.poll() is None, launcher.stderr.read()
+        assert time.monotonic() < deadline, "no results from group 1 in 120 s"
+        time.sleep(0.02)
+    workers = psutil.Process(launcher.pid).children(recursive=True)
+    os.kill(workers[-1].pid, signal.SIGKILL)
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode != 0 and not output.exists(), "the job finished before the kill"
+    assert "was killed by SIGKILL" in stderr and "run the same command again" in stderr, stderr
+    kept = sum(p.read_text().count("\n") - 1 for p in tmp_path.glob("two-groups.jsonl.dp*"))
+    assert 0 < kept < 48
+    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"r{i}" for i in range(48)], "ids not once each, in order"
+    assert output.read_text() == reference.read_text(), "two groups differ from one group"
+    assert not list(tmp_path.glob("two-groups.jsonl.*")), "partial files left behind"
