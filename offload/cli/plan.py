@@ -51,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="hardware profile JSON (default: this machine's, from offload-profile)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: plan one rank's shard, --gpu-mem per GPU, --cpu-mem "
+        "for the node shared by the ranks (the all-reduce time is not yet in the model)",
+    )
     p.add_argument("--plot", type=Path, help="draw placement and throughput vs batch size to a PNG")
     return p
 
@@ -91,6 +98,11 @@ def _plan(args) -> int:
     cfg = resolve_model(args.model, dummy=True).config
     hw = _profile(args)
     caps = _caps(args, hw)
+    if args.tp > 1:  # tensor parallelism: the per-rank plan (offload.parallel)
+        from offload.parallel import rank_config
+
+        cfg = rank_config(cfg, args.tp, 0)
+        caps = dataclasses.replace(caps, cpu_bytes=caps.cpu_bytes // args.tp)
     dtype = DTYPES[args.dtype]
     args.compressions = parse_compression(args.compress)
     args.kv_compressions = parse_kv_compression(args.kv_compress)
