@@ -24,8 +24,8 @@ from offload.batch import PaddedBatch
 from offload.errors import UserError
 from offload.executor.caps import MemoryCaps, check_block_fits, check_weights_fit, process_rss
 from offload.executor.executor import Executor
-from offload.parallel.comm import TensorParallel
 from offload.models.resolve import ModelSpec, resolve_model
+from offload.parallel.comm import TensorParallel
 from offload.policies.policy import Policy
 from offload.runner import PlainRunner
 from offload.sampling import SamplingParams, make_generators, sample_rows

@@ -27,9 +27,7 @@ PARAMS = SamplingParams(max_new_tokens=5)
 LOGITS_RTOL = 1e-5  # relative norm error of the logits, TP=N against TP=1
 POLICIES = {
     "one-tier": Policy(gpu_batch_size=3, num_gpu_batches=2),
-    "weights-3-ways": Policy(
-        gpu_batch_size=3, num_gpu_batches=2, weights=Placement(0.3, 0.4, 0.3)
-    ),
+    "weights-3-ways": Policy(gpu_batch_size=3, num_gpu_batches=2, weights=Placement(0.3, 0.4, 0.3)),
     "kv-cpu-cpu-attention": Policy(
         gpu_batch_size=3, num_gpu_batches=2, kv_cache=Placement(0, 1, 0), attention_on_cpu=True
     ),
@@ -85,7 +83,7 @@ def _rank_main(rank: int, tp: int, port: int, runs, dirs, out: Path, scratch: Pa
     topo = Topology.from_env(tp, 1, torch.device("cpu"))
     results = {}
     for family, policy_name in runs:
-        parallel = topo.tensor_parallel(LLM_CONFIGS(dirs[family]))
+        parallel = topo.tensor_parallel(_config_of(dirs[family]))
         nvme = scratch / f"{family}-{policy_name}-rank{rank}"
         results[family, policy_name] = _generate(
             dirs[family], POLICIES[policy_name], nvme, parallel
@@ -95,7 +93,7 @@ def _rank_main(rank: int, tp: int, port: int, runs, dirs, out: Path, scratch: Pa
     topo.close()
 
 
-def LLM_CONFIGS(directory: Path):  # noqa: N802 - a lookup, read like a table
+def _config_of(directory: Path):
     from offload.models.resolve import resolve_model
 
     return resolve_model(str(directory)).config
@@ -144,22 +142,22 @@ def test_tensor_parallel_matches_one_rank(tp, tiny_checkpoints, tp1, tmp_path):
 
 # -- sharding, without processes ---------------------------------------------------------------
 def test_rank_config_shares_heads_mlp_and_vocab(tiny_checkpoints):
-    cfg = LLM_CONFIGS(tiny_checkpoints["mistral-window"][0])  # 4 heads, 1 KV head
+    cfg = _config_of(tiny_checkpoints["mistral-window"][0])  # 4 heads, 1 KV head
     parts = [rank_config(cfg, 4, r) for r in range(4)]
     assert [(p.num_heads, p.num_kv_heads) for p in parts] == [(1, 1)] * 4
     assert sum(p.vocab_size for p in parts) == cfg.vocab_size
     assert sum(p.intermediate_size for p in parts) == cfg.intermediate_size
     assert split_sizes(200, 3, 64) == [67, 67, 66]  # 200 is no multiple of 64: columns
     assert split_sizes(320, 3, 64) == [128, 128, 64]
-    shard = RankShard.of(LLM_CONFIGS(tiny_checkpoints["llama-gqa"][0]), 4, 3)
+    shard = RankShard.of(_config_of(tiny_checkpoints["llama-gqa"][0]), 4, 3)
     assert (shard.heads, shard.kv_heads) == (slice(3, 4), slice(1, 2))
 
 
 def test_head_counts_that_do_not_divide_are_refused(tiny_checkpoints):
-    cfg = LLM_CONFIGS(tiny_checkpoints["bloom-5-heads"][0])
-    with pytest.raises(UserError, match="--tp 2 does not divide .* 5 attention heads"):
+    cfg = _config_of(tiny_checkpoints["bloom-5-heads"][0])
+    with pytest.raises(UserError, match=r"--tp 2 does not divide .* 5 attention heads"):
         rank_config(cfg, 2, 0)
-    gqa = LLM_CONFIGS(tiny_checkpoints["llama-gqa"][0])  # 4 heads, 2 KV heads
+    gqa = _config_of(tiny_checkpoints["llama-gqa"][0])  # 4 heads, 2 KV heads
     with pytest.raises(UserError, match="2 KV heads"):
         rank_config(gqa.__class__(**{**_fields(gqa), "num_heads": 6, "num_kv_heads": 2}), 3, 0)
 

@@ -144,6 +144,8 @@ class TensorParallel:
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial outputs of a row-parallel matmul, in place."""
+        if self.size == 1:  # data parallelism alone: nothing to sum
+            return x
         if not self.timing:
             dist.all_reduce(x, group=self.group)
             return x
@@ -173,6 +175,8 @@ class TensorParallel:
         """Every rank's vocabulary slice of logits [..., V_rank] -> the full [..., V],
         identical on every rank (so every rank samples the same tokens)."""
         sizes = self.shard.vocab_sizes
+        if len(sizes) == 1:
+            return logits
         widest = max(sizes)
         if logits.shape[-1] < widest:  # all_gather wants equal pieces
             logits = torch.nn.functional.pad(logits, (0, widest - logits.shape[-1]))
@@ -197,7 +201,9 @@ def allreduce_bus_gbps(
     2 (n - 1) / n of the buffer crosses each link per all-reduce)."""
     size = dist.get_world_size(group)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    buffer = torch.ones(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype, device=device)
+    buffer = torch.ones(
+        nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype, device=device
+    )
     dist.all_reduce(buffer, group=group)  # warm-up: connections, buffers
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -132,7 +132,7 @@ class _RankSink:
             self.rows += rows
 
 
-def _requests(args, params, output):
+def _requests(args, params):
     """(request iterator, total, input sha256), as offload-run reads them."""
     import hashlib
 
@@ -153,10 +153,10 @@ def _run_rank(args, topo: Topology) -> int:
         raise UserError("--dp needs --output FILE (the groups' results are merged there)")
     spec = resolve_model(args.model, dummy=args.dummy)
     policy, caps = _policy(args, topo, params, spec.config)
-    requests, total, sha = _requests(args, params, output)
-    requests = data.seeded(data.group_requests(requests, topo.dp, topo.dp_index), topo.share(
-        random.getrandbits(63)
-    ))
+    requests, total, sha = _requests(args, params)
+    requests = data.seeded(
+        data.group_requests(requests, topo.dp, topo.dp_index), topo.share(random.getrandbits(63))
+    )
     sink = None
     if topo.is_leader and output is not None:
         path = data.group_output(output, topo.dp, topo.dp_index)
@@ -224,9 +224,8 @@ def _finish(args, topo: Topology, llm, sink, stats, output: Path | None, total: 
                 file=sys.stderr,
             )
         return 130
-    if topo.rank == 0 and output is not None:
-        if topo.dp == 1:
-            sink.finalize(total)
+    if topo.rank == 0 and output is not None and topo.dp == 1:
+        sink.finalize(total)
     topo.barrier()  # every group's results are on disk
     if topo.rank == 0 and output is not None and topo.dp > 1:
         data.merge_groups(output, topo.dp, total)
