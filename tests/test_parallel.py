@@ -245,3 +245,22 @@ def test_data_parallel_groups_merge_in_order_and_resume_after_kill(tiny_checkpoi
     assert [r["id"] for r in rows] == [f"r{i}" for i in range(48)], "ids not once each, in order"
     assert output.read_text() == reference.read_text(), "two groups differ from one group"
     assert not list(tmp_path.glob("two-groups.jsonl.*")), "partial files left behind"
+
+
+def test_node_memory_limit_prefers_the_cgroup_limit(tmp_path):
+    from offload.parallel.memory import node_memory_limit, rank_cpu_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32505856 kB\nMemFree: 1 kB\n")  # 31 GiB
+    v2, v1 = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
+    v2.write_text(f"{256 * 2**30}\n")  # a machine whose RAM grows as it is used
+    limit, where = node_memory_limit(v2, v1, meminfo)
+    assert limit == 256 * 2**30 and str(v2) in where
+    v2.write_text("max\n")
+    v1.write_text(f"{8 * 2**30}\n")  # a container below the machine
+    limit, where = node_memory_limit(v2, v1, meminfo)
+    assert limit == 8 * 2**30 and "below MemTotal" in where
+    v1.write_text("9223372036854771712\n")  # cgroup v1's "no limit"
+    limit, where = node_memory_limit(v2, v1, meminfo)
+    assert limit == 32505856 * 1024 and "MemTotal" in where
+    assert rank_cpu_bytes(100, 4) == 25
