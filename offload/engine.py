@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,10 +26,12 @@ from offload.errors import UserError
 from offload.executor.caps import MemoryCaps, check_block_fits, check_weights_fit, process_rss
 from offload.executor.executor import Executor
 from offload.models.resolve import ModelSpec, resolve_model
-from offload.parallel.comm import TensorParallel
 from offload.policies.policy import Policy
 from offload.runner import PlainRunner
 from offload.sampling import SamplingParams, make_generators, sample_rows
+
+if TYPE_CHECKING:  # the engine imports torch.distributed only for a TP rank
+    from offload.parallel.comm import TensorParallel
 
 log = logging.getLogger(__name__)
 
