@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -86,8 +87,8 @@ def _policy(topo: Topology, spec: ModelSpec, args, dtype, wc, kc) -> Policy:
 def bench_rank(name: str, args: argparse.Namespace) -> dict:
     """One rank of one configuration (the elastic launcher's entry point)."""
     preset, dtype, wc, kc = CONFIGS[name]
-    device = torch.device("cpu" if args.smoke else "cuda")
-    dtype = torch.float32 if args.smoke else dtype
+    device = torch.device(args.smoke_device if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke and device.type == "cpu" else dtype
     topo = Topology.from_env(None, 1, device)
     spec = _spec(preset, args.smoke)
     parallel = topo.tensor_parallel(spec.config, timing=True)
@@ -183,7 +184,7 @@ def launch(name: str, tp: int, args) -> list[dict]:
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
         max_restarts=0,
-        start_method="fork" if args.smoke else "spawn",
+        start_method="fork" if args.smoke and args.smoke_device == "cpu" else "spawn",
     )
     results = elastic_launch(config, entrypoint=bench_rank)(name, args)
     return [results[rank] for rank in sorted(results)]
@@ -192,6 +193,12 @@ def launch(name: str, tp: int, args) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, gloo (correctness)")
+    p.add_argument(
+        "--smoke-device",
+        default="cpu",
+        help="cuda: the smoke run's ranks share the GPUs there are, over gloo "
+        "(OFFLOAD_DIST_BACKEND=gloo is set)",
+    )
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--tp", default="1,2", help="TP sizes to run, in order")
     p.add_argument("--gpu-mem", default="24GB", help="GPU memory cap per GPU")
@@ -203,6 +210,8 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.prompt_len, args.gen_len = 32, 4
+        if args.smoke_device != "cpu":
+            os.environ["OFFLOAD_DIST_BACKEND"] = "gloo"
         args.configs = args.configs if args.configs != ",".join(CONFIGS) else "opt-30b-fp16"
         if args.nvme is None:
             import tempfile

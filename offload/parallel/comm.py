@@ -24,6 +24,10 @@ import torch.distributed as dist
 from offload.errors import UserError
 from offload.parallel.shard import RankShard
 
+# overrides the backend (nccl on CUDA, gloo on the CPU): gloo lets two ranks share one
+# GPU, which NCCL refuses (a correctness run on a one-GPU machine)
+BACKEND_ENV = "OFFLOAD_DIST_BACKEND"
+
 
 def env_world() -> tuple[int, int, int, int] | None:
     """(rank, world size, local rank, local world size) set by a launcher, or None."""
@@ -80,9 +84,10 @@ class Topology:
                 f"give --nproc-per-node/--nnodes that multiply to {tp * dp}"
             )
         if device.type == "cuda":
-            device = torch.device("cuda", local_rank)
+            # one GPU per rank; fewer GPUs than ranks only with gloo, for correctness runs
+            device = torch.device("cuda", local_rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = os.environ.get(BACKEND_ENV) or ("nccl" if device.type == "cuda" else "gloo")
         if not dist.is_initialized():
             dist.init_process_group(backend, init_method="env://")
         topo = cls(rank, world, local_rank, local_world, tp, dp, device)
