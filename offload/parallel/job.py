@@ -28,6 +28,7 @@ from offload.executor.caps import MemoryCaps
 from offload.models.resolve import resolve_model
 from offload.parallel import data
 from offload.parallel.comm import Topology, env_world
+from offload.parallel.launch import PEER_LOST
 from offload.parallel.memory import node_memory_limit, rank_cpu_bytes
 from offload.parallel.rank import rank_nvme
 from offload.parallel.shard import check_divisible, rank_config
@@ -67,6 +68,10 @@ def run_rank(args: argparse.Namespace) -> int:
     except UserError as exc:
         print(f"offload-run[rank {topo.rank}]: error: {exc}", file=sys.stderr)
         return 2
+    except dist.DistError as exc:  # a peer died under a collective: the cause is elsewhere
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"offload-run[rank {topo.rank}]: lost contact with a rank ({first})", file=sys.stderr)
+        return PEER_LOST
     finally:
         topo.close()
 

@@ -18,6 +18,9 @@ from collections.abc import Callable
 
 from offload.errors import UserError
 
+# a rank's exit status when another rank went away under a collective (job.run_rank)
+PEER_LOST = 3
+
 
 def _worker(main: Callable[[list[str]], int], argv: list[str]) -> None:
     """A worker: the CLI's own main over the same arguments; its exit status is the
@@ -56,7 +59,7 @@ def launch(
     try:
         elastic_launch(config, entrypoint=_worker)(main, argv)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        rank, failure = _root_failure(exc.failures)
         raise UserError(
             f"rank {rank} of {nprocs} {_cause(failure.exitcode, failure.signal_name())}; "
             "all ranks were stopped. Results of finished blocks are kept: run the same "
@@ -65,9 +68,23 @@ def launch(
     return 0
 
 
+def _root_failure(failures: dict):
+    """The rank that failed first in cause: one killed by a signal, else one that stopped
+    on its own error, else one that lost contact with the others (PEER_LOST)."""
+
+    def rank_of(item) -> tuple[int, float]:
+        code = item[1].exitcode
+        order = 0 if code < 0 else 2 if code == PEER_LOST else 1
+        return order, item[1].timestamp
+
+    return min(failures.items(), key=rank_of)
+
+
 def _cause(exitcode: int, signal_name: str) -> str:
     if exitcode == 2:
         return "stopped on an error (its message is above)"
+    if exitcode == PEER_LOST:
+        return "lost contact with the other ranks"
     if exitcode < 0:
         hint = " (out of memory?)" if signal_name == "SIGKILL" else ""
         return f"was killed by {signal_name}{hint}"
