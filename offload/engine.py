@@ -16,9 +16,10 @@ import logging
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from offload.args import DTYPES, EngineArgs, caps_from_max_memory, resolve_device, resolve_dtype
+from offload.args import EngineArgs, caps_from_max_memory, resolve_device
+from offload.config import DTYPES, resolve_dtype
 from offload.decode_loop import DecodeLoop
 from offload.errors import UserError
 from offload.io.atomic import exclusive
@@ -30,6 +31,9 @@ from offload.runner import PlainRunner, Runner
 from offload.sampling import SamplingParams, from_generation_config
 
 __all__ = ["DTYPES", "LLM", "GenerationStats", "RequestOutput", "resolve_device", "resolve_dtype"]
+
+if TYPE_CHECKING:  # the engine imports torch.distributed only for a TP rank
+    from offload.parallel.comm import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +63,7 @@ class LLM:
         gen_len: int | None = None,
         progress: bool = False,
         trace: bool = False,
+        parallel: TensorParallel | None = None,
         **engine_args: Any,
     ) -> None:
         device = resolve_device(engine_args.get("device", "auto"))
@@ -76,7 +81,7 @@ class LLM:
             policy=Path(policy) if as_path else None,
             **engine_args,
         )
-        self._build(args, None if as_path else policy, gen_len, progress, trace)
+        self._build(args, None if as_path else policy, gen_len, progress, trace, parallel)
 
     @classmethod
     def from_engine_args(
@@ -97,11 +102,17 @@ class LLM:
         gen_len: int | None,
         progress: bool,
         trace: bool,
+        parallel: TensorParallel | None = None,
     ) -> None:
+        """parallel: this process is one tensor-parallel rank (`offload.parallel`): the
+        executor runs over the rank's shard, and caps and nvme are the rank's own."""
         self.args = args
+        self.parallel = parallel
         self.spec = resolve_model(args.model, dummy=args.dummy, revision=args.revision)
         self.config = self.spec.config
-        self.device = resolve_device(args.device)
+        self.device = resolve_device(args.device) if parallel is None else parallel.device
+        # tensor parallelism: memory is planned and checked for the rank's shard
+        self.rank_config = self.config if parallel is None else parallel.shard.config
         self.dtype = resolve_dtype(
             args.dtype, self.device.type == "cuda", self.config.checkpoint_dtype
         )
@@ -113,6 +124,8 @@ class LLM:
         gen_len = gen_len or self.get_default_sampling_params().max_tokens or 256
         if policy is None and args.wants_search:
             policy = self._search(gen_len)
+        if parallel is not None and policy is None:
+            policy = Policy(gpu_batch_size=args.batch_size, num_gpu_batches=1)
         self.policy = policy
         self.caps = Caps(args.gpu_bytes, args.cpu_bytes, nvme=args.nvme is not None)
         self.batch_size = policy.block_size if policy else args.batch_size
@@ -120,11 +133,11 @@ class LLM:
         self.baseline = Baseline.measure(self.device)
         if policy is not None:
             check_weights_fit(
-                self.config, policy, self.dtype, self.device, self.caps, self.baseline
+                self.rank_config, policy, self.dtype, self.device, self.caps, self.baseline
             )
             # the block as planned (prompt_len + gen_len) fits, before anything loads
             check_block_fits(
-                self.config,
+                self.rank_config,
                 policy,
                 self.dtype,
                 self.device,
@@ -154,7 +167,7 @@ class LLM:
         from offload.policies.choose import choose_policy
 
         choice = choose_policy(
-            self.config,
+            self.rank_config,
             self.dtype,
             self.args.gpu_bytes,
             self.args.cpu_bytes,
@@ -178,6 +191,12 @@ class LLM:
         # one process at a time builds or opens a weight store directory
         lock = exclusive(nvme / "store", "weight store directory") if nvme else nullcontext()
         with self.spec.open_weights() as source, lock:
+            if self.parallel is not None:
+                from offload.parallel.rank import make_rank_runner
+
+                return make_rank_runner(
+                    source, self.parallel, policy, self.dtype, self.device, nvme, trace, progress
+                )
             if policy is None:
                 return PlainRunner(source, self.dtype, self.device, progress=progress)
             from offload.executor.executor import Executor
@@ -297,7 +316,7 @@ class LLM:
             longest = max(len(ids) for ids, _ in requests)
             budget = max(min(p.max_tokens or limit, limit - len(ids)) for ids, p in requests)
             check_block_fits(
-                self.config,
+                self.rank_config,
                 self.policy,
                 self.dtype,
                 self.device,

@@ -16,7 +16,19 @@ LAYERS = [
     ("io", ["io"]),
     ("policies", ["policies"]),
     ("executor", ["executor", "runner", "parallel"]),
-    ("api", ["engine", "decode_loop", "jobs", "openai_batch", "resultlog", "args", "outputs"]),
+    (
+        "api",
+        [
+            "engine",
+            "decode_loop",
+            "jobs",
+            "openai_batch",
+            "resultlog",
+            "args",
+            "outputs",
+            "data_parallel",
+        ],
+    ),
     ("cli", ["cli"]),
 ]
 RANK = {top: rank for rank, (_, tops) in enumerate(LAYERS) for top in tops}

@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(p, ("max_tokens",))
     p.add_argument("--num-prompts", type=int, help="requests in the job (caps the block size)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: plan one rank's shard, --gpu-mem per GPU, --cpu-mem "
+        "for the node shared by the ranks (the all-reduce time is not yet in the model)",
+    )
     p.add_argument("--plot", type=Path, help="draw placement and throughput vs batch size to a PNG")
     return p
 
@@ -65,13 +72,20 @@ def _plan(args) -> int:
     if args.num_prompts is not None and args.num_prompts < 1:
         raise UserError(f"--num-prompts must be positive, got {args.num_prompts}")
     cfg = resolve_model(engine.model, dummy=True, revision=engine.revision).config
+    cpu_bytes = engine.cpu_bytes
+    if args.tp > 1:  # tensor parallelism: the per-rank plan (offload.parallel)
+        from offload.parallel import rank_config
+        from offload.policies.memory_limit import node_memory_limit
+
+        cfg = rank_config(cfg, args.tp, 0)
+        cpu_bytes = (cpu_bytes or int(0.9 * node_memory_limit()[0])) // args.tp
     args.compressions = engine.compressions()
     args.kv_compressions = engine.kv_compressions()
     choice = choose_policy(
         cfg,
         engine.dtype,
         engine.gpu_bytes,
-        engine.cpu_bytes,
+        cpu_bytes,
         engine.nvme,
         engine.prompt_len,
         args.gen_len,

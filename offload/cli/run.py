@@ -68,12 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-invalid", action="store_true", help="record unparsable lines as errors and go on")  # fmt: skip
     p.add_argument("--stats", type=Path, help="write the run's summary as JSON here")  # fmt: skip
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar; errors and results only")  # fmt: skip
+    # tensor / data parallelism (offload.parallel, docs/parallel.md)
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks, one per GPU (started through torch.distributed's elastic launcher; under torchrun: its world size / --dp)")  # fmt: skip
+    p.add_argument("--dp", type=int, default=1, help="data-parallel groups of --tp ranks (needs --output)")  # fmt: skip
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.quiet)
+    from offload.cli import parallel as parallel_job
+
+    if parallel_job.wanted(args):  # several ranks: start them, or run as one
+        argv = sys.argv[1:] if argv is None else argv
+        return run_cli("offload-run", lambda: parallel_job.main(args, argv))
     return run_cli("offload-run", lambda: _run(args))
 
 

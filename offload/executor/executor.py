@@ -13,9 +13,10 @@ the steady state. `overlap=False` is the serial reference schedule (each load is
 right before its use and waited for), kept for debugging: both give identical tokens.
 
 It offers the runner interface of `PlainRunner` (start, step_inputs, forward), so the
-engine drives it unchanged. Tensor-parallel seam: a rank will run this executor over
-its shard of every stage (`WeightHomes` over a sharded source), with its own pool,
-store and PCIe link; `_layer` is where the all-reduce of each half layer goes.
+engine drives it unchanged. Tensor-parallel seam: a rank runs this executor over its
+shard of every stage (a `parallel.shard.ShardSource`), with its own pool, store and
+PCIe link, and hands `parallel` to the decoder, which all-reduces after each
+row-parallel matmul (`offload.parallel`, docs/parallel.md).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from offload.io.reader import ExtentReader
 from offload.io.store import ensure_store
 from offload.io.tiers import MemoryLedger, Tier
 from offload.models import decoder, ops
-from offload.models.decoder import StepInputs, Weights
+from offload.models.decoder import Parallel, StepInputs, Weights
 from offload.models.weights import WeightSource
 from offload.policies.memory import row_splits, weight_plan
 from offload.policies.policy import Policy
@@ -71,9 +72,13 @@ class Executor(LaneReports):  # implements runner.Runner
         trace: bool = False,
         progress: bool = False,
         cuda_graphs: bool = True,
+        parallel: Parallel | None = None,
     ) -> None:
         """cuda_graphs: replay decode steps from CUDA graphs where every stage's weights
-        are on the GPU (`graphs.DecodeGraphs`); False runs every step eagerly."""
+        are on the GPU (`graphs.DecodeGraphs`); False runs every step eagerly.
+        parallel: a tensor-parallel rank's collectives (`decoder.Parallel`); None is one
+        device."""
+        self.parallel = parallel
         self.cfg: ModelConfig = source.config
         self.policy, self.dtype, self.device = policy, dtype, device
         self.ledger = MemoryLedger()
@@ -117,7 +122,8 @@ class Executor(LaneReports):  # implements runner.Runner
         self._micro: list[slice] = []
         self._act_blocks: list[PoolBlock | None] = []
         self.traces: list[StepTrace] = []
-        self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        # (the graphs capture no collectives: tensor-parallel ranks run eagerly)
+        self.cuda_graphs = cuda_graphs and device.type == "cuda" and parallel is None
         self._graphs: list[DecodeGraphs] = []
         self._graph_rows: tuple[int, ...] = ()  # micro-batch rows the graphs are for
         self._warm_rows: tuple[int, ...] = ()  # ran one eager decode step (compiled)
@@ -168,9 +174,10 @@ class Executor(LaneReports):  # implements runner.Runner
             for k, rows in enumerate(self._micro):
                 if stage == 0:
                     with self.lanes.on("compute", f"embed mb{k}"):
-                        hidden[k] = self._store_act(
-                            k, decoder.embed(self.cfg, weights, token_ids[rows], steps[k].positions)
+                        x = decoder.embed(
+                            self.cfg, weights, token_ids[rows], steps[k].positions, self.parallel
                         )
+                        hidden[k] = self._store_act(k, x)
                 elif stage == num_stages - 1:
                     x = self._load_act(k, hidden[k])
                     with self.lanes.on("compute", f"head mb{k}"):
@@ -248,10 +255,9 @@ class Executor(LaneReports):  # implements runner.Runner
             q, k_new, v_new, residual = decoder.attn_in(self.cfg, w, x, step)
         context = self.kv.attention(layer, k, q, k_new, v_new, step.bias, step.cache_start)
         del q, k_new, v_new  # [B, T, 3 x hidden] in prefill: not held through the MLP
-        # (tensor parallelism: all-reduce the attention output projection here)
         with self.lanes.on("compute", f"L{layer} mb{k} mlp"):
-            out = decoder.attn_out_and_mlp(self.cfg, w, context, residual)
-        # (tensor parallelism: all-reduce the MLP output here)
+            # with `parallel`: an all-reduce after the output projection and the MLP
+            out = decoder.attn_out_and_mlp(self.cfg, w, context, residual, self.parallel)
         self._prefetch_kv_after(layer, k, step.cache_start)
         return self._store_act(k, out)
 

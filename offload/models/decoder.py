@@ -15,11 +15,17 @@ offloading executor) pass a dict of tensors per stage. Canonical weight names:
 
 A layer is split at its attention so an executor can run `attend` elsewhere (e.g. on
 the CPU next to a CPU-resident KV cache): `attn_in` -> `attend` -> `attn_out_and_mlp`.
+
+Tensor parallelism enters through one optional argument, `parallel` (`Parallel`), of
+`embed` and `attn_out_and_mlp`: the vocab-parallel lookup and the all-reduce after each
+row-parallel matmul. `head` returns the rank's vocabulary slice of the logits; the
+caller gathers them (`offload.parallel`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +49,19 @@ def _linear(w: Weights, name: str, x: torch.Tensor) -> torch.Tensor:
     if isinstance(weight, QTensor):
         return qlinear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+class Parallel(Protocol):
+    """Tensor-parallel seam (`offload.parallel.comm.TensorParallel` implements it).
+
+    With it the config's head counts, MLP width and vocabulary are one rank's share;
+    `reduce` sums the ranks' partial outputs of a row-parallel matmul (in place), and
+    `embed` looks token ids up in the rank's rows of the table and sums over ranks.
+    None everywhere below is one device: no collective runs."""
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def embed(self, token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -103,14 +122,20 @@ def stage_shapes(cfg: ModelConfig, stage: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def embed(cfg: ModelConfig, w: Weights, token_ids: torch.Tensor, positions: torch.Tensor):
+def embed(
+    cfg: ModelConfig,
+    w: Weights,
+    token_ids: torch.Tensor,
+    positions: torch.Tensor,
+    parallel: Parallel | None = None,
+):
     """Token ids [B, T] -> hidden states [B, T, hidden]. A table held in host memory
-    (the executor's gathered embedding) is read there: only these rows cross."""
+    (the executor's gathered embedding) is read there: only these rows cross. With
+    `parallel` the table is this rank's vocabulary slice (`Parallel.embed`)."""
     table = w["tok.weight"]
-    if table.device != token_ids.device:
-        x = F.embedding(token_ids.to(table.device), table).to(token_ids.device)
-    else:
-        x = F.embedding(token_ids, table)
+    ids = token_ids.to(table.device)
+    x = F.embedding(ids, table) if parallel is None else parallel.embed(ids, table)
+    x = x.to(token_ids.device)
     if "proj_in.weight" in w:
         x = F.linear(x, w["proj_in.weight"])
     if cfg.family == "opt":
@@ -175,29 +200,39 @@ MLP_CHUNK_ROWS = 4096
 
 
 def attn_out_and_mlp(
-    cfg: ModelConfig, w: Weights, context: torch.Tensor, residual: torch.Tensor
+    cfg: ModelConfig,
+    w: Weights,
+    context: torch.Tensor,
+    residual: torch.Tensor,
+    parallel: Parallel | None = None,
 ) -> torch.Tensor:
     """Output projection, residual, MLP block. Returns the layer's output hidden states."""
     x = _linear(w, "o", context)
+    if parallel is not None:
+        x = parallel.reduce(x)
     x += residual
     if not cfg.do_layer_norm_before:
         x = _norm(cfg, w, "attn_norm", x)
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] <= MLP_CHUNK_ROWS:
-        return _mlp(cfg, w, rows).view_as(x)
+        return _mlp(cfg, w, rows, parallel).view_as(x)
     out = torch.empty_like(rows)
     for start in range(0, rows.shape[0], MLP_CHUNK_ROWS):
         part = slice(start, start + MLP_CHUNK_ROWS)
-        out[part] = _mlp(cfg, w, rows[part])
+        out[part] = _mlp(cfg, w, rows[part], parallel)
     return out.view_as(x)
 
 
-def _mlp(cfg: ModelConfig, w: Weights, x: torch.Tensor) -> torch.Tensor:
+def _mlp(
+    cfg: ModelConfig, w: Weights, x: torch.Tensor, parallel: Parallel | None = None
+) -> torch.Tensor:
     """The MLP with its residual (and OPT's post-norm) over token rows x [N, hidden]."""
     h = _norm(cfg, w, "mlp_norm", x) if cfg.do_layer_norm_before else x
     residual = h if cfg.residual_from_norm else x
     act = ops.mlp_activation(_linear(w, "mlp_in", h), cfg.activation, cfg.gated_mlp)
     out = _linear(w, "mlp_out", act)
+    if parallel is not None:
+        out = parallel.reduce(out)
     out += residual
     if not cfg.do_layer_norm_before:
         out = _norm(cfg, w, "mlp_norm", out)

@@ -26,6 +26,7 @@ from offload.kernels.formats import Compression
 from offload.kernels.kv_attention_cpu import decode_attention_cpu
 from offload.kernels.kv_cache import QuantKV
 from offload.models.demo import cache_dir
+from offload.policies.memory_limit import node_memory_limit
 
 GB = 1e9
 
@@ -244,7 +245,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         device_name=name,
         has_gpu=torch.cuda.is_available(),
         gpu_mem_bytes=gpu_mem,
-        cpu_mem_bytes=psutil.virtual_memory().total,
+        cpu_mem_bytes=node_memory_limit()[0],  # the cgroup's limit where there is one
         h2d_gbps=h2d,
         d2h_gbps=d2h,
         bidir_gbps=bidir,

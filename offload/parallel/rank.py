@@ -1,0 +1,83 @@
+"""One tensor-parallel rank's runner: the existing executor over the rank's shard.
+
+`RankRunner` offers the runner interface the engine drives (start, step_inputs,
+forward): it slices the step's ALiBi bias to the rank's heads, runs the executor (which
+all-reduces through the decoder's `parallel` seam) and gathers the vocab-parallel
+logits, so the engine samples from the full logits on every rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from offload.batch import PaddedBatch
+from offload.executor.executor import Executor
+from offload.models.decoder import StepInputs
+from offload.models.weights import WeightSource
+from offload.parallel.comm import TensorParallel
+from offload.parallel.shard import ShardSource
+from offload.policies.policy import Policy
+
+
+class RankRunner:
+    """The executor of one rank, seen by the engine as a whole-model runner."""
+
+    def __init__(self, executor: Executor, parallel: TensorParallel) -> None:
+        self.executor, self.parallel = executor, parallel
+
+    def start(self, batch: PaddedBatch) -> None:
+        self.executor.start(batch)
+
+    def step_inputs(self, batch: PaddedBatch, cache_start: int, num_new: int) -> StepInputs:
+        """The batch's step inputs; an ALiBi bias [B, heads, T, S] keeps the rank's heads
+        (its slopes follow its heads)."""
+        step = self.executor.step_inputs(batch, cache_start, num_new)
+        if step.bias.shape[1] == 1:
+            return step
+        bias = step.bias[:, self.parallel.shard.heads].contiguous()
+        return StepInputs(step.positions, bias, step.cache_start, step.rope)
+
+    def forward(
+        self, token_ids: torch.Tensor, step: StepInputs, last_only: bool = True
+    ) -> torch.Tensor:
+        """Full fp32 logits [B, V] (or [B, T, V]), the same on every rank."""
+        return self.parallel.gather_vocab(self.executor.forward(token_ids, step, last_only))
+
+    def __getattr__(self, name: str):
+        # ledger, tracer, traces, kv_pool_bytes, memory_report, close: the executor's
+        return getattr(self.executor, name)
+
+
+def rank_nvme(nvme: Path | None, world_rank: int) -> Path | None:
+    """A rank's own directory for its weight store and KV spill: <nvme>/rank<i>."""
+    if nvme is None:
+        return None
+    path = nvme / f"rank{world_rank}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def make_rank_runner(
+    source: WeightSource,
+    parallel: TensorParallel,
+    policy: Policy,
+    dtype: torch.dtype,
+    device: torch.device,
+    nvme: Path | None,
+    trace: bool = False,
+    progress: bool = False,
+) -> RankRunner:
+    """The executor over this rank's shard of `source` (nvme: the rank's own directory)."""
+    executor = Executor(
+        ShardSource(source, parallel.shard),
+        policy,
+        dtype,
+        device,
+        nvme_dir=nvme,
+        trace=trace,
+        progress=progress,
+        parallel=parallel,
+    )
+    return RankRunner(executor, parallel)
