@@ -291,7 +291,7 @@ class LLM:
                 budget,
                 resident,
             )
-        return self.loop.run(requests, self.batch_size)
+        return self.loop.run(self.runner, requests, self.batch_size)
 
     # -- lifetime ---------------------------------------------------------------------
     def close(self) -> None:
