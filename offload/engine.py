@@ -125,7 +125,6 @@ class LLM:
         self.stats = GenerationStats()
         self.on_phase: Callable[[str], None] | None = None  # told "prefill" / "decode"
         self.loop = DecodeLoop(
-            self.runner,
             self.config,
             self.tokenizer,
             self.eos_ids,
