@@ -30,7 +30,7 @@ def parse_size(text: str | int, flag: str = "size") -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise UserError(f"cannot parse {flag} {text!r}; write it like 24GB, 24GiB or 512MB")
+        raise UserError(f"cannot parse size {text!r} ({flag}); write it like 24GB, 24GiB or 512MB")
     return int(float(match.group(1)) * _UNITS[unit])
 
 

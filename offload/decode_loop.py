@@ -40,7 +40,6 @@ class _Sequence:
 class DecodeLoop:
     def __init__(
         self,
-        runner: Runner,
         config: ModelConfig,
         tokenizer,
         eos_ids: set[int],
@@ -48,13 +47,16 @@ class DecodeLoop:
         phase: Callable[[str], None],
         device: torch.device,
     ) -> None:
-        self.runner, self.config, self.tokenizer = runner, config, tokenizer
+        self.config, self.tokenizer = config, tokenizer
         self.eos_ids, self.stats, self._phase = eos_ids, stats, phase
         self.pad_id = config.pad_token_id or 0
         self.device = device
 
     def run(
-        self, requests: Sequence[tuple[list[int], SamplingParams]], batch_size: int
+        self,
+        runner: Runner,
+        requests: Sequence[tuple[list[int], SamplingParams]],
+        batch_size: int,
     ) -> list[RequestOutput]:
         """Outputs for checked token-id prompts, in their order, batches of batch_size."""
         limit = self.config.max_position_embeddings
@@ -65,7 +67,7 @@ class DecodeLoop:
         ]
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].prompt_ids))
         for start in range(0, len(order), batch_size):
-            self._generate_batch([seqs[i] for i in order[start : start + batch_size]])
+            self._generate_batch(runner, [seqs[i] for i in order[start : start + batch_size]])
         outs = [RequestOutput(str(r), None, list(ids), []) for r, (ids, _) in enumerate(requests)]
         for s in seqs:
             outs[s.request].outputs.append(self._completion(s))
@@ -82,8 +84,8 @@ class DecodeLoop:
             s.sample, text, s.generated, s.finish_reason or "length", s.stop_reason
         )
 
-    def _generate_batch(self, seqs: list[_Sequence]) -> None:
-        runner, stats = self.runner, self.stats
+    def _generate_batch(self, runner: Runner, seqs: list[_Sequence]) -> None:
+        stats = self.stats
         steps = max(s.budget for s in seqs)
         batch = PaddedBatch(self.config, [s.prompt_ids for s in seqs], steps, self.pad_id)
         for seq in seqs:

@@ -154,7 +154,6 @@ class LLM:
         self.stats = GenerationStats()
         self.on_phase: Callable[[str], None] | None = None  # told "prefill" / "decode"
         self.loop = DecodeLoop(
-            self.runner,
             self.config,
             self.tokenizer,
             self.eos_ids,
@@ -325,7 +324,7 @@ class LLM:
                 longest,
                 budget,
             )
-        return self.loop.run(requests, self.batch_size)
+        return self.loop.run(self.runner, requests, self.batch_size)
 
     # -- lifetime ---------------------------------------------------------------------
     def close(self) -> None:
