@@ -28,6 +28,7 @@ import xxhash
 
 from offload.config import ModelConfig
 from offload.errors import UserError
+from offload.io.atomic import atomic_write, fsync_dir
 from offload.io.layout import stage_keys, store_bytes
 from offload.io.pinned import ALIGN, align_up
 from offload.kernels.formats import Compression
@@ -186,14 +187,6 @@ def write_stage_file(path: Path, weights: dict[str, torch.Tensor]) -> dict:
     return {"file": path.name, "size": offset, "tensors": tensors}
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def convert(
     source: WeightSource,
     nvme_dir: Path,
@@ -239,13 +232,7 @@ def convert(
             "checksum": "xxh3_64",
             "stages": stages,
         }
-        tmp = partial / (MANIFEST + ".tmp")
-        with tmp.open("w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, partial / MANIFEST)
-        _fsync_dir(partial)
+        atomic_write(partial / MANIFEST, json.dumps(manifest, indent=1))
     except OSError as exc:
         shutil.rmtree(partial, ignore_errors=True)
         if exc.errno == errno.ENOSPC:
@@ -258,7 +245,7 @@ def convert(
     if final.exists():
         os.replace(final, old)
     os.replace(partial, final)
-    _fsync_dir(nvme_dir)
+    fsync_dir(nvme_dir)
     shutil.rmtree(old, ignore_errors=True)
     return final
 
