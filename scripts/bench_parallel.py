@@ -130,13 +130,13 @@ def _generate(runner, parallel, policy: Policy, args, vocab: int) -> dict:
         prefill_s = time.perf_counter() - started
         parallel.take_reduce_seconds()
         parallel.reduce_count = 0
-        tokens = [sample(logits, greedy, None)]
+        tokens = [sample(logits, greedy)]
         started = time.perf_counter()
         for t in range(args.gen_len - 1):
             runner.tracer.enabled = trace_last and t == args.gen_len - 2
             step = runner.step_inputs(batch, args.prompt_len + t, 1)
             logits = runner.forward(tokens[-1][:, None], step)
-            tokens.append(sample(logits, greedy, None))
+            tokens.append(sample(logits, greedy))
         _sync(runner)
         runner.tracer.enabled = False
         return prefill_s, time.perf_counter() - started, torch.stack(tokens, 1).tolist()
