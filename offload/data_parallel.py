@@ -12,11 +12,11 @@ from __future__ import annotations
 import array
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from offload.io.atomic import atomic_writer, lock_path
 from offload.jobs import JobRequest
 
 
@@ -43,8 +43,8 @@ def seeded(requests: Iterator[JobRequest], job_seed: int) -> Iterator[JobRequest
 
 
 def merge_groups(output: Path, dp: int, total: int) -> None:
-    """Write the groups' results in input order to `output` (atomically) and remove
-    the groups' partial files. Each of the `total` indices must appear exactly once."""
+    """Write the groups' results in input order to `output` (atomically, fsynced) and remove
+    the groups' partial and lock files. Each of the `total` indices must appear exactly once."""
     partials = [
         group_output(output, dp, g).with_name(group_output(output, dp, g).name + ".partial")
         for g in range(dp)
@@ -66,20 +66,18 @@ def merge_groups(output: Path, dp: int, total: int) -> None:
     missing = where.count(-1)
     assert missing == 0, f"{missing} results missing at merge"
     files = [p.open("rb") for p in partials]
-    tmp = output.with_name(output.name + ".tmp")
     try:
-        with tmp.open("w", encoding="utf-8") as dst:
+        with atomic_writer(output) as dst:
             for packed in where:
                 src = files[packed >> 40]
                 src.seek(packed & ((1 << 40) - 1))
                 row = json.loads(src.readline())
                 del row["_index"]
                 dst.write(json.dumps(row, ensure_ascii=False) + "\n")
-            dst.flush()
-            os.fsync(dst.fileno())
     finally:
         for f in files:
             f.close()
-    os.replace(tmp, output)
-    for path in partials:
+    for group, path in enumerate(partials):
         path.unlink()
+        # the group's writer has closed: its lock file goes with its results
+        lock_path(group_output(output, dp, group)).unlink(missing_ok=True)

@@ -90,9 +90,13 @@ class LLM:
         gen_len: int | None = None,
         progress: bool = False,
         trace: bool = False,
+        policy: Policy | None = None,
+        parallel: TensorParallel | None = None,
     ) -> LLM:
+        """policy: a placement chosen already (a TP job's, shared by its ranks);
+        parallel: this process is one tensor-parallel rank."""
         llm = cls.__new__(cls)
-        llm._build(args, None, gen_len, progress, trace)
+        llm._build(args, policy, gen_len, progress, trace, parallel)
         return llm
 
     def _build(

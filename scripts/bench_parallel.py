@@ -30,8 +30,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from offload.executor.caps import process_rss  # noqa: E402
-
 from offload.batch import PaddedBatch  # noqa: E402
 from offload.cli.common import parse_size  # noqa: E402
 from offload.config import ModelConfig  # noqa: E402
@@ -39,6 +37,8 @@ from offload.models.resolve import ModelSpec, resolve_model  # noqa: E402
 from offload.parallel.comm import Topology, allreduce_bus_gbps  # noqa: E402
 from offload.parallel.rank import make_rank_runner, rank_nvme  # noqa: E402
 from offload.parallel.shard import rank_config  # noqa: E402
+from offload.policies.caps import process_rss  # noqa: E402
+from offload.policies.choose import choose_policy  # noqa: E402
 from offload.policies.memory_limit import node_memory_limit, rank_cpu_bytes  # noqa: E402
 from offload.policies.policy import Compression, Placement, Policy  # noqa: E402
 from offload.sampling import SamplingParams, sample  # noqa: E402
@@ -65,23 +65,20 @@ def _policy(topo: Topology, spec: ModelSpec, args, dtype, wc, kc) -> Policy:
     if args.smoke:
         return Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Placement(0.4, 0.3, 0.3))
     policy = None
-    if topo.rank == 0:
-        from offload.policies.hardware import load_profile, measure
-        from offload.policies.search import Caps, search
-
-        hw = load_profile(args.profile) if args.profile else load_profile()
-        hw = hw or measure(args.nvme, quick=True)
+    if topo.rank == 0:  # the plan search LLM runs, over one rank's shard and caps
         node_cpu, _ = node_memory_limit()
-        caps = Caps(
+        policy = choose_policy(
+            rank_config(spec.config, topo.tp, 0),
+            dtype,
             parse_size(args.gpu_mem),
             rank_cpu_bytes(int(0.9 * node_cpu), topo.local_world),
-            args.nvme is not None,
-        )
-        cfg = rank_config(spec.config, topo.tp, 0)
-        policy = search(
-            cfg, dtype, args.prompt_len, args.gen_len, hw, caps,
-            compressions=(wc,), kv_compressions=(kc,),
-        ).policy  # fmt: skip
+            args.nvme,
+            args.prompt_len,
+            args.gen_len,
+            args.profile,
+            compressions=(wc,),
+            kv_compressions=(kc,),
+        ).best.policy
     return topo.share(policy)
 
 
@@ -121,7 +118,7 @@ def _generate(runner, parallel, policy: Policy, args, vocab: int) -> dict:
     rows = policy.block_size
     prompts = torch.randint(10, vocab - 10, (rows, args.prompt_len), generator=gen).tolist()
     batch = PaddedBatch(runner.executor.cfg, prompts, args.gen_len, pad_id=1)
-    greedy = SamplingParams(max_new_tokens=args.gen_len)
+    greedy = SamplingParams(max_tokens=args.gen_len)
     runner.tracer.enabled = False
 
     def run(trace_last: bool) -> tuple[float, float, list[list[int]]]:
@@ -133,13 +130,13 @@ def _generate(runner, parallel, policy: Policy, args, vocab: int) -> dict:
         prefill_s = time.perf_counter() - started
         parallel.take_reduce_seconds()
         parallel.reduce_count = 0
-        tokens = [sample(logits, greedy, None)]
+        tokens = [sample(logits, greedy)]
         started = time.perf_counter()
         for t in range(args.gen_len - 1):
             runner.tracer.enabled = trace_last and t == args.gen_len - 2
             step = runner.step_inputs(batch, args.prompt_len + t, 1)
             logits = runner.forward(tokens[-1][:, None], step)
-            tokens.append(sample(logits, greedy, None))
+            tokens.append(sample(logits, greedy))
         _sync(runner)
         runner.tracer.enabled = False
         return prefill_s, time.perf_counter() - started, torch.stack(tokens, 1).tolist()

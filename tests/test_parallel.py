@@ -23,7 +23,7 @@ from offload.sampling import SamplingParams
 from tests.tiny_models import CASES, decode_logits, prefill_logits
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34], [7, 8], [9] * 9]
-PARAMS = SamplingParams(max_new_tokens=5)
+PARAMS = SamplingParams(max_tokens=5)
 LOGITS_RTOL = 1e-5  # relative norm error of the logits, TP=N against TP=1
 POLICIES = {
     "one-tier": Policy(gpu_batch_size=3, num_gpu_batches=2),
@@ -61,7 +61,8 @@ def _generate(directory: Path, policy: Policy, nvme: Path, parallel=None):
     with LLM(
         str(directory), device="cpu", dtype="float32", policy=policy, nvme=nvme, parallel=parallel
     ) as llm:
-        tokens = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], PARAMS)
+        tokens = [o.outputs[0].token_ids for o in outs]
         prefill, _ = prefill_logits(llm, PROMPTS[: policy.block_size])
         decode = decode_logits(llm, PROMPTS[: policy.block_size], 2)
     return {"tokens": tokens, "prefill": prefill, "decode": decode}
@@ -198,8 +199,8 @@ assert set(FAMILIES) <= set(CASES)
 def _cli(directory: Path, prompts: Path, output: Path, *extra: str) -> list[str]:
     return [
         *("--model", str(directory), "--device", "cpu", "--dtype", "float32"),
-        *("--prompts", str(prompts), "--output", str(output)),
-        *("--max-new-tokens", "6", "--batch-size", "2", "-q", *extra),
+        *("-i", str(prompts), "--output", str(output)),
+        *("--max-tokens", "6", "--batch-size", "2", "-q", *extra),
     ]
 
 

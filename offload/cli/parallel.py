@@ -3,18 +3,20 @@
 `main` either starts the ranks (`launch.launch`, when not already inside a launcher) or
 is one of them (`run_rank`): join the process groups, agree on the policy and the job's
 sampling seed, take this data-parallel group's requests, run the engine over this
-rank's shard. TP rank 0 of each group alone writes results, world rank 0 alone shows
-progress, writes the trace and merges the groups' results.
+rank's shard. The pieces are offload-run's own (`sources`, `jobs.run_job`, the flags'
+`EngineArgs` and `SamplingParams`). TP rank 0 of each group alone writes results,
+world rank 0 alone shows progress, writes the trace, merges the groups' results and
+decides the exit code (offload-run's EXIT_*), which it hands to the launching process.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,18 +25,26 @@ import torch.distributed as dist
 
 from offload import data_parallel as data
 from offload import jobs
-from offload.engine import LLM, resolve_device, resolve_dtype
+from offload.args import EngineArgs, resolve_device
+from offload.cli import report, sources
+from offload.cli.common import engine_args, sampling_params
+from offload.config import resolve_dtype
+from offload.engine import LLM
 from offload.errors import UserError
 from offload.models.resolve import resolve_model
 from offload.parallel.comm import Topology, env_world
 from offload.parallel.launch import PEER_LOST
 from offload.parallel.rank import rank_nvme
 from offload.parallel.shard import check_divisible, rank_config
-from offload.policies.caps import Caps
 from offload.policies.memory_limit import node_memory_limit, rank_cpu_bytes
 from offload.policies.policy import Policy
+from offload.resultlog import MemorySink, ResultLog
 
 log = logging.getLogger("offload")
+
+# where world rank 0 writes the job's exit code for the process that launched the ranks
+# (a rank's own non-zero exit means "failed" to the launcher)
+STATUS_ENV = "OFFLOAD_RUN_STATUS_FILE"
 
 
 def wanted(args: argparse.Namespace) -> bool:
@@ -45,18 +55,30 @@ def wanted(args: argparse.Namespace) -> bool:
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     """Start the ranks (from a plain command line) or run as one (inside a launcher)."""
-    if env_world() is None:
-        if args.prompts is not None and str(args.prompts) == "-":
-            raise UserError("--prompts - (standard input) cannot feed several ranks; use a file")
-        check_divisible(resolve_model(args.model, dummy=True).config, args.tp or 1)
-        from offload.cli.run import main as cli_main
-        from offload.parallel.launch import launch
+    if env_world() is not None:
+        return run_rank(args)
+    if args.input is not None and str(args.input) == "-":
+        raise UserError("-i - (standard input) cannot feed several ranks; use a file")
+    check_divisible(resolve_model(args.model, dummy=True).config, args.tp or 1)
+    from offload.cli.run import EXIT_OK
+    from offload.cli.run import main as cli_main
+    from offload.parallel.launch import launch
 
-        return launch("offload-run", cli_main, argv, (args.tp or 1) * args.dp, args.device == "cpu")
-    return run_rank(args)
+    fd, status = tempfile.mkstemp(prefix="offload-run-status-")
+    os.close(fd)
+    os.environ[STATUS_ENV] = status
+    try:
+        code = launch("offload-run", cli_main, argv, (args.tp or 1) * args.dp, args.device == "cpu")
+        text = Path(status).read_text().strip()
+        return int(text) if text else code or EXIT_OK
+    finally:
+        os.environ.pop(STATUS_ENV, None)
+        Path(status).unlink(missing_ok=True)
 
 
 def run_rank(args: argparse.Namespace) -> int:
+    from offload.cli.run import EXIT_USAGE
+
     device = resolve_device(args.device)
     topo = Topology.from_env(args.tp, args.dp, device)
     if topo.rank != 0:
@@ -64,181 +86,188 @@ def run_rank(args: argparse.Namespace) -> int:
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // topo.local_world))
     try:
-        return _run_rank(args, topo)
+        code = _run_rank(args, topo)
     except UserError as exc:
         print(f"offload-run[rank {topo.rank}]: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except dist.DistError as exc:  # a peer died under a collective: the cause is elsewhere
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"offload-run[rank {topo.rank}]: lost contact with a rank ({first})", file=sys.stderr)
         return PEER_LOST
     finally:
         topo.close()
+    status = os.environ.get(STATUS_ENV)
+    if status is None:  # under torchrun: the exit code is the rank's own
+        return code
+    if topo.rank == 0:
+        Path(status).write_text(f"{code}\n")
+    return 0
 
 
-def _policy(args, topo: Topology, params, cfg) -> tuple[Policy | None, MemoryCaps]:
-    """The policy every rank runs (world rank 0's) and this rank's caps: --gpu-mem per
-    GPU, --cpu-mem (default: the node's limit) shared by the node's ranks."""
-    from offload.cli.common import parse_compression, parse_kv_compression, parse_size
+def _rank_engine(engine: EngineArgs, topo: Topology) -> tuple[EngineArgs, str]:
+    """This rank's EngineArgs: --gpu-mem per GPU, --cpu-mem (default: the node's limit)
+    shared by the node's ranks, its own --nvme directory. And where the CPU cap came from."""
+    if engine.cpu_bytes is not None:
+        node_cpu, where = engine.cpu_bytes, "--cpu-mem"
+    else:
+        node_cpu, where = node_memory_limit()
+    cpu_bytes = rank_cpu_bytes(node_cpu, topo.local_world)
+    nvme = rank_nvme(engine.nvme, topo.rank)
+    return engine.replace(cpu_mem=f"{cpu_bytes}B", nvme=nvme, policy=None), where
 
-    node_cpu, where = (
-        (parse_size(args.cpu_mem), "--cpu-mem") if args.cpu_mem else node_memory_limit()
-    )
-    caps = Caps(
-        gpu_bytes=parse_size(args.gpu_mem) if args.gpu_mem else None,
-        cpu_bytes=rank_cpu_bytes(node_cpu, topo.local_world),
-    )
-    if args.policy is not None:
-        return Policy.from_file(args.policy), caps
-    if not (args.gpu_mem or args.cpu_mem or args.nvme):
-        return None, caps
+
+def _policy(engine: EngineArgs, rank_args: EngineArgs, topo: Topology, gen_len: int, where):
+    """The policy every rank runs: --policy, world rank 0's plan search over a rank's
+    shard (with caps or --nvme), else one block of --batch-size on the GPU."""
+    if engine.policy is not None:
+        return Policy.from_file(engine.policy)
+    if not engine.wants_search:
+        return Policy(gpu_batch_size=engine.batch_size, num_gpu_batches=1)
     policy = None
     if topo.rank == 0:
-        from offload.cli.plan import _profile
-        from offload.policies.search import Caps, search
+        from offload.policies.choose import choose_policy
 
-        if not args.gpu_mem:
-            raise UserError("give --gpu-mem with --cpu-mem or --nvme so the plan search knows it")
-        log.info(
-            "CPU cap %.1f GB for the node from %s, %.1f GB per rank",
-            node_cpu / 1e9,
-            where,
-            caps.cpu_bytes / 1e9,
-        )
-        dtype = resolve_dtype(args.dtype, topo.device, cfg.checkpoint_dtype)
-        best = search(
+        log.info("CPU cap from %s, %.1f GB per rank", where, (rank_args.cpu_bytes or 0) / 1e9)
+        cfg = resolve_model(engine.model, dummy=engine.dummy, revision=engine.revision).config
+        choice = choose_policy(
             rank_config(cfg, topo.tp, 0),
-            dtype,
-            args.prompt_len,
-            params.max_new_tokens,
-            _profile(args),
-            Caps(caps.gpu_bytes, caps.cpu_bytes, args.nvme is not None),
-            compressions=parse_compression(args.compress),
-            kv_compressions=parse_kv_compression(args.kv_compress),
+            resolve_dtype(engine.dtype, topo.device.type == "cuda", cfg.checkpoint_dtype),
+            rank_args.gpu_bytes,
+            rank_args.cpu_bytes,
+            rank_args.nvme,
+            engine.prompt_len,
+            gen_len,
+            engine.profile,
+            compressions=engine.compressions(),
+            kv_compressions=engine.kv_compressions(),
         )
-        log.info("searched policy per rank: predicted %.1f tok/s", best.total_tok_s)
-        policy = best.policy
-    return topo.share(policy), caps
+        log.info("searched policy per rank: predicted %.1f tok/s", choice.best.total_tok_s)
+        policy = choice.best.policy
+    return topo.share(policy)
 
 
-class _RankSink:
+class _RankSink(MemorySink):
     """A rank that writes no file: it skips what its group's writer already holds, and
     keeps the rows only where they are printed at the end (no --output)."""
 
     def __init__(self, done: set[int], keep_rows: bool) -> None:
+        super().__init__()
         self._done, self.done_count = done, len(done)
-        self.keep_rows, self.rows = keep_rows, []
+        self.keep_rows = keep_rows
 
     def done(self, index: int) -> bool:
         return index in self._done
 
     def append(self, rows: list[dict]) -> None:
         if self.keep_rows:
-            self.rows += rows
+            super().append(rows)
 
 
-def _requests(args, params):
-    """(request iterator, total, input sha256), as offload-run reads them."""
-    import hashlib
+def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
+    from offload.cli.run import _fingerprint
 
-    if args.prompts is not None:
-        total, sha = jobs.scan(args.prompts, args.skip_invalid)
-        return jobs.iter_requests(args.prompts, params), total, sha
-    sha = hashlib.sha256(json.dumps(args.prompt).encode()).hexdigest()
-    reqs = (jobs.make_request(i, {"prompt": t}, params) for i, t in enumerate(args.prompt))
-    return reqs, len(args.prompt), sha
-
-
-def _run_rank(args, topo: Topology) -> int:
-    from offload.cli.run import _check_output, _fingerprint, _sampling
-
-    params = _sampling(args)
-    output = _check_output(args.output)
+    engine = engine_args(args)
+    flag_params = sampling_params(args, {})  # sampling flags judged before any long work
+    output = sources.check_output(args.output)
     if topo.dp > 1 and output is None:
         raise UserError("--dp needs --output FILE (the groups' results are merged there)")
-    spec = resolve_model(args.model, dummy=args.dummy)
-    policy, caps = _policy(args, topo, params, spec.config)
-    requests, total, sha = _requests(args, params)
-    requests = data.seeded(
-        data.group_requests(requests, topo.dp, topo.dp_index), topo.share(random.getrandbits(63))
-    )
-    sink = None
-    if topo.is_leader and output is not None:
-        path = data.group_output(output, topo.dp, topo.dp_index)
-        sink = jobs.ResultLog(path, _fingerprint(args, params, sha), args.restart)
-        done = {i for i in range(total) if sink.done(i)}
-    else:
-        done = set()
-    done = topo.share(done, tp_only=True)
-    sink = sink or _RankSink(done, keep_rows=output is None)
-    stats = jobs.JobStats(total=total, skipped=len(done))
-    if stats.skipped and topo.is_leader:
-        log.info("group %d resuming: %d requests already done", topo.dp_index, stats.skipped)
+    source = sources.open_source(args, output)
+    rank_args, where = _rank_engine(engine, topo)
+    gen_len = flag_params.max_tokens or 256
+    policy = _policy(engine, rank_args, topo, gen_len, where)
     started = time.perf_counter()
-    llm = LLM(
-        spec,
-        dtype=args.dtype,
-        batch_size=args.batch_size,
+    llm = LLM.from_engine_args(
+        rank_args,
+        gen_len=gen_len,
         progress=topo.rank == 0 and not args.quiet,
-        policy=policy,
-        caps=caps,
-        nvme=rank_nvme(args.nvme, topo.rank),
         trace=topo.rank == 0 and args.trace is not None,
-        parallel=topo.tensor_parallel(spec.config),
+        policy=policy,
+        parallel=topo.tensor_parallel(resolve_model(engine.model, dummy=True).config),
     )
+    load_seconds = time.perf_counter() - started
     log.info(
         "model %s on %d ranks (tp %d x dp %d), %s; loaded in %.1f s",
-        spec.name,
+        llm.spec.name,
         topo.world,
         topo.tp,
         topo.dp,
         llm.device.type,
-        time.perf_counter() - started,
+        load_seconds,
     )
-    chat = args.chat_template == "on" or (
-        args.chat_template == "auto" and llm.tokenizer.has_chat_template
-    )
+    sink: ResultLog | MemorySink | None = None
+    try:
+        params = sampling_params(args, llm.default_sampling)
+        if topo.is_leader:
+            path = data.group_output(output, topo.dp, topo.dp_index) if output else None
+            sink = sources.open_sink(path, _fingerprint(args, engine, params, source.sha256),
+                                     args.restart)  # fmt: skip
+        done = {i for i in range(source.total) if sink is not None and sink.done(i)}
+        done = topo.share(done, tp_only=True)
+        sink = sink or _RankSink(done, keep_rows=False)
+        requests = data.group_requests(source.requests(params), topo.dp, topo.dp_index)
+        requests = data.seeded(requests, topo.share(random.getrandbits(63)))
+        if source.from_flags:  # command-line prompts: a bad one fails the run
+            requests = list(requests)
+            for req in requests:
+                llm.check_prompt(jobs.encode_request(llm, req))
+        stats = jobs.JobStats(total=source.total, skipped=len(done))
+        if stats.skipped and topo.is_leader:
+            log.info("group %d resuming: %d requests already done", topo.dp_index, stats.skipped)
+        _generate(args, topo, llm, requests, sink, stats)
+        return _finish(args, topo, llm, sink, stats, output, source.total, load_seconds)
+    finally:
+        llm.close()
+        if isinstance(sink, ResultLog):
+            sink.close()
+
+
+def _generate(args, topo: Topology, llm: LLM, requests, sink, stats: jobs.JobStats) -> None:
+    bar = report.Progress(stats, llm) if topo.rank == 0 and not args.quiet else None
     try:
         with jobs.StopFlag() as stop:
 
-            def agree_on_stop() -> None:  # every rank of a group stops after one block
+            def on_block() -> None:  # every rank of a group stops after the same block
+                if bar:
+                    bar.update()
                 flag = torch.tensor([int(stop.requested)])
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=topo.tp_control)
                 stop.requested = bool(flag.item())
 
-            jobs.run_job(llm, requests, sink, stats, chat, stop, on_block=agree_on_stop)
+            jobs.run_job(llm, requests, sink, stats, stop, on_block=on_block)
     except KeyboardInterrupt:
         stats.interrupted = True
     finally:
-        if args.trace is not None and topo.rank == 0:
-            llm.runner.tracer.write_chrome(args.trace)
-        llm.close()
-    return _finish(args, topo, llm, sink, stats, output, total)
+        if bar:
+            bar.close()
+        if args.trace is not None and topo.rank == 0 and not llm.runner.write_trace(args.trace):
+            log.warning("--trace %s: this rank's executor wrote no trace", args.trace)
 
 
-def _finish(args, topo: Topology, llm, sink, stats, output: Path | None, total: int) -> int:
-    interrupted = torch.tensor([int(stats.interrupted)])
-    dist.all_reduce(interrupted, op=dist.ReduceOp.MAX, group=topo.control)
-    if isinstance(sink, jobs.ResultLog):
-        sink.close()
-    if interrupted.item():
+def _finish(args, topo: Topology, llm, sink, stats, output: Path | None, total: int,
+            load_seconds: float) -> int:  # fmt: skip
+    from offload.cli.run import EXIT_ALL_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED
+
+    counts = torch.tensor([int(stats.interrupted), sink.error_count if topo.is_leader else 0])
+    dist.all_reduce(counts[:1], op=dist.ReduceOp.MAX, group=topo.control)
+    dist.all_reduce(counts[1:], op=dist.ReduceOp.SUM, group=topo.control)
+    interrupted, errors = bool(counts[0]), int(counts[1])
+    if isinstance(sink, ResultLog) and (interrupted or topo.dp > 1):
+        sink.close()  # a group's partial file is complete (the merge reads it)
+    if interrupted:
         if topo.rank == 0:
             print(
                 "offload-run: interrupted; finished blocks are kept, run the same command "
                 "again to resume",
                 file=sys.stderr,
             )
-        return 130
-    if topo.rank == 0 and output is not None and topo.dp == 1:
-        sink.finalize(total)
+        return EXIT_INTERRUPTED
+    if topo.rank == 0 and topo.dp == 1:
+        sources.write_results(sink, total, args.output == "-")
     topo.barrier()  # every group's results are on disk
-    if topo.rank == 0 and output is not None and topo.dp > 1:
+    if topo.rank == 0 and topo.dp > 1:
+        assert output is not None
         data.merge_groups(output, topo.dp, total)
     if topo.rank == 0:
-        if output is None:
-            rows = sorted(sink.rows, key=lambda r: r["_index"])
-            for row in rows:
-                print(f"[{row['id']}] {row.get('prompt', '')}\n{row['text']}\n")
         s = llm.stats
         print(
             f"offload-run: {total} requests on {topo.world} ranks (tp {topo.tp} x dp "
@@ -246,4 +275,8 @@ def _finish(args, topo: Topology, llm, sink, stats, output: Path | None, total: 
             f"({s.tokens_per_second:.1f} tok/s)",
             file=sys.stderr,
         )
-    return 0
+        if args.stats is not None:
+            report.report(llm, stats, load_seconds, args.stats)
+    if errors == 0:
+        return EXIT_OK
+    return EXIT_ALL_FAILED if errors == total else EXIT_SOME_FAILED

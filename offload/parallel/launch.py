@@ -18,8 +18,9 @@ from collections.abc import Callable
 
 from offload.errors import UserError
 
-# a rank's exit status when another rank went away under a collective (job.run_rank)
-PEER_LOST = 3
+# a rank's exit status when another rank went away under a collective (cli.parallel);
+# apart from offload-run's own exit codes (0-3, 130)
+PEER_LOST = 4
 
 
 def _worker(main: Callable[[list[str]], int], argv: list[str]) -> None:
