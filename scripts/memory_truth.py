@@ -94,6 +94,14 @@ def run_case(name: str, preset: str, policy: Policy, args) -> dict:
     torch.cuda.reset_peak_memory_stats()
     base = Baseline.measure(device)
     ex = Executor(DummySource(cfg), policy, dtype, device)
+    try:
+        return _measure(ex, cfg, policy, dtype, base, name, preset, args)
+    finally:
+        ex.close()
+        torch.cuda.empty_cache()
+
+
+def _measure(ex: Executor, cfg, policy: Policy, dtype, base, name, preset, args) -> dict:
     prompts = torch.randint(10, cfg.vocab_size - 10, (policy.block_size, args.prompt_len))
     batch = PaddedBatch(cfg, prompts.tolist(), args.gen_len, pad_id=1)
     greedy = SamplingParams(max_tokens=args.gen_len)
@@ -101,7 +109,7 @@ def run_case(name: str, preset: str, policy: Policy, args) -> dict:
     logits = ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, args.prompt_len))
     prefill_peak = torch.cuda.max_memory_allocated()
     for t in range(args.gen_len - 1):
-        ids = sample(logits, greedy, None)
+        ids = sample(logits, greedy)
         logits = ex.forward(ids[:, None], ex.step_inputs(batch, args.prompt_len + t, 1))
     torch.cuda.synchronize()
     plan = plan_memory(cfg, policy, dtype, args.prompt_len, args.gen_len)
@@ -123,9 +131,6 @@ def run_case(name: str, preset: str, policy: Policy, args) -> dict:
         "planned_cpu_peak": planned_cpu,
         "measured_peak_rss": peak_rss(),
     }
-    ex.close()
-    del ex, logits
-    torch.cuda.empty_cache()
     return out
 
 

@@ -17,9 +17,19 @@ from offload.models.resolve import resolve_model
 
 
 def _response(status: int):
-    import httpx2
+    """A response of the HTTP client this huggingface_hub raises with (httpx2 from 2.x,
+    httpx in 1.x, requests before)."""
+    for name in ("httpx2", "httpx"):
+        try:
+            http = __import__(name)
+        except ImportError:
+            continue
+        return http.Response(status, request=http.Request("GET", "https://huggingface.co/x"))
+    import requests
 
-    return httpx2.Response(status, request=httpx2.Request("GET", "https://huggingface.co/x"))
+    response = requests.Response()
+    response.status_code = status
+    return response
 
 
 def _hub(monkeypatch, online_error, seen=None):

@@ -69,6 +69,9 @@ class WeightSource(ABC):
         self.close()
 
 
+DRAW_ELEMENTS = 1 << 26  # 256 MiB of fp32 a draw
+
+
 class DummySource(WeightSource):
     """Deterministic random weights of realistic scale, generated per stage on demand.
 
@@ -90,8 +93,15 @@ class DummySource(WeightSource):
         for name, shape in self.stored_shapes(stage).items():
             gen = torch.Generator(device=device)
             gen.manual_seed(self._tensor_seed(stage, index, name))
-            values = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
-            out[name] = self._scale(name, shape, values).to(dtype)
+            # drawn a slice at a time, so a giant (BLOOM's 250880 x 14336 table) never
+            # holds an fp32 copy beside its own bytes: the draw's transient is one slice
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            flat = tensor.view(-1)
+            for start in range(0, flat.numel(), DRAW_ELEMENTS):
+                count = min(DRAW_ELEMENTS, flat.numel() - start)
+                values = torch.randn(count, generator=gen, device=device, dtype=torch.float32)
+                flat[start : start + count] = self._scale(name, shape, values)
+            out[name] = tensor
         return out
 
     def _tensor_seed(self, stage: str, index: int, name: str) -> int:
