@@ -139,10 +139,10 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=4)
-    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--cases", default=";".join(CASES), help="case names, separated by ;")
     args = p.parse_args()
     runs = []
-    for name in args.cases.split(","):
+    for name in args.cases.split(";"):
         preset, policy = CASES[name]
         try:
             runs.append(run_case(name, preset, policy, args))

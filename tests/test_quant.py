@@ -112,3 +112,19 @@ def test_slot_major_pieces_of_a_write_are_contiguous():
     for start in (20, 31):
         for name, part in cache.changed(start, start + 1):
             assert getattr(cache, name)[:, :, part].movedim(2, 0).is_contiguous(), name
+
+
+@pytest.mark.parametrize("bits, symmetric", [(4, False), (4, True), (8, False), (8, True)])
+def test_quantizing_in_row_slices_is_bit_exact(monkeypatch, bits, symmetric):
+    """A giant is quantized a slice of rows at a time (bounded transients); the codes and
+    parameters are those of quantizing it whole."""
+    from offload.kernels import quant
+
+    t = torch.randn(300, 256)
+    config = Compression(bits, 64, symmetric)
+    whole = quant.quantize(t, config)
+    monkeypatch.setattr(quant, "QUANT_SLICE_ELEMENTS", 1000)  # 3 rows a slice
+    sliced = quant.quantize(t, config)
+    assert torch.equal(whole.codes, sliced.codes)
+    assert torch.equal(whole.scale, sliced.scale)
+    assert symmetric or torch.equal(whole.minimum, sliced.minimum)

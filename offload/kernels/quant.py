@@ -54,10 +54,28 @@ def _grouped(t: torch.Tensor, group: int) -> torch.Tensor:
     return t.reshape(*t.shape[:-1], last // group, group)
 
 
+# a tensor past this many elements is quantized a slice of rows at a time: the fp32
+# working copies then stay one slice (BLOOM's 250880 x 14336 head drew 61 GB at once)
+QUANT_SLICE_ELEMENTS = 1 << 26
+
+
 def quantize(t: torch.Tensor, config: Compression) -> QTensor:
     """Scales multiply by the reciprocal of the level count: torch on CUDA divides by a
     Python number that way and on the CPU truly divides, so this is the arithmetic that
-    is the same on every device (and in the cache's quantizing kernel)."""
+    is the same on every device (and in the cache's quantizing kernel). Groups are
+    independent, so a large tensor is quantized a slice of rows at a time, bit-exactly."""
+    if t.dim() < 2 or t.numel() <= QUANT_SLICE_ELEMENTS:
+        return _quantize(t, config)
+    rows = max(1, QUANT_SLICE_ELEMENTS // (t.numel() // t.shape[0]))
+    parts = [_quantize(t[start : start + rows], config) for start in range(0, t.shape[0], rows)]
+    minimum = None if config.symmetric else torch.cat([p.minimum for p in parts])
+    codes = torch.cat([p.codes for p in parts])
+    return QTensor(
+        codes, torch.cat([p.scale for p in parts]), minimum, tuple(t.shape), t.dtype, config
+    )
+
+
+def _quantize(t: torch.Tensor, config: Compression) -> QTensor:
     groups = _grouped(t.float(), config.group_size)
     levels = (1 << config.bits) - 1
     if config.symmetric:
