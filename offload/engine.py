@@ -18,7 +18,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from offload.args import DTYPES, EngineArgs, caps_from_max_memory, resolve_device, resolve_dtype
+from offload.args import EngineArgs, caps_from_max_memory, resolve_device
+from offload.config import DTYPES, resolve_dtype
 from offload.decode_loop import DecodeLoop
 from offload.errors import UserError
 from offload.io.atomic import exclusive
