@@ -97,6 +97,7 @@ def main() -> None:
             llm.runner = PlainRunner(
                 source, llm.dtype, llm.device, weight_compression=wc, kv_compression=kc
             )
+        llm.loop.runner = llm.runner  # the decode loop holds the runner it was built with
         started = time.perf_counter()
         ppl = perplexity(llm, ids, args.window)
         outs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params)

@@ -180,6 +180,7 @@ def _plain_compressed(directory, compression):
         llm.runner = PlainRunner(
             source, torch.float32, torch.device("cpu"), weight_compression=compression
         )
+    llm.loop.runner = llm.runner  # the decode loop holds the runner it was built with
     return llm
 
 
@@ -285,6 +286,7 @@ def test_compressed_kv_gives_the_plain_compressed_tokens(
                 weight_compression=weights,
                 kv_compression=compression,
             )
+        plain.loop.runner = plain.runner  # the decode loop holds the runner it was built with
         want = [o.token_ids for o in plain.generate(PROMPTS, KV_PARAMS)]
         for name, policy in KV_POLICIES.items():
             extra = {"kv_compression": compression}

@@ -185,6 +185,7 @@ def test_cuda_compressed_kv_in_cpu_and_disk_homes(case, tiny_checkpoints, tmp_pa
     plain = LLM(str(directory), device="cuda", dtype="float32", batch_size=8)
     with plain.spec.open_weights() as source:
         plain.runner = PlainRunner(source, torch.float32, torch.device("cuda"), kv_compression=KV4)
+    plain.loop.runner = plain.runner  # the decode loop holds the runner it was built with
     want = [o.token_ids for o in plain.generate(PROMPTS, KV_PARAMS)]
     want_logits = decode_logits(plain, PROMPTS, 24)
     for name in (

@@ -98,7 +98,7 @@ def _weight_plan(
 def kv_plan(
     cfg: ModelConfig, policy: Policy, dtype: torch.dtype, batch: int, max_slots: int
 ) -> dict[str, int]:
-    """The KV homes, scratches and staging the executor's `KVManager.start` allocates."""
+    """The KV homes, scratches and staging the executor's `KVHomes.start` allocates."""
     kv = KVLayout(cfg, dtype, max_slots, policy.kv_compression)
     splits = row_splits(policy.kv_cache, micro_batch_sizes(policy, batch))
     layers = cfg.num_layers
