@@ -31,7 +31,7 @@ def llm():
 
 def _last_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     runner = llm.runner
-    batch = PaddedBatch(llm.config, prompts, 1, llm.pad_id)
+    batch = PaddedBatch(llm.config, prompts, 1, llm.config.pad_token_id or 0)
     runner.start(batch)
     return runner.forward(batch.prompt_ids, runner.step_inputs(batch, 0, batch.prompt_len))
 
