@@ -4,6 +4,7 @@ duplicate ids, exit codes, locks on the output, flags refused before any measure
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -235,7 +236,13 @@ def test_a_second_run_on_the_same_output_is_refused_and_the_first_completes(mode
     deadline = time.time() + 120
     while time.time() < deadline and not (partial.exists() and partial.read_text().count("\n") > 2):
         time.sleep(0.05)
-    second = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    # the first is paused mid-job (holding its lock), so the second meets it however
+    # fast the first would otherwise finish
+    first.send_signal(signal.SIGSTOP)
+    try:
+        second = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    finally:
+        first.send_signal(signal.SIGCONT)
     assert second.returncode == 2
     assert "is in use by another offload process" in second.stderr
     assert first.wait(timeout=600) == 0, first.stderr.read()
