@@ -126,7 +126,7 @@ def run_policy(
         ex.start(batch)
         logits = ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, prompt_len))
         for t in range(gen_len - 1):
-            ids = sample(logits, greedy, None)
+            ids = sample(logits, greedy)
             logits = ex.forward(ids[:, None], ex.step_inputs(batch, prompt_len + t, 1))
     torch.cuda.reset_peak_memory_stats()
     ex.start(batch)
@@ -137,14 +137,14 @@ def run_policy(
     started = time.perf_counter()
     step_times = []
     for t in range(gen_len - 1):
-        ids = sample(logits, greedy, None)
+        ids = sample(logits, greedy)
         if t == gen_len - 2:
             ex.tracer.enabled = True
         t0 = time.perf_counter()
         logits = ex.forward(ids[:, None], ex.step_inputs(batch, prompt_len + t, 1))
         step_times.append(time.perf_counter() - t0)
         ex.tracer.enabled = False
-    sample(logits, greedy, None)
+    sample(logits, greedy)
     decode_s = time.perf_counter() - started
     traced = ex.traces[-1]
     if trace_path is not None:

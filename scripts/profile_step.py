@@ -39,14 +39,14 @@ def main() -> None:
     logits = ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, args.prompt_len))
     pos = args.prompt_len
     for _ in range(2):
-        ids = sample(logits, greedy, None)
+        ids = sample(logits, greedy)
         logits = ex.forward(ids[:, None], ex.step_inputs(batch, pos, 1))
         pos += 1
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         started = time.perf_counter()
         for _ in range(3):
-            ids = sample(logits, greedy, None)
+            ids = sample(logits, greedy)
             logits = ex.forward(ids[:, None], ex.step_inputs(batch, pos, 1))
             pos += 1
         torch.cuda.synchronize()
@@ -59,7 +59,7 @@ def main() -> None:
         host = cProfile.Profile()
         host.enable()
         for _ in range(3):
-            ids = sample(logits, greedy, None)
+            ids = sample(logits, greedy)
             logits = ex.forward(ids[:, None], ex.step_inputs(batch, pos, 1))
             pos += 1
         host.disable()

@@ -109,9 +109,9 @@ def measure_policy(
         logits = ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, prompt_len))
         prefill = time.perf_counter() - started
         for t in range(gen_len - 1):
-            ids = sample(logits, greedy, None)
+            ids = sample(logits, greedy)
             logits = ex.forward(ids[:, None], ex.step_inputs(batch, prompt_len + t, 1))
-        sample(logits, greedy, None)
+        sample(logits, greedy)
         seconds = time.perf_counter() - started
         peak = 0
         if device.type == "cuda":
