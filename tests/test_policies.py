@@ -264,3 +264,38 @@ def test_kv_goes_wholly_on_the_gpu_when_it_fits_there_without_a_scratch(kv_compr
         caps = Caps(int(gpu_cap), 100 * GB, False)
         placement = _kv_placement(cfg, base, torch.float16, 512, 32, PROFILE, caps)
         assert (placement == Placement(1.0, 0.0, 0.0)) == whole, (extra, placement)
+
+
+def test_a_searched_plan_is_never_refused_by_the_engine(monkeypatch):
+    """The property behind the caps' promise: over random models, caps and formats, the
+    policy the search returns passes the engine's own checks before load (weights, then
+    the planned block), with the same baseline the search planned with."""
+    import random
+
+    from offload.policies import caps as caps_module
+    from offload.policies.caps import Baseline, check_block_fits, check_weights_fit
+
+    # the machine's own size is not what is tested: the caps are the limits
+    monkeypatch.setattr(caps_module, "device_limits", lambda device: (10**15, 10**15))
+    rng = random.Random(0)
+    int4 = Compression(4, 64)
+    base = Baseline.from_profile(PROFILE)
+    device = torch.device("cpu")
+    searched = 0
+    for _ in range(6):
+        cfg = cfg_of(rng.choice(["opt-30b", "llama-2-13b", "llama-3.1-70b", "bloom"]))
+        caps = Caps(rng.randint(12, 48) * GB, rng.randint(64, 240) * GB, rng.random() < 0.5)
+        prompt_len, gen_len = rng.choice([(128, 32), (512, 32), (512, 256)])
+        try:
+            best = search(
+                cfg, torch.float16, prompt_len, gen_len, PROFILE, caps,
+                compressions=(None, int4), kv_compressions=(None, int4),
+            )  # fmt: skip
+        except UserError:  # nothing fits these caps: nothing is promised
+            continue
+        searched += 1
+        check_weights_fit(cfg, best.policy, torch.float16, device, caps, base)
+        check_block_fits(
+            cfg, best.policy, torch.float16, device, caps, base, prompt_len, gen_len
+        )  # fmt: skip
+    assert searched >= 3, f"only {searched} of 6 random cases had a plan to check"
