@@ -22,7 +22,6 @@ import platform
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import torch
@@ -172,19 +171,12 @@ def _sync(runner) -> None:
 
 def launch(name: str, tp: int, args) -> list[dict]:
     """All ranks of one configuration; their results in rank order."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=tp,
-        run_id=f"bench-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=0,
-        start_method="fork" if args.smoke and args.smoke_device == "cpu" else "spawn",
-    )
-    results = elastic_launch(config, entrypoint=bench_rank)(name, args)
+    from offload.parallel.launch import local_config
+
+    fork = args.smoke and args.smoke_device == "cpu"
+    results = elastic_launch(local_config(tp, fork, "bench"), entrypoint=bench_rank)(name, args)
     return [results[rank] for rank in sorted(results)]
 
 

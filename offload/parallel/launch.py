@@ -31,6 +31,24 @@ def _worker(main: Callable[[list[str]], int], argv: list[str]) -> None:
         sys.exit(code)
 
 
+def local_config(nprocs: int, fork: bool, name: str = "offload"):
+    """The elastic launcher's configuration for `nprocs` ranks on this machine, no
+    restarts; fork: start them by fork (CPU runs: no re-import), else spawn (CUDA)."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=f"{name}-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method="fork" if fork else "spawn",
+    )
+
+
 def launch(
     prog: str, main: Callable[[list[str]], int], argv: list[str], nprocs: int, fork: bool
 ) -> int:
@@ -40,25 +58,14 @@ def launch(
     A failed rank ends all of them and becomes one line naming the rank and the cause.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     # the agent's own log lines (rendezvous, worker states) are not the user's business;
     # a failure becomes the one line below
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nprocs,
-        run_id=f"offload-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=0,
-        monitor_interval=0.2,
-        start_method="fork" if fork else "spawn",
-    )
     try:
-        elastic_launch(config, entrypoint=_worker)(main, argv)
+        elastic_launch(local_config(nprocs, fork), entrypoint=_worker)(main, argv)
     except ChildFailedError as exc:
         rank, failure = _root_failure(exc.failures)
         raise UserError(
