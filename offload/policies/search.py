@@ -56,10 +56,13 @@ def _kv_placement(
     disk_ok = caps.nvme
     if 1.0 - gpu - cpu > 1e-9 and not disk_ok:
         return None
-    gpu = math.floor(gpu * 1000) / 1000
+    # whole sequences, rounded down: a fraction's rows are rounded to the nearest
+    # (`Placement.split`), which could place one more sequence than the budget holds
+    rows = base.block_size
+    gpu = math.floor(gpu * rows) / rows
     if not disk_ok:  # the rounding's remainder goes to the CPU (checked against the cap later)
         return Placement(gpu, round(1.0 - gpu, 6), 0.0)
-    cpu = math.floor(cpu * 1000) / 1000
+    cpu = math.floor(cpu * rows) / rows
     return Placement(gpu, cpu, round(1.0 - gpu - cpu, 6))
 
 
