@@ -40,7 +40,7 @@ from offload.policies.caps import (
     cuda_context_bytes,
     process_rss,
 )
-from offload.policies.hardware import disk_rates
+from offload.policies.measure import disk_rates
 from offload.policies.memory import plan_memory
 from offload.policies.policy import Placement, Policy
 from offload.sampling import SamplingParams, sample

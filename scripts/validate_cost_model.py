@@ -29,7 +29,8 @@ from offload.kernels.formats import Compression
 from offload.models.resolve import resolve_model
 from offload.policies.caps import Caps, cuda_context_bytes
 from offload.policies.cost import estimate
-from offload.policies.hardware import HardwareProfile, measure
+from offload.policies.hardware import HardwareProfile
+from offload.policies.measure import measure
 from offload.policies.policy import Placement, Policy
 from offload.policies.search import search
 from offload.sampling import SamplingParams, sample

@@ -125,6 +125,7 @@ def _policy(engine: EngineArgs, rank_args: EngineArgs, topo: Topology, gen_len: 
         return Policy(gpu_batch_size=engine.batch_size, num_gpu_batches=1)
     policy = None
     if topo.rank == 0:
+        from offload.executor.probe import measure_profile
         from offload.policies.choose import choose_policy
 
         log.info("CPU cap from %s, %.1f GB per rank", where, (rank_args.cpu_bytes or 0) / 1e9)
@@ -140,6 +141,8 @@ def _policy(engine: EngineArgs, rank_args: EngineArgs, topo: Topology, gen_len: 
             engine.profile,
             compressions=engine.compressions(),
             kv_compressions=engine.kv_compressions(),
+            tp=topo.tp,
+            measure_machine=measure_profile,
         )
         log.info("searched policy per rank: predicted %.1f tok/s", choice.best.total_tok_s)
         policy = choice.best.policy

@@ -17,6 +17,7 @@ from offload.cli.common import (
     setup_logging,
 )
 from offload.errors import UserError
+from offload.executor.probe import PROBE_DEPTHS, measure_profile, verify
 from offload.models.resolve import resolve_model
 from offload.policies.caps import Caps
 from offload.policies.choose import choose_policy
@@ -25,6 +26,7 @@ from offload.policies.hardware import HardwareProfile
 from offload.policies.search import search
 
 GB = 1e9
+VERIFY_TOP = 3
 FLAGS = (
     "model",
     "revision",
@@ -54,7 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="tensor-parallel ranks: plan one rank's shard, --gpu-mem per GPU, --cpu-mem "
-        "for the node shared by the ranks (the all-reduce time is not yet in the model)",
+        "for the node shared by the ranks (the all-reduce as offload-profile measured it)",
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help=f"time the best {VERIFY_TOP} plans of differing kinds on this machine ({PROBE_DEPTHS} "
+        "layers each at the real shapes, extrapolated), keep the fastest measured, and show "
+        "predicted against probed",
     )
     p.add_argument("--plot", type=Path, help="draw placement and throughput vs batch size to a PNG")
     return p
@@ -94,17 +103,43 @@ def _plan(args) -> int:
         args.compressions,
         args.kv_compressions,
         announce=lambda msg: print(f"offload-plan: {msg}", file=sys.stderr),
+        tp=args.tp,
+        measure_machine=measure_profile,
+        top=VERIFY_TOP if args.verify else 1,
     )
     best, hw, caps, dtype = choice.best, choice.profile, choice.caps, choice.dtype
+    probed = []
+    if args.verify:
+        probed = _verify(cfg, choice, engine, args)
+        best = probed[0][0]
     args.dtype = str(dtype).removeprefix("torch.")
     what_if = _what_if(cfg, dtype, args, hw, caps, best)
     if args.json:
-        print(json.dumps(_as_json(best, what_if), indent=1))
+        print(json.dumps(_as_json(best, what_if, probed), indent=1))
     else:
-        print(_table(cfg, args, hw, best, what_if))
+        print(_table(cfg, args, hw, best, what_if, probed))
     if args.plot:
         _plot(args.plot, cfg, dtype, args, hw, caps, best)
     return 0
+
+
+def _verify(cfg, choice, engine, args) -> list:
+    """Probe the searched plans on this machine; (estimate, probe), fastest measured first."""
+    import torch
+
+    if args.tp > 1:
+        raise UserError("--verify probes one GPU's plan; drop --tp, or verify without it")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(
+        f"offload-plan: probing {len(choice.ranked)} plans ({PROBE_DEPTHS} layers each)",
+        file=sys.stderr,
+    )
+    probed = verify(
+        cfg, choice.ranked, choice.dtype, device, engine.prompt_len, args.gen_len, engine.nvme
+    )
+    spent = sum(probe.seconds_spent for _, probe in probed)
+    print(f"offload-plan: probes took {spent:.1f} s", file=sys.stderr)
+    return probed
 
 
 def _what_if(cfg, dtype, args, hw, caps: Caps, best: Estimate) -> list[tuple[str, float]]:
@@ -128,6 +163,7 @@ def _what_if(cfg, dtype, args, hw, caps: Caps, best: Estimate) -> list[tuple[str
                 args.num_prompts,
                 args.compressions,
                 args.kv_compressions,
+                args.tp,
             )
         except UserError:
             continue
@@ -135,8 +171,21 @@ def _what_if(cfg, dtype, args, hw, caps: Caps, best: Estimate) -> list[tuple[str
     return out
 
 
-def _as_json(best: Estimate, what_if) -> dict:
+def _as_json(best: Estimate, what_if, probed=()) -> dict:
     return {
+        "verified": [
+            {
+                "policy": est.policy.to_dict(),
+                "predicted_tok_s": est.total_tok_s,
+                "probed_tok_s": probe.total_tok_s,
+                "predicted_decode_step_s": est.decode_step_s,
+                "probed_decode_step_s": probe.decode_step_s,
+                "predicted_prefill_s": est.prefill_s,
+                "probed_prefill_s": probe.prefill_s,
+                "probe_seconds": probe.seconds_spent,
+            }
+            for est, probe in probed
+        ],
         "policy": best.policy.to_dict(),
         "predicted": {
             "total_tok_s": best.total_tok_s,
@@ -162,7 +211,7 @@ def _format(c) -> str:
     return f"int{c.bits}-g{c.group_size}{'-sym' if c.symmetric else ''}"
 
 
-def _table(cfg, args, hw: HardwareProfile, best: Estimate, what_if) -> str:
+def _table(cfg, args, hw: HardwareProfile, best: Estimate, what_if, probed=()) -> str:
     p, d = best.policy, best.memory.detail
     weights = d["weights_gpu"] + d["weights_cpu"] + d["weights_disk"]
     kv = d["kv_gpu"] + d["kv_cpu"] + d["kv_disk"]
@@ -204,6 +253,15 @@ def _table(cfg, args, hw: HardwareProfile, best: Estimate, what_if) -> str:
     if what_if:
         lines.append(
             "what would help: " + "; ".join(f"{label} -> {x:.2f}x" for label, x in what_if)
+        )
+    for rank, (est, probe) in enumerate(probed):
+        q = est.policy
+        lines.append(
+            f"{'verified' if rank == 0 else '        '} {q.num_gpu_batches} x {q.gpu_batch_size}, "
+            f"attention on the {'CPU' if q.attention_on_cpu else 'GPU'}, weights "
+            f"{_format(q.weight_compression)}, KV {_format(q.kv_compression)}: predicted "
+            f"{est.total_tok_s:.1f}, probed {probe.total_tok_s:.1f} tok/s "
+            f"({100 * (probe.total_tok_s / est.total_tok_s - 1):+.0f}%)"
         )
     lines.append(f"policy: {p.to_json()}")
     return "\n".join(lines)

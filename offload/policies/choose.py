@@ -23,12 +23,13 @@ from offload.policies.caps import Caps
 from offload.policies.cost import Estimate
 from offload.policies.hardware import (
     HardwareProfile,
+    code_version,
     load_profile,
-    measure,
     profile_path,
     save_profile,
 )
-from offload.policies.search import search
+from offload.policies.measure import measure
+from offload.policies.search import ranked
 
 log = logging.getLogger(__name__)
 
@@ -43,19 +44,30 @@ class Choice:
     profile: HardwareProfile
     caps: Caps
     dtype: torch.dtype
+    ranked: list[Estimate]  # the `top` plans of differing kinds, fastest (best) first
 
 
 def hardware_profile(
-    path: Path | None, nvme: Path | None, announce: Callable[[str], None] | None = None
+    path: Path | None,
+    nvme: Path | None,
+    announce: Callable[[str], None] | None = None,
+    measure_machine: Callable[[Path | None], HardwareProfile] | None = None,
 ) -> HardwareProfile:
-    """The profile at `path`, else this machine's cached one, else measured now (cached)."""
+    """The profile at `path`, else this machine's cached one, else measured now (cached).
+
+    measure_machine: how to measure (`executor.probe.measure_profile` adds the
+    executor's fixed costs to `measure.measure`'s device rates; callers above the
+    executor pass it)."""
     if path is not None:
-        return HardwareProfile.from_file(path)
+        hw = HardwareProfile.from_file(path)
+        if hw.code_version != code_version():
+            log.warning("the hardware profile %s was measured with other code", path)
+        return hw
     cached = load_profile()
     if cached is not None:
         return cached
     (announce or log.warning)(f"measuring this machine once (cached in {profile_path()})")
-    hw = measure(nvme, quick=True)
+    hw = (measure_machine or (lambda where: measure(where, quick=True)))(nvme)
     save_profile(hw)
     return hw
 
@@ -85,6 +97,9 @@ def choose_policy(
     compressions: tuple[Compression | None, ...] = (None,),
     kv_compressions: tuple[Compression | None, ...] = (None,),
     announce: Callable[[str], None] | None = None,
+    tp: int = 1,
+    measure_machine: Callable[[Path | None], HardwareProfile] | None = None,
+    top: int = 1,
 ) -> Choice:
     """The placement and batch shape with the highest predicted throughput in the caps.
 
@@ -96,11 +111,26 @@ def choose_policy(
         )
     if prompt_len < 1 or gen_len < 1:
         raise UserError("--prompt-len and --max-tokens must be positive")
-    hw = hardware_profile(profile, nvme, announce)
+    hw = hardware_profile(profile, nvme, announce, measure_machine)
+    if tp > 1 and not hw.allreduce_gbps:
+        log.warning(
+            "the hardware profile has no all-reduce figure (offload-profile measures it on a "
+            "node with two or more GPUs): the plan leaves the all-reduce out"
+        )
     caps = plan_caps(gpu_bytes, cpu_bytes, nvme is not None, hw)
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype, hw.has_gpu, cfg.checkpoint_dtype)
-    best = search(
-        cfg, dtype, prompt_len, gen_len, hw, caps, num_prompts, compressions, kv_compressions
+    plans = ranked(
+        cfg,
+        dtype,
+        prompt_len,
+        gen_len,
+        hw,
+        caps,
+        num_prompts,
+        compressions,
+        kv_compressions,
+        tp,
+        top,
     )
-    return Choice(best, hw, caps, dtype)
+    return Choice(plans[0], hw, caps, dtype, plans)

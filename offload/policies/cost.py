@@ -1,12 +1,20 @@
 """The cost model: per-layer lane times of the executor for a policy, and their overlap.
 
-Lanes per layer (bytes over the profile's measured rates):
+Lanes per layer (bytes over the profile's measured rates, `policies.hardware`):
     h2d      weights not on the GPU (+ off-GPU KV when attention runs on the GPU)
     disk     weights on disk (+ disk-resident KV read back)
-    compute  2 x tokens x layer parameters / matmul rate (+ GPU-resident KV / HBM rate)
+    compute  the larger of 2 x tokens x layer parameters / matmul rate and the bytes
+             the kernels read: every micro-batch reads the layer's weights as stored, at
+             the rate measured for that format (int4 and int8 through the dequantizing
+             matmul), and the KV it attends on the GPU at the rate measured for the KV's
+             format; prefill at the format's measured prefill TFLOP/s; plus, under
+             tensor parallelism, two all-reduces a layer and micro-batch
     cpu_attn off-GPU KV / CPU attention rate (attention_on_cpu; over a compressed cache
              its K/V at the dtype's size / the rate measured over a compressed cache)
     d2h      new KV entries stored off the GPU (prefill)
+    host     the executor's own time: a fixed cost per layer and per micro-batch of a
+             layer (launches, Python, stream waits), measured by `executor.probe`; a
+             step replayed from CUDA graphs pays the graph's cost instead
 How the executor overlaps them (measured on OPT-30B, docs/executor.md): with attention
 on the GPU a layer takes its busiest lane; with attention on the CPU the first micro-
 batch's output waits for the layer's weight copy, so a layer takes
@@ -68,7 +76,9 @@ def estimate(
     gen_len: int,
     hw: HardwareProfile,
     batch: int | None = None,
+    tp: int = 1,
 ) -> Estimate:
+    """tp: tensor-parallel ranks; cfg is then one rank's shard (`parallel.shard`)."""
     elt = torch.empty((), dtype=dtype).element_size()
     n_seqs = batch or policy.block_size
     splits = row_splits(policy.kv_cache, micro_batch_sizes(policy, n_seqs))
@@ -104,14 +114,16 @@ def estimate(
     kv_hbm = kv_g if policy.attention_on_cpu else kv_g + kv_c + kv_d
     compute = max(
         2 * n_seqs * params / (hw.decode_tflops * 1e12),
-        (micro * layer_w + kv_hbm) / (hw.hbm_gbps * GB),
-    )
+        micro * layer_w / (hw.matmul_rate(policy.weight_compression) * GB)
+        + kv_hbm / (hw.attention_rate(policy.kv_compression) * GB),
+    ) + _allreduce_s(cfg, hw, tp, n_seqs, micro, elt)
+    host = _host_s(policy, hw, micro, tp)
     cpu_attn = (kv_c + kv_d) / (cpu_attention_gbps * GB) if policy.attention_on_cpu else 0.0
     if cpu_attn:
         per_micro = cpu_attn / micro
-        layer = max(h2d, per_micro, disk) + per_micro * (micro - 1) + compute
+        layer = max(max(h2d, per_micro, disk) + per_micro * (micro - 1) + compute, host)
     else:
-        layer = max(h2d, disk, compute)
+        layer = max(h2d, disk, compute, host)
     head_flops = 2 * n_seqs * cfg.vocab_size * cfg.embed_dim
     ends_s = ends / (hw.h2d_gbps * GB) + head_flops / (hw.decode_tflops * 1e12)
     step = cfg.num_layers * layer + ends_s
@@ -120,18 +132,24 @@ def estimate(
         "disk": cfg.num_layers * disk,
         "compute": cfg.num_layers * compute,
         "cpu_attn": cfg.num_layers * cpu_attn,
+        "host": cfg.num_layers * host,
     }
 
     # prefill: one step over the prompt
     tokens = n_seqs * prompt_len
     attn_flops = 4 * n_seqs * prompt_len * prompt_len * cfg.num_heads * cfg.head_dim
-    p_compute = (2 * tokens * params + attn_flops) / (hw.prefill_tflops * 1e12)
+    p_compute = (
+        2 * tokens * params / (hw.prefill_rate(policy.weight_compression) * 1e12)
+        + attn_flops / (hw.prefill_tflops * 1e12)
+        + _allreduce_s(cfg, hw, tp, tokens, micro, elt)
+    )
     p_h2d = off_w / (hw.h2d_gbps * GB)
     p_d2h = (rows_cpu + rows_disk) * prompt_len * kv_tok / (hw.d2h_gbps * GB)
     p_disk = disk_w / (hw.disk_read_gbps * GB) + rows_disk * prompt_len * kv_tok / (
         hw.disk_write_gbps * GB
     )
-    prefill = cfg.num_layers * max(p_compute, p_h2d, p_d2h, p_disk)
+    p_host = _host_s(policy, hw, micro, tp, decode=False)
+    prefill = cfg.num_layers * max(p_compute, p_h2d, p_d2h, p_disk, p_host)
     prefill += ends / (hw.h2d_gbps * GB) + head_flops / (hw.prefill_tflops * 1e12)
 
     decode = (gen_len - 1) * step
@@ -151,4 +169,25 @@ def estimate(
         memory=plan,
         gpu_peak_bytes=gpu_peak,
         cpu_peak_bytes=cpu_peak,
+    )
+
+
+def _host_s(policy: Policy, hw: HardwareProfile, micro: int, tp: int, decode: bool = True) -> float:
+    """The executor's host time a layer (0 where the profile has not measured it)."""
+    if decode and tp == 1 and hw.has_gpu and policy.decode_graphs and hw.graph_layer_s:
+        return micro * hw.graph_layer_s
+    return hw.layer_fixed_s + micro * hw.micro_fixed_s
+
+
+def _allreduce_s(
+    cfg: ModelConfig, hw: HardwareProfile, tp: int, rows: int, micro: int, elt: int
+) -> float:
+    """A layer's two all-reduces (after attention and after the MLP) for each micro-
+    batch: ring all-reduce moves 2 (tp - 1) / tp of the [rows, hidden] activations.
+    0 where the profile has no all-reduce figure (`choose_policy` says so)."""
+    if tp == 1 or not hw.allreduce_gbps:
+        return 0.0
+    nbytes = rows * cfg.hidden_size * elt
+    return 2 * (
+        micro * hw.allreduce_latency_s + 2 * (tp - 1) / tp * nbytes / (hw.allreduce_gbps * GB)
     )

@@ -1,34 +1,50 @@
 """`HardwareProfile`: this machine's measured figures, cached per machine.
 
-Every rate the cost model uses comes from here, measured by `offload-profile` (or read
-from a profile file of another machine with `--profile`); none is a constant in code.
+Every rate the cost model uses comes from here, measured by `offload-profile`
+(`policies.measure` for the device's rates, `executor.probe` for the executor's own
+fixed costs), or read from a profile file of another machine with `--profile`; none is
+a constant in code.
+
+A profile records the code version it was measured with (`code_version`: the sources
+of the kernels, the executor, the I/O layer and the model math, and the torch and
+triton versions). A new kernel, a new triton or a new executor loop makes the cached
+figures stale: this machine's cached profile is then measured again.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
+import logging
 import platform
-import tempfile
-import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-import psutil
-import torch
-import torch.nn.functional as F
+import xxhash
 
 from offload.errors import UserError
 from offload.io.atomic import atomic_write
-from offload.io.direct import open_direct
 from offload.kernels.formats import Compression
-from offload.kernels.kv_attention_cpu import decode_attention_cpu
-from offload.kernels.kv_cache import QuantKV
 from offload.models.demo import cache_dir
-from offload.policies.memory_limit import node_memory_limit
+
+log = logging.getLogger(__name__)
 
 GB = 1e9
+# what the profile's speed figures depend on (relative to the package)
+VERSIONED_SOURCES = ("kernels", "executor", "io", "models/decoder.py", "models/ops.py")
+# figures that may be zero: "not measured" (the cost model then leaves the term out)
+OPTIONAL_FIGURES = (
+    "layer_fixed_s",
+    "micro_fixed_s",
+    "graph_layer_s",
+    "allreduce_gbps",
+    "allreduce_latency_s",
+)
+
+
+def format_name(compression: Compression | None) -> str:
+    """The key of a storage format in the profile's per-format rates."""
+    return "dense" if compression is None else f"int{compression.bits}"
 
 
 @dataclass(frozen=True)
@@ -53,18 +69,52 @@ class HardwareProfile:
     gpu_context_bytes: int = 0  # CUDA context and library workspaces, measured
     process_base_bytes: int = 0  # host RSS of a loaded engine before any weights
     measured_at: str = ""
+    # per storage format (`format_name`): the weight bytes a decode-shaped matmul reads
+    # a second, and the prefill-shaped matmul's TFLOP/s (int4 and int8 through the
+    # dequantizing kernel); missing formats fall back to hbm_gbps / prefill_tflops
+    matmul_gbps: dict[str, float] = field(default_factory=dict)
+    prefill_format_tflops: dict[str, float] = field(default_factory=dict)
+    # decode attention on the GPU: the cache bytes (as stored) it reads a second
+    gpu_attention_gbps: dict[str, float] = field(default_factory=dict)
+    # the executor's host time: per layer of a step, per micro-batch of a layer, and
+    # per layer of a step replayed from CUDA graphs (`executor.probe`)
+    layer_fixed_s: float = 0.0
+    micro_fixed_s: float = 0.0
+    graph_layer_s: float = 0.0
+    # tensor parallelism: NCCL all-reduce bus bandwidth and latency between this node's
+    # GPUs (measured where there are two or more)
+    allreduce_gbps: float = 0.0
+    allreduce_latency_s: float = 0.0
+    code_version: str = ""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, float) and not value > 0:
-                raise ValueError(f"hardware profile figure {f.name}={value} must be positive")
+            if isinstance(value, float):
+                ok = value >= 0 if f.name in OPTIONAL_FIGURES else value > 0
+                if not ok:
+                    raise ValueError(f"hardware profile figure {f.name}={value} must be positive")
+            if isinstance(value, dict):
+                for key, rate in value.items():
+                    if not rate > 0:
+                        raise ValueError(f"hardware profile figure {f.name}[{key}]={rate} must be positive")  # fmt: skip
 
     @property
     def default_cpu_cap(self) -> int:
         """The CPU budget when the user gives none: the OS, the page cache and other
         processes keep a tenth of the machine's memory."""
         return int(0.9 * self.cpu_mem_bytes)
+
+    def matmul_rate(self, compression: Compression | None) -> float:
+        """GB/s of stored weight bytes a decode-shaped matmul reads in this format."""
+        return self.matmul_gbps.get(format_name(compression), self.hbm_gbps)
+
+    def prefill_rate(self, compression: Compression | None) -> float:
+        return self.prefill_format_tflops.get(format_name(compression), self.prefill_tflops)
+
+    def attention_rate(self, compression: Compression | None) -> float:
+        """GB/s of stored KV bytes that decode attention on the GPU reads."""
+        return self.gpu_attention_gbps.get(format_name(compression), self.hbm_gbps)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -83,6 +133,27 @@ class HardwareProfile:
             ) from None
 
 
+@functools.cache
+def code_version() -> str:
+    """A digest of the code and libraries whose speed the profile measures."""
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    root = Path(__file__).resolve().parent.parent
+    digest = xxhash.xxh3_64(f"torch {torch.__version__} triton {triton_version}".encode())
+    for name in VERSIONED_SOURCES:
+        path = root / name
+        for source in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(source.relative_to(root).as_posix().encode())
+            digest.update(source.read_bytes())
+    return digest.hexdigest()
+
+
 def profile_path() -> Path:
     return cache_dir() / f"hardware-{platform.node() or 'machine'}.json"
 
@@ -95,170 +166,23 @@ def save_profile(hw: HardwareProfile, path: Path | None = None) -> Path:
 
 
 def load_profile(path: Path | None = None) -> HardwareProfile | None:
+    """This machine's cached profile; None when there is none, or when it was measured
+    with other code (a stale profile is measured again, not trusted)."""
     path = path or profile_path()
-    return HardwareProfile.from_file(path) if path.is_file() else None
-
-
-# -- measurements ---------------------------------------------------------------------
-def _timed(fn, repeat: int = 5) -> float:
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return (time.perf_counter() - started) / repeat
-
-
-def _copy_rate(src: torch.Tensor, dst: torch.Tensor) -> float:
-    return src.numel() * src.element_size() / _timed(lambda: dst.copy_(src, non_blocking=True)) / GB
-
-
-def disk_rates(directory: Path, nbytes: int) -> tuple[float, float]:
-    """O_DIRECT write and read of one file in `directory` (GB/s)."""
-    import mmap
-
-    directory.mkdir(parents=True, exist_ok=True)
-    buf = mmap.mmap(-1, 16 * 2**20)
-    buf.write(os.urandom(len(buf)))
-    fd, name = tempfile.mkstemp(dir=directory, prefix="offload-profile-")
-    os.close(fd)
+    if not path.is_file():
+        return None
     try:
-        fd, _ = open_direct(name, os.O_WRONLY)
-        started = time.perf_counter()
-        for off in range(0, nbytes, len(buf)):
-            os.pwritev(fd, [buf], off)
-        os.fsync(fd)
-        write = nbytes / (time.perf_counter() - started) / GB
-        os.close(fd)
-        fd, _ = open_direct(name, os.O_RDONLY)
-        started = time.perf_counter()
-        for off in range(0, nbytes, len(buf)):
-            os.preadv(fd, [buf], off)
-        read = nbytes / (time.perf_counter() - started) / GB
-        os.close(fd)
-    finally:
-        os.unlink(name)
-    return read, write
-
-
-def _cpu_attention_rate(
-    dtype: torch.dtype,
-    host: torch.Tensor | None = None,
-    gpu=None,
-    h2d_gbps: float = 0.0,
-    compressed: bool = False,
-) -> float:
-    """GB/s of KV that the executor's CPU attention (torch SDPA) reads at a decode shape;
-    `compressed`: its attention over an int4-g64 cache (`kv_attention_cpu.decode_attention_cpu`),
-    counting the K/V it attends at the dtype's size.
-
-    Given a pinned `host` buffer, a `gpu` one and their measured copy rate, host -> GPU
-    copies run all the while,
-    as the executor's weight stream does during its CPU attention: both read DRAM, and
-    the contended rate is the one the executor gets (OPT-30B on the H100 machine: 67
-    GB/s alone, 47-50 inside the executor)."""
-    rows, heads, slots, dim = 16, 32, 1024, 128
-    k = torch.randn(rows, heads, slots, dim).to(dtype)
-    v = torch.randn_like(k)
-    q = torch.randn(rows, heads, 1, dim).to(dtype)
-    bias = torch.zeros(rows, 1, 1, slots, dtype=dtype)
-    attention = functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=bias)
-    if compressed:
-        cache = QuantKV(rows, heads, dim, slots, Compression(4, 64), dtype, torch.device("cpu"))
-        cache.write(k, v, 0)
-        attention = functools.partial(decode_attention_cpu, q, cache, bias, slots)
-    attention()  # warm up
-    if host is not None:
-        # queue enough copies to outlast the timing; no host thread waits on them (a
-        # spinning waiter would take a core from SDPA's threads, which the executor's
-        # copies never do)
-        side = torch.cuda.Stream()
-        expected = 3 * 2 * k.numel() * k.element_size() / (20 * GB)  # >= SDPA's time
-        with torch.cuda.stream(side):
-            for _ in range(int(expected * h2d_gbps * GB / host.numel()) + 2):
-                gpu.copy_(host, non_blocking=True)
-    started = time.perf_counter()
-    for _ in range(3):  # the CPU attention never touches the device: timed directly
-        attention()
-    seconds = time.perf_counter() - started
-    if host is not None:
-        side.synchronize()
-    return 3 * 2 * k.numel() * k.element_size() / seconds / GB
-
-
-def _matmul_tflops(m: int, k: int, n: int, device: torch.device, dtype: torch.dtype) -> float:
-    a = torch.randn(m, k, device=device, dtype=dtype)
-    b = torch.randn(k, n, device=device, dtype=dtype)
-    return 2 * m * k * n / _timed(lambda: a @ b, repeat=3) / 1e12
-
-
-def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
-    """Measure this machine. Without CUDA the compute device is the CPU: host copies
-    stand in for PCIe and the CPU's matmul rate for the GPU's."""
-    size = 2**26 if quick else 2**29
-    disk_dir = nvme or Path(tempfile.gettempdir())
-    disk_read, disk_write = disk_rates(disk_dir, min(size * 2, 2**30))
-    dram = (
-        _copy_rate(torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)) * 2
-    )
-    if torch.cuda.is_available():
-        dev = torch.device("cuda")
-        host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        host2 = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        gpu = torch.empty(size, dtype=torch.uint8, device=dev)
-        gpu2 = torch.empty(size, dtype=torch.uint8, device=dev)
-        h2d, d2h = _copy_rate(host, gpu), _copy_rate(gpu, host)
-        cpu_attn = _cpu_attention_rate(torch.float16, host, gpu, h2d)
-        cpu_quant_attn = _cpu_attention_rate(torch.float16, host, gpu, h2d, compressed=True)
-        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-
-        def both() -> None:
-            with torch.cuda.stream(s1):
-                gpu.copy_(host, non_blocking=True)
-            with torch.cuda.stream(s2):
-                host2.copy_(gpu2, non_blocking=True)
-
-        bidir = 2 * size / _timed(both) / GB
-        pageable = _copy_rate(torch.empty(size, dtype=torch.uint8), gpu)
-        hbm = 2 * _copy_rate(gpu, gpu2)
-        prefill = _matmul_tflops(4096, 8192, 8192, dev, torch.float16)
-        decode = _matmul_tflops(64, 8192, 28672, dev, torch.float16)
-        gpu_mem, name = (
-            torch.cuda.get_device_properties(dev).total_memory,
-            torch.cuda.get_device_name(),
+        hw = HardwareProfile.from_file(path)
+    except UserError as exc:
+        log.warning("%s; measuring again", exc)
+        return None
+    if hw.code_version != code_version():
+        log.warning(
+            "the hardware profile %s was measured with other code (version %s, now %s); "
+            "measuring again",
+            path,
+            hw.code_version or "unrecorded",
+            code_version(),
         )
-        del host, host2, gpu, gpu2
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(dev)
-        context = total - free - torch.cuda.memory_reserved(dev)
-    else:
-        h2d = d2h = bidir = pageable = hbm = dram / 2
-        cpu_attn = _cpu_attention_rate(torch.float32)
-        cpu_quant_attn = _cpu_attention_rate(torch.float32, compressed=True)
-        prefill = decode = _matmul_tflops(1024, 2048, 2048, torch.device("cpu"), torch.float32)
-        gpu_mem, name = psutil.virtual_memory().total, f"CPU only ({platform.processor() or 'cpu'})"
-        context = 0
-    return HardwareProfile(
-        device_name=name,
-        has_gpu=torch.cuda.is_available(),
-        gpu_mem_bytes=gpu_mem,
-        cpu_mem_bytes=node_memory_limit()[0],  # the cgroup's limit where there is one
-        h2d_gbps=h2d,
-        d2h_gbps=d2h,
-        bidir_gbps=bidir,
-        pageable_h2d_gbps=pageable,
-        disk_read_gbps=disk_read,
-        disk_write_gbps=disk_write,
-        prefill_tflops=prefill,
-        decode_tflops=decode,
-        hbm_gbps=hbm,
-        cpu_attention_gbps=cpu_attn,
-        cpu_quant_attention_gbps=cpu_quant_attn,
-        dram_gbps=dram,
-        gpu_context_bytes=int(context),
-        process_base_bytes=psutil.Process().memory_info().rss,
-        measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
-    )
+        return None
+    return hw

@@ -3,7 +3,7 @@
 On the multi-GPU machines RAM grows as it is used: MemTotal reads about 31 GiB at start
 against a 256 GiB cgroup limit, and on a shared host a container's cgroup limit can be
 far below MemTotal. `node_memory_limit` reads both and says which one set the cap.
-`policies.hardware.measure` records it as the profile's `cpu_mem_bytes` (whence the
+`policies.measure.measure` records it as the profile's `cpu_mem_bytes` (whence the
 default CPU cap), and `offload.parallel` divides it among a node's ranks.
 """
 

@@ -148,11 +148,33 @@ def search(
     num_prompts: int | None = None,
     compressions: tuple[Compression | None, ...] = (None,),
     kv_compressions: tuple[Compression | None, ...] = (None,),
+    tp: int = 1,
 ) -> Estimate:
     """The best fitting policy's estimate; `UserError` with the smallest fit if none.
 
     `compressions` and `kv_compressions` are the weight and KV formats the search may
-    choose among (None: uncompressed)."""
+    choose among (None: uncompressed); tp: tensor-parallel ranks (cfg is a rank's shard)."""
+    return ranked(
+        cfg, dtype, prompt_len, gen_len, hw, caps, num_prompts, compressions, kv_compressions, tp
+    )[0]
+
+
+def ranked(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    prompt_len: int,
+    gen_len: int,
+    hw: HardwareProfile,
+    caps: Caps,
+    num_prompts: int | None = None,
+    compressions: tuple[Compression | None, ...] = (None,),
+    kv_compressions: tuple[Compression | None, ...] = (None,),
+    tp: int = 1,
+    top: int = 1,
+) -> list[Estimate]:
+    """The `top` fitting plans, fastest first, one per kind of plan (batch shape,
+    attention placement and formats: the best weight and KV split of each), so the
+    runners-up differ in what a probe can tell apart (`executor.probe`)."""
     if caps.gpu_bytes is None or caps.cpu_bytes is None:
         raise ValueError(f"the search needs both caps resolved to bytes, got {caps}")
     if prompt_len + gen_len > cfg.max_position_embeddings:
@@ -160,19 +182,27 @@ def search(
             f"prompt {prompt_len} + generation {gen_len} tokens exceed the model's context of "
             f"{cfg.max_position_embeddings}"
         )
-    best: Estimate | None = None
+    best: dict[tuple, Estimate] = {}  # per kind of plan
     for base in candidates(cfg, dtype, hw, caps, num_prompts, compressions, kv_compressions):
         kv = _kv_placement(cfg, base, dtype, prompt_len, gen_len, hw, caps)
         if kv is None:
             continue
         policy = _with(base, kv=kv)
-        est = estimate(cfg, policy, dtype, prompt_len, gen_len, hw)
-        if _fits(est, caps, hw) and (best is None or est.total_tok_s > best.total_tok_s):
-            best = est
-    if best is None:
+        est = estimate(cfg, policy, dtype, prompt_len, gen_len, hw, tp=tp)
+        kind = (
+            policy.gpu_batch_size,
+            policy.num_gpu_batches,
+            policy.attention_on_cpu,
+            policy.weight_compression,
+            policy.kv_compression,
+        )
+        held = best.get(kind)
+        if _fits(est, caps, hw) and (held is None or est.total_tok_s > held.total_tok_s):
+            best[kind] = est
+    if not best:
         smallest = min(compressions, key=lambda c: sum(stage_image_bytes(cfg, dtype, c)))
         raise UserError(_smallest_fit(cfg, dtype, prompt_len, gen_len, hw, caps, smallest))
-    return best
+    return sorted(best.values(), key=lambda e: -e.total_tok_s)[:top]
 
 
 def _smallest_fit(

@@ -1,0 +1,194 @@
+"""Timed probes of the executor itself, on this machine.
+
+Two uses:
+- `measure_profile`: `measure.measure`'s device rates plus the executor's own fixed
+  costs (`overheads`): the host time a layer and a micro-batch of a layer cost, eager and
+  replayed from CUDA graphs. They are measured on a narrow model whose transfers and
+  kernels take next to nothing, so what is left is launches, Python and stream waits.
+- `probe_plan`: a candidate plan run for real at its shapes (the block, the prompt, the
+  weight and KV split, the formats), cut to a few layers: `offload-plan --verify`
+  times the search's best few this way and keeps the fastest measured. Two depths
+  separate a layer's time from the embedding's and the head's, and the full model's
+  prefill and decode step are extrapolated from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from offload.batch import PaddedBatch
+from offload.config import ModelConfig
+from offload.executor.executor import Executor
+from offload.models.weights import DummySource
+from offload.policies.hardware import HardwareProfile
+from offload.policies.measure import measure
+from offload.policies.policy import Placement, Policy
+from offload.presets import PRESETS
+
+# the narrow model the fixed costs are measured on (OPT's layer: its launches are the
+# executor's typical; 128 wide, so a layer's copies and kernels are microseconds)
+OVERHEAD_LAYERS = 12
+OVERHEAD_CONFIG = {
+    **PRESETS["opt-6.7b"],
+    "hidden_size": 128,
+    "num_attention_heads": 2,
+    "ffn_dim": 512,
+    "word_embed_proj_dim": 128,
+    "num_hidden_layers": OVERHEAD_LAYERS,
+    "vocab_size": 512,
+}
+PROBE_DEPTHS = (2, 4)  # layers of a plan probe's two runs
+
+
+def _decode_seconds(ex: Executor, batch: PaddedBatch, start: int, steps: int) -> float:
+    """Mean wall time of `steps` decode steps from slot `start` (after one warm-up)."""
+    ids = torch.ones(batch.size, 1, dtype=torch.long)
+    ex.forward(ids, ex.step_inputs(batch, start, 1))  # compiles, captures graphs
+    ex.forward(ids, ex.step_inputs(batch, start + 1, 1))
+    began = time.perf_counter()
+    for t in range(steps):
+        ex.forward(ids, ex.step_inputs(batch, start + 2 + t, 1))
+    return (time.perf_counter() - began) / steps
+
+
+def _stage_seconds(policy: Policy, device: torch.device, rows: int, steps: int) -> float:
+    """A decode step's wall time a stage, on the narrow model under `policy`."""
+    cfg = ModelConfig.from_hf(OVERHEAD_CONFIG, "overhead-probe")
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    ex = Executor(DummySource(cfg), policy, dtype, device)
+    try:
+        batch = PaddedBatch(cfg, [[5] * 8] * rows, 2 + steps + 2, pad_id=1)
+        ex.start(batch)
+        ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, 8))
+        return _decode_seconds(ex, batch, 8, steps) / (cfg.num_layers + 2)
+    finally:
+        ex.close()
+
+
+def overheads(device: torch.device, steps: int = 8) -> dict[str, float]:
+    """The executor's fixed costs: per stage, per micro-batch of a stage, and per stage
+    of a step replayed from CUDA graphs (0 without CUDA)."""
+    streamed = Placement(0.0, 1.0, 0.0)  # every stage crosses: the eager path's work
+    one = _stage_seconds(Policy(1, 1, weights=streamed), device, 1, steps)
+    four = _stage_seconds(Policy(1, 4, weights=streamed), device, 4, steps)
+    micro = max(0.0, (four - one) / 3)
+    graph = 0.0
+    if device.type == "cuda":
+        graph = _stage_seconds(Policy(1, 1), device, 1, steps)
+    return {
+        "layer_fixed_s": max(0.0, one - micro),
+        "micro_fixed_s": micro,
+        "graph_layer_s": graph,
+    }
+
+
+def measure_profile(nvme: Path | None, quick: bool = True) -> HardwareProfile:
+    """This machine's profile: the device's rates and the executor's fixed costs."""
+    hw = measure(nvme, quick=quick)
+    device = torch.device("cuda" if hw.has_gpu else "cpu")
+    return dataclasses.replace(hw, **overheads(device, steps=4 if quick else 8))
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A plan's measured prefill and decode step, extrapolated to the whole model."""
+
+    prefill_s: float
+    decode_step_s: float
+    total_tok_s: float
+    seconds_spent: float  # what probing this plan cost, loading included
+
+
+def _run_depth(
+    cfg: ModelConfig,
+    policy: Policy,
+    dtype: torch.dtype,
+    device: torch.device,
+    prompt_len: int,
+    gen_len: int,
+    nvme: Path | None,
+    steps: int,
+) -> tuple[float, float]:
+    """(prefill s, decode step s) of the plan on `cfg` (already cut to a few layers);
+    decode at the middle of the generation, where the cost model averages the context."""
+    ex = Executor(DummySource(cfg), policy, dtype, device, nvme_dir=nvme)
+    try:
+        prompts = [[5 + row % 100] * prompt_len for row in range(policy.block_size)]
+        batch = PaddedBatch(cfg, prompts, gen_len + steps + 2, pad_id=1)
+        ex.start(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, prompt_len))
+        prefill = time.perf_counter() - began
+        step = _decode_seconds(ex, batch, prompt_len + gen_len // 2, steps)
+        return prefill, step
+    finally:
+        ex.close()
+
+
+def probe_plan(
+    cfg: ModelConfig,
+    policy: Policy,
+    dtype: torch.dtype,
+    device: torch.device,
+    prompt_len: int,
+    gen_len: int,
+    nvme: Path | None = None,
+    steps: int = 3,
+) -> Probe:
+    """Run the plan at its shapes on PROBE_DEPTHS layers and extrapolate to cfg's."""
+    began = time.perf_counter()
+    runs = [
+        _run_depth(
+            dataclasses.replace(cfg, num_layers=depth),
+            policy,
+            dtype,
+            device,
+            prompt_len,
+            gen_len,
+            nvme,
+            steps,
+        )
+        for depth in PROBE_DEPTHS
+    ]
+    (p_lo, d_lo), (p_hi, d_hi) = runs
+    shallow, deep = PROBE_DEPTHS
+    layers = deep - shallow
+
+    def whole(lo: float, hi: float) -> float:
+        per_layer = max(0.0, (hi - lo) / layers)
+        ends = max(0.0, lo - shallow * per_layer)  # the embedding and the head
+        return ends + cfg.num_layers * per_layer
+
+    prefill, step = whole(p_lo, p_hi), whole(d_lo, d_hi)
+    total = prefill + (gen_len - 1) * step
+    return Probe(
+        prefill_s=prefill,
+        decode_step_s=step,
+        total_tok_s=policy.block_size * gen_len / total,
+        seconds_spent=time.perf_counter() - began,
+    )
+
+
+def verify(
+    cfg: ModelConfig,
+    plans: list,
+    dtype: torch.dtype,
+    device: torch.device,
+    prompt_len: int,
+    gen_len: int,
+    nvme: Path | None = None,
+) -> list[tuple[object, Probe]]:
+    """Probe each searched plan (`policies.cost.Estimate`); (estimate, probe) pairs,
+    the fastest measured first."""
+    probed = [
+        (est, probe_plan(cfg, est.policy, dtype, device, prompt_len, gen_len, nvme))
+        for est in plans
+    ]
+    return sorted(probed, key=lambda pair: -pair[1].total_tok_s)

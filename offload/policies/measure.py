@@ -1,0 +1,256 @@
+"""Measurements of this machine's rates for `HardwareProfile` (`offload-profile`).
+
+Each figure is measured the way the executor uses it: pinned copies (one way and both
+ways at once), O_DIRECT disk reads and writes, the CPU attention with copies running,
+and, per storage format (`hardware.format_name`), the matmul at decode and prefill
+shapes and decode attention on the GPU through the kernels the executor runs. The
+executor's own fixed costs are measured above this layer (`executor.probe`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import torch.nn.functional as F
+
+from offload.io.direct import open_direct
+from offload.kernels.formats import Compression
+from offload.kernels.kv_attention import decode_attention
+from offload.kernels.kv_attention_cpu import decode_attention_cpu
+from offload.kernels.kv_cache import QuantKV
+from offload.kernels.qmatmul import qlinear
+from offload.kernels.quant import quantize
+from offload.models.decoder import attend
+from offload.policies.hardware import GB, HardwareProfile, code_version, format_name
+from offload.policies.memory_limit import node_memory_limit
+
+# the formats whose matmul and attention rates a profile holds
+FORMATS = (None, Compression(8, 64, False), Compression(4, 64, False))
+
+
+def _timed(fn, repeat: int = 5) -> float:
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - started) / repeat
+
+
+def _copy_rate(src: torch.Tensor, dst: torch.Tensor) -> float:
+    return src.numel() * src.element_size() / _timed(lambda: dst.copy_(src, non_blocking=True)) / GB
+
+
+def disk_rates(directory: Path, nbytes: int) -> tuple[float, float]:
+    """O_DIRECT write and read of one file in `directory` (GB/s)."""
+    import mmap
+
+    directory.mkdir(parents=True, exist_ok=True)
+    buf = mmap.mmap(-1, 16 * 2**20)
+    buf.write(os.urandom(len(buf)))
+    fd, name = tempfile.mkstemp(dir=directory, prefix="offload-profile-")
+    os.close(fd)
+    try:
+        fd, _ = open_direct(name, os.O_WRONLY)
+        started = time.perf_counter()
+        for off in range(0, nbytes, len(buf)):
+            os.pwritev(fd, [buf], off)
+        os.fsync(fd)
+        write = nbytes / (time.perf_counter() - started) / GB
+        os.close(fd)
+        fd, _ = open_direct(name, os.O_RDONLY)
+        started = time.perf_counter()
+        for off in range(0, nbytes, len(buf)):
+            os.preadv(fd, [buf], off)
+        read = nbytes / (time.perf_counter() - started) / GB
+        os.close(fd)
+    finally:
+        os.unlink(name)
+    return read, write
+
+
+def _cpu_attention_rate(
+    dtype: torch.dtype,
+    host: torch.Tensor | None = None,
+    gpu=None,
+    h2d_gbps: float = 0.0,
+    compressed: bool = False,
+) -> float:
+    """GB/s of KV that the executor's CPU attention (torch SDPA) reads at a decode shape;
+    `compressed`: its attention over an int4-g64 cache (`kv_attention_cpu.decode_attention_cpu`),
+    counting the K/V it attends at the dtype's size.
+
+    Given a pinned `host` buffer, a `gpu` one and their measured copy rate, host -> GPU
+    copies run all the while,
+    as the executor's weight stream does during its CPU attention: both read DRAM, and
+    the contended rate is the one the executor gets (OPT-30B on the H100 machine: 67
+    GB/s alone, 47-50 inside the executor)."""
+    rows, heads, slots, dim = 16, 32, 1024, 128
+    k = torch.randn(rows, heads, slots, dim).to(dtype)
+    v = torch.randn_like(k)
+    q = torch.randn(rows, heads, 1, dim).to(dtype)
+    bias = torch.zeros(rows, 1, 1, slots, dtype=dtype)
+    attention = functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=bias)
+    if compressed:
+        cache = QuantKV(rows, heads, dim, slots, Compression(4, 64), dtype, torch.device("cpu"))
+        cache.write(k, v, 0)
+        attention = functools.partial(decode_attention_cpu, q, cache, bias, slots)
+    attention()  # warm up
+    if host is not None:
+        # queue enough copies to outlast the timing; no host thread waits on them (a
+        # spinning waiter would take a core from SDPA's threads, which the executor's
+        # copies never do)
+        side = torch.cuda.Stream()
+        expected = 3 * 2 * k.numel() * k.element_size() / (20 * GB)  # >= SDPA's time
+        with torch.cuda.stream(side):
+            for _ in range(int(expected * h2d_gbps * GB / host.numel()) + 2):
+                gpu.copy_(host, non_blocking=True)
+    started = time.perf_counter()
+    for _ in range(3):  # the CPU attention never touches the device: timed directly
+        attention()
+    seconds = time.perf_counter() - started
+    if host is not None:
+        side.synchronize()
+    return 3 * 2 * k.numel() * k.element_size() / seconds / GB
+
+
+def _matmul_tflops(m: int, k: int, n: int, device: torch.device, dtype: torch.dtype) -> float:
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    return 2 * m * k * n / _timed(lambda: a @ b, repeat=3) / 1e12
+
+
+def _matmul_rates(
+    m: int, k: int, n: int, device: torch.device, dtype: torch.dtype
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Per format: the stored weight bytes a [m, k] x [k, n] matmul reads a second at
+    m = decode rows, and TFLOP/s at a prefill's rows."""
+    w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+    decode_x = torch.randn(m, k, device=device, dtype=dtype)
+    prefill_rows = 4096 if device.type == "cuda" else 256
+    prefill_x = torch.randn(prefill_rows, k, device=device, dtype=dtype)
+    read, flops = {}, {}
+    for config in FORMATS:
+        if config is None:
+            stored, nbytes = w, w.numel() * w.element_size()
+
+            def run(x, stored=stored):
+                return F.linear(x, stored)
+        else:
+            stored = quantize(w, config)
+            nbytes = stored.nbytes
+
+            def run(x, stored=stored):
+                return qlinear(x, stored)
+
+        name = format_name(config)
+        read[name] = nbytes / _timed(lambda run=run: run(decode_x), repeat=10) / GB
+        seconds = _timed(lambda run=run: run(prefill_x), repeat=3)
+        flops[name] = 2 * prefill_rows * k * n / seconds / 1e12
+        del stored
+    return read, flops
+
+
+def _gpu_attention_rates(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """Per format: the cache bytes (as stored) decode attention on the GPU reads a second."""
+    rows, heads, slots, dim = 32, 32, 2048, 128
+    q = torch.randn(rows, heads, 1, dim, device=device, dtype=dtype)
+    k = torch.randn(rows, heads, slots, dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    bias = torch.zeros(rows, 1, 1, slots, device=device, dtype=dtype)
+    rates = {"dense": 2 * k.numel() * k.element_size() / _timed(lambda: attend(q, k, v, bias)) / GB}
+    for config in FORMATS[1:]:
+        cache = QuantKV(rows, heads, dim, slots, config, dtype, device)
+        cache.write(k, v, 0)
+        seconds = _timed(lambda cache=cache: decode_attention(q, cache, bias, slots))
+        rates[format_name(config)] = cache.nbytes / seconds / GB
+        del cache
+    return rates
+
+
+def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
+    """Measure this machine. Without CUDA the compute device is the CPU: host copies
+    stand in for PCIe and the CPU's matmul rate for the GPU's."""
+    size = 2**26 if quick else 2**29
+    disk_dir = nvme or Path(tempfile.gettempdir())
+    disk_read, disk_write = disk_rates(disk_dir, min(size * 2, 2**30))
+    dram = (
+        _copy_rate(torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)) * 2
+    )
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        host2 = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        gpu = torch.empty(size, dtype=torch.uint8, device=dev)
+        gpu2 = torch.empty(size, dtype=torch.uint8, device=dev)
+        h2d, d2h = _copy_rate(host, gpu), _copy_rate(gpu, host)
+        cpu_attn = _cpu_attention_rate(torch.float16, host, gpu, h2d)
+        cpu_quant_attn = _cpu_attention_rate(torch.float16, host, gpu, h2d, compressed=True)
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+        def both() -> None:
+            with torch.cuda.stream(s1):
+                gpu.copy_(host, non_blocking=True)
+            with torch.cuda.stream(s2):
+                host2.copy_(gpu2, non_blocking=True)
+
+        bidir = 2 * size / _timed(both) / GB
+        pageable = _copy_rate(torch.empty(size, dtype=torch.uint8), gpu)
+        hbm = 2 * _copy_rate(gpu, gpu2)
+        del host, host2, gpu, gpu2
+        prefill = _matmul_tflops(4096, 8192, 8192, dev, torch.float16)
+        decode = _matmul_tflops(64, 8192, 28672, dev, torch.float16)
+        matmul, prefill_formats = _matmul_rates(16, 8192, 28672, dev, torch.float16)
+        attention = _gpu_attention_rates(dev, torch.float16)
+        gpu_mem, name = (
+            torch.cuda.get_device_properties(dev).total_memory,
+            torch.cuda.get_device_name(),
+        )
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        context = total - free - torch.cuda.memory_reserved(dev)
+    else:
+        h2d = d2h = bidir = pageable = hbm = dram / 2
+        cpu_attn = _cpu_attention_rate(torch.float32)
+        cpu_quant_attn = _cpu_attention_rate(torch.float32, compressed=True)
+        prefill = decode = _matmul_tflops(1024, 2048, 2048, torch.device("cpu"), torch.float32)
+        cpu = torch.device("cpu")
+        matmul, prefill_formats = _matmul_rates(16, 1024, 2048, cpu, torch.float32)
+        attention = {}  # no GPU: decode attention runs on the CPU (cpu_*attention_gbps)
+        gpu_mem, name = psutil.virtual_memory().total, f"CPU only ({platform.processor() or 'cpu'})"
+        context = 0
+    return HardwareProfile(
+        device_name=name,
+        has_gpu=torch.cuda.is_available(),
+        gpu_mem_bytes=gpu_mem,
+        cpu_mem_bytes=node_memory_limit()[0],  # the cgroup's limit where there is one
+        h2d_gbps=h2d,
+        d2h_gbps=d2h,
+        bidir_gbps=bidir,
+        pageable_h2d_gbps=pageable,
+        disk_read_gbps=disk_read,
+        disk_write_gbps=disk_write,
+        prefill_tflops=prefill,
+        decode_tflops=decode,
+        hbm_gbps=hbm,
+        cpu_attention_gbps=cpu_attn,
+        cpu_quant_attention_gbps=cpu_quant_attn,
+        dram_gbps=dram,
+        gpu_context_bytes=int(context),
+        process_base_bytes=psutil.Process().memory_info().rss,
+        measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
+        matmul_gbps=matmul,
+        prefill_format_tflops=prefill_formats,
+        gpu_attention_gbps=attention,
+        code_version=code_version(),
+    )

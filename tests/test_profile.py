@@ -1,0 +1,142 @@
+"""The measured profile and what the cost model makes of it (CPU): the code-version stamp,
+the executor's fixed costs, the all-reduce, invented profiles moving the search's choice
+the way the roofline says, and `offload-plan --verify`'s probes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from offload.cli.plan import main as plan_main
+from offload.executor.probe import overheads, probe_plan
+from offload.kernels.formats import Compression
+from offload.policies.caps import Caps
+from offload.policies.cost import estimate
+from offload.policies.hardware import HardwareProfile, code_version, load_profile, save_profile
+from offload.policies.policy import Placement, Policy
+from offload.policies.search import ranked, search
+from tests.test_policies import GB, PROFILE, cfg_of
+
+INT4 = Compression(4, 64, False)
+
+
+def test_a_profile_of_other_code_is_measured_again(tmp_path):
+    path = tmp_path / "hw.json"
+    current = dataclasses.replace(PROFILE, code_version=code_version())
+    save_profile(current, path)
+    assert load_profile(path) == current
+    save_profile(dataclasses.replace(PROFILE, code_version="an older kernel"), path)
+    assert load_profile(path) is None
+    path.write_text("{not json")
+    assert load_profile(path) is None
+
+
+def test_unmeasured_figures_may_be_zero_rates_may_not():
+    assert PROFILE.layer_fixed_s == 0.0  # not measured: the term is left out
+    with pytest.raises(ValueError, match="h2d_gbps"):
+        dataclasses.replace(PROFILE, h2d_gbps=0.0)
+    with pytest.raises(ValueError, match=r"matmul_gbps\[int4\]"):
+        dataclasses.replace(PROFILE, matmul_gbps={"int4": 0.0})
+    with pytest.raises(ValueError, match="micro_fixed_s"):
+        dataclasses.replace(PROFILE, micro_fixed_s=-1.0)
+
+
+def test_slow_int4_matmul_moves_the_search_to_dense_weights():
+    """int4 halves the bytes that cross PCIe; a dequantizing matmul slower than PCIe
+    makes that saving worthless, and the search must see it."""
+    cfg, caps = cfg_of("opt-30b"), Caps(24 * GB, 100 * GB, False)
+    both = (None, INT4)
+    fast = search(cfg, torch.float16, 512, 32, PROFILE, caps, compressions=both)
+    assert fast.policy.weight_compression == INT4
+    slow_hw = dataclasses.replace(PROFILE, matmul_gbps={"int4": 1.0, "dense": 2000.0})
+    slow = search(cfg, torch.float16, 512, 32, slow_hw, caps, compressions=both)
+    assert slow.policy.weight_compression is None
+    # and a plan's estimate follows the measured rate, not the HBM's
+    est = estimate(cfg, fast.policy, torch.float16, 512, 32, slow_hw)
+    assert est.decode_step_s > 2 * fast.decode_step_s
+
+
+def test_a_costly_micro_batch_moves_the_search_to_fewer_micro_batches():
+    cfg, caps = cfg_of("opt-30b"), Caps(12 * GB, 64 * GB, False)
+    formats = {"compressions": (INT4,), "kv_compressions": (INT4,)}
+    base = search(cfg, torch.float16, 512, 32, PROFILE, caps, **formats)
+    assert base.policy.num_gpu_batches > 1
+    costly = dataclasses.replace(PROFILE, micro_fixed_s=0.05)
+    chosen = search(cfg, torch.float16, 512, 32, costly, caps, **formats)
+    assert chosen.policy.num_gpu_batches < base.policy.num_gpu_batches
+    assert chosen.lanes_decode_s["host"] > 0
+
+
+def test_the_all_reduce_costs_tensor_parallel_plans_time():
+    cfg = cfg_of("llama-2-13b")
+    policy = Policy(16, 1)
+    free = estimate(cfg, policy, torch.float16, 512, 32, PROFILE, tp=2)
+    slow = dataclasses.replace(PROFILE, allreduce_gbps=0.5, allreduce_latency_s=1e-3)
+    paid = estimate(cfg, policy, torch.float16, 512, 32, slow, tp=2)
+    assert paid.decode_step_s > free.decode_step_s
+    # 2 all-reduces a layer of 16 rows x 5120 fp16; a 2-rank ring moves 2 (2 - 1) / 2 = 1
+    # buffer over the bus, plus the latency
+    per_layer = 2 * (1e-3 + 16 * 5120 * 2 / 0.5e9)
+    assert paid.decode_step_s - free.decode_step_s == pytest.approx(
+        cfg.num_layers * per_layer, rel=0.01
+    )
+    assert estimate(cfg, policy, torch.float16, 512, 32, slow).decode_step_s == pytest.approx(
+        free.decode_step_s
+    )  # one rank: no all-reduce
+
+
+def test_ranked_plans_differ_in_kind_and_lead_with_the_search_best():
+    cfg, caps = cfg_of("opt-30b"), Caps(24 * GB, 100 * GB, False)
+    plans = ranked(cfg, torch.float16, 512, 32, PROFILE, caps, top=3)
+    assert len(plans) == 3
+    assert plans[0].policy == search(cfg, torch.float16, 512, 32, PROFILE, caps).policy
+    kinds = {
+        (e.policy.gpu_batch_size, e.policy.num_gpu_batches, e.policy.attention_on_cpu)
+        for e in plans
+    }
+    assert len(kinds) == 3
+    assert [e.total_tok_s for e in plans] == sorted((e.total_tok_s for e in plans), reverse=True)
+
+
+def test_executor_fixed_costs_are_measured():
+    figures = overheads(torch.device("cpu"), steps=2)
+    assert figures["layer_fixed_s"] >= 0 and figures["micro_fixed_s"] >= 0
+    assert 0 < figures["layer_fixed_s"] + figures["micro_fixed_s"] < 1.0
+    assert figures["graph_layer_s"] == 0.0  # no CUDA graphs on the CPU
+
+
+def test_probe_extrapolates_from_two_depths(tiny_checkpoints):
+    from offload.models.resolve import resolve_model
+
+    cfg = resolve_model(str(tiny_checkpoints["opt"][0]), dummy=True).config
+    policy = Policy(2, 2, weights=Placement(0.0, 1.0, 0.0))
+    probe = probe_plan(cfg, policy, torch.float32, torch.device("cpu"), 8, 4)
+    assert probe.prefill_s > 0 and probe.decode_step_s > 0
+    assert probe.total_tok_s == pytest.approx(4 * 4 / (probe.prefill_s + 3 * probe.decode_step_s))
+    assert probe.seconds_spent >= probe.prefill_s
+
+
+def test_plan_verify_probes_and_keeps_the_measured_best(tmp_path, tiny_checkpoints, capsys):
+    path = tmp_path / "hw.json"
+    path.write_text(HardwareProfile.to_json(PROFILE))
+    model = str(tiny_checkpoints["opt"][0])
+    argv = ["--model", model, "--gpu-mem", "1GB", "--cpu-mem", "8GB", "--profile", str(path)]
+    argv += ["--prompt-len", "8", "--max-tokens", "4", "--verify", "--json"]
+    assert plan_main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    verified = out["verified"]
+    assert 1 <= len(verified) <= 3
+    assert all(v["probed_tok_s"] > 0 and v["predicted_tok_s"] > 0 for v in verified)
+    rates = [v["probed_tok_s"] for v in verified]
+    assert rates == sorted(rates, reverse=True)
+    assert out["policy"] == verified[0]["policy"]  # the measured best is the plan
+
+
+def test_all_reduce_is_measured_between_ranks():
+    from offload.parallel.bandwidth import measure_allreduce
+
+    gbps, latency = measure_allreduce(2, large_bytes=2**20)  # gloo on the CPU here
+    assert gbps > 0 and 0 < latency < 1.0
