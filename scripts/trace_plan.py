@@ -1,0 +1,79 @@
+"""Where a plan's step time goes: the executor's lane trace of a model cut to a few layers.
+
+    python scripts/trace_plan.py --model bloom --policy policy.json --layers 4 \
+        --prompt-len 512 --out DIR
+
+Runs the policy's block (prefill, then decode steps) on the preset cut to `--layers`
+layers at full width (embedding, head, ring slots and per-layer buffers at full size)
+with the executor's tracer on, prints each lane's busy time against the wall time of
+the prefill and of the last decode step, and writes the last decode step's Chrome trace
+(`chrome://tracing` or Perfetto) and a JSON summary to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from offload.batch import PaddedBatch
+from offload.executor.executor import Executor
+from offload.models.resolve import resolve_model
+from offload.models.weights import DummySource
+from offload.policies.policy import Policy
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="bloom", help="a preset (dummy weights)")
+    p.add_argument("--policy", type=Path, required=True, help="policy JSON (offload-plan's)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=3, help="decode steps after the prefill")
+    p.add_argument("--out", type=Path, default=Path("."))
+    args = p.parse_args()
+    cfg = dataclasses.replace(resolve_model(args.model, dummy=True).config, num_layers=args.layers)
+    policy = Policy.from_file(args.policy)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    began = time.perf_counter()
+    ex = Executor(DummySource(cfg), policy, dtype, device, trace=True)
+    load_s = time.perf_counter() - began
+    prompts = [[5 + row % 100] * args.prompt_len for row in range(policy.block_size)]
+    batch = PaddedBatch(cfg, prompts, args.steps + 1, pad_id=1)
+    ex.start(batch)
+    ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, args.prompt_len))
+    ids = torch.ones(batch.size, 1, dtype=torch.long)
+    for t in range(args.steps):
+        ex.forward(ids, ex.step_inputs(batch, args.prompt_len + t, 1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    trace_path = args.out / f"trace_{args.model}_{args.layers}l_decode.json"
+    ex.write_trace(trace_path)
+    rows = []
+    for label, step in (("prefill", ex.traces[0]), ("decode", ex.traces[-1])):
+        lanes = {lane: v["busy_s"] for lane, v in step.lanes.items() if v["busy_s"] > 0}
+        moved = {lane: v.get("bytes", 0) for lane, v in step.lanes.items() if v.get("bytes")}
+        rows.append({"step": label, "wall_s": step.seconds, "busy_s": lanes, "bytes": moved})
+        busy = ", ".join(f"{lane} {s * 1e3:.1f} ms" for lane, s in sorted(lanes.items()))
+        print(f"{label:8s} wall {step.seconds * 1e3:8.1f} ms  busy: {busy}")
+    summary = {
+        "model": args.model,
+        "layers": args.layers,
+        "policy": policy.to_dict(),
+        "prompt_len": args.prompt_len,
+        "load_s": load_s,
+        "steps": rows,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    }
+    (args.out / f"trace_{args.model}_{args.layers}l_summary.json").write_text(
+        json.dumps(summary, indent=1)
+    )
+    ex.close()
+
+
+if __name__ == "__main__":
+    main()
