@@ -67,6 +67,10 @@ def _page_spans(base: torch.Tensor, pieces: list[torch.Tensor]) -> list[tuple[in
     return merged
 
 
+STORE_ALIGN = 512  # bytes: where each store starts in its staging block
+STORE_DEPTH = 64  # stores in flight at most in one staging block
+
+
 class KVTransfer:
     """Threaded disk reads and write-backs, and staged stores of new entries."""
 
@@ -74,7 +78,10 @@ class KVTransfer:
         """overlap=False waits for every store where it is issued (the serial schedule)."""
         self.homes, self.lanes, self.overlap = homes, lanes, overlap
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="offload-kv")
-        self._store_busy: list[Future | None] = [None, None]
+        # per store staging block: the stores in flight in it, (start, end, future), and
+        # where the next one goes (`_claim`)
+        self._store_busy: list[list[tuple[int, int, Future]]] = [[], []]
+        self._store_head = [0, 0]
         self._store_turn = 0
         # disk staging block p: the last task that uses it, and the last H2D reading it
         self._disk_busy: list[Future | None] = [None] * homes.disk_buffers
@@ -82,8 +89,8 @@ class KVTransfer:
 
     def drain(self) -> None:
         """Wait for every store and disk transfer in flight; forget the orderings."""
-        _wait_all(*self._store_busy, *self._disk_busy)
-        self._store_busy = [None, None]
+        _wait_all(*(f for busy in self._store_busy for _, _, f in busy), *self._disk_busy)
+        self._store_busy, self._store_head = [[], []], [0, 0]
         self._disk_busy = [None] * self.homes.disk_buffers
         self._disk_h2d = [None] * self.homes.disk_buffers
 
@@ -162,15 +169,16 @@ class KVTransfer:
         self, blk: KVBlock, mb: int, sources, work: Callable, start: int, end: int, previous
     ) -> Future:
         """The one way new entries reach off-GPU homes: `sources` (GPU tensors) are
-        copied one after another into a contiguous pinned staging block (a strided
-        pinned destination makes torch fall back to a synchronous pageable copy), two
-        deep; a worker thread, once the copy has landed and `previous` is done, runs
+        copied one after another into a contiguous piece of a pinned staging block (a
+        strided pinned destination makes torch fall back to a synchronous pageable
+        copy; two blocks, each a ring: `_claim`); a worker thread, once the copy has landed and `previous` is done, runs
         work(blk, mb, start, end, *staged views), so the host thread goes on launching
         work. Readers of the homes wait on `blk.stored`."""
         which = self._store_turn % 2
         self._store_turn += 1
-        _wait_future(self._store_busy[which])  # the work that last read this staging
-        staging, views, offset = self.homes.store_staging[which].tensor, [], 0
+        sizes = [src.numel() * src.element_size() for src in sources]
+        staging, claimed = self._claim(which, sum(sizes))
+        views, offset = [], 0
         for src in sources:
             size = src.numel() * src.element_size()
             views.append(staging[offset : offset + size].view(src.dtype).view(src.shape))
@@ -184,10 +192,33 @@ class KVTransfer:
         future = self._io.submit(
             _after, previous, copied, functools.partial(work, blk, mb, start, end, *views)
         )
-        blk.stored = self._store_busy[which] = future
+        blk.stored = future
+        self._store_busy[which].append((*claimed, future))
         if not self.overlap:
             future.result()
         return future
+
+    def _claim(self, which: int, need: int) -> tuple[torch.Tensor, tuple[int, int]]:
+        """`need` bytes of store staging block `which`, after the stores in flight that
+        read them. The block is a ring: a prefill's store fills it (one in flight, as
+        two blocks deep), while a decode step's stores are a few KB each and many fit,
+        so the host goes on launching instead of waiting for the GPU's attention a
+        micro-batch or two back (BLOOM-176B, 16 micro-batches over a compressed CPU
+        cache: that wait set a 2 ms chain per layer and micro-batch, H100 trace)."""
+        block = self.homes.store_staging[which].tensor
+        assert need <= block.numel(), "the staging block holds the largest store"
+        start = align_up(self._store_head[which], STORE_ALIGN)
+        if start + need > block.numel():
+            start = 0
+        end = start + need
+        busy = self._store_busy[which]
+        waits = [f for lo, hi, f in busy if lo < end and start < hi]
+        if len(busy) - len(waits) >= STORE_DEPTH:  # bounded: the oldest waits
+            waits.append(busy[0][2])
+        _wait_all(*waits)
+        self._store_busy[which] = [item for item in busy if item[2] not in waits]
+        self._store_head[which] = end
+        return block[start:end], (start, end)
 
     def _unpack(self, blk: KVBlock, mb: int, start: int, end: int, *packed) -> None:
         """Worker thread: put packed bytes in the compressed CPU home and in the disk
