@@ -34,7 +34,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -174,12 +174,12 @@ class WeightStore:
         """Where the stage file begins in the stage's image."""
         return self.manifest["stages"][key].get("tail_start", 0)
 
-    def holds(self, tails: Sequence[int]) -> bool:
-        """Whether the store holds, of every stage (in stage order), the bytes from
-        `tails[i]` on: all that a plan with these cuts reads from disk."""
-        starts = [stage.get("tail_start", 0) for stage in self.manifest["stages"].values()]
-        return len(starts) == len(tails) and all(
-            have <= need for have, need in zip(starts, tails, strict=True)
+    def holds(self, tails: Mapping[str, int]) -> bool:
+        """Whether the store holds, of every stage `key`, its image from `tails[key]` on:
+        all that a plan with these cuts reads from disk."""
+        stages = self.manifest["stages"]
+        return stages.keys() == tails.keys() and all(
+            self.tail_start(key) <= need for key, need in tails.items()
         )
 
     @property
@@ -339,27 +339,27 @@ def convert(
     return final
 
 
-def reusable_store(
+def find_store(
     nvme_dir: Path,
     cfg: ModelConfig,
     dtype: torch.dtype,
     compression: Compression | None = None,
     placement: Placement | None = None,
-) -> WeightStore | None:
-    """The complete matching store under nvme_dir that holds every tail `placement`
-    reads from disk (every stage whole without one), or None (logged why)."""
+) -> tuple[WeightStore | None, str | None]:
+    """(the complete matching store under nvme_dir that holds every tail `placement`
+    reads from disk (every stage whole without one), None) or (None, why there is none
+    to reuse: None when there is no store at all)."""
     directory = store_dir(nvme_dir, cfg, dtype, compression)
     if not (directory / MANIFEST).is_file():
-        return None
+        return None, None
     try:
         store = WeightStore.open(directory, cfg, dtype, compression)
     except UserError as exc:
-        log.warning("rebuilding weight store: %s", exc)
-        return None
-    if store.holds(store_tails(cfg, dtype, compression, placement)):
-        return store
-    log.info("rebuilding weight store %s: this plan reads more of it from disk", directory)
-    return None
+        return None, str(exc)
+    tails = store_tails(cfg, dtype, compression, placement)
+    if not store.holds(dict(zip(stage_keys(cfg), tails, strict=True))):
+        return None, f"{directory} holds less of the stages than this plan reads from disk"
+    return store, None
 
 
 def ensure_store(
@@ -373,7 +373,9 @@ def ensure_store(
     """Reuse a matching complete store that holds what `placement` reads from disk, or
     build one of those tails (the whole model without a placement)."""
     cfg = source.config
-    store = reusable_store(nvme_dir, cfg, dtype, compression, placement)
+    store, why_not = find_store(nvme_dir, cfg, dtype, compression, placement)
+    if why_not is not None:
+        log.warning("rebuilding weight store: %s", why_not)
     if store is not None:
         log.info(
             "reusing weight store %s (%.1f GB on disk)", store.directory, store.file_bytes() / 1e9
