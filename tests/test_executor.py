@@ -7,13 +7,19 @@ pinned pool is plain host memory and a temporary directory is the disk.
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 import pytest
 import torch
 
 from offload.engine import LLM
 from offload.errors import UserError
+from offload.io.layout import store_bytes
+from offload.io.reader import CorruptExtent
+from offload.io.store import store_dir
 from offload.kernels.formats import Compression
+from offload.models.resolve import resolve_model
 from offload.policies.caps import Caps
 from offload.policies.policy import Placement, Policy
 from offload.runner import PlainRunner
@@ -114,6 +120,75 @@ def test_weight_split_is_exact_not_per_tensor(tiny_checkpoints, tmp_path):
             assert (image.cpu_end - image.gpu_end) / image.size == pytest.approx(
                 0.5, abs=8192 / image.size
             )
+
+
+def _run_from_store(directory, weights: Placement, nvme) -> tuple[list, int, int]:
+    """A run with these weight fractions: its tokens, and the store's bytes on disk and
+    manifest mtime."""
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=4, weights=weights)
+    with LLM(str(directory), device="cpu", dtype="float32", policy=policy, nvme=nvme) as llm:
+        tokens = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        store = store_dir(nvme, llm.config, torch.float32)
+    on_disk = sum(f.stat().st_size for f in store.glob("*.bin"))
+    return tokens, on_disk, (store / "manifest.json").stat().st_mtime_ns
+
+
+def test_disk_weights_stream_from_a_store_of_their_tails(tiny_checkpoints, reference, tmp_path):
+    """The store holds only what the policy reads from disk and gives the plain tokens; a
+    re-plan with less on disk reuses it, one with more rebuilds it."""
+    directory, _ = tiny_checkpoints["opt"]
+    cfg, f32, want = resolve_model(str(directory)).config, torch.float32, reference["opt"]
+    tokens, on_disk, built = _run_from_store(directory, W3, tmp_path)
+    assert tokens == want
+    assert on_disk == store_bytes(cfg, f32, None, W3) < 0.4 * store_bytes(cfg, f32, None)
+    tokens, reused, mtime = _run_from_store(directory, Placement(0.3, 0.5, 0.2), tmp_path)
+    assert tokens == want and (reused, mtime) == (on_disk, built), "the store was rebuilt"
+    more = Placement(0.2, 0.3, 0.5)
+    tokens, on_disk, mtime = _run_from_store(directory, more, tmp_path)
+    assert tokens == want and mtime != built, "a store with too little was reused"
+    assert on_disk == store_bytes(cfg, f32, None, more)
+
+
+def test_loading_shows_its_phases_only_when_asked(tiny_checkpoints, tmp_path, caplog, capsys):
+    caplog.set_level(logging.INFO, logger="offload.executor.executor")
+    directory, _ = tiny_checkpoints["opt"]
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=4, weights=W3)
+    for progress in (True, False):
+        caplog.clear()
+        nvme = tmp_path / str(progress)
+        with LLM(
+            str(directory),
+            device="cpu",
+            dtype="float32",
+            policy=policy,
+            nvme=nvme,
+            progress=progress,
+        ):
+            pass
+        bars = capsys.readouterr().err
+        told = re.search(
+            r"loaded in [\d.]+ s: weight store [\d.]+ s, pinning [\d.]+ s, "
+            r"placing weights [\d.]+ s",
+            caplog.text,
+        )
+        assert ("writing weight store" in bars and "placing weights" in bars) == progress
+        assert bool(told) == progress, caplog.text
+
+
+def test_damaged_tail_file_is_detected(tiny_checkpoints, tmp_path):
+    directory, _ = tiny_checkpoints["opt"]
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=4, weights=W3)
+    with LLM(str(directory), device="cpu", dtype="float32", policy=policy, nvme=tmp_path) as llm:
+        victim = store_dir(tmp_path, llm.config, torch.float32) / "layer_0001.bin"
+    with open(victim, "r+b") as f:  # the file's first byte: the cut, inside a tensor
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with (
+        LLM(str(directory), device="cpu", dtype="float32", policy=policy, nvme=tmp_path) as llm,
+        pytest.raises(CorruptExtent, match=r"checksum mismatch in .*layer_0001\.bin"),
+    ):
+        llm.generate(PROMPTS, PARAMS)
 
 
 def test_policy_json_round_trip_and_validation(tmp_path):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import itertools
+import json
+import logging
 import os
 import random
 import signal
@@ -17,11 +19,14 @@ import torch
 from offload.config import ModelConfig
 from offload.errors import UserError
 from offload.io import store as store_mod
+from offload.io.layout import stage_cuts, stage_image_bytes, stage_keys, store_bytes
 from offload.io.pinned import PinnedPool, PoolExhausted
 from offload.io.reader import CorruptExtent, ExtentReader
 from offload.io.store import WeightStore, ensure_store, store_dir, write_stage_file
 from offload.io.store_source import StoreSource
 from offload.models.weights import DummySource
+from offload.policies.memory import weight_plan
+from offload.policies.policy import Placement, Policy
 from offload.presets import PRESETS
 
 CPU = torch.device("cpu")
@@ -85,6 +90,93 @@ def test_store_round_trip_equals_the_source_and_is_reused(tmp_path):
             for name in want:
                 assert torch.equal(want[name], got[name]), (stage, index, name)
         assert pool.stats()["reserved_bytes"] == 0, "staging blocks leaked"
+
+
+def test_stage_file_from_a_tail_start_holds_the_image_from_there(tmp_path):
+    tensors = {"a": torch.randn(3000), "b": torch.randn(50, 70), "c": torch.randn(5)}
+    whole = write_stage_file(tmp_path / "whole.bin", tensors)
+    tail = write_stage_file(tmp_path / "tail.bin", tensors, tail_start=8192)  # inside "a"
+    assert (tmp_path / "tail.bin").read_bytes() == (tmp_path / "whole.bin").read_bytes()[8192:]
+    # image offsets and whole-tensor checksums, as in a whole store
+    assert tail["tensors"] == whole["tensors"]
+    assert (tail["tail_start"], tail["size"]) == (8192, whole["size"])
+    store = WeightStore(tmp_path, {"dtype": "float32", "stages": {"s": tail}})
+    with PinnedPool(2**20) as pool, ExtentReader() as reader:
+        back = _read_all(store, "s", reader, pool)
+    assert set(back) == {"b", "c"}, "only the tensors the file holds whole are extents"
+    for name, tensor in back.items():
+        assert torch.equal(tensor, tensors[name]), name
+
+
+W30 = Placement(0.3, 0.4, 0.3)
+
+
+def _file_sizes(store: WeightStore, cfg: ModelConfig) -> dict[str, int]:
+    return {key: store.path(key).stat().st_size for key in stage_keys(cfg)}
+
+
+def test_store_for_a_policy_holds_only_the_tails_on_disk(tmp_path):
+    cfg, dtype = tiny_config(), torch.float16
+    store = ensure_store(DummySource(cfg, seed=5), tmp_path, dtype, placement=W30)
+    files = _file_sizes(store, cfg)
+    cuts = stage_cuts(cfg, dtype, None, W30)
+    sizes = stage_image_bytes(cfg, dtype)
+    for key, (_, cpu_end), size in zip(stage_keys(cfg), cuts, sizes, strict=True):
+        assert store.tail_start(key) == cpu_end, key
+        assert files[key] == size - cpu_end, key
+    on_disk = sum(files.values())
+    assert on_disk == store_bytes(cfg, dtype, None, W30) == store.file_bytes()
+    assert on_disk == weight_plan(cfg, Policy(1, 1, weights=W30), dtype)["weights_disk"]
+    assert on_disk < 0.3 * store_bytes(cfg, dtype, None), "the store holds more than the tails"
+    assert not store.whole
+    with (
+        PinnedPool(4096) as pool,
+        ExtentReader() as reader,
+        pytest.raises(UserError, match="offload-convert writes a whole one"),
+    ):
+        StoreSource(cfg, store, pool, reader)
+
+
+def test_replan_with_less_on_disk_reuses_the_store_and_more_rebuilds_it(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=store_mod.__name__)
+    cfg, dtype, source = tiny_config(), torch.float16, DummySource(tiny_config(), seed=5)
+    store = ensure_store(source, tmp_path, dtype, placement=W30)
+    manifest = store.directory / "manifest.json"
+    mtime = manifest.stat().st_mtime_ns
+    caplog.clear()
+    less = ensure_store(source, tmp_path, dtype, placement=Placement(0.3, 0.6, 0.1))
+    assert manifest.stat().st_mtime_ns == mtime and less.manifest == store.manifest
+    assert "reusing weight store" in caplog.text and "writing" not in caplog.text
+    caplog.clear()
+    more_on_disk = Placement(0.1, 0.3, 0.6)
+    more = ensure_store(source, tmp_path, dtype, placement=more_on_disk)
+    assert manifest.stat().st_mtime_ns != mtime
+    assert "holds less of the stages" in caplog.text and "writing weight store" in caplog.text
+    assert sum(_file_sizes(more, cfg).values()) == store_bytes(cfg, dtype, None, more_on_disk)
+    # a whole store (offload-convert's) serves every plan
+    whole = ensure_store(source, tmp_path, dtype)
+    assert whole.whole and whole.file_bytes() == store_bytes(cfg, dtype, None)
+    mtime = manifest.stat().st_mtime_ns
+    ensure_store(source, tmp_path, dtype, placement=Placement(0.0, 0.0, 1.0))
+    assert manifest.stat().st_mtime_ns == mtime
+    # a version 1 store (no tail_start) is whole
+    old = {**json.loads(manifest.read_text()), "format_version": 1}
+    for stage in old["stages"].values():
+        del stage["tail_start"]
+    manifest.write_text(json.dumps(old))
+    assert WeightStore.open(whole.directory, cfg, dtype).whole
+
+
+def test_truncated_tail_file_is_detected_and_rebuilt(tmp_path, caplog):
+    cfg, dtype, source = tiny_config(), torch.float16, DummySource(tiny_config(), seed=5)
+    store = ensure_store(source, tmp_path, dtype, placement=W30)
+    victim = store.path("layer.1")
+    os.truncate(victim, victim.stat().st_size - 4096)
+    with pytest.raises(UserError, match=r"missing or truncated; delete .* to rebuild"):
+        WeightStore.open(store.directory, cfg, dtype)
+    rebuilt = ensure_store(source, tmp_path, dtype, placement=W30)
+    assert "truncated" in caplog.text
+    assert _file_sizes(rebuilt, cfg) == _file_sizes(store, cfg)
 
 
 def test_many_concurrent_reads(tmp_path):

@@ -230,6 +230,32 @@ def test_plan_prints_a_readable_table(tmp_path, capsys):
         assert words in text
 
 
+def test_plan_tells_the_weight_store_and_the_free_space(tmp_path, capsys, monkeypatch):
+    """The store holds only the weights on disk: the plan's disk share of the weights,
+    not the whole model; a disk short of it is a one-line problem."""
+    import shutil
+    from collections import namedtuple
+
+    profile = tmp_path / "hw.json"
+    profile.write_text(PROFILE.to_json())
+    args = ["--model", "bigscience/bloom", "--gpu-mem", "24GB", "--cpu-mem", "100GB"]
+    args += ["--nvme", str(tmp_path), "--profile", str(profile)]
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**13, 0, 10**13))
+    assert plan_main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    store, disk = out["weight_store"], out["memory"]["detail"]["weights_disk"]
+    assert store["bytes"] == store["write_bytes"] == disk > 0 and store["problem"] is None
+    assert store["free_bytes"] == 10**13 and store["nvme"] == str(tmp_path)
+    assert disk < cfg_of("bloom").param_count() * 2, "the whole model counted"
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**13, 0, 6 * GB))
+    assert plan_main(args) == 0
+    text = capsys.readouterr()
+    assert f"weight store: {disk / GB:.1f} GB on {tmp_path} (6.0 GB free)" in text.out
+    problem = [line for line in text.err.splitlines() if "problem" in line]
+    assert len(problem) == 1 and "GB free, the weight store needs" in problem[0]
+
+
 def test_plan_counts_decode_graph_buffers_only_where_graphs_run():
     """All weights and activations on the GPU: the decode graphs' buffers (each layer's
     qkv twice and residual, the logits, per micro-batch) are in the GPU plan; a policy

@@ -11,7 +11,7 @@ from offload.cli.common import add_engine_flags, engine_args, run_cli, setup_log
 from offload.config import resolve_dtype
 from offload.errors import UserError
 from offload.io.atomic import exclusive
-from offload.io.store import ensure_store, store_bytes
+from offload.io.store import ensure_store
 from offload.models.resolve import resolve_model
 
 FLAGS = ("model", "revision", "dtype", "device", "dummy", "nvme", "compress")
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         ):
             store = ensure_store(source, engine.nvme, dtype, not args.quiet, compression)
         seconds = time.perf_counter() - started
-        size = store_bytes(spec.config, dtype, compression)
+        size = store.file_bytes()  # the whole model (no placement: tail_start 0)
         print(
             f"offload-convert: {store.directory} ({size / 1e9:.2f} GB) ready in {seconds:.1f} s",
             file=sys.stderr,

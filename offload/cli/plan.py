@@ -18,6 +18,8 @@ from offload.cli.common import (
 )
 from offload.errors import UserError
 from offload.executor.probe import PROBE_DEPTHS, measure_profile, verify
+from offload.io.layout import store_bytes
+from offload.io.store import find_store, free_bytes, space_problem
 from offload.models.resolve import resolve_model
 from offload.policies.caps import Caps
 from offload.policies.choose import choose_policy
@@ -80,7 +82,7 @@ def _plan(args) -> int:
     args.gen_len = sampling_params(args, {}).max_tokens
     if args.num_prompts is not None and args.num_prompts < 1:
         raise UserError(f"--num-prompts must be positive, got {args.num_prompts}")
-    cfg = resolve_model(engine.model, dummy=True, revision=engine.revision).config
+    model_cfg = cfg = resolve_model(engine.model, dummy=True, revision=engine.revision).config
     cpu_bytes = engine.cpu_bytes
     if args.tp > 1:  # tensor parallelism: the per-rank plan (offload.parallel)
         from offload.parallel import rank_config
@@ -113,11 +115,14 @@ def _plan(args) -> int:
         probed = _verify(cfg, choice, engine, args)
         best = probed[0][0]
     args.dtype = str(dtype).removeprefix("torch.")
+    store = _weight_store(model_cfg, dtype, engine.nvme, best.policy, args.tp)
+    if store is not None and store["problem"]:  # said before the what-if searches
+        print(f"offload-plan: problem: {store['problem']}", file=sys.stderr)
     what_if = _what_if(cfg, dtype, args, hw, caps, best)
     if args.json:
-        print(json.dumps(_as_json(best, what_if, probed), indent=1))
+        print(json.dumps({**_as_json(best, what_if, probed), "weight_store": store}, indent=1))
     else:
-        print(_table(cfg, args, hw, best, what_if, probed))
+        print(_table(cfg, args, hw, best, what_if, store, probed))
     if args.plot:
         _plot(args.plot, cfg, dtype, args, hw, caps, best)
     return 0
@@ -140,6 +145,44 @@ def _verify(cfg, choice, engine, args) -> list:
     spent = sum(probe.seconds_spent for _, probe in probed)
     print(f"offload-plan: probes took {spent:.1f} s", file=sys.stderr)
     return probed
+
+
+def _weight_store(model_cfg, dtype, nvme: Path | None, policy, tp: int) -> dict | None:
+    """The chosen policy's weight store under --nvme (each rank's under its own
+    directory): the stage tails it puts on disk, what a run would write (nothing where a
+    store there already holds them), the free space, and the problem when it is short."""
+    if nvme is None:
+        return None
+    placement, compression = policy.weights, policy.weight_compression
+    footprint = to_write = 0
+    for rank in range(tp) if placement.disk > 0 else ():
+        cfg, directory = model_cfg, nvme
+        if tp > 1:
+            from offload.parallel import rank_config
+            from offload.parallel.rank import rank_dir
+
+            cfg, directory = rank_config(model_cfg, tp, rank), rank_dir(nvme, rank)
+        need = store_bytes(cfg, dtype, compression, placement)
+        footprint += need
+        if find_store(directory, cfg, dtype, compression, placement)[0] is None:
+            to_write += need
+    return {
+        "nvme": str(nvme),
+        "bytes": footprint,
+        "write_bytes": to_write,
+        "free_bytes": free_bytes(nvme),
+        "problem": space_problem(nvme, to_write) if to_write else None,
+    }
+
+
+def _store_line(store: dict) -> str:
+    line = (
+        f"weight store: {store['bytes'] / GB:.1f} GB on {store['nvme']} "
+        f"({store['free_bytes'] / GB:.1f} GB free"
+    )
+    if store["bytes"] and not store["write_bytes"]:
+        line += "; the store there is reused"
+    return line + ")"
 
 
 def _what_if(cfg, dtype, args, hw, caps: Caps, best: Estimate) -> list[tuple[str, float]]:
@@ -211,7 +254,9 @@ def _format(c) -> str:
     return f"int{c.bits}-g{c.group_size}{'-sym' if c.symmetric else ''}"
 
 
-def _table(cfg, args, hw: HardwareProfile, best: Estimate, what_if, probed=()) -> str:
+def _table(
+    cfg, args, hw: HardwareProfile, best: Estimate, what_if, store: dict | None, probed=()
+) -> str:
     p, d = best.policy, best.memory.detail
     weights = d["weights_gpu"] + d["weights_cpu"] + d["weights_disk"]
     kv = d["kv_gpu"] + d["kv_cpu"] + d["kv_disk"]
@@ -250,6 +295,8 @@ def _table(cfg, args, hw: HardwareProfile, best: Estimate, what_if, probed=()) -
         f"peak memory: GPU {best.gpu_peak_bytes / GB:.1f} GB, CPU {best.cpu_peak_bytes / GB:.1f} GB, "
         f"disk {best.memory.disk_bytes / GB:.1f} GB",
     ]
+    if store is not None:  # (a problem with it is told on stderr, first)
+        lines.append(_store_line(store))
     if what_if:
         lines.append(
             "what would help: " + "; ".join(f"{label} -> {x:.2f}x" for label, x in what_if)

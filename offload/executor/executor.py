@@ -84,14 +84,18 @@ class Executor(LaneReports):  # implements runner.Runner
         self.ledger = MemoryLedger()
         self.tracer = Tracer(enabled=trace)
         self.lanes = Lanes(device, self.tracer)
+        started = time.perf_counter()
+        store = None
+        if policy.weights.disk > 0:  # first: a disk short of room fails before pinning
+            assert nvme_dir is not None, "the caller checks --nvme for disk policies"
+            store = ensure_store(
+                source, nvme_dir, dtype, progress, policy.weight_compression, policy.weights
+            )
+        stored = time.perf_counter()
         plan = weight_plan(self.cfg, policy, dtype)
         self.pool = PinnedPool(max(4096, plan["weights_cpu"] + plan["weight_staging_cpu"]))
         self.reader = ExtentReader(threads=8)
-        started = time.perf_counter()
-        store = None
-        if policy.weights.disk > 0:
-            assert nvme_dir is not None, "the caller checks --nvme for disk policies"
-            store = ensure_store(source, nvme_dir, dtype, progress, policy.weight_compression)
+        pinned = time.perf_counter()
         self.homes = WeightHomes(
             source,
             policy.weights,
@@ -101,11 +105,20 @@ class Executor(LaneReports):  # implements runner.Runner
             self.ledger,
             store,
             policy.weight_compression,
+            progress,
         )
         self.fetcher = WeightFetcher(
             self.homes, self.lanes, device, self.pool, self.reader, self.ledger
         )
         self.load_seconds = time.perf_counter() - started
+        if progress:
+            log.info(
+                "loaded in %.1f s: weight store %.1f s, pinning %.1f s, placing weights %.1f s",
+                self.load_seconds,
+                stored - started,
+                pinned - stored,
+                started + self.load_seconds - pinned,
+            )
         spill_dir = nvme_dir if nvme_dir is not None else Path(".")
         self.kv = KVManager(
             self.cfg,

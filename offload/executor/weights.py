@@ -3,7 +3,8 @@
 Each stage (the embedding, every layer, the head) is one byte image of its tensors,
 each 4 KiB aligned, in the weight store's layout. A policy's weight fractions cut that
 image at two 4 KiB boundaries: bytes [0, gpu_end) live on the GPU, [gpu_end, cpu_end)
-in the pinned pool, [cpu_end, size) in the store file on disk. The cut falls inside
+in the pinned pool, [cpu_end, size) in the store file on disk (which holds the image
+from its tail_start <= cpu_end on: `io.store`). The cut falls inside
 tensors, so "20% on the GPU" means 20% of every layer's bytes (FlexGen rounds whole
 tensors to one tier). Before a stage computes, its image is assembled in one of two
 GPU ring slots (GPU part by a device copy, CPU part by host -> GPU, disk part by
@@ -58,7 +59,8 @@ class StageImage:
     compression: Compression | None
     gpu_home: torch.Tensor | None = None  # uint8 [gpu_end] on the compute device
     cpu_home: PoolBlock | None = None  # [cpu_end - gpu_end] pinned
-    disk_extents: tuple[Extent, ...] = ()  # cover [cpu_end, size), offsets relative to cpu_end
+    disk_extents: tuple[Extent, ...] = ()  # cover [cpu_end, size), offsets in the store file
+    tail_start: int = 0  # where the store file begins in the image
     # a GPU-resident stage's views, built once (50 tensors' views cost 0.15 ms of host
     # time a stage, 7 ms a decode step of OPT-30B: measured with scripts/profile_step.py)
     resident_views: Weights | None = None
@@ -71,6 +73,10 @@ class StageImage:
         """Used in place: held whole on the GPU, or gathered from."""
         return self.gpu_end == self.size or self.gathered
 
+    def staging_offset(self, extent: Extent) -> int:
+        """Where a disk extent lands in the staging block that holds [cpu_end, size)."""
+        return extent.offset + self.tail_start - self.cpu_end
+
     def views(self, image: torch.Tensor) -> Weights:
         stored = {
             t.name: image[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape)
@@ -79,17 +85,12 @@ class StageImage:
         return assemble_stage(stored, self.shapes, self.dtype, self.compression)
 
 
-def _store_layout(store: WeightStore, key: str) -> tuple[TensorSlot, ...]:
-    """A stage's layout as its store file holds it (offsets from the stage's start)."""
-    extents = store.extents(key)
-    base = extents[0].offset
-    return tuple(TensorSlot(e.name, e.offset - base, e.nbytes, e.shape, e.dtype) for e in extents)
-
-
 def _disk_extents(image: StageImage, store: WeightStore, host: torch.Tensor) -> tuple[Extent, ...]:
-    """Extents over [cpu_end, size): whole tensors keep the store's checksum; the piece
-    of the tensor the cut falls in gets a checksum computed now from the verified bytes."""
-    path: Path = store.directory / store.manifest["stages"][image.key]["file"]
+    """Extents over [cpu_end, size) at their offsets in the store file (image offset -
+    tail_start): whole tensors keep the store's checksum; the piece of the tensor the cut
+    falls in gets a checksum computed now from the verified bytes."""
+    path: Path = store.path(image.key)
+    assert image.tail_start <= image.cpu_end, "the store lacks part of what is read from disk"
     out = []
     for t in image.layout:
         start, end = max(t.offset, image.cpu_end), t.offset + t.nbytes
@@ -97,12 +98,13 @@ def _disk_extents(image: StageImage, store: WeightStore, host: torch.Tensor) -> 
             continue
         whole = start == t.offset
         xxh = (
-            next(e.xxh3 for e in store.extents(image.key) if e.name == t.name)
+            store.checksum(image.key, t.name)
             if whole
             else xxhash.xxh3_64_hexdigest(memoryview(host[start:end].numpy()))
         )
+        at = start - image.tail_start
         out.append(
-            Extent(image.key, t.name, path, start, end - start, (end - start,), torch.uint8, xxh)
+            Extent(image.key, t.name, path, at, end - start, (end - start,), torch.uint8, xxh)
         )
     return tuple(out)
 
@@ -120,15 +122,21 @@ class WeightHomes:
         ledger: MemoryLedger,
         store: WeightStore | None,
         compression: Compression | None = None,
+        progress: bool = False,
     ) -> None:
         cfg = source.config
         if placement.disk > 0 and store is None:
             raise UserError("the policy puts weights on disk; give --nvme DIR for the weight store")
         self.images: list[StageImage] = []
         cuts = stage_cuts(cfg, dtype, compression, placement)
-        for key, (gpu_end, cpu_end) in zip(stage_keys(cfg), cuts, strict=True):
+        stages = zip(stage_keys(cfg), cuts, strict=True)
+        if progress:
+            from tqdm import tqdm
+
+            stages = tqdm(stages, desc="placing weights", unit="stage", total=len(cuts))
+        for key, (gpu_end, cpu_end) in stages:
             layout = (
-                _store_layout(store, key)
+                store.layout(key)
                 if store is not None
                 else stage_layout(cfg, key, dtype, compression)
             )
@@ -136,6 +144,7 @@ class WeightHomes:
             shapes = stage_shapes(cfg, key.partition(".")[0])
             image = StageImage(key, layout, size, gpu_end, cpu_end, shapes, dtype, compression)
             image.gathered = gathered(key, placement)
+            image.tail_start = store.tail_start(key) if store is not None else 0
             host = self._host_image(source, image, dtype, device)
             if gpu_end:
                 image.gpu_home = host[:gpu_end].to(device, copy=True)
@@ -234,8 +243,7 @@ class WeightFetcher:
         futures = []
         submitted = time.perf_counter()
         for extent in image.disk_extents:
-            rel = extent.offset - image.cpu_end
-            future = self.reader.submit(extent, block, block_offset=rel)
+            future = self.reader.submit(extent, block, block_offset=image.staging_offset(extent))
             future.add_done_callback(lambda f, t0=submitted, e=extent: self._disk_done(e, t0))
             futures.append(future)
         self._disk[index] = futures

@@ -6,7 +6,8 @@ stored tensors (`kernels.quant.stored_layout`: quantized matrices as codes, scal
 minima), each tensor 4 KiB aligned, in stage order; the weight store writes the same
 extents. A placement cuts an image at two 4 KiB boundaries (`stage_cut`): bytes
 [0, gpu_end) live on the GPU, [gpu_end, cpu_end) in pinned CPU memory, [cpu_end, size)
-on disk.
+on disk. The weight store holds each image's disk part (`store_tails`), or the whole
+image when it is written without a placement.
 
 KV cache. A home of `rows` sequences for one layer holds K and V for `max_slots`
 tokens: fp16 K then V (each 4 KiB aligned), or one compressed `QuantKV` buffer. CPU and
@@ -127,9 +128,25 @@ def gathered_gpu_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 EMBED_TABLE = "tok.weight"
 
 
-def store_bytes(cfg: ModelConfig, dtype: torch.dtype, compression: Compression | None) -> int:
-    """Bytes a weight store of the whole model takes on disk."""
-    return sum(stage_image_bytes(cfg, dtype, compression))
+def store_tails(
+    cfg: ModelConfig, dtype: torch.dtype, compression: Compression | None, placement=None
+) -> list[int]:
+    """Where each stage's part in the weight store begins: the stage's cpu_end under a
+    placement (the store holds the bytes [cpu_end, size) that the executor reads from
+    disk), 0 for every stage without one (the whole model)."""
+    if placement is None:
+        return [0] * len(stage_keys(cfg))
+    return [cpu_end for _, cpu_end in stage_cuts(cfg, dtype, compression, placement)]
+
+
+def store_bytes(
+    cfg: ModelConfig, dtype: torch.dtype, compression: Compression | None, placement=None
+) -> int:
+    """Bytes a weight store takes on disk: the stage tails a placement reads from disk
+    (its `weights_disk`), or the whole model without one."""
+    sizes = stage_image_bytes(cfg, dtype, compression)
+    tails = store_tails(cfg, dtype, compression, placement)
+    return sum(size - tail for size, tail in zip(sizes, tails, strict=True))
 
 
 # -- KV cache -------------------------------------------------------------------------

@@ -3,14 +3,28 @@
 Layout of a store directory (one per model, dtype and compression):
 
     manifest.json      format version, model, config hash, dtype, compression and, per
-                       stage, each tensor's file, offset, nbytes, shape, dtype, xxh3-64
+                       stage, its file, image size and tail_start, and each tensor's
+                       image offset, nbytes, shape, dtype and xxh3-64 (of the whole tensor)
     embed.bin, layer_0000.bin, ..., head.bin
 
-Every extent starts on a 4 KiB boundary and is zero-padded to a multiple of 4 KiB, so
-it can be read with O_DIRECT straight into an aligned pinned buffer. A store is built
-in `<dir>.partial/` (each file fsynced, the manifest written last) and renamed into
-place, so an interrupted conversion never leaves a directory that looks complete and
-an existing store stays intact until the new one is whole.
+A stage file holds the bytes [tail_start, size) of the stage's image (`io.layout`): the
+part a policy puts on disk, which is all the executor ever reads from it (the rest it
+reads from the source once, at set-up). A tensor's file offset is its image offset -
+tail_start. Without a placement (`offload-convert`) tail_start is 0 and the store holds
+the whole model. Every extent starts on a 4 KiB boundary and is zero-padded to a
+multiple of 4 KiB, so it can be read with O_DIRECT straight into an aligned pinned
+buffer; tail_start is a cut, so 4 KiB aligned too.
+
+A store serves a plan when every stage's tail_start is at most the plan's cut (it holds
+at least what the plan reads from disk): a re-plan that moves less onto disk reuses it,
+one that moves more rebuilds it. No slack is added below the cut: the store exists
+because the disk is short, the plan counts exactly these bytes as its disk share and
+the free-space check asks for exactly them, so planner and store agree; a store
+written whole by offload-convert serves every plan.
+
+A store is built in `<dir>.partial/` (each file fsynced, the manifest written last) and
+renamed into place, so an interrupted conversion never leaves a directory that looks
+complete and an existing store stays intact until the new one is whole.
 """
 
 from __future__ import annotations
@@ -20,8 +34,10 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
@@ -29,15 +45,19 @@ import xxhash
 from offload.config import ModelConfig
 from offload.errors import UserError
 from offload.io.atomic import atomic_write, fsync_dir
-from offload.io.layout import stage_keys, store_bytes
+from offload.io.layout import TensorSlot, stage_keys, store_bytes, store_tails
 from offload.io.pinned import ALIGN, align_up
 from offload.kernels.formats import Compression
 from offload.kernels.quant import compress_stage
 from offload.models.weights import WeightSource
 
+if TYPE_CHECKING:
+    from offload.policies.policy import Placement
+
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 adds each stage's tail_start; a version 1 store is read as whole
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 DTYPE_NAMES = {
     torch.float32: "float32",
@@ -67,7 +87,7 @@ def _split_key(key: str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class Extent:
-    """Where one tensor lives in the store."""
+    """A piece of a stage file to read: `offset` is in the file."""
 
     stage: str
     name: str
@@ -124,8 +144,13 @@ class WeightStore:
             raise UserError(
                 f"{path} is damaged ({exc}); delete {directory} to rebuild it"
             ) from None
+        if manifest.get("format_version") not in READABLE_VERSIONS:
+            raise UserError(
+                f"weight store {directory} has format_version="
+                f"{manifest.get('format_version')!r}, this run reads {READABLE_VERSIONS}; "
+                "delete it or use another --nvme directory"
+            )
         wanted = {
-            "format_version": FORMAT_VERSION,
             "config_hash": cfg.fingerprint(),
             "dtype": DTYPE_NAMES[dtype],
             "compression": compression_name(compression),
@@ -138,53 +163,116 @@ class WeightStore:
                 )
         for stage in manifest["stages"].values():
             file = directory / stage["file"]
-            if not file.is_file() or file.stat().st_size < stage["size"]:
+            held = stage["size"] - stage.get("tail_start", 0)
+            if not file.is_file() or file.stat().st_size < held:
                 raise UserError(
                     f"weight store file {file} is missing or truncated; delete {directory} to rebuild"
                 )
         return cls(directory, manifest)
 
+    def tail_start(self, key: str) -> int:
+        """Where the stage file begins in the stage's image."""
+        return self.manifest["stages"][key].get("tail_start", 0)
+
+    def holds(self, tails: Mapping[str, int]) -> bool:
+        """Whether the store holds, of every stage `key`, its image from `tails[key]` on:
+        all that a plan with these cuts reads from disk."""
+        stages = self.manifest["stages"]
+        return stages.keys() == tails.keys() and all(
+            self.tail_start(key) <= need for key, need in tails.items()
+        )
+
+    @property
+    def whole(self) -> bool:
+        """Holds every stage whole (written without a placement)."""
+        return all(stage.get("tail_start", 0) == 0 for stage in self.manifest["stages"].values())
+
+    def path(self, key: str) -> Path:
+        return self.directory / self.manifest["stages"][key]["file"]
+
+    def layout(self, key: str) -> tuple[TensorSlot, ...]:
+        """The stage's image layout: every tensor, at its offset in the image."""
+        return tuple(
+            TensorSlot(
+                name, t["offset"], t["nbytes"], tuple(t["shape"]), DTYPES_BY_NAME[t["dtype"]]
+            )
+            for name, t in self.manifest["stages"][key]["tensors"].items()
+        )
+
+    def checksum(self, key: str, name: str) -> str:
+        """xxh3-64 of the whole tensor `name` of stage `key`."""
+        return self.manifest["stages"][key]["tensors"][name]["xxh3"]
+
     def extents(self, key: str) -> list[Extent]:
-        stage = self.manifest["stages"][key]
-        path = self.directory / stage["file"]
+        """The tensors that the stage file holds whole, at their offsets in the file."""
+        tail, path = self.tail_start(key), self.path(key)
         return [
             Extent(
                 key,
-                name,
+                t.name,
                 path,
-                t["offset"],
-                t["nbytes"],
-                tuple(t["shape"]),
-                DTYPES_BY_NAME[t["dtype"]],
-                t["xxh3"],
+                t.offset - tail,
+                t.nbytes,
+                t.shape,
+                t.dtype,
+                self.checksum(key, t.name),
             )
-            for name, t in stage["tensors"].items()
+            for t in self.layout(key)
+            if t.offset >= tail
         ]
 
     def stage_bytes(self, key: str) -> int:
         return sum(e.padded for e in self.extents(key))
 
+    def file_bytes(self) -> int:
+        """What the stage files take on disk."""
+        return sum(s["size"] - s.get("tail_start", 0) for s in self.manifest["stages"].values())
 
-def write_stage_file(path: Path, weights: dict[str, torch.Tensor]) -> dict:
+
+def write_stage_file(path: Path, weights: dict[str, torch.Tensor], tail_start: int = 0) -> dict:
+    """Write the bytes [tail_start, size) of the stage image of `weights` (in order, each
+    tensor 4 KiB aligned) to `path`; returns the stage's manifest entry, whose checksums
+    are of the whole tensors."""
+    assert tail_start % ALIGN == 0, "a stage file starts on a 4 KiB boundary"
     tensors = {}
     offset = 0
     with path.open("wb") as f:
         for name, tensor in weights.items():
-            data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy()
+            data = memoryview(tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
             padded = align_up(data.nbytes)
-            f.write(memoryview(data).cast("B"))
-            f.write(b"\0" * (padded - data.nbytes))
+            skip = min(padded, max(0, tail_start - offset))  # bytes before the file begins
+            f.write(data[skip:])
+            f.write(b"\0" * (padded - max(skip, data.nbytes)))
             tensors[name] = {
                 "offset": offset,
                 "nbytes": data.nbytes,
                 "shape": list(tensor.shape),
                 "dtype": DTYPE_NAMES[tensor.dtype],
-                "xxh3": checksum(memoryview(data).cast("B")),
+                "xxh3": checksum(data),
             }
             offset += padded
         f.flush()
         os.fsync(f.fileno())
-    return {"file": path.name, "size": offset, "tensors": tensors}
+    assert tail_start <= offset, "the stage file begins past the stage's end"
+    return {"file": path.name, "size": offset, "tail_start": tail_start, "tensors": tensors}
+
+
+def free_bytes(directory: Path) -> int:
+    """Free bytes of the file system `directory` is (or would be) on."""
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    return shutil.disk_usage(directory).free
+
+
+def space_problem(nvme_dir: Path, need: int) -> str | None:
+    """None when nvme_dir has room for a store of `need` bytes, else the one-line cause."""
+    free = free_bytes(nvme_dir)
+    if free >= need + SPACE_MARGIN:
+        return None
+    return (
+        f"{nvme_dir} has {free / 1e9:.1f} GB free, the weight store needs {need / 1e9:.1f} GB; "
+        "free space or choose another --nvme directory"
+    )
 
 
 def convert(
@@ -193,34 +281,35 @@ def convert(
     dtype: torch.dtype,
     progress: bool = False,
     compression: Compression | None = None,
+    placement: Placement | None = None,
 ) -> Path:
     """Write a store for `source` under nvme_dir (quantized matrices when compression is
-    given); returns its directory."""
+    given) holding the stage tails `placement` puts on disk (the whole model without
+    one); returns its directory."""
     cfg = source.config
     final = store_dir(nvme_dir, cfg, dtype, compression)
     partial = final.with_name(final.name + ".partial")
-    need = store_bytes(cfg, dtype, compression)
+    need = store_bytes(cfg, dtype, compression, placement)
     nvme_dir.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(nvme_dir).free
-    if free < need + SPACE_MARGIN:
-        raise UserError(
-            f"{nvme_dir} has {free / 1e9:.1f} GB free, the weight store needs {need / 1e9:.1f} GB; "
-            "free space or choose another --nvme directory"
-        )
+    problem = space_problem(nvme_dir, need)
+    if problem:
+        raise UserError(problem)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
-    keys = stage_keys(cfg)
+    stages_in = zip(stage_keys(cfg), store_tails(cfg, dtype, compression, placement), strict=True)
     if progress:
         from tqdm import tqdm
 
-        keys = tqdm(keys, desc="writing weight store", unit="stage")
+        stages_in = tqdm(
+            stages_in, desc="writing weight store", unit="stage", total=len(stage_keys(cfg))
+        )
     stages = {}
     try:
-        for key in keys:
+        for key, tail_start in stages_in:
             stage, index = _split_key(key)
             weights = source.stage(stage, index, dtype, torch.device("cpu"))
             stages[key] = write_stage_file(
-                partial / _stage_file(key), compress_stage(weights, compression)
+                partial / _stage_file(key), compress_stage(weights, compression), tail_start
             )
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -250,22 +339,50 @@ def convert(
     return final
 
 
+def find_store(
+    nvme_dir: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    compression: Compression | None = None,
+    placement: Placement | None = None,
+) -> tuple[WeightStore | None, str | None]:
+    """(the complete matching store under nvme_dir that holds every tail `placement`
+    reads from disk (every stage whole without one), None) or (None, why there is none
+    to reuse: None when there is no store at all)."""
+    directory = store_dir(nvme_dir, cfg, dtype, compression)
+    if not (directory / MANIFEST).is_file():
+        return None, None
+    try:
+        store = WeightStore.open(directory, cfg, dtype, compression)
+    except UserError as exc:
+        return None, str(exc)
+    tails = store_tails(cfg, dtype, compression, placement)
+    if not store.holds(dict(zip(stage_keys(cfg), tails, strict=True))):
+        return None, f"{directory} holds less of the stages than this plan reads from disk"
+    return store, None
+
+
 def ensure_store(
     source: WeightSource,
     nvme_dir: Path,
     dtype: torch.dtype,
     progress: bool = False,
     compression: Compression | None = None,
+    placement: Placement | None = None,
 ) -> WeightStore:
-    """Reuse a matching complete store, or build one (a mismatching one is rebuilt)."""
+    """Reuse a matching complete store that holds what `placement` reads from disk, or
+    build one of those tails (the whole model without a placement)."""
     cfg = source.config
+    store, why_not = find_store(nvme_dir, cfg, dtype, compression, placement)
+    if why_not is not None:
+        log.warning("rebuilding weight store: %s", why_not)
+    if store is not None:
+        log.info(
+            "reusing weight store %s (%.1f GB on disk)", store.directory, store.file_bytes() / 1e9
+        )
+        return store
+    size = store_bytes(cfg, dtype, compression, placement)
     directory = store_dir(nvme_dir, cfg, dtype, compression)
-    if (directory / MANIFEST).is_file():
-        try:
-            return WeightStore.open(directory, cfg, dtype, compression)
-        except UserError as exc:
-            log.warning("rebuilding weight store: %s", exc)
-    size = store_bytes(cfg, dtype, compression)
     log.info("writing weight store %s (%.1f GB)", directory, size / 1e9)
-    built = convert(source, nvme_dir, dtype, progress, compression)
+    built = convert(source, nvme_dir, dtype, progress, compression, placement)
     return WeightStore.open(built, cfg, dtype, compression)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from offload.config import ModelConfig
+from offload.errors import UserError
 from offload.io.pinned import PinnedPool
 from offload.io.reader import ExtentReader
 from offload.io.store import WeightStore
@@ -18,6 +19,11 @@ class StoreSource(WeightSource):
     def __init__(
         self, config: ModelConfig, store: WeightStore, pool: PinnedPool, reader: ExtentReader
     ) -> None:
+        if not store.whole:
+            raise UserError(
+                f"weight store {store.directory} holds only the parts of stages a policy puts "
+                "on disk; offload-convert writes a whole one"
+            )
         self.config = config
         self.store = store
         self.pool = pool

@@ -50,11 +50,16 @@ class RankRunner:
         return getattr(self.executor, name)
 
 
-def rank_nvme(nvme: Path | None, world_rank: int) -> Path | None:
+def rank_dir(nvme: Path, world_rank: int) -> Path:
     """A rank's own directory for its weight store and KV spill: <nvme>/rank<i>."""
+    return nvme / f"rank{world_rank}"
+
+
+def rank_nvme(nvme: Path | None, world_rank: int) -> Path | None:
+    """`rank_dir`, made (None without an --nvme directory)."""
     if nvme is None:
         return None
-    path = nvme / f"rank{world_rank}"
+    path = rank_dir(nvme, world_rank)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
