@@ -147,7 +147,7 @@ class LLM:
                 self.device,
                 self.caps,
                 self.baseline,
-                args.prompt_len,
+                args.planned_prompt_len,
                 gen_len,
             )
         self.tokenizer = self.spec.tokenizer()
@@ -175,7 +175,7 @@ class LLM:
             self.args.gpu_bytes,
             self.args.cpu_bytes,
             self.args.nvme,
-            self.args.prompt_len,
+            self.args.planned_prompt_len,
             gen_len,
             self.args.profile,
             compressions=self.args.compressions(),
