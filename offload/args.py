@@ -97,6 +97,10 @@ KV_COMPRESS_HELP = (
 )
 
 
+# prompt tokens a plan is sized for when neither --prompt-len nor a job says
+PLAN_PROMPT_LEN = 512
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """The engine's options. Sizes are strings like "24GB" (or byte counts)."""
@@ -159,8 +163,13 @@ class EngineArgs:
     )
     compress: str = field(default="none", metadata=_meta(COMPRESS_HELP))
     kv_compress: str = field(default="none", metadata=_meta(KV_COMPRESS_HELP))
-    prompt_len: int = field(
-        default=512, metadata=_meta("typical prompt tokens the plan search sizes for", type=int)
+    prompt_len: int | None = field(
+        default=None,
+        metadata=_meta(
+            "prompt tokens the plan and its fit checks are sized for (default: offload-run "
+            f"sizes for the job's longest prompt; offload-plan and Python for {PLAN_PROMPT_LEN})",
+            type=int,
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -172,6 +181,8 @@ class EngineArgs:
             raise UserError(f"--generation-config {self.generation_config!r}: choose auto or none")
         for name in ("batch_size", "prompt_len"):
             value = getattr(self, name)
+            if name == "prompt_len" and value is None:
+                continue
             if not isinstance(value, int) or value < 1:
                 raise UserError(
                     f"--{name.replace('_', '-')} must be a positive integer, got {value!r}"
@@ -197,6 +208,12 @@ class EngineArgs:
     @property
     def cpu_bytes(self) -> int | None:
         return parse_size(self.cpu_mem, "--cpu-mem") if self.cpu_mem is not None else None
+
+    @property
+    def planned_prompt_len(self) -> int:
+        """The prompt tokens the plan is sized for: --prompt-len, else 512 (offload-run
+        first sets it to the job's longest prompt, `offload.cli.sizing`)."""
+        return self.prompt_len if self.prompt_len is not None else PLAN_PROMPT_LEN
 
     @property
     def wants_search(self) -> bool:

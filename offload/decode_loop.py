@@ -61,7 +61,7 @@ class DecodeLoop:
         """Outputs for checked token-id prompts, in their order, batches of batch_size."""
         limit = self.config.max_position_embeddings
         seqs = [
-            _Sequence(r, i, list(ids), min(p.max_tokens or limit, limit - len(ids)), p)
+            _Sequence(r, i, list(ids), p.budget(len(ids), limit), p)
             for r, (ids, p) in enumerate(requests)
             for i in range(p.n)
         ]

@@ -12,7 +12,6 @@ decode ... until every sequence hit EOS, a stop string or its token budget.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -22,23 +21,21 @@ from offload.args import EngineArgs, caps_from_max_memory, resolve_device
 from offload.config import DTYPES, resolve_dtype
 from offload.decode_loop import DecodeLoop
 from offload.errors import UserError
+from offload.front import Message, ModelFront, eos_ids
 from offload.io.atomic import exclusive
-from offload.models.resolve import resolve_model
 from offload.outputs import GenerationStats, RequestOutput
-from offload.policies.caps import Baseline, Caps, check_block_fits, check_weights_fit
+from offload.planning import Plan, plan_run
+from offload.policies.caps import Caps, check_block_fits
 from offload.policies.policy import Policy
 from offload.runner import PlainRunner, Runner
-from offload.sampling import SamplingParams, from_generation_config
+from offload.sampling import SamplingParams
 
 __all__ = ["DTYPES", "LLM", "GenerationStats", "RequestOutput", "resolve_device", "resolve_dtype"]
 
 if TYPE_CHECKING:  # the engine imports torch.distributed only for a TP rank
     from offload.parallel.comm import TensorParallel
 
-log = logging.getLogger(__name__)
-
 Prompt = str | dict[str, Any] | list[int]
-Message = dict[str, str]
 
 
 class LLM:
@@ -99,6 +96,21 @@ class LLM:
         llm._build(args, policy, gen_len, progress, trace, parallel)
         return llm
 
+    @classmethod
+    def from_plan(
+        cls,
+        args: EngineArgs,
+        front: ModelFront,
+        plan: Plan,
+        progress: bool = False,
+        trace: bool = False,
+    ) -> LLM:
+        """Load the weights for a plan made already (`planning.plan_run`) with this front:
+        offload-run judges its job and plans before anything long runs."""
+        llm = cls.__new__(cls)
+        llm._assemble(args, front, plan, progress, trace, None)
+        return llm
+
     def _build(
         self,
         args: EngineArgs,
@@ -110,51 +122,34 @@ class LLM:
     ) -> None:
         """parallel: this process is one tensor-parallel rank (`offload.parallel`): the
         executor runs over the rank's shard, and caps and nvme are the rank's own."""
-        self.args = args
-        self.parallel = parallel
-        self.spec = resolve_model(args.model, dummy=args.dummy, revision=args.revision)
-        self.config = self.spec.config
-        self.device = resolve_device(args.device) if parallel is None else parallel.device
+        device = resolve_device(args.device) if parallel is None else parallel.device
+        front = ModelFront(args, device)
         # tensor parallelism: memory is planned and checked for the rank's shard
+        rank_config = None if parallel is None else parallel.shard.config
+        plan = plan_run(front, args, policy, gen_len, rank_config, parallel is not None)
+        self._assemble(args, front, plan, progress, trace, parallel)
+
+    def _assemble(
+        self,
+        args: EngineArgs,
+        front: ModelFront,
+        plan: Plan,
+        progress: bool,
+        trace: bool,
+        parallel: TensorParallel | None,
+    ) -> None:
+        """front -> plan -> load: the engine over a checked plan."""
+        self.args, self.front, self.parallel = args, front, parallel
+        self.spec, self.config, self.tokenizer = front.spec, front.config, front.tokenizer
+        self.device, self.dtype = front.device, front.dtype
         self.rank_config = self.config if parallel is None else parallel.shard.config
-        self.dtype = resolve_dtype(
-            args.dtype, self.device.type == "cuda", self.config.checkpoint_dtype
-        )
-        gen_config = self.spec.generation_config() if args.generation_config == "auto" else {}
-        self.default_sampling = from_generation_config(gen_config)
-        self.chat_template = _chat_template(args.chat_template)
-        if args.policy is not None:
-            policy = Policy.from_file(args.policy)
-        gen_len = gen_len or self.get_default_sampling_params().max_tokens or 256
-        if policy is None and args.wants_search:
-            policy = self._search(gen_len)
-        if parallel is not None and policy is None:
-            policy = Policy(gpu_batch_size=args.batch_size, num_gpu_batches=1)
-        self.policy = policy
-        self.caps = Caps(args.gpu_bytes, args.cpu_bytes, nvme=args.nvme is not None)
-        self.batch_size = policy.block_size if policy else args.batch_size
-        # what the process holds before any weights: the baseline of the one accounting
-        self.baseline = Baseline.measure(self.device)
-        if policy is not None:
-            check_weights_fit(
-                self.rank_config, policy, self.dtype, self.device, self.caps, self.baseline
-            )
-            # the block as planned (prompt_len + gen_len) fits, before anything loads
-            check_block_fits(
-                self.rank_config,
-                policy,
-                self.dtype,
-                self.device,
-                self.caps,
-                self.baseline,
-                args.prompt_len,
-                gen_len,
-            )
-        self.tokenizer = self.spec.tokenizer()
+        self.default_sampling = front.default_sampling
+        self.chat_template = front.chat_template
+        self.policy, self.caps, self.baseline = plan.policy, plan.caps, plan.baseline
+        self.batch_size = plan.batch_size
+        self.planned_for = (plan.prompt_len, plan.gen_len)  # prompt and new tokens
         self.runner: Runner = self._load(progress, trace)
-        eos = gen_config.get("eos_token_id")
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        self.eos_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids | set(eos)
+        self.eos_ids = eos_ids(front)
         self.stats = GenerationStats()
         self.on_phase: Callable[[str], None] | None = None  # told "prefill" / "decode"
         self.loop = DecodeLoop(
@@ -165,29 +160,6 @@ class LLM:
             self._phase,
             self.device,
         )
-
-    def _search(self, gen_len: int) -> Policy:
-        from offload.policies.choose import choose_policy
-
-        choice = choose_policy(
-            self.rank_config,
-            self.dtype,
-            self.args.gpu_bytes,
-            self.args.cpu_bytes,
-            self.args.nvme,
-            self.args.prompt_len,
-            gen_len,
-            self.args.profile,
-            compressions=self.args.compressions(),
-            kv_compressions=self.args.kv_compressions(),
-        )
-        best = choice.best
-        log.info(
-            "searched policy: predicted %.1f tok/s, bottleneck %s",
-            best.total_tok_s,
-            best.bottleneck,
-        )
-        return best.policy
 
     def _load(self, progress: bool, trace: bool) -> Runner:
         nvme, policy = self.args.nvme, self.policy
@@ -216,34 +188,21 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (vLLM's)."""
-        return SamplingParams(**self.default_sampling)
+        return self.front.get_default_sampling_params()
 
     def get_tokenizer(self):
         return self.tokenizer
 
-    # -- prompts ----------------------------------------------------------------------
+    # -- prompts (the front's: one path from a request to its token ids) --------------
     def encode_prompt(self, prompt: str) -> list[int]:
         """Raw text, as vLLM's generate and the completions API: never templated."""
-        return self.tokenizer.encode(prompt)
+        return self.front.encode_prompt(prompt)
 
     def encode_chat(self, messages: list[Message], chat_template: str | None = None) -> list[int]:
-        template = _chat_template(chat_template) or self.chat_template
-        if template is None and not self.tokenizer.has_chat_template:
-            raise UserError(
-                "this model's tokenizer has no chat template; pass --chat-template "
-                "(chat_template=) with one, or send raw prompts"
-            )
-        text = self.tokenizer.render_chat(messages, template)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.front.encode_chat(messages, chat_template)
 
     def check_prompt(self, ids: list[int]) -> None:
-        limit = self.config.max_position_embeddings
-        if not ids:
-            raise UserError("a prompt is empty; give it at least one token of text")
-        if len(ids) >= limit:
-            raise UserError(
-                f"a prompt has {len(ids)} tokens but the model's context is {limit}; shorten it"
-            )
+        self.front.check_prompt(ids)
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -317,7 +276,7 @@ class LLM:
         if self.policy is not None and requests:
             limit = self.config.max_position_embeddings
             longest = max(len(ids) for ids, _ in requests)
-            budget = max(min(p.max_tokens or limit, limit - len(ids)) for ids, p in requests)
+            budget = max(p.budget(len(ids), limit) for ids, p in requests)
             check_block_fits(
                 self.rank_config,
                 self.policy,
@@ -344,18 +303,3 @@ class LLM:
     def _phase(self, name: str) -> None:
         if self.on_phase is not None:
             self.on_phase(name)
-
-
-def _chat_template(value: str | None) -> str | None:
-    """--chat-template: a file holding a Jinja template, or the template itself."""
-    if value is None:
-        return None
-    path = Path(value).expanduser()
-    if len(value) < 4096 and path.is_file():
-        return path.read_text(encoding="utf-8")
-    if "{{" in value or "{%" in value:
-        return value
-    raise UserError(
-        f"--chat-template {value!r} is neither a file nor a Jinja template; give a path or "
-        "the template text"
-    )

@@ -304,8 +304,12 @@ def run_job(
     stats: JobStats,
     stop: StopFlag,
     on_block: Callable[[], None] | None = None,
+    prompt_limit: int | None = None,
 ) -> None:
-    """Generate every request not yet in the sink; results land block by block."""
+    """Generate every request not yet in the sink; results land block by block.
+
+    prompt_limit: the longest prompt the plan fits in the memory caps (offload-run with
+    --skip-invalid, `cli.sizing`); a longer one is an error result."""
     window = max(llm.batch_size * 8, 64)
     pending: list[tuple[JobRequest, list[int]]] = []
     errors: list[dict[str, Any]] = []
@@ -348,6 +352,7 @@ def run_job(
             try:
                 ids = encode_request(llm, req)
                 llm.check_prompt(ids)
+                _check_planned(ids, prompt_limit)
                 pending.append((req, ids))
             except UserError as exc:
                 errors.append(result_row(req, error=str(exc)))
@@ -360,8 +365,17 @@ def run_job(
     flush_window()
 
 
+def _check_planned(ids: list[int], prompt_limit: int | None) -> None:
+    if prompt_limit is not None and len(ids) > prompt_limit:
+        raise UserError(
+            f"a prompt has {len(ids)} tokens but the plan fits at most {prompt_limit} in the "
+            "memory caps; shorten it or raise the caps"
+        )
+
+
 def encode_request(llm, req: JobRequest) -> list[int]:
-    """Token ids of a request: raw text or token ids as given, a chat templated."""
+    """Token ids of a request: raw text or token ids as given, a chat templated. llm:
+    an `LLM` or its `ModelFront` (offload-run measures the job before the load)."""
     if req.messages is not None:
         return llm.encode_chat(req.messages)
     if req.prompt_ids is not None:

@@ -126,6 +126,11 @@ class SamplingParams:
             and self.min_tokens == 0
         )
 
+    def budget(self, prompt_tokens: int, context: int) -> int:
+        """New tokens a sequence of this prompt length may get: max_tokens (None: up to
+        the context), never past the context."""
+        return min(self.max_tokens or context, context - prompt_tokens)
+
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "max_new_tokens"}
         out = {k: v for k, v in out.items() if k not in _REFUSED}

@@ -20,6 +20,8 @@ LAYERS = [
         "api",
         [
             "engine",
+            "front",
+            "planning",
             "decode_loop",
             "jobs",
             "openai_batch",

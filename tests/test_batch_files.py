@@ -43,7 +43,7 @@ def no_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the input was judged")
 
-    monkeypatch.setattr(LLM, "from_engine_args", refuse)
+    monkeypatch.setattr(LLM, "_load", refuse)
 
 
 def test_openai_batch_file_gives_the_batch_api_output(model_dir, tmp_path):
@@ -196,17 +196,22 @@ def test_bad_flags_are_refused_before_any_measurement(argv, words, monkeypatch, 
 
     monkeypatch.setattr(hardware, "measure", lambda *a, **k: pytest.fail("measured the machine"))
     module = importlib.import_module(argv[0])
-    monkeypatch.setattr(LLM, "from_engine_args", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(LLM, "_load", lambda *a, **k: pytest.fail("loaded the model"))
     assert module.main(["--model", "opt-30b", *argv[1:]]) == 2
     assert words in capsys.readouterr().err
 
 
 def test_every_request_failing_exits_one(model_dir, tmp_path):
     jobs = tmp_path / "jobs.jsonl"
-    jobs.write_text(json.dumps({"prompt": "y" * 400}) + "\n")  # longer than the context
+    lines = [{"prompt": "y" * 400}, {"messages": [{"role": "user", "content": "hi"}]}]
+    jobs.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = tmp_path / "out.jsonl"
-    assert main(["--model", str(model_dir), "-i", str(jobs), "-o", str(out), "-q"]) == 1
-    assert "context is 256" in _rows(out)[0]["error"]
+    argv = ["--model", str(model_dir), "-i", str(jobs), "-o", str(out), "-q"]
+    # past the context (without --skip-invalid refused before the load, tests/test_sizing.py)
+    # and a chat for a model without a chat template
+    assert main([*argv, "--skip-invalid"]) == 1
+    errors = [row["error"] for row in _rows(out)]
+    assert "context is 256" in errors[0] and "no chat template" in errors[1]
 
 
 def test_a_second_run_on_the_same_output_is_refused_and_the_first_completes(model_dir, tmp_path):

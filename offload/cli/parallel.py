@@ -136,7 +136,7 @@ def _policy(engine: EngineArgs, rank_args: EngineArgs, topo: Topology, gen_len: 
             rank_args.gpu_bytes,
             rank_args.cpu_bytes,
             rank_args.nvme,
-            engine.prompt_len,
+            engine.planned_prompt_len,
             gen_len,
             engine.profile,
             compressions=engine.compressions(),

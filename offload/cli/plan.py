@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plan(args) -> int:
     engine = engine_args(args)  # every flag judged before the machine is measured
+    args.prompt_len = engine.planned_prompt_len  # no job here: --prompt-len, else 512
     args.gen_len = sampling_params(args, {}).max_tokens
     if args.num_prompts is not None and args.num_prompts < 1:
         raise UserError(f"--num-prompts must be positive, got {args.num_prompts}")
@@ -98,7 +99,7 @@ def _plan(args) -> int:
         engine.gpu_bytes,
         cpu_bytes,
         engine.nvme,
-        engine.prompt_len,
+        args.prompt_len,
         args.gen_len,
         engine.profile,
         args.num_prompts,

@@ -51,9 +51,18 @@ def summary(llm: LLM, stats: JobStats, load_seconds: float) -> dict[str, Any]:
             "wall": time.perf_counter() - stats.started,
         },
         "policy": llm.policy.to_dict() if llm.policy else None,
+        "planned_for": _planned_for(llm),
         "peak_memory": peak_memory(llm),
         "memory": llm.runner.memory_report(),
     }
+
+
+def _planned_for(llm: LLM) -> dict[str, int] | None:
+    """The lengths the policy was sized and checked for (None: no policy, nothing sized)."""
+    if llm.policy is None:
+        return None
+    prompt_tokens, new_tokens = llm.planned_for
+    return {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
 
 
 def report(llm: LLM, stats: JobStats, load_seconds: float, stats_path: Path | None) -> None:

@@ -1,8 +1,10 @@
 """`offload-run`: generate text for prompts with a model, print or write JSONL.
 
 The story: parse the flags (`EngineArgs` and sampling, checked at once) -> open the
-source (every input line checked) and the sink (locked) -> build the engine (plan
-search, load) -> run the job -> report. Nothing long runs before the inputs are judged.
+source (every input line checked) -> the model's front (config and tokenizer, no
+weights) -> measure the job (every prompt encoded: its longest prompt and budget) ->
+plan for it (search, fit checks) -> open the sink (locked) -> load -> run the job ->
+report. Every check that can fail runs before the load (`cli.sizing`).
 
 Exit codes: 0 every request succeeded; 1 every request failed; 2 a usage or input
 error (bad flag, unreadable or all-invalid file, duplicate ids), nothing generated;
@@ -18,8 +20,8 @@ import time
 from pathlib import Path
 
 from offload import jobs
-from offload.args import ENGINE_FIELDS
-from offload.cli import report, sources
+from offload.args import ENGINE_FIELDS, resolve_device
+from offload.cli import report, sizing, sources
 from offload.cli.common import (
     add_engine_flags,
     add_sampling_flags,
@@ -29,6 +31,7 @@ from offload.cli.common import (
     setup_logging,
 )
 from offload.engine import LLM
+from offload.front import ModelFront
 from offload.resultlog import ResultLog
 
 log = logging.getLogger("offload")
@@ -65,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(p)
     p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the last step here")  # fmt: skip
     p.add_argument("--restart", action="store_true", help="discard an unfinished job's results and start over")  # fmt: skip
-    p.add_argument("--skip-invalid", action="store_true", help="record unparsable lines as errors and go on")  # fmt: skip
+    p.add_argument("--skip-invalid", action="store_true", help="record unparsable lines, and prompts too long for the context or the memory caps, as errors and go on")  # fmt: skip
     p.add_argument("--stats", type=Path, help="write the run's summary as JSON here")  # fmt: skip
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar; errors and results only")  # fmt: skip
     # tensor / data parallelism (offload.parallel, docs/parallel.md)
@@ -104,22 +107,22 @@ def _run(args: argparse.Namespace) -> int:
     flag_params = sampling_params(args, {})  # sampling flags judged before any long work
     output = sources.check_output(args.output)
     source = sources.open_source(args, output)
-    started = time.perf_counter()
-    llm = LLM.from_engine_args(
-        engine,
-        gen_len=flag_params.max_tokens,
-        progress=not args.quiet,
-        trace=args.trace is not None,
+    front = ModelFront(engine, resolve_device(engine.device))  # config and tokenizer only
+    params = sampling_params(args, front.default_sampling)
+    shape = sizing.measure(front, source.requests(params), source.from_flags, args.skip_invalid)
+    sized = sizing.plan_for_job(front, engine, shape, flag_params.max_tokens, args.skip_invalid)
+    sink = sources.open_sink(
+        output, _fingerprint(args, engine, params, source.sha256), args.restart
     )
-    load_seconds = time.perf_counter() - started
+    started = time.perf_counter()
     try:
-        params = sampling_params(args, llm.default_sampling)
-        sink = sources.open_sink(
-            output, _fingerprint(args, engine, params, source.sha256), args.restart
+        llm = LLM.from_plan(
+            sized.engine, front, sized.plan, progress=not args.quiet, trace=args.trace is not None
         )
     except BaseException:
-        llm.close()
+        _close(sink)
         raise
+    load_seconds = time.perf_counter() - started
     log.info(
         "model %s (%s, %.0fM parameters) on %s in %s; loaded in %.1f s",
         llm.spec.name,
@@ -134,17 +137,11 @@ def _run(args: argparse.Namespace) -> int:
     stats = jobs.JobStats(total=source.total, skipped=sink.done_count)
     if stats.skipped:
         log.info("resuming: %d of %d requests already done", stats.skipped, source.total)
-    requests = source.requests(params)
     try:
-        if source.from_flags:  # command-line prompts: a bad one fails the run
-            requests = list(requests)
-            for req in requests:
-                llm.check_prompt(jobs.encode_request(llm, req))
-        _generate(args, llm, requests, sink, stats)
+        _generate(args, llm, source.requests(params), sink, stats, sized.prompt_limit)
     except BaseException:
         llm.close()
-        if isinstance(sink, ResultLog):
-            sink.close()
+        _close(sink)
         raise
     if source.spooled is not None and not stats.interrupted:
         source.spooled.unlink(missing_ok=True)
@@ -166,11 +163,17 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_ALL_FAILED if sink.error_count == source.total else EXIT_SOME_FAILED
 
 
-def _generate(args, llm: LLM, requests, sink, stats: jobs.JobStats) -> None:
+def _close(sink) -> None:
+    if isinstance(sink, ResultLog):
+        sink.close()
+
+
+def _generate(args, llm: LLM, requests, sink, stats: jobs.JobStats, prompt_limit) -> None:
     bar = None if args.quiet else report.Progress(stats, llm)
     try:
         with jobs.StopFlag() as stop:
-            jobs.run_job(llm, requests, sink, stats, stop, on_block=bar.update if bar else None)
+            on_block = bar.update if bar else None
+            jobs.run_job(llm, requests, sink, stats, stop, on_block, prompt_limit)
     except KeyboardInterrupt:
         stats.interrupted = True
     finally:

@@ -1,0 +1,195 @@
+"""offload-run sizes its plan for the job, before the model loads.
+
+    measure: every request encoded with the model's tokenizer and chat template (the
+             front: no weights) -> the job's prompt lengths and generation budgets
+    plan_for_job: --prompt-len, else the job's longest prompt -> `planning.plan_run`
+             (search and fit checks) -> the plan, or a one-line refusal
+
+So a job whose prompts are longer than the plan allows is refused in seconds, not after
+a load of minutes. A prompt past the model's context, or longer than any plan fits in
+the memory caps, stops the run unless --skip-invalid, which records it as an error
+result (`jobs.run_job`) and runs the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from offload import jobs
+from offload.args import EngineArgs
+from offload.errors import PromptTooLong, UserError
+from offload.front import ModelFront
+from offload.planning import Plan, plan_run
+
+log = logging.getLogger("offload")
+
+SKIP_HINT = "or pass --skip-invalid to record such requests as errors and go on"
+
+
+@dataclass
+class JobShape:
+    """The prompt lengths of the requests a job generates for: for each length, the
+    largest generation budget among its requests and one request's id (for messages)."""
+
+    context: int
+    by_length: dict[int, tuple[int, str]] = field(default_factory=dict)
+    counts: Counter[int] = field(default_factory=Counter)  # requests of each length
+
+    def add(self, prompt_tokens: int, budget: int, request_id: str) -> None:
+        known_budget, known_id = self.by_length.get(prompt_tokens, (0, request_id))
+        self.by_length[prompt_tokens] = (max(known_budget, budget), known_id)
+        self.counts[prompt_tokens] += 1
+
+    @property
+    def longest(self) -> int | None:
+        return max(self.by_length, default=None)
+
+    def lengths(self) -> list[int]:
+        return sorted(self.by_length)
+
+    def request_id(self, prompt_tokens: int) -> str:
+        return self.by_length[prompt_tokens][1]
+
+    def gen_len(self, prompt_tokens: int) -> int:
+        """The largest budget among prompts of up to `prompt_tokens` tokens, within the
+        context after such a prompt: the search plans only lengths that fit the context.
+        (A block that holds the longest prompt and a shorter one's larger budget goes
+        past that; `LLM.generate_ids` still checks each block as it comes.)"""
+        budget = max(b for n, (b, _) in self.by_length.items() if n <= prompt_tokens)
+        return max(1, min(budget, self.context - prompt_tokens))
+
+
+def measure(
+    front: ModelFront, requests: Iterable[jobs.JobRequest], from_flags: bool, skip_invalid: bool
+) -> JobShape:
+    """Encode every valid request the way `jobs.run_job` will (`jobs.encode_request`,
+    `ModelFront.check_prompt`) and record its length and budget.
+
+    Token ids are not kept: run_job encodes each request again as it goes, so memory
+    stays flat however long the job. Requests an earlier run finished are measured too:
+    the job is judged the same on every run, before the result log is opened. A bad
+    command-line prompt stops the run (as before); in a file, a prompt past the context
+    stops it unless skip_invalid, and other bad requests are left to run_job, which
+    records them as error results."""
+    shape = JobShape(front.config.max_position_embeddings)
+    for req in requests:
+        if req.error is not None:
+            continue
+        try:
+            ids = jobs.encode_request(front, req)
+            front.check_prompt(ids)
+        except PromptTooLong as exc:
+            if from_flags:
+                raise
+            if not skip_invalid:
+                raise UserError(f"request {req.id}: {exc}, {SKIP_HINT}") from None
+            continue
+        except UserError:
+            if from_flags:
+                raise
+            continue
+        assert req.params is not None
+        shape.add(len(ids), req.params.budget(len(ids), shape.context), req.id)
+    return shape
+
+
+@dataclass(frozen=True)
+class SizedPlan:
+    """The engine's args with the prompt length planned, the plan, and the longest prompt
+    it runs (None: every prompt the context holds; longer ones become error results)."""
+
+    engine: EngineArgs
+    plan: Plan
+    prompt_limit: int | None = None
+
+
+def plan_for_job(
+    front: ModelFront,
+    engine: EngineArgs,
+    shape: JobShape,
+    gen_len: int | None,
+    skip_invalid: bool,
+) -> SizedPlan:
+    """The plan for the job's prompts: --prompt-len when given (never below the job's
+    longest prompt), else the job's longest. gen_len: new tokens to plan for when the
+    job has nothing to generate."""
+    longest = shape.longest
+    if longest is None:  # nothing to generate: the flags' lengths, or the defaults
+        return SizedPlan(engine, plan_run(front, engine, gen_len=gen_len))
+    if engine.prompt_len is not None:
+        if engine.prompt_len < longest:
+            raise UserError(
+                f"request {shape.request_id(longest)} has a prompt of {longest} tokens but "
+                f"--prompt-len is {engine.prompt_len}; raise --prompt-len to {longest} or "
+                "omit it (the plan is then sized for the job's longest prompt)"
+            )
+        plan = plan_run(front, engine, gen_len=shape.gen_len(engine.prompt_len))
+        _log_sizing(plan, f"--prompt-len; the job's longest prompt has {longest}")
+        return SizedPlan(engine, plan)
+    sized = engine.replace(prompt_len=longest)
+    try:
+        plan = plan_run(front, sized, gen_len=shape.gen_len(longest))
+    except UserError as exc:
+        return _plan_what_fits(front, engine, shape, skip_invalid, exc)
+    _log_sizing(plan, "the job's longest")
+    return SizedPlan(sized, plan)
+
+
+def _plan_what_fits(
+    front: ModelFront, engine: EngineArgs, shape: JobShape, skip_invalid: bool, error: UserError
+) -> SizedPlan:
+    """The job's longest prompt has no plan: find the longest of its prompts that has
+    one (a plan search or fit check a try, halving), and refuse the longer ones, or with
+    skip_invalid plan for it and leave the longer ones to run_job as error results.
+    Nothing fits: the longest prompt's error, as it came."""
+    lengths = shape.lengths()
+
+    def attempt(prompt_tokens: int) -> SizedPlan | None:
+        sized = engine.replace(prompt_len=prompt_tokens)
+        try:
+            plan = plan_run(front, sized, gen_len=shape.gen_len(prompt_tokens))
+        except UserError:
+            return None
+        return SizedPlan(sized, plan, prompt_tokens)
+
+    fitting = attempt(lengths[0])
+    if fitting is None:
+        raise error
+    low, high = 0, len(lengths) - 1  # lengths[low] has a plan, lengths[high] has none
+    while high - low > 1:
+        middle = (low + high) // 2
+        found = attempt(lengths[middle])
+        if found is None:
+            high = middle
+        else:
+            low, fitting = middle, found
+    fits, longest = lengths[low], lengths[-1]
+    if not skip_invalid:
+        raise UserError(
+            f"request {shape.request_id(longest)} has a prompt of {longest} tokens, longer "
+            f"than any plan fits in the memory caps (of this job's prompts, those up to {fits} "
+            f"tokens fit); shorten it, raise the caps, {SKIP_HINT}"
+        )
+    longer = sum(count for n, count in shape.counts.items() if n > fits)
+    log.warning(
+        "%d request(s) with prompts of more than %d tokens (up to %d) do not fit the memory "
+        "caps; they are recorded as errors (--skip-invalid)",
+        longer,
+        fits,
+        longest,
+    )
+    _log_sizing(fitting.plan, "the longest that fits the caps")
+    return fitting
+
+
+def _log_sizing(plan: Plan, why: str) -> None:
+    if plan.policy is not None:  # without a policy nothing is sized
+        log.info(
+            "plan sized for prompts of %d tokens (%s) and %d new tokens",
+            plan.prompt_len,
+            why,
+            plan.gen_len,
+        )

@@ -1,0 +1,90 @@
+"""`ModelFront`: the light half of an engine, ready before any weight loads.
+
+The model's config, its dtype on the device, the sampling defaults of its
+generation_config.json, the chat template and the tokenizer: enough to turn every
+request into token ids and judge it against the model's context. offload-run measures
+its job with a front before the plan search and the load (`offload.cli.sizing`); an
+`LLM` keeps its front and encodes through it, so there is one path from a request to
+its token ids.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offload.args import EngineArgs
+from offload.config import resolve_dtype
+from offload.errors import PromptTooLong, UserError
+from offload.models.resolve import resolve_model
+from offload.sampling import SamplingParams, from_generation_config
+
+Message = dict[str, str]
+
+
+class ModelFront:
+    """The model's spec, config, dtype, sampling defaults, chat template and tokenizer."""
+
+    def __init__(self, args: EngineArgs, device: torch.device) -> None:
+        self.spec = resolve_model(args.model, dummy=args.dummy, revision=args.revision)
+        self.config = self.spec.config
+        self.device = device
+        self.dtype = resolve_dtype(args.dtype, device.type == "cuda", self.config.checkpoint_dtype)
+        self.generation_config = (
+            self.spec.generation_config() if args.generation_config == "auto" else {}
+        )
+        self.default_sampling = from_generation_config(self.generation_config)
+        self.chat_template = chat_template(args.chat_template)
+        self.tokenizer = self.spec.tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's)."""
+        return SamplingParams(**self.default_sampling)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Raw text, as vLLM's generate and the completions API: never templated."""
+        return self.tokenizer.encode(prompt)
+
+    def encode_chat(self, messages: list[Message], template: str | None = None) -> list[int]:
+        template = chat_template(template) or self.chat_template
+        if template is None and not self.tokenizer.has_chat_template:
+            raise UserError(
+                "this model's tokenizer has no chat template; pass --chat-template "
+                "(chat_template=) with one, or send raw prompts"
+            )
+        text = self.tokenizer.render_chat(messages, template)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_prompt(self, ids: list[int]) -> None:
+        """A prompt has at least one token and leaves room in the context for one more."""
+        limit = self.config.max_position_embeddings
+        if not ids:
+            raise UserError("a prompt is empty; give it at least one token of text")
+        if len(ids) >= limit:
+            raise PromptTooLong(
+                f"a prompt has {len(ids)} tokens but the model's context is {limit}; shorten it"
+            )
+
+
+def chat_template(value: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja template, or the template itself."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if len(value) < 4096 and path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise UserError(
+        f"--chat-template {value!r} is neither a file nor a Jinja template; give a path or "
+        "the template text"
+    )
+
+
+def eos_ids(front: ModelFront) -> set[int]:
+    """Token ids that end a sequence: the config's, the tokenizer's, generation_config's."""
+    eos: Any = front.generation_config.get("eos_token_id")
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return set(front.config.eos_token_ids) | front.tokenizer.eos_token_ids | set(eos)

@@ -1,0 +1,95 @@
+"""`plan_run`: the policy a run will use, and the proof that it fits, before any load.
+
+    --policy FILE, or the plan search (caps or --nvme), or none (one device, no
+    offloading) -> the weights fit the caps -> a full block of the planned prompt and
+    generation lengths fits the caps
+
+Every step needs only the model's config (`ModelFront`), never its weights, so a plan
+that cannot run is refused in seconds, not after a long load.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from offload.args import EngineArgs
+from offload.config import ModelConfig
+from offload.front import ModelFront
+from offload.policies.caps import Baseline, Caps, check_block_fits, check_weights_fit
+from offload.policies.policy import Policy
+
+log = logging.getLogger(__name__)
+
+# generation tokens a plan is sized for when neither the caller nor the model says
+PLAN_GEN_LEN = 256
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where a run's weights and KV cache live (None: one device, no offloading), the
+    caps and baseline it was checked against, and the lengths it was sized for."""
+
+    policy: Policy | None
+    caps: Caps
+    baseline: Baseline
+    batch_size: int
+    prompt_len: int
+    gen_len: int
+
+
+def plan_run(
+    front: ModelFront,
+    args: EngineArgs,
+    policy: Policy | None = None,
+    gen_len: int | None = None,
+    rank_config: ModelConfig | None = None,
+    tensor_parallel: bool = False,
+) -> Plan:
+    """The run's plan for prompts of `args.planned_prompt_len` tokens and `gen_len` new
+    tokens; `UserError` when it cannot fit. policy: one chosen already (a TP job's);
+    rank_config: a tensor-parallel rank's shard, planned and checked in its place."""
+    cfg = rank_config or front.config
+    prompt_len = args.planned_prompt_len
+    gen_len = gen_len or front.get_default_sampling_params().max_tokens or PLAN_GEN_LEN
+    if args.policy is not None:
+        policy = Policy.from_file(args.policy)
+    if policy is None and args.wants_search:
+        policy = _search(front, args, cfg, prompt_len, gen_len)
+    if tensor_parallel and policy is None:
+        policy = Policy(gpu_batch_size=args.batch_size, num_gpu_batches=1)
+    caps = Caps(args.gpu_bytes, args.cpu_bytes, nvme=args.nvme is not None)
+    # what the process holds before any weights: the baseline of the one accounting
+    baseline = Baseline.measure(front.device)
+    if policy is not None:
+        check_weights_fit(cfg, policy, front.dtype, front.device, caps, baseline)
+        # the block as planned (prompt_len + gen_len) fits, before anything loads
+        check_block_fits(
+            cfg, policy, front.dtype, front.device, caps, baseline, prompt_len, gen_len
+        )
+    batch_size = policy.block_size if policy else args.batch_size
+    return Plan(policy, caps, baseline, batch_size, prompt_len, gen_len)
+
+
+def _search(
+    front: ModelFront, args: EngineArgs, cfg: ModelConfig, prompt_len: int, gen_len: int
+) -> Policy:
+    from offload.policies.choose import choose_policy
+
+    choice = choose_policy(
+        cfg,
+        front.dtype,
+        args.gpu_bytes,
+        args.cpu_bytes,
+        args.nvme,
+        prompt_len,
+        gen_len,
+        args.profile,
+        compressions=args.compressions(),
+        kv_compressions=args.kv_compressions(),
+    )
+    best = choice.best
+    log.info(
+        "searched policy: predicted %.1f tok/s, bottleneck %s", best.total_tok_s, best.bottleneck
+    )
+    return best.policy
