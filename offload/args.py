@@ -171,6 +171,14 @@ class EngineArgs:
             type=int,
         ),
     )
+    verify_plan: bool = field(
+        default=False,
+        metadata=_meta(
+            "before the load, time the search's best plans of differing kinds on this machine "
+            "(a few layers each at the real shapes; the time is printed) and run the fastest "
+            "measured"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 # generation tokens a plan is sized for when neither the caller nor the model says
 PLAN_GEN_LEN = 256
+VERIFY_TOP = 3  # plans --verify-plan probes
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ def plan_run(
 def _search(
     front: ModelFront, args: EngineArgs, cfg: ModelConfig, prompt_len: int, gen_len: int
 ) -> Policy:
+    from offload.executor.probe import measure_profile, verify
     from offload.policies.choose import choose_policy
 
     choice = choose_policy(
@@ -87,9 +89,25 @@ def _search(
         args.profile,
         compressions=args.compressions(),
         kv_compressions=args.kv_compressions(),
+        measure_machine=measure_profile,
+        top=VERIFY_TOP if args.verify_plan else 1,
     )
     best = choice.best
     log.info(
         "searched policy: predicted %.1f tok/s, bottleneck %s", best.total_tok_s, best.bottleneck
     )
+    if args.verify_plan:
+        probed = verify(
+            cfg, choice.ranked, front.dtype, front.device, prompt_len, gen_len, args.nvme
+        )
+        for est, probe in probed:
+            log.info(
+                "probed %d x %d: predicted %.1f tok/s, measured %.1f tok/s (%.1f s)",
+                est.policy.num_gpu_batches,
+                est.policy.gpu_batch_size,
+                est.total_tok_s,
+                probe.total_tok_s,
+                probe.seconds_spent,
+            )
+        best = probed[0][0]
     return best.policy

@@ -21,6 +21,7 @@ from offload.executor.probe import PROBE_DEPTHS, measure_profile, verify
 from offload.io.layout import store_bytes
 from offload.io.store import find_store, free_bytes, space_problem
 from offload.models.resolve import resolve_model
+from offload.planning import VERIFY_TOP
 from offload.policies.caps import Caps
 from offload.policies.choose import choose_policy
 from offload.policies.cost import Estimate, estimate
@@ -28,7 +29,6 @@ from offload.policies.hardware import HardwareProfile
 from offload.policies.search import search
 
 GB = 1e9
-VERIFY_TOP = 3
 FLAGS = (
     "model",
     "revision",
@@ -141,7 +141,7 @@ def _verify(cfg, choice, engine, args) -> list:
         file=sys.stderr,
     )
     probed = verify(
-        cfg, choice.ranked, choice.dtype, device, engine.prompt_len, args.gen_len, engine.nvme
+        cfg, choice.ranked, choice.dtype, device, args.prompt_len, args.gen_len, engine.nvme
     )
     spent = sum(probe.seconds_spent for _, probe in probed)
     print(f"offload-plan: probes took {spent:.1f} s", file=sys.stderr)
