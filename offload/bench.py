@@ -14,6 +14,7 @@ memory).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -175,34 +176,65 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
+def _hung_after_traceback(err_path: Path, quiet_s: float, last_growth: float) -> bool:
+    """A Python traceback on stderr and no output since: a child whose non-daemon
+    threads keep it alive after its main thread died (FlexGen's copy threads do)."""
+    return (
+        time.monotonic() - last_growth > quiet_s
+        and "Traceback (most recent call last)" in _tail(err_path, 20000)
+    )
+
+
 def run_part(
-    name: str, cmd: Sequence[str], timeout_s: float, log_dir: Path, env: dict[str, str]
+    name: str,
+    cmd: Sequence[str],
+    timeout_s: float,
+    log_dir: Path,
+    env: dict[str, str],
+    hung_after_traceback_s: float | None = None,
 ) -> dict[str, Any]:
-    """Run `cmd` until it exits or `timeout_s` passes (then its process group is
-    killed). stdout and stderr go to files in `log_dir`; the record holds the command,
-    the exit code, the wall time and the output's tails (longer on failure)."""
+    """Run `cmd` until it exits, `timeout_s` passes, or (given `hung_after_traceback_s`)
+    it prints a traceback and then nothing for that long; then its process group is
+    killed. (Only for children whose tracebacks are fatal: offload-run with -q is
+    silent for minutes while it loads.) stdout and stderr go to files in `log_dir`; the
+    record holds the command, the exit code, the wall time and the output's tails
+    (longer on failure)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     out_path, err_path = log_dir / f"{name}.stdout", log_dir / f"{name}.stderr"
-    started = time.monotonic()
-    timed_out = False
+    started = last_growth = time.monotonic()
+    deadline = started + max(1.0, timeout_s)
+    killed, size = None, 0
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         proc = subprocess.Popen(
             list(cmd), stdout=out, stderr=err, env=env, cwd=ROOT, start_new_session=True
         )
         try:
-            proc.wait(timeout=max(1.0, timeout_s))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc)
+            while proc.poll() is None:
+                now = time.monotonic()
+                grown = out_path.stat().st_size + err_path.stat().st_size
+                if grown != size:
+                    size, last_growth = grown, now
+                if now >= deadline:
+                    killed = "timed out"
+                elif hung_after_traceback_s is not None and _hung_after_traceback(
+                    err_path, hung_after_traceback_s, last_growth
+                ):
+                    killed = f"hung {hung_after_traceback_s:.0f} s after a traceback"
+                if killed:
+                    _kill_group(proc)
+                    break
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=min(2.0, max(0.1, deadline - now)))
         except BaseException:  # this script interrupted: take the child down with it
             _kill_group(proc)
             raise
-    failed = timed_out or proc.returncode != 0
+    failed = killed is not None or proc.returncode != 0
     chars = 6000 if failed else 1500
     return {
         "cmd": shlex.join(cmd),
         "rc": proc.returncode,
-        "timed_out": timed_out,
+        "timed_out": killed == "timed out",
+        "killed": killed,
         "timeout_s": round(timeout_s, 1),
         "seconds": round(time.monotonic() - started, 2),
         "ok": not failed,

@@ -107,7 +107,9 @@ def flexgen_part(name: str, args, budget: bench.Budget, work: Path, env, has_cud
     cmd = [sys.executable, str(args.flexgen_peer), "--model", f"facebook/{args.model}"]
     cmd += ["--path", "_DUMMY_", "--prompt-len", str(args.prompt_len)]
     cmd += ["--gen-len", str(args.gen_len), *FLEXGEN[name].split(), "--log-file", str(log)]
-    record = bench.run_part(name, cmd, min(TIMES[name][0], budget.left()), work / name, env)
+    timeout_s = min(TIMES[name][0], budget.left())
+    # FlexGen's copy threads keep it alive after an error: a traceback then 60 s of quiet ends it
+    record = bench.run_part(name, cmd, timeout_s, work / name, env, hung_after_traceback_s=60)
     text = log.read_text() if log.is_file() else Path(record["stdout"]).read_text()
     for phase, latency, rate in re.findall(
         r"(prefill|decode|total) latency: ([\d.]+) s\s+\1 throughput: ([\d.]+) token/s", text
@@ -162,7 +164,7 @@ def _one_line(record: dict[str, Any]) -> str:
     bad = next((s for s in steps if not s.get("ok")), None)
     status = "ok" if bad is None else f"FAILED (rc {bad['rc']}"
     if bad is not None:
-        status += ", timed out)" if bad["timed_out"] else ")"
+        status += f", {bad['killed']})" if bad.get("killed") else ")"
     return f"{status}; {fmt(record.get('summary', record).get('tok_s'))} tok/s"
 
 
