@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -104,9 +105,12 @@ def machine_info() -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT)
-        return done.stdout.strip()
+    def git(*args: str) -> str:  # "" where there is no git or no .git (a copied tree)
+        try:
+            done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT)
+        except OSError:
+            return ""
+        return done.stdout.strip() if done.returncode == 0 else ""
 
     limit, source = node_memory_limit()
     return {
@@ -120,7 +124,17 @@ def machine_info() -> dict[str, Any]:
         "flexgen": version("flexgen"),
         "git_commit": git("rev-parse", "HEAD"),
         "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "source_sha256": source_digest(),
     }
+
+
+def source_digest() -> str:
+    """sha256 over offload/ and scripts/ (*.py, by path): the code's version where the
+    tree was copied without its .git."""
+    digest = hashlib.sha256()
+    for path in sorted([*(ROOT / "offload").rglob("*.py"), *SCRIPTS.glob("*.py")]):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 # -- parts as subprocesses --------------------------------------------------------------
@@ -146,11 +160,15 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def smoke_environment(cache: Path) -> None:
+SMOKE_CACHE = Path(tempfile.gettempdir()) / "offload-bench-smoke-cache"
+
+
+def smoke_environment() -> None:
     """A smoke run, this process and its children: no CUDA, and a hardware profile of
-    its own in `cache` (the user's cached profile is neither read nor replaced)."""
+    its own in SMOKE_CACHE, kept for the next smoke run (measuring it takes most of a
+    minute on a small machine); the user's cached profile is neither read nor replaced."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    os.environ["OFFLOAD_CACHE"] = str(cache)
+    os.environ["OFFLOAD_CACHE"] = str(SMOKE_CACHE)
 
 
 def _tail(path: Path, chars: int) -> str:
@@ -439,6 +457,8 @@ def _summary(record: dict[str, Any], block: int, prompt_len: int, gen_len: int) 
         "peak_disk_bytes": peak["disk_bytes"],
     }
     out["prediction_error_pct"] = 100 * (out["tok_s"] / out["predicted_tok_s"] - 1)
+    checked = record.get("outputs", {})
+    out["all_exact_lengths"] = checked.get("rows") == checked.get("exact_lengths") == block
     return out
 
 

@@ -58,6 +58,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--nvme", type=Path, help="fast-disk directory (default: a new one under /tmp); each model gets a subdirectory, removed after it unless --keep-store")  # fmt: skip
+    p.add_argument("--no-trace", action="store_true", help="no --trace (tracing resolves its CUDA events once a step and turns CUDA graphs off)")  # fmt: skip
     p.add_argument("--keep-store", action="store_true", help="keep each model's weight store")
     p.add_argument("--ceiling-bytes", type=int, default=2**29, help="bytes a ceiling copy moves")  # fmt: skip
     args = p.parse_args()
@@ -135,7 +136,7 @@ def model_part(model: str, args, budget: bench.Budget, work: Path, env, results)
     trace = work / model / "trace.json"
     record = bench.plan_and_run(
         model, flags, args.prompt_len, args.gen_len, budget, MODEL_CAP_S, work, env,
-        run_flags=["--trace", str(trace)],
+        run_flags=[] if args.no_trace else ["--trace", str(trace)],
     )  # fmt: skip
     record["nvme_bytes"] = bench.directory_bytes(nvme) if nvme.exists() else 0
     if not args.keep_store:
@@ -144,6 +145,7 @@ def model_part(model: str, args, budget: bench.Budget, work: Path, env, results)
         record["trace"] = bench.trace_summary(trace)
         record["trace_files"] = [str(trace)]
         for out_dir in {p.parent for p in results.paths[1:]}:  # $OUT
+            out_dir.mkdir(parents=True, exist_ok=True)
             copy = out_dir / f"{results.paths[0].stem}_{model}_trace.json"
             shutil.copyfile(trace, copy)
             record["trace_files"].append(str(copy))
@@ -187,6 +189,8 @@ def print_table(results: dict[str, Any]) -> None:
             f"{s['peak_rss_bytes'] / GB:9.1f} / {fmt_gb(caps.get('default_cpu_bytes')):>10s}  "
             f"{s['peak_disk_bytes'] / GB:6.1f} / {fmt_gb(r.get('nvme_bytes')):>10s}"
         )
+        if not s.get("all_exact_lengths"):
+            print(f"  note: not every result had the asked lengths: {r.get('outputs')}")
     for model, r in parts.items():
         roof = r.get("roofline")
         if not roof:
@@ -241,7 +245,7 @@ def main() -> None:
     budget = bench.Budget(args.time_budget)
     work = bench.temp_dir("bench-176b-")
     if args.smoke:
-        bench.smoke_environment(work / "cache")
+        bench.smoke_environment()
     args.nvme = args.nvme or work / "nvme"
     env = bench.child_env()
     results = bench.Results(
@@ -272,6 +276,8 @@ def main() -> None:
                     parts[name] = bench.ceilings_part(
                         budget, work, env, args.nvme, args.ceiling_bytes
                     )
+                    measured = parts[name].get("measured", {})
+                    results.data["machine"]["device"] = measured.get("device")
                 else:
                     parts[name] = model_part(name, args, budget, work, env, results)
             except Exception as exc:  # a harness fault in one part must not lose the others

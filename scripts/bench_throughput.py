@@ -16,6 +16,9 @@ On the GPU machine (FlexGen from the carried wheels in .whl/, which holds flexge
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
         --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site && \\
         python3 scripts/bench_throughput.py
+    All five parts take an estimated 10-11 minutes, more than one call: run
+        --parts ceilings,ours-c,ours-u   then   --parts flexgen-c,flexgen-u --reuse FIRST.json
+    (FIRST.json: the first call's results, copied into the checkout).
     python3 scripts/bench_throughput.py --smoke    # CPU, a toy OPT, FlexGen skipped
 Writes benchmarks/results/bench_throughput_<stamp>.json (and a copy in $OUT when set)
 after every part, and prints the table last.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -79,6 +83,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compress", default="auto", help="ours-c's --compress (default auto)")
     p.add_argument("--kv-compress", default="auto", help="ours-c's --kv-compress (default auto)")
     p.add_argument("--nvme", type=Path, help="directory the disk ceiling is measured in (default: a new one under /tmp); our W1 runs take no --nvme")  # fmt: skip
+    p.add_argument("--reuse", type=Path, help="an earlier call's results JSON: its parts that this call does not run go into the table, marked as reused (all five parts take more than one 10-minute call)")  # fmt: skip
     p.add_argument("--flexgen-peer", type=Path, default=ROOT / ".whl" / "flexgen_peer.py")
     p.add_argument("--ceiling-bytes", type=int, default=2**29, help="bytes a ceiling copy moves")  # fmt: skip
     args = p.parse_args()
@@ -141,7 +146,9 @@ def run_parts(args, results: bench.Results, budget: bench.Budget, work: Path) ->
         try:
             if name == "ceilings":
                 parts[name] = bench.ceilings_part(budget, work, env, args.nvme, args.ceiling_bytes)
-                has_cuda = parts[name].get("measured", {}).get("has_cuda", has_cuda)
+                measured = parts[name].get("measured", {})
+                has_cuda = measured.get("has_cuda", has_cuda)
+                results.data["machine"]["device"] = measured.get("device")
             elif name.startswith("ours"):
                 flags = compressed if name == "ours-c" else base
                 parts[name] = bench.plan_and_run(
@@ -165,7 +172,9 @@ def _one_line(record: dict[str, Any]) -> str:
     status = "ok" if bad is None else f"FAILED (rc {bad['rc']}"
     if bad is not None:
         status += f", {bad['killed']})" if bad.get("killed") else ")"
-    return f"{status}; {fmt(record.get('summary', record).get('tok_s'))} tok/s"
+    summary = record.get("summary", record)
+    exact = "" if summary.get("all_exact_lengths", True) else f"; lengths off: {record['outputs']}"
+    return f"{status}; {fmt(summary.get('tok_s'))} tok/s{exact}"
 
 
 def table(args, results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -227,7 +236,7 @@ def main() -> None:
     budget = bench.Budget(args.time_budget)
     work = bench.temp_dir("bench-throughput-")
     if args.smoke:
-        bench.smoke_environment(work / "cache")
+        bench.smoke_environment()
     args.nvme = args.nvme or work / "nvme"
     results = bench.Results(
         "bench_throughput" + ("_smoke" if args.smoke else ""),
@@ -241,6 +250,11 @@ def main() -> None:
             "parts": {},
         },
     )
+    if args.reuse:
+        earlier = json.loads(args.reuse.read_text())["parts"]
+        for name, record in earlier.items():
+            if name not in args.parts.split(","):
+                results.data["parts"][name] = {**record, "reused_from": str(args.reuse)}
     try:
         run_parts(args, results, budget, work)
     finally:
