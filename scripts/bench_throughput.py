@@ -115,7 +115,7 @@ def flexgen_part(name: str, args, budget: bench.Budget, work: Path, env, has_cud
     timeout_s = min(TIMES[name][0], budget.left())
     # FlexGen's copy threads keep it alive after an error: a traceback then 60 s of quiet ends it
     record = bench.run_part(name, cmd, timeout_s, work / name, env, hung_after_traceback_s=60)
-    text = log.read_text() if log.is_file() else Path(record["stdout"]).read_text()
+    text = (log if log.is_file() else Path(record["stdout"])).read_text(errors="replace")
     for phase, latency, rate in re.findall(
         r"(prefill|decode|total) latency: ([\d.]+) s\s+\1 throughput: ([\d.]+) token/s", text
     ):
