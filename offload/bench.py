@@ -462,54 +462,8 @@ def _summary(record: dict[str, Any], block: int, prompt_len: int, gen_len: int) 
     return out
 
 
-# -- traces ---------------------------------------------------------------------------
-def trace_summary(path: Path) -> dict[str, Any] | None:
-    """Per lane of a Chrome trace written by offload-run --trace (one step): busy time
-    (the union of its spans), bytes moved, the rate while busy and the share of the step."""
-    from offload.executor.lanes import busy_seconds
-
-    try:
-        events = json.loads(path.read_text())["traceEvents"]
-    except (OSError, ValueError, KeyError):
-        return None
-    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
-    spans = [
-        (names.get(e["tid"], str(e["tid"])), e["name"], e["ts"] / 1e6,
-         (e["ts"] + e["dur"]) / 1e6, e.get("args", {}).get("bytes", 0))
-        for e in events if e.get("ph") == "X"
-    ]  # fmt: skip
-    if not spans:
-        return None
-    step_s = max(s[3] for s in spans) - min(s[2] for s in spans)
-    lanes = {
-        lane: {
-            **s,
-            "gbps": s["bytes"] / s["busy_s"] / GB if s["busy_s"] else 0.0,
-            "share_of_step": s["busy_s"] / step_s if step_s else 0.0,
-        }
-        for lane, s in busy_seconds(spans).items()
-    }
-    return {"step_s": step_s, "spans": len(spans), "lanes": lanes}
-
-
-def directory_bytes(path: Path) -> int:
-    """Bytes of the files under `path` (allocated blocks: a sparse file counts its data)."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(root, name)).st_blocks * 512
-            except OSError:
-                continue
-    return total
-
-
 def temp_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-
-
-def fmt_gb(nbytes: float | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / GB:.1f} GB"
 
 
 def fmt(value: float | None, spec: str = ".1f", unit: str = "") -> str:

@@ -26,6 +26,8 @@ traces in $OUT when set) and prints the table last.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -35,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from offload import bench  # noqa: E402
-from offload.bench import GB, fmt, fmt_gb  # noqa: E402
+from offload.bench import GB, fmt  # noqa: E402
 
 MODELS = ("bloom", "opt-175b")
 CEILINGS_MIN_S = 20
@@ -138,11 +140,11 @@ def model_part(model: str, args, budget: bench.Budget, work: Path, env, results)
         model, flags, args.prompt_len, args.gen_len, budget, MODEL_CAP_S, work, env,
         run_flags=[] if args.no_trace else ["--trace", str(trace)],
     )  # fmt: skip
-    record["nvme_bytes"] = bench.directory_bytes(nvme) if nvme.exists() else 0
+    record["nvme_bytes"] = directory_bytes(nvme) if nvme.exists() else 0
     if not args.keep_store:
         shutil.rmtree(nvme, ignore_errors=True)
     if trace.is_file():
-        record["trace"] = bench.trace_summary(trace)
+        record["trace"] = trace_summary(trace)
         record["trace_files"] = [str(trace)]
         for out_dir in {p.parent for p in results.paths[1:]}:  # $OUT
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -157,6 +159,51 @@ def model_part(model: str, args, budget: bench.Budget, work: Path, env, results)
     ceilings = results.data["parts"].get("ceilings", {}).get("measured", {})
     record["roofline"] = roofline(record, ceilings, name, args)
     return record
+
+
+def trace_summary(path: Path) -> dict[str, Any] | None:
+    """Per lane of a Chrome trace written by offload-run --trace (one step): busy time
+    (the union of its spans), bytes moved, the rate while busy and the share of the step."""
+    from offload.executor.lanes import busy_seconds
+
+    try:
+        events = json.loads(path.read_text())["traceEvents"]
+    except (OSError, ValueError, KeyError):
+        return None
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    spans = [
+        (names.get(e["tid"], str(e["tid"])), e["name"], e["ts"] / 1e6,
+         (e["ts"] + e["dur"]) / 1e6, e.get("args", {}).get("bytes", 0))
+        for e in events if e.get("ph") == "X"
+    ]  # fmt: skip
+    if not spans:
+        return None
+    step_s = max(s[3] for s in spans) - min(s[2] for s in spans)
+    lanes = {
+        lane: {
+            **s,
+            "gbps": s["bytes"] / s["busy_s"] / GB if s["busy_s"] else 0.0,
+            "share_of_step": s["busy_s"] / step_s if step_s else 0.0,
+        }
+        for lane, s in busy_seconds(spans).items()
+    }
+    return {"step_s": step_s, "spans": len(spans), "lanes": lanes}
+
+
+def directory_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (allocated blocks: a sparse file counts its data)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                continue
+    return total
+
+
+def fmt_gb(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / GB:.1f} GB"
 
 
 def _size(text: str) -> int:
