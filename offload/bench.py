@@ -57,7 +57,7 @@ def measure_ceilings(disk_dir: Path | None, nbytes: int = 2**29) -> dict[str, An
     cannot be measured is None, with the reason under "errors"."""
     import torch
 
-    from offload.policies.hardware import _copy_rate, disk_rates
+    from offload.policies.measure import _copy_rate, disk_rates
 
     out: dict[str, Any] = {"bytes": nbytes, "torch": torch.__version__, "errors": {}}
     out["cuda"] = torch.version.cuda

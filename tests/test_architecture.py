@@ -31,7 +31,7 @@ LAYERS = [
             "data_parallel",
         ],
     ),
-    ("cli", ["cli"]),
+    ("cli", ["cli", "bench"]),
 ]
 RANK = {top: rank for rank, (_, tops) in enumerate(LAYERS) for top in tops}
 

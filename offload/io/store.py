@@ -37,7 +37,6 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import xxhash
@@ -50,9 +49,6 @@ from offload.io.pinned import ALIGN, align_up
 from offload.kernels.formats import Compression
 from offload.kernels.quant import compress_stage
 from offload.models.weights import WeightSource
-
-if TYPE_CHECKING:
-    from offload.policies.policy import Placement
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +277,7 @@ def convert(
     dtype: torch.dtype,
     progress: bool = False,
     compression: Compression | None = None,
-    placement: Placement | None = None,
+    placement=None,  # a policies.Placement (duck-typed: io sits below policies)
 ) -> Path:
     """Write a store for `source` under nvme_dir (quantized matrices when compression is
     given) holding the stage tails `placement` puts on disk (the whole model without
@@ -344,7 +340,7 @@ def find_store(
     cfg: ModelConfig,
     dtype: torch.dtype,
     compression: Compression | None = None,
-    placement: Placement | None = None,
+    placement=None,  # a policies.Placement (duck-typed: io sits below policies)
 ) -> tuple[WeightStore | None, str | None]:
     """(the complete matching store under nvme_dir that holds every tail `placement`
     reads from disk (every stage whole without one), None) or (None, why there is none
@@ -368,7 +364,7 @@ def ensure_store(
     dtype: torch.dtype,
     progress: bool = False,
     compression: Compression | None = None,
-    placement: Placement | None = None,
+    placement=None,  # a policies.Placement (duck-typed: io sits below policies)
 ) -> WeightStore:
     """Reuse a matching complete store that holds what `placement` reads from disk, or
     build one of those tails (the whole model without a placement)."""

@@ -56,10 +56,11 @@ def measure_allreduce(ranks: int, large_bytes: int = LARGE_BYTES) -> tuple[float
     there are that many GPUs, else over gloo on the CPU."""
     from torch.distributed.launcher.api import elastic_launch
 
-    fork = not torch.cuda.is_available()
-    results = elastic_launch(local_config(ranks, fork, "offload-allreduce"), entrypoint=_worker)(
-        large_bytes
-    )
+    # spawned, never forked: a caller that has started threads (an executor's readers,
+    # a pytest run's earlier tests) can leave a lock held in a forked child, which then
+    # hangs in its first collective
+    config = local_config(ranks, fork=False, name="offload-allreduce")
+    results = elastic_launch(config, entrypoint=_worker)(large_bytes)
     small, large = results[0]
     latency = small
     moved = 2 * (ranks - 1) / ranks * large_bytes
