@@ -104,6 +104,7 @@ def test_ranked_plans_differ_in_kind_and_lead_with_the_search_best():
 def test_executor_fixed_costs_are_measured():
     figures = overheads(torch.device("cpu"), steps=2)
     assert figures["layer_fixed_s"] >= 0 and figures["micro_fixed_s"] >= 0
+    assert figures["offgpu_kv_s"] >= 0
     assert 0 < figures["layer_fixed_s"] + figures["micro_fixed_s"] < 1.0
     assert figures["graph_layer_s"] == 0.0  # no CUDA graphs on the CPU
 

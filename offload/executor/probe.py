@@ -24,6 +24,7 @@ import torch
 from offload.batch import PaddedBatch
 from offload.config import ModelConfig
 from offload.executor.executor import Executor
+from offload.kernels.formats import Compression
 from offload.models.weights import DummySource
 from offload.policies.hardware import HardwareProfile
 from offload.policies.measure import measure
@@ -57,7 +58,8 @@ def _decode_seconds(ex: Executor, batch: PaddedBatch, start: int, steps: int) ->
 
 
 def _stage_seconds(policy: Policy, device: torch.device, rows: int, steps: int) -> float:
-    """A decode step's wall time a stage, on the narrow model under `policy`."""
+    """A decode step's wall time a stage (the layers, the embedding and the head), on
+    the narrow model under `policy`."""
     cfg = ModelConfig.from_hf(OVERHEAD_CONFIG, "overhead-probe")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     ex = Executor(DummySource(cfg), policy, dtype, device)
@@ -71,11 +73,18 @@ def _stage_seconds(policy: Policy, device: torch.device, rows: int, steps: int) 
 
 
 def overheads(device: torch.device, steps: int = 8) -> dict[str, float]:
-    """The executor's fixed costs: per stage, per micro-batch of a stage, and per stage
-    of a step replayed from CUDA graphs (0 without CUDA)."""
+    """The executor's fixed costs: per stage, per micro-batch of a stage, per layer and
+    micro-batch whose KV lives off the GPU and is attended there (its load, store and
+    the handoffs between them), and per stage of a step replayed from CUDA graphs (0
+    without CUDA)."""
     streamed = Placement(0.0, 1.0, 0.0)  # every stage crosses: the eager path's work
     one = _stage_seconds(Policy(1, 1, weights=streamed), device, 1, steps)
     four = _stage_seconds(Policy(1, 4, weights=streamed), device, 4, steps)
+    off_gpu_kv = Policy(
+        1, 4, weights=streamed, kv_cache=streamed, kv_compression=Compression(4, 64, False)
+    )
+    four_kv = _stage_seconds(off_gpu_kv, device, 4, steps)
+    stages_per_layer = (OVERHEAD_LAYERS + 2) / OVERHEAD_LAYERS  # KV lives in layers only
     micro = max(0.0, (four - one) / 3)
     graph = 0.0
     if device.type == "cuda":
@@ -83,6 +92,7 @@ def overheads(device: torch.device, steps: int = 8) -> dict[str, float]:
     return {
         "layer_fixed_s": max(0.0, one - micro),
         "micro_fixed_s": micro,
+        "offgpu_kv_s": max(0.0, (four_kv - four) / 4 * stages_per_layer),
         "graph_layer_s": graph,
     }
 

@@ -118,6 +118,8 @@ def estimate(
         + kv_hbm / (hw.attention_rate(policy.kv_compression) * GB),
     ) + _allreduce_s(cfg, hw, tp, n_seqs, micro, elt)
     host = _host_s(policy, hw, micro, tp)
+    if rows_cpu + rows_disk and not policy.attention_on_cpu:  # the off-GPU KV's chain
+        host += micro * hw.offgpu_kv_s
     cpu_attn = (kv_c + kv_d) / (cpu_attention_gbps * GB) if policy.attention_on_cpu else 0.0
     if cpu_attn:
         per_micro = cpu_attn / micro

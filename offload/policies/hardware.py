@@ -36,6 +36,7 @@ VERSIONED_SOURCES = ("kernels", "executor", "io", "models/decoder.py", "models/o
 OPTIONAL_FIGURES = (
     "layer_fixed_s",
     "micro_fixed_s",
+    "offgpu_kv_s",
     "graph_layer_s",
     "allreduce_gbps",
     "allreduce_latency_s",
@@ -76,10 +77,13 @@ class HardwareProfile:
     prefill_format_tflops: dict[str, float] = field(default_factory=dict)
     # decode attention on the GPU: the cache bytes (as stored) it reads a second
     gpu_attention_gbps: dict[str, float] = field(default_factory=dict)
-    # the executor's host time: per layer of a step, per micro-batch of a layer, and
-    # per layer of a step replayed from CUDA graphs (`executor.probe`)
+    # the executor's host time: per layer of a step, per micro-batch of a layer, per
+    # layer and micro-batch whose KV lives off the GPU and is attended there (load,
+    # store and their handoffs), and per layer of a step replayed from CUDA graphs
+    # (`executor.probe`)
     layer_fixed_s: float = 0.0
     micro_fixed_s: float = 0.0
+    offgpu_kv_s: float = 0.0
     graph_layer_s: float = 0.0
     # tensor parallelism: NCCL all-reduce bus bandwidth and latency between this node's
     # GPUs (measured where there are two or more)
