@@ -7,7 +7,8 @@
 For each policy (the hand-written set below, scaled to the model, plus the search's
 choice): a full generation of one block with dummy weights, then total tok/s and peak
 GPU memory against the cost model's prediction for the same policy and profile. The
-profile is measured at the start of the run unless --profile is given. Writes JSON to
+profile (device rates and the executor's fixed costs, `executor.probe.measure_profile`)
+is measured at the start of the run unless --profile is given. Writes JSON to
 benchmarks/results/ (and $OUT) and prints a table. Bounds: throughput within +-20%,
 peak GPU within +-10%, no cap exceeded.
 """
@@ -25,12 +26,12 @@ import torch
 from offload.batch import PaddedBatch
 from offload.cli.common import parse_compression, parse_kv_compression, parse_size
 from offload.executor.executor import Executor
+from offload.executor.probe import measure_profile
 from offload.kernels.formats import Compression
 from offload.models.resolve import resolve_model
 from offload.policies.caps import Caps, cuda_context_bytes
 from offload.policies.cost import estimate
 from offload.policies.hardware import HardwareProfile
-from offload.policies.measure import measure
 from offload.policies.policy import Placement, Policy
 from offload.policies.search import search
 from offload.sampling import SamplingParams, sample
@@ -155,7 +156,7 @@ def main() -> None:
     device = torch.device(args.device)
     spec = resolve_model(args.model, dummy=True)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    hw = HardwareProfile.from_file(args.profile) if args.profile else measure(None, quick=True)
+    hw = HardwareProfile.from_file(args.profile) if args.profile else measure_profile(None)
     caps = Caps(
         parse_size(args.gpu_mem),
         parse_size(args.cpu_mem) if args.cpu_mem else hw.default_cpu_cap,
@@ -239,6 +240,10 @@ def main() -> None:
             f"{name:28s} {m['total_tok_s']:9.2f} {pr['total_tok_s']:9.2f} {100 * r['throughput_error']:+6.1f}% "
             f"{m['peak_gpu_bytes'] / GB:7.1f} {pr['peak_gpu_bytes'] / GB:7.1f}"
         )
+    measured = {n: r["measured"]["total_tok_s"] for n, r in res["runs"].items() if "measured" in r}
+    if "searched" in measured:  # issue 20: the searched plan is at least as fast as any hand one
+        rank = sorted(measured, key=lambda n: -measured[n]).index("searched") + 1
+        print(f"searched policy: rank {rank} of {len(measured)} measured")
 
 
 if __name__ == "__main__":
