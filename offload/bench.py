@@ -486,3 +486,27 @@ if __name__ == "__main__":
     if sys.argv[1:2] != ["ceilings"]:
         sys.exit("usage: python -m offload.bench ceilings OUT.json [--disk-dir DIR] [--bytes N]")
     sys.exit(_ceilings_main(sys.argv[2:]))
+
+
+def start(args, name: str, what: str) -> tuple[Budget, Path, Results]:
+    """A benchmark script's start: SIGTERM handled, its time budget, a work directory
+    (and `args.nvme` in it unless given), the smoke environment when asked, and its
+    results file with what the run is and where."""
+    exit_on_sigterm()
+    budget = Budget(args.time_budget)
+    work = temp_dir(name.replace("_", "-") + "-")
+    if args.smoke:
+        smoke_environment()
+    args.nvme = args.nvme or work / "nvme"
+    results = Results(
+        name + ("_smoke" if args.smoke else ""),
+        {
+            "what": what,
+            "smoke": args.smoke,
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "machine": machine_info(),
+            "workdir": str(work),
+            "parts": {},
+        },
+    )
+    return budget, work, results

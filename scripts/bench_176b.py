@@ -288,26 +288,14 @@ def _failure(record: dict[str, Any]) -> str:
 
 def main() -> None:
     args = parse_args()
-    bench.exit_on_sigterm()
-    budget = bench.Budget(args.time_budget)
-    work = bench.temp_dir("bench-176b-")
-    if args.smoke:
-        bench.smoke_environment()
-    args.nvme = args.nvme or work / "nvme"
-    env = bench.child_env()
-    results = bench.Results(
-        "bench_176b" + ("_smoke" if args.smoke else ""),
-        {
-            "what": "BLOOM-176B and OPT-175B dummy weights, int4 weights and KV, prompt 512, "
-            "gen 32, --gpu-mem 24GB, --nvme, default CPU cap, searched policy; the user path "
-            "(offload-plan --json, then offload-run --stats --trace over one searched block)",
-            "smoke": args.smoke,
-            "args": {k: str(v) for k, v in vars(args).items()},
-            "machine": bench.machine_info(),
-            "workdir": str(work),
-            "parts": {},
-        },
+    budget, work, results = bench.start(
+        args,
+        "bench_176b",
+        "BLOOM-176B and OPT-175B dummy weights, int4 weights and KV, prompt 512, gen 32, "
+        "--gpu-mem 24GB, --nvme, default CPU cap, searched policy; the user path "
+        "(offload-plan --json, then offload-run --stats --trace over one searched block)",
     )
+    env = bench.child_env()
     parts = results.data["parts"]
     names = ([] if args.skip_ceilings else ["ceilings"]) + args.models.split(",")
     try:

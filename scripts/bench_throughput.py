@@ -232,23 +232,11 @@ def print_table(rows: list[dict[str, Any]], ceilings: dict[str, Any]) -> None:
 
 def main() -> None:
     args = parse_args()
-    bench.exit_on_sigterm()
-    budget = bench.Budget(args.time_budget)
-    work = bench.temp_dir("bench-throughput-")
-    if args.smoke:
-        bench.smoke_environment()
-    args.nvme = args.nvme or work / "nvme"
-    results = bench.Results(
-        "bench_throughput" + ("_smoke" if args.smoke else ""),
-        {
-            "what": "OPT-30B dummy weights, prompt 512, gen 32, --gpu-mem 24GB, default CPU "
-            "cap: ours (searched policy; fp16, and compression allowed) against FlexGen",
-            "smoke": args.smoke,
-            "args": {k: str(v) for k, v in vars(args).items()},
-            "machine": bench.machine_info(),
-            "workdir": str(work),
-            "parts": {},
-        },
+    budget, work, results = bench.start(
+        args,
+        "bench_throughput",
+        "OPT-30B dummy weights, prompt 512, gen 32, --gpu-mem 24GB, default CPU cap: ours "
+        "(searched policy; fp16, and compression allowed) against FlexGen",
     )
     if args.reuse:
         earlier = json.loads(args.reuse.read_text())["parts"]
