@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from offload.kernels.formats import Compression
 from offload.kernels.kv_attention_cpu import decode_attention_cpu
 from offload.kernels.kv_cache import QuantKV
+from offload.policies.hardware import code_version
 
 GB = 1e9
 CPU = torch.device("cpu")
@@ -99,7 +100,13 @@ def main() -> None:
     runs = [
         r for d in (torch.float16, torch.float32) for r in bench(d, args.rows, args.repeat, dram)
     ]
-    res = {"threads": torch.get_num_threads(), "dram_copy_gbps": dram, "runs": runs}
+    res = {
+        "code_version": code_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dram_copy_gbps": dram,
+        "runs": runs,
+    }
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for out in {args.out, Path(os.environ.get("OUT", args.out))}:
         out.mkdir(parents=True, exist_ok=True)
