@@ -58,7 +58,7 @@ def decode_attention_cpu(
     row_step = min(batch, max(1, chunk // kv_heads))
     values = torch.empty(row_step * head_step * plane_values, dtype=torch.float32)
     codes = torch.empty(2 * values.numel(), dtype=torch.uint8)
-    qf = q.float().view(batch, kv_heads, rep, dim) * (1.0 / math.sqrt(dim))
+    qf = q.float().reshape(batch, kv_heads, rep, dim) * (1.0 / math.sqrt(dim))
     bias = bias[..., :end].float().expand(batch, heads, 1, end)
     bias = bias.reshape(batch, kv_heads, rep, end)
     out = torch.empty(batch, kv_heads, rep, dim)
@@ -139,11 +139,10 @@ class _Chunk:
         scale = cache.k_scale[part][:, :, :full].reshape(pairs, full, dim).float()
         minimum = None if cache.k_min is None else cache.k_min[part][:, :, :full]
         centre = self._centre(scale, None if minimum is None else minimum.reshape(scale.shape))
-        # the dot products in blocks of channels summed apart (float32 sums of 64 terms
-        # made 2x the error of torch's SDPA; of 32, well under it: tests/kernel_cases)
+        # the dot products in blocks of CHANNEL_BLOCK channels, summed after
         blocks = dim // math.gcd(dim, CHANNEL_BLOCK)
         q_scaled = q_pairs.unsqueeze(1) * scale.unsqueeze(2)  # [pairs, groups, rep, D]
-        q_scaled = q_scaled.view(pairs * full, rep, blocks, -1).transpose(1, 2)
+        q_scaled = q_scaled.reshape(pairs * full, rep, blocks, -1).transpose(1, 2)
         q_scaled = q_scaled.reshape(pairs * full * blocks, rep, -1)
         by_plane = [
             torch.bmm(q_scaled, plane.view(pairs * full * blocks, dim // blocks, -1))
@@ -183,6 +182,5 @@ class _Chunk:
         # [pairs x groups, rep, columns] by plane -> [pairs, groups, rep, channels]
         grouped = torch.stack(by_plane, dim=-1).view(pairs, groups, rep, -1)
         grouped += (p[..., :slots] @ centre).transpose(1, 2).unsqueeze(-1)
-        return (out + grouped.transpose(1, 2).reshape(pairs, rep, dim)).view(
-            rows, kv_heads, rep, dim
-        )
+        grouped = grouped.transpose(1, 2).reshape(pairs, rep, dim)
+        return (out + grouped).reshape(rows, kv_heads, rep, dim)
