@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -510,3 +510,30 @@ def start(args, name: str, what: str) -> tuple[Budget, Path, Results]:
         },
     )
     return budget, work, results
+
+
+def run_parts(
+    names: list[str],
+    min_seconds: Callable[[str], float],
+    run: Callable[[str], dict[str, Any]],
+    results: Results,
+    budget: Budget,
+    status: Callable[[dict[str, Any]], str] = lambda record: "done",
+) -> None:
+    """Each part in order, if the budget still holds its minimum time: `run(name)`'s
+    record lands in the results (saved after every part); a harness fault in one part
+    is recorded as its error and never loses the others."""
+    parts = results.data["parts"]
+    for name in names:
+        min_s = min_seconds(name)
+        if budget.left() < min_s:
+            parts[name] = {"skipped": f"time budget: {budget.left():.0f} s left, needs {min_s}"}
+            print(f"[{budget.elapsed():5.0f} s] {name}: skipped (time budget)", flush=True)
+            continue
+        print(f"[{budget.elapsed():5.0f} s] {name} ...", flush=True)
+        try:
+            parts[name] = run(name)
+        except Exception as exc:  # a harness fault in one part must not lose the others
+            parts[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        results.save()
+        print(f"[{budget.elapsed():5.0f} s] {name}: {status(parts[name])}", flush=True)

@@ -296,29 +296,23 @@ def main() -> None:
         "(offload-plan --json, then offload-run --stats --trace over one searched block)",
     )
     env = bench.child_env()
-    parts = results.data["parts"]
     names = ([] if args.skip_ceilings else ["ceilings"]) + args.models.split(",")
+
+    def run(name: str) -> dict:
+        if name != "ceilings":
+            return model_part(name, args, budget, work, env, results)
+        record = bench.ceilings_part(budget, work, env, args.nvme, args.ceiling_bytes)
+        results.data["machine"]["device"] = record.get("measured", {}).get("device")
+        return record
+
     try:
-        for name in names:
-            min_s = CEILINGS_MIN_S if name == "ceilings" else MODEL_MIN_S
-            if budget.left() < min_s:
-                parts[name] = {"skipped": f"time budget: {budget.left():.0f} s left, needs {min_s}"}
-                print(f"[{budget.elapsed():5.0f} s] {name}: skipped (time budget)", flush=True)
-                continue
-            print(f"[{budget.elapsed():5.0f} s] {name} ...", flush=True)
-            try:
-                if name == "ceilings":
-                    parts[name] = bench.ceilings_part(
-                        budget, work, env, args.nvme, args.ceiling_bytes
-                    )
-                    measured = parts[name].get("measured", {})
-                    results.data["machine"]["device"] = measured.get("device")
-                else:
-                    parts[name] = model_part(name, args, budget, work, env, results)
-            except Exception as exc:  # a harness fault in one part must not lose the others
-                parts[name] = {"error": f"{type(exc).__name__}: {exc}"}
-            results.save()
-            print(f"[{budget.elapsed():5.0f} s] {name}: done", flush=True)
+        bench.run_parts(
+            names,
+            lambda name: CEILINGS_MIN_S if name == "ceilings" else MODEL_MIN_S,
+            run,
+            results,
+            budget,
+        )
     finally:
         results.data["seconds"] = budget.elapsed()
         results.save()

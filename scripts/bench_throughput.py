@@ -131,35 +131,29 @@ def flexgen_part(name: str, args, budget: bench.Budget, work: Path, env, has_cud
 
 def run_parts(args, results: bench.Results, budget: bench.Budget, work: Path) -> None:
     env = bench.child_env()
-    parts = results.data["parts"]
-    has_cuda = not args.smoke
     model = str(bench.smoke_model("opt-30b", work)) if args.smoke else args.model
     base = ["--model", model, "--dummy", "--gpu-mem", args.gpu_mem, "--dtype", args.dtype]
     compressed = [*base, "--compress", args.compress, "--kv-compress", args.kv_compress]
-    for name in args.parts.split(","):
-        cap_s, min_s = TIMES[name]
-        if budget.left() < min_s:
-            parts[name] = {"skipped": f"time budget: {budget.left():.0f} s left, needs {min_s}"}
-            print(f"[{budget.elapsed():5.0f} s] {name}: skipped (time budget)", flush=True)
-            continue
-        print(f"[{budget.elapsed():5.0f} s] {name} ...", flush=True)
-        try:
-            if name == "ceilings":
-                parts[name] = bench.ceilings_part(budget, work, env, args.nvme, args.ceiling_bytes)
-                measured = parts[name].get("measured", {})
-                has_cuda = measured.get("has_cuda", has_cuda)
-                results.data["machine"]["device"] = measured.get("device")
-            elif name.startswith("ours"):
-                flags = compressed if name == "ours-c" else base
-                parts[name] = bench.plan_and_run(
-                    name, flags, args.prompt_len, args.gen_len, budget, cap_s, work, env
-                )
-            else:
-                parts[name] = flexgen_part(name, args, budget, work, env, has_cuda)
-        except Exception as exc:  # a harness fault in one part must not lose the others
-            parts[name] = {"error": f"{type(exc).__name__}: {exc}"}
-        results.save()
-        print(f"[{budget.elapsed():5.0f} s] {name}: {_one_line(parts[name])}", flush=True)
+    state = {"has_cuda": not args.smoke}
+
+    def run(name: str) -> dict:
+        if name == "ceilings":
+            record = bench.ceilings_part(budget, work, env, args.nvme, args.ceiling_bytes)
+            measured = record.get("measured", {})
+            state["has_cuda"] = measured.get("has_cuda", state["has_cuda"])
+            results.data["machine"]["device"] = measured.get("device")
+            return record
+        if name.startswith("ours"):
+            flags = compressed if name == "ours-c" else base
+            cap_s = TIMES[name][0]
+            return bench.plan_and_run(
+                name, flags, args.prompt_len, args.gen_len, budget, cap_s, work, env
+            )
+        return flexgen_part(name, args, budget, work, env, state["has_cuda"])
+
+    bench.run_parts(
+        args.parts.split(","), lambda name: TIMES[name][1], run, results, budget, _one_line
+    )
 
 
 def _one_line(record: dict[str, Any]) -> str:
