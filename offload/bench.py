@@ -57,14 +57,14 @@ def measure_ceilings(disk_dir: Path | None, nbytes: int = 2**29) -> dict[str, An
     cannot be measured is None, with the reason under "errors"."""
     import torch
 
-    from offload.policies.measure import _copy_rate, disk_rates
+    from offload.policies.measure import copy_rate, disk_rates
 
     out: dict[str, Any] = {"bytes": nbytes, "torch": torch.__version__, "errors": {}}
     out["cuda"] = torch.version.cuda
     out["has_cuda"] = torch.cuda.is_available()
     try:
         src, dst = (torch.empty(nbytes, dtype=torch.uint8) for _ in range(2))
-        out["dram_copy_gbps"] = 2 * _copy_rate(src, dst)
+        out["dram_copy_gbps"] = 2 * copy_rate(src, dst)
         del src, dst
     except RuntimeError as exc:
         out["dram_copy_gbps"], out["errors"]["dram"] = None, str(exc)
@@ -73,9 +73,9 @@ def measure_ceilings(disk_dir: Path | None, nbytes: int = 2**29) -> dict[str, An
         try:
             host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             gpu, gpu2 = (torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2))
-            out["h2d_pinned_gbps"] = _copy_rate(host, gpu)
-            out["d2h_pinned_gbps"] = _copy_rate(gpu, host)
-            out["hbm_copy_gbps"] = 2 * _copy_rate(gpu, gpu2)
+            out["h2d_pinned_gbps"] = copy_rate(host, gpu)
+            out["d2h_pinned_gbps"] = copy_rate(gpu, host)
+            out["hbm_copy_gbps"] = 2 * copy_rate(gpu, gpu2)
             del host, gpu, gpu2
         except RuntimeError as exc:
             out["errors"]["gpu"] = str(exc)

@@ -47,7 +47,7 @@ def _timed(fn, repeat: int = 5) -> float:
     return (time.perf_counter() - started) / repeat
 
 
-def _copy_rate(src: torch.Tensor, dst: torch.Tensor) -> float:
+def copy_rate(src: torch.Tensor, dst: torch.Tensor) -> float:
     return src.numel() * src.element_size() / _timed(lambda: dst.copy_(src, non_blocking=True)) / GB
 
 
@@ -184,16 +184,14 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
     size = 2**26 if quick else 2**29
     disk_dir = nvme or Path(tempfile.gettempdir())
     disk_read, disk_write = disk_rates(disk_dir, min(size * 2, 2**30))
-    dram = (
-        _copy_rate(torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)) * 2
-    )
+    dram = copy_rate(torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)) * 2
     if torch.cuda.is_available():
         dev = torch.device("cuda")
         host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         host2 = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         gpu = torch.empty(size, dtype=torch.uint8, device=dev)
         gpu2 = torch.empty(size, dtype=torch.uint8, device=dev)
-        h2d, d2h = _copy_rate(host, gpu), _copy_rate(gpu, host)
+        h2d, d2h = copy_rate(host, gpu), copy_rate(gpu, host)
         cpu_attn = _cpu_attention_rate(torch.float16, host, gpu, h2d)
         cpu_quant_attn = _cpu_attention_rate(torch.float16, host, gpu, h2d, compressed=True)
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
@@ -205,8 +203,8 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
                 host2.copy_(gpu2, non_blocking=True)
 
         bidir = 2 * size / _timed(both) / GB
-        pageable = _copy_rate(torch.empty(size, dtype=torch.uint8), gpu)
-        hbm = 2 * _copy_rate(gpu, gpu2)
+        pageable = copy_rate(torch.empty(size, dtype=torch.uint8), gpu)
+        hbm = 2 * copy_rate(gpu, gpu2)
         del host, host2, gpu, gpu2
         prefill = _matmul_tflops(4096, 8192, 8192, dev, torch.float16)
         decode = _matmul_tflops(64, 8192, 28672, dev, torch.float16)
