@@ -106,15 +106,19 @@ def roofline(record: dict, ceilings: dict, model: str, args) -> dict[str, Any]:
     traced = (record.get("trace") or {}).get("lanes", {})
     for lane in ("h2d", "disk", "compute", "cpu_attn", "d2h", "cpu_copy"):
         nbytes, rate = moved.get(lane), rates.get(lane)
+        # the model's h2d is the link: weights and KV loads, traced on two streams
+        seen = (
+            traced.get("pcie_h2d", traced.get(lane, {})) if lane == "h2d" else traced.get(lane, {})
+        )
         row = {
             "model_bytes": nbytes,
             "ceiling_gbps": rate,
             "ideal_s": nbytes / (rate * GB) if nbytes is not None and rate else None,
             "predicted_s": predicted.get(lane),
-            "traced_busy_s": traced.get(lane, {}).get("busy_s"),
-            "traced_bytes": traced.get(lane, {}).get("bytes"),
-            "traced_gbps": traced.get(lane, {}).get("gbps"),
-            "traced_share_of_step": traced.get(lane, {}).get("share_of_step"),
+            "traced_busy_s": seen.get("busy_s"),
+            "traced_bytes": seen.get("bytes"),
+            "traced_gbps": seen.get("gbps"),
+            "traced_share_of_step": seen.get("share_of_step"),
         }
         if any(v for k, v in row.items() if k != "ceiling_gbps"):
             out["lanes"][lane] = row

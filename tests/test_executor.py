@@ -401,3 +401,20 @@ def test_compressed_kv_decode_logits_stay_near_the_uncompressed_run(
 def test_kv_group_size_must_be_a_kernel_tile():
     with pytest.raises(ValueError, match="tokens a key group"):
         Policy(kv_compression=Compression(4, 48))
+
+
+def test_the_host_to_gpu_link_is_busy_while_either_copy_stream_is():
+    """Weights and KV loads run on two copy streams over one PCIe link: each lane keeps
+    its own busy time, and the link's is their union (not their sum)."""
+    from offload.executor.lanes import busy_seconds
+
+    spans = [
+        ("h2d", "weights L1", 0.0, 1.0, 100),
+        ("h2d_kv", "kv L0 mb0", 0.5, 1.5, 10),
+        ("h2d_kv", "kv L0 mb1", 2.0, 2.5, 10),
+        ("compute", "L0 mb0", 0.0, 3.0, 0),
+    ]
+    busy = busy_seconds(spans)
+    assert busy["h2d"] == {"busy_s": 1.0, "bytes": 100}
+    assert busy["h2d_kv"] == {"busy_s": 1.5, "bytes": 20}
+    assert busy["pcie_h2d"] == {"busy_s": 2.0, "bytes": 120}

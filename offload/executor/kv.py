@@ -134,12 +134,12 @@ class KVManager:
         _, c, d = blk.rows
         which = blk.slot
         sk, sv = self.homes.scratch[which]
-        self.lanes.wait("h2d", self._scratch_free[which])
+        self.lanes.wait("h2d_kv", self._scratch_free[which])
         _wait_future(blk.stored)
         if disk_future is not None:
             disk_future.result()
         nbytes = 2 * (c + d) * self.cfg.num_kv_heads * num_tokens * self.cfg.head_dim * self.elt
-        with self.lanes.on("h2d", f"kv L{layer} mb{mb}", nbytes):
+        with self.lanes.on("h2d_kv", f"kv L{layer} mb{mb}", nbytes):
             if c:
                 assert blk.cpu_k is not None and blk.cpu_v is not None
                 # whole contiguous homes: a strided pinned source would make torch copy
@@ -153,7 +153,7 @@ class KVManager:
                 for home, scratch in ((dk, sk), (dv, sv)):
                     moved = home[:num_tokens].to(self.device, non_blocking=True)
                     scratch[c : c + d, :, :num_tokens].copy_(moved.permute(1, 2, 0, 3))
-        loaded = self.lanes.record("h2d")
+        loaded = self.lanes.record("h2d_kv")
         if d:
             self.transfer.staging_read(blk, loaded)
         self.lanes.wait("compute", loaded)
@@ -221,18 +221,18 @@ class KVManager:
             if d and (layer, mb) not in self._pending:
                 self.prefetch(layer, mb, start)
             disk_future = self._pending.pop((layer, mb))[1] if d else None
-            self.lanes.wait("h2d", self._scratch_free[which])
+            self.lanes.wait("h2d_kv", self._scratch_free[which])
             _wait_future(blk.stored)
             _wait_future(disk_future)
             home = blk.disk_quant
             nbytes = blk.cpu_quant.nbytes if blk.cpu_quant is not None else 0
             nbytes += home.slot_bytes(start) if home is not None else 0
-            with self.lanes.on("h2d", f"kv L{layer} mb{mb}", nbytes):
+            with self.lanes.on("h2d_kv", f"kv L{layer} mb{mb}", nbytes):
                 if blk.cpu_quant is not None:  # whole contiguous tensors (see _load_scratch)
                     scratch.rows(0, c).copy_from(blk.cpu_quant, non_blocking=True)
                 if home is not None:  # the slots held, piece by piece
                     scratch.rows(c, c + d).copy_slots_from(home, start, non_blocking=True)
-            loaded = self.lanes.record("h2d")
+            loaded = self.lanes.record("h2d_kv")
             if d:
                 self.transfer.staging_read(blk, loaded)
             self.lanes.wait("compute", loaded)

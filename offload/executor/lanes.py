@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-LANES = ("compute", "h2d", "d2h", "disk", "cpu_attn", "cpu_copy")
+LANES = ("compute", "h2d", "h2d_kv", "d2h", "disk", "cpu_attn", "cpu_copy")
+# lanes that share one physical link: their union is the link's busy time
+LINKS = {"pcie_h2d": ("h2d", "h2d_kv")}
 
 
 @dataclass
@@ -85,10 +87,11 @@ class Tracer:
 
 
 def busy_seconds(spans: list[tuple[str, str, float, float, int]]) -> dict[str, dict[str, float]]:
-    """Per lane: busy time (union of its spans) and bytes moved."""
+    """Per lane, and per shared link (LINKS): busy time (union of its spans) and bytes moved."""
     out = {}
-    for lane in LANES:
-        intervals = sorted((s, e) for ln, _, s, e, _ in spans if ln == lane)
+    groups = {lane: (lane,) for lane in LANES} | LINKS
+    for lane, members in groups.items():
+        intervals = sorted((s, e) for ln, _, s, e, _ in spans if ln in members)
         busy, cur_s, cur_e = 0.0, None, None
         for s, e in intervals:
             if cur_e is None or s > cur_e:
@@ -99,7 +102,7 @@ def busy_seconds(spans: list[tuple[str, str, float, float, int]]) -> dict[str, d
                 cur_e = max(cur_e, e)
         if cur_e is not None:
             busy += cur_e - cur_s
-        nbytes = sum(b for ln, _, _, _, b in spans if ln == lane)
+        nbytes = sum(b for ln, _, _, _, b in spans if ln in members)
         out[lane] = {"busy_s": busy, "bytes": nbytes}
     return out
 
@@ -112,6 +115,10 @@ class Lanes:
         self.cuda = device.type == "cuda"
         self.tracer = tracer
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
+        # KV loads get their own copy stream: on the weights' in-order stream a
+        # micro-batch's KV waited behind the next stage's whole weight copy, and the
+        # attention that needed it stalled compute (the BLOOM trace's serialization)
+        self.h2d_kv = torch.cuda.Stream(device) if self.cuda else None
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
 
     def stream(self, lane: str):
@@ -119,6 +126,7 @@ class Lanes:
             return None
         return {
             "h2d": self.h2d,
+            "h2d_kv": self.h2d_kv,
             "d2h": self.d2h,
             "compute": torch.cuda.current_stream(self.device),
         }[lane]
