@@ -176,7 +176,7 @@ class LLM:
                 return PlainRunner(source, self.dtype, self.device, progress=progress)
             from offload.executor.executor import Executor
 
-            return Executor(
+            executor = Executor(
                 source,
                 policy,
                 self.dtype,
@@ -185,6 +185,8 @@ class LLM:
                 trace=trace,
                 progress=progress,
             )
+        executor.warm_up(progress)
+        return executor
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (vLLM's)."""
