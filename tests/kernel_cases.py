@@ -20,12 +20,19 @@ from offload.kernels.formats import Compression
 from offload.kernels.kv_attention import decode_attention
 from offload.kernels.kv_cache import QuantKV
 from offload.kernels.kv_quantize import quantize_groups_reference
-from offload.kernels.qmatmul import Tiles, qlinear
+from offload.kernels.qmatmul import DENSE_ROWS, Tiles, _dense_slices, qlinear
 from offload.kernels.quant import dequantize, quantize
 
 # (rows, out features, in features, group): odd rows and out features not a multiple
 # of any tile, one and several groups
-QLINEAR_SHAPES = [(1, 40, 64, 64), (3, 72, 192, 32), (37, 130, 256, 64), (300, 96, 128, 64)]
+# the last: prefill's path (dequantized slices multiplied by cuBLAS / torch, DENSE_ROWS)
+QLINEAR_SHAPES = [
+    (1, 40, 64, 64),
+    (3, 72, 192, 32),
+    (37, 130, 256, 64),
+    (300, 96, 128, 64),
+    (1030, 70, 192, 64),
+]
 # the launcher's own tiles, then split-K (K in up to 4 parts of 64: 4, 3, 2 parts above)
 QLINEAR_TILES = [None, Tiles(16, 32, 64, 4, 2, split=4)]
 
@@ -38,6 +45,8 @@ def qlinear_failures(
     for dtype in dtypes:
         for rows, n, k, group in shapes:
             for with_bias, tiles in itertools.product((False, True), QLINEAR_TILES):
+                if tiles is not None and rows >= DENSE_ROWS:
+                    continue  # (the fused kernel's tiles: the shapes above; slow interpreted)
                 w = torch.randn(n, k, generator=gen)
                 x = torch.randn(rows, k, generator=gen).to(dtype)
                 bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
@@ -47,16 +56,21 @@ def qlinear_failures(
                 truth = F.linear(
                     x.double(), weight.double(), bias.double() if bias is not None else None
                 )
-                ours = qlinear(x, q, bias, tiles)
+                results = {str(tiles): qlinear(x, q, bias, tiles)}
+                if tiles is None and rows >= DENSE_ROWS:  # prefill's path in several slices
+                    sliced = torch.empty_like(results["None"])
+                    _dense_slices(x, q, bias, sliced, slice_bytes=32 * k * x.element_size())
+                    results["dense slices of 32 rows"] = sliced
                 torch_err = (F.linear(x, weight, bias).double() - truth).abs().max().item()
-                our_err = (ours.double() - truth).abs().max().item()
                 scale = truth.abs().max().item()
                 bound = 2 * torch_err + 1e-6 * scale
-                if ours.shape != truth.shape or ours.dtype != dtype or not our_err <= bound:
-                    failures.append(
-                        f"bits={bits} sym={symmetric} {dtype} {rows}x{n}x{k} g{group} "
-                        f"bias={with_bias} {tiles}: error {our_err:.3g} > bound {bound:.3g}"
-                    )
+                for how, ours in results.items():
+                    our_err = (ours.double() - truth).abs().max().item()
+                    if ours.shape != truth.shape or ours.dtype != dtype or not our_err <= bound:
+                        failures.append(
+                            f"bits={bits} sym={symmetric} {dtype} {rows}x{n}x{k} g{group} "
+                            f"bias={with_bias} {how}: error {our_err:.3g} > bound {bound:.3g}"
+                        )
     return failures
 
 

@@ -5,8 +5,17 @@ byte, low nibble first), fp16 scale (and minimum, asymmetric) [N, K / G, 1]. The
 kernel reads the codes and the group parameters, dequantizes one group of every W row
 in registers (`dequant.py`) and multiplies it into an fp32 accumulator with `tl.dot`:
 the full-precision weight never exists in memory. One kernel serves decode shapes (a few to a
-few hundred rows of x; the W read dominates, so tiles are wide in N) and prefill shapes
+few hundred rows of x; the W read dominates, so tiles are wide in N) and mid-sized ones
 (tiles in M and N); the launcher picks the tiles from the shape.
+
+Prefill shapes (`DENSE_ROWS` rows or more) are compute-bound, and there the fused kernel
+reached 364 TFLOP/s at int4 against cuBLAS fp16's 751 on the H100 machine (profile run
+154500). So they dequantize W into an fp16 scratch a slice of rows at a time
+(`DENSE_SLICE_BYTES` at most: the memory plan counts it) and multiply each slice with
+cuBLAS into its columns of the output. The dequantization reads 0.5-1 and writes 2 bytes
+a weight, about 1.5 ms for BLOOM-176B's largest matrix against 9 ms of its 4096-row
+matmul; the break-even is near 640 rows, where the fused kernel's time equals the
+dequantization's plus cuBLAS's.
 
 `qlinear_reference` is the plain-torch definition (dequantize, then `F.linear`) that the
 kernel must match; it also runs wherever Triton or CUDA is absent (the CPU tests).
@@ -50,12 +59,19 @@ class Tiles(NamedTuple):
     split: int = 1
 
 
+# rows of x from which a matmul dequantizes W and multiplies with cuBLAS (module doc)
+DENSE_ROWS = 1024
+# the most bytes of dequantized W held at once (a slice of its rows)
+DENSE_SLICE_BYTES = 128 << 20
+
+
 def qlinear(
     x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, tiles: Tiles | None = None
 ) -> torch.Tensor:
     """x [..., K] (fp16/bf16/fp32) times the quantized W [N, K]; returns [..., N] in x's dtype.
 
-    tiles overrides `_tiles` (the kernel benchmark's sweeps)."""
+    tiles overrides `_tiles` and always runs the fused kernel (the kernel benchmark's
+    sweeps)."""
     if not use_kernel(x):
         return qlinear_reference(x, w, bias)
     n, k = w.shape
@@ -64,6 +80,9 @@ def qlinear(
         rows = rows.contiguous()
     m = rows.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if tiles is None and m >= DENSE_ROWS:
+        _dense_slices(rows, w, bias, out)
+        return out.view(*x.shape[:-1], n)
     cfg = w.config
     t = tiles or _tiles(m, n, k, cfg.group_size, x.device)
     block_k = next(
@@ -107,6 +126,51 @@ def qlinear(
         cfg.bits == 4 and block_k >= 32,
     )
     return out.view(*x.shape[:-1], n)
+
+
+def _dense_slices(
+    rows: torch.Tensor,
+    w: QTensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    slice_bytes: int = DENSE_SLICE_BYTES,
+) -> None:
+    """out = rows @ dequantize(W)^T (+ bias), W dequantized slice_bytes at a time
+    into a scratch and multiplied by cuBLAS into its columns of out (a strided view:
+    cuBLAS writes it in place)."""
+    n, k = w.shape
+    cfg = w.config
+    step = max(32, slice_bytes // (k * rows.element_size()) // 32 * 32)
+    scratch = torch.empty((min(step, n), k), dtype=rows.dtype, device=rows.device)
+    block_k = next(
+        b for b in (256, 128, 64, cfg.group_size) if b % cfg.group_size == 0 and k % b == 0
+    )
+    minimum = w.minimum if w.minimum is not None else w.scale
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        dense = scratch[: stop - start]
+        _launch_dequant(
+            (-(-(stop - start) // DEQUANT_ROWS), k // block_k),
+            4,
+            w.codes[start:stop],
+            w.scale[start:stop],
+            minimum[start:stop],
+            dense,
+            stop - start,
+            k,
+            cfg.bits,
+            cfg.group_size,
+            cfg.symmetric,
+            DEQUANT_ROWS,
+            block_k,
+        )
+        if bias is None:
+            torch.mm(rows, dense.t(), out=out[:, start:stop])
+        else:
+            torch.addmm(bias[start:stop], rows, dense.t(), out=out[:, start:stop])
+
+
+DEQUANT_ROWS = 32  # W rows a dequantizing program writes
 
 
 # Decode shapes: enough programs that every SM holds several (split-K where the output
@@ -281,3 +345,59 @@ if triton is not None:
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     _launch = Launcher(_qmatmul_kernel)
+
+    @triton.jit(do_not_specialize=["N"])
+    def _dequant_kernel(
+        codes_ptr,
+        scale_ptr,
+        min_ptr,
+        out_ptr,
+        N,
+        K: tl.constexpr,
+        BITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        SYMMETRIC: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """W rows [BLOCK_N] x columns [BLOCK_K] of the codes to out's dtype, as `dequant`."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        step = tl.program_id(1)
+        n_ok = rn < N
+        kk = tl.arange(0, BLOCK_K)
+        PER_STEP: tl.constexpr = BLOCK_K // GROUP
+        row_bytes = K * BITS // 8
+        if BITS == 8:
+            codes = tl.load(
+                codes_ptr + rn[:, None] * row_bytes + step * BLOCK_K + kk[None, :],
+                mask=n_ok[:, None],
+                other=0,
+            )
+        else:  # low nibble first: the even column
+            half = tl.arange(0, BLOCK_K // 2)
+            packed = tl.load(
+                codes_ptr + rn[:, None] * row_bytes + step * (BLOCK_K // 2) + half[None, :],
+                mask=n_ok[:, None],
+                other=0,
+            )
+            codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K))
+        params = rn[:, None] * (K // GROUP) + step * PER_STEP + tl.arange(0, PER_STEP)[None, :]
+        scale = tl.load(scale_ptr + params, mask=n_ok[:, None], other=0.0)
+        low = scale
+        if not SYMMETRIC:
+            low = tl.load(min_ptr + params, mask=n_ok[:, None], other=0.0)
+        values = dequant(
+            tl.reshape(codes, (BLOCK_N, PER_STEP, GROUP)),
+            scale[:, :, None],
+            low[:, :, None],
+            BITS,
+            SYMMETRIC,
+            out_ptr.dtype.element_ty,
+        )
+        tl.store(
+            out_ptr + rn[:, None] * K + step * BLOCK_K + kk[None, :],
+            tl.reshape(values, (BLOCK_N, BLOCK_K)),
+            mask=n_ok[:, None],
+        )
+
+    _launch_dequant = Launcher(_dequant_kernel)

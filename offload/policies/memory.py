@@ -22,6 +22,7 @@ from offload.io.layout import (
     stage_image_bytes,
 )
 from offload.io.pinned import align_up
+from offload.kernels import qmatmul
 from offload.models import decoder
 from offload.policies.policy import Policy
 
@@ -136,6 +137,8 @@ def activation_plan(
     # last-position logits (fp32) of every micro-batch, held until their cat, and the cat
     transient = batch * cfg.vocab_size * 4 * 2
     transient += _layer_transient(cfg, mb * prompt_len) * elt
+    if policy.weight_compression is not None and mb * prompt_len >= qmatmul.DENSE_ROWS:
+        transient += qmatmul.DENSE_SLICE_BYTES  # prefill's dequantized slice of a matrix
     # the step's attention bias [B, 1|heads, T, S], built once for the whole block
     heads = cfg.num_heads if cfg.family == "bloom" else 1
     transient += batch * heads * prompt_len * max_slots * elt
