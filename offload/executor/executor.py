@@ -22,6 +22,7 @@ row-parallel matmul (`offload.parallel`, docs/parallel.md).
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 # the warm-up block's prompt: prefill's matmuls see 16 x rows rows (over 16: the tile
 # shape of long prompts; a multiple of 16: one of Triton's two specializations)
 WARM_PROMPT = 16
+SWITCH_INTERVAL_S = 0.00025  # the GIL's, while an executor runs (see __init__)
 
 
 @dataclass
@@ -83,6 +85,12 @@ class Executor(LaneReports):  # implements runner.Runner
         parallel: a tensor-parallel rank's collectives (`decoder.Parallel`); None is one
         device."""
         self.parallel = parallel
+        # worker threads (KV stores into their homes, disk reads) need the GIL for a few
+        # short spans; at Python's default 5 ms switch interval each waited that long
+        # behind the launching host thread, and a few-KB store took 5-14 ms, holding back
+        # the next stores and loads (H100 trace of a 4-layer BLOOM decode step)
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.cfg: ModelConfig = source.config
         self.policy, self.dtype, self.device = policy, dtype, device
         self.ledger = MemoryLedger()
@@ -348,6 +356,7 @@ class Executor(LaneReports):  # implements runner.Runner
         return report
 
     def close(self) -> None:
+        sys.setswitchinterval(self._switch_interval)
         self._drop_graphs()
         self.kv.close()
         self.fetcher.close()
