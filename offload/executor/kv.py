@@ -71,6 +71,8 @@ class KVManager:
         self.transfer = KVTransfer(self.homes, lanes, overlap)
         self.elt = self.homes.elt
         self._pending: dict[tuple[int, int], tuple] = {}  # (layer, mb): (tokens, disk read)
+        # (layer, mb): the landing of a compressed home's copy issued ahead of its attention
+        self._quant_loaded: dict[tuple[int, int], torch.cuda.Event | None] = {}
         self._scratch_free: list[torch.cuda.Event | None] = [None, None]
 
     @property
@@ -95,12 +97,12 @@ class KVManager:
     def release(self) -> None:
         self.transfer.drain()
         self.homes.release()
-        self._pending = {}
+        self._pending, self._quant_loaded = {}, {}
 
     def close(self) -> None:
         self.transfer.close()
         self.homes.close()
-        self._pending = {}
+        self._pending, self._quant_loaded = {}, {}
 
     # -- decode prefetch (attention on the GPU over an off-GPU cache) ----------------------
     def prefetch(self, layer: int, mb: int, num_tokens: int) -> None:
@@ -218,23 +220,10 @@ class KVManager:
         which = blk.slot
         scratch = self.homes.quant_scratch[which].rows(0, c + d)
         if start:  # the homes' cache into the scratch first
-            if d and (layer, mb) not in self._pending:
-                self.prefetch(layer, mb, start)
-            disk_future = self._pending.pop((layer, mb))[1] if d else None
-            self.lanes.wait("h2d_kv", self._scratch_free[which])
-            _wait_future(blk.stored)
-            _wait_future(disk_future)
-            home = blk.disk_quant
-            nbytes = blk.cpu_quant.nbytes if blk.cpu_quant is not None else 0
-            nbytes += home.slot_bytes(start) if home is not None else 0
-            with self.lanes.on("h2d_kv", f"kv L{layer} mb{mb}", nbytes):
-                if blk.cpu_quant is not None:  # whole contiguous tensors (see _load_scratch)
-                    scratch.rows(0, c).copy_from(blk.cpu_quant, non_blocking=True)
-                if home is not None:  # the slots held, piece by piece
-                    scratch.rows(c, c + d).copy_slots_from(home, start, non_blocking=True)
-            loaded = self.lanes.record("h2d_kv")
-            if d:
-                self.transfer.staging_read(blk, loaded)
+            if (layer, mb) in self._quant_loaded:
+                loaded = self._quant_loaded.pop((layer, mb))
+            else:
+                loaded = self._load_quant(layer, mb, start)
             self.lanes.wait("compute", loaded)
         out = decoder.quant_attention(scratch, q, k_new, v_new, bias, start)
         packed = [
@@ -244,7 +233,53 @@ class KVManager:
         ]
         self._scratch_free[which] = self.lanes.record("compute")
         self.transfer.store_packed(blk, mb, packed, start, end)
+        if start and self.transfer.overlap:
+            self._load_quant_ahead(layer, mb, start)
         return out
+
+    def _load_quant(self, layer: int, mb: int, start: int) -> torch.cuda.Event | None:
+        """Issue the copy of (layer, mb)'s compressed homes into its GPU scratch (after
+        the scratch's last reader); returns the event of its landing."""
+        blk = self.blocks[layer][mb]
+        _, c, d = blk.rows
+        which = blk.slot
+        scratch = self.homes.quant_scratch[which].rows(0, c + d)
+        if d and (layer, mb) not in self._pending:
+            self.prefetch(layer, mb, start)
+        disk_future = self._pending.pop((layer, mb))[1] if d else None
+        self.lanes.wait("h2d_kv", self._scratch_free[which])
+        _wait_future(blk.stored)
+        _wait_future(disk_future)
+        home = blk.disk_quant
+        nbytes = blk.cpu_quant.nbytes if blk.cpu_quant is not None else 0
+        nbytes += home.slot_bytes(start) if home is not None else 0
+        with self.lanes.on("h2d_kv", f"kv L{layer} mb{mb}", nbytes):
+            if blk.cpu_quant is not None:  # whole contiguous tensors (see _load_scratch)
+                scratch.rows(0, c).copy_from(blk.cpu_quant, non_blocking=True)
+            if home is not None:  # the slots held, piece by piece
+                scratch.rows(c, c + d).copy_slots_from(home, start, non_blocking=True)
+        loaded = self.lanes.record("h2d_kv")
+        if d:
+            self.transfer.staging_read(blk, loaded)
+        return loaded
+
+    def _load_quant_ahead(self, layer: int, mb: int, start: int) -> None:
+        """After (layer, mb)'s attention was issued: issue the next block's load in
+        attention order, into the other scratch (its copy waits on the GPU for that
+        scratch's last reader). Without it each micro-batch's load was issued at its
+        attention and compute waited for it: a chain of qkv, load, attention per
+        micro-batch (H100 trace of a 4-layer BLOOM decode step: 2.1 ms a micro-batch
+        against 1.0 ms of compute). Blocks with disk rows keep their own read-ahead
+        (`prefetch_after`): loading them early would block the host on the disk."""
+        count = len(self.blocks[0])
+        nxt = layer * count + mb + 1
+        if nxt >= len(self.blocks) * count:
+            return
+        key = (nxt // count, nxt % count)
+        blk = self.blocks[key[0]][key[1]]
+        _, c, d = blk.rows
+        if c and not d and key not in self._quant_loaded:
+            self._quant_loaded[key] = self._load_quant(*key, start)
 
     def _cpu_attention(
         self, blk: KVBlock, mb: int, q, k_new, v_new, bias, start: int, end: int
