@@ -39,6 +39,7 @@ from offload.io.pinned import PinnedPool, PoolBlock
 from offload.io.reader import ExtentReader
 from offload.io.store import ensure_store
 from offload.io.tiers import MemoryLedger, Tier
+from offload.kernels import qmatmul
 from offload.models import decoder, ops
 from offload.models.decoder import Parallel, StepInputs, Weights
 from offload.models.weights import WeightSource
@@ -48,8 +49,7 @@ from offload.runner import LaneReports
 
 log = logging.getLogger(__name__)
 
-# the warm-up block's prompt: prefill's matmuls see 16 x rows rows (over 16: the tile
-# shape of long prompts; a multiple of 16: one of Triton's two specializations)
+# the warm-up block's shortest prompt: a multiple of 16, as Triton specializes integers
 WARM_PROMPT = 16
 SWITCH_INTERVAL_S = 0.00025  # the GIL's, while an executor runs (see __init__)
 
@@ -167,8 +167,12 @@ class Executor(LaneReports):  # implements runner.Runner
             return 0.0  # (a traced run replays no graphs)
         started = time.perf_counter()
         rows = self.policy.block_size
+        # prefill's matmuls take the dense path (qmatmul.DENSE_ROWS) as the job's will:
+        # a micro-batch of the warm-up's prompts has that many rows (W1c: 12 x 96)
+        prompt = -(-qmatmul.DENSE_ROWS // self.policy.gpu_batch_size)
+        prompt = min(max(WARM_PROMPT, -(-prompt // 16) * 16), self.cfg.max_position_embeddings - 3)
         # the first decode step runs eagerly (compiling), the second captures the graphs
-        batch = PaddedBatch(self.cfg, [[0] * WARM_PROMPT] * rows, 3, pad_id=0)
+        batch = PaddedBatch(self.cfg, [[0] * prompt] * rows, 3, pad_id=0)
         self.start(batch)
         self.forward(batch.prompt_ids, self.step_inputs(batch, 0, batch.prompt_len))
         token = torch.zeros((rows, 1), dtype=torch.long)
