@@ -334,6 +334,11 @@ KV_POLICIES = {
     "kv-cpu-disk-device-attention": Policy(
         gpu_batch_size=2, num_gpu_batches=4, kv_cache=Placement(0, 0.5, 0.5)
     ),
+    # disk rows in the first and last micro-batch of a layer only: the staging blocks go
+    # round those, and their reads run ahead across the others (`KVManager.prefetch_after`)
+    "kv-3-ways-some-blocks-on-disk": Policy(
+        gpu_batch_size=2, num_gpu_batches=4, kv_cache=Placement(0.25, 0.5, 0.25)
+    ),
 }
 
 

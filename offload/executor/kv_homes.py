@@ -118,12 +118,18 @@ class KVHomes:
         if max_disk:  # where disk homes are read, updated and written back
             self.staging = [self.pool.alloc(max_disk) for _ in range(self.disk_buffers)]
         offset = 0
+        disk_turn = 0
         for layer in range(cfg.num_layers):
             row = []
             for mb, ((g, c, d), home) in enumerate(zip(row_splits, disk_homes, strict=True)):
-                # blocks take turns at the buffers in the order they are attended
+                # blocks take turns at the buffers in the order they are attended; the
+                # disk staging blocks go round the blocks with disk rows alone (with one
+                # such block in an even number of micro-batches, every layer's used to
+                # land on the same staging block, and each read waited for the last
+                # layer's write-back)
                 turn = layer * len(row_splits) + mb
-                blk = KVBlock((g, c, d), slot=turn % 2, disk_slot=turn % self.disk_buffers)
+                blk = KVBlock((g, c, d), slot=turn % 2, disk_slot=disk_turn % self.disk_buffers)
+                disk_turn += 1 if d else 0
                 shape = lambda n: (n, cfg.num_kv_heads, max_slots, cfg.head_dim)  # noqa: E731
                 if g:
                     blk.gpu = decoder.LayerKV(
