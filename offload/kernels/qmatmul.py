@@ -85,11 +85,7 @@ def qlinear(
         return out.view(*x.shape[:-1], n)
     cfg = w.config
     t = tiles or _tiles(m, n, k, cfg.group_size, x.device)
-    block_k = next(
-        b
-        for b in (256, 128, 64, cfg.group_size)
-        if (b <= t.max_k or b == cfg.group_size) and b % cfg.group_size == 0 and k % b == 0
-    )
+    block_k = _block_k(k, cfg.group_size, t.max_k)
     steps = k // block_k
     split = max(d for d in range(1, min(t.split, steps) + 1) if steps % d == 0)
     grid = (-(-m // t.block_m), -(-n // t.block_n), split)
@@ -128,6 +124,15 @@ def qlinear(
     return out.view(*x.shape[:-1], n)
 
 
+def _block_k(k: int, group: int, max_k: int) -> int:
+    """The widest K step up to max_k (whole groups, dividing K); the group itself at least."""
+    return next(
+        b
+        for b in (256, 128, 64, group)
+        if (b <= max_k or b == group) and b % group == 0 and k % b == 0
+    )
+
+
 def _dense_slices(
     rows: torch.Tensor,
     w: QTensor,
@@ -142,9 +147,7 @@ def _dense_slices(
     cfg = w.config
     step = max(32, slice_bytes // (k * rows.element_size()) // 32 * 32)
     scratch = torch.empty((min(step, n), k), dtype=rows.dtype, device=rows.device)
-    block_k = next(
-        b for b in (256, 128, 64, cfg.group_size) if b % cfg.group_size == 0 and k % b == 0
-    )
+    block_k = _block_k(k, cfg.group_size, 256)
     minimum = w.minimum if w.minimum is not None else w.scale
     for start in range(0, n, step):
         stop = min(n, start + step)
