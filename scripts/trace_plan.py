@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import time
 from pathlib import Path
 
@@ -27,6 +28,31 @@ from offload.models.weights import DummySource
 from offload.policies.policy import Policy
 
 
+def layer_timeline(spans: list[tuple[str, str, float, float, int]]) -> dict:
+    """Per layer of one step: when its weights crossed, its compute ran, its KV loads
+    and disk reads ran, and how long the host thread blocked on its blocks."""
+    per: dict[int, dict[str, list[tuple[float, float]]]] = {}
+    for lane, name, start, end, _ in spans:
+        m = re.search(r"L(\d+) ", name + " ") or re.search(r"layer\.(\d+)", name)
+        if m is None:
+            continue
+        per.setdefault(int(m.group(1)), {}).setdefault(lane, []).append((start, end))
+    lanes = ("h2d", "compute", "h2d_kv", "disk", "host_wait")
+    rows = []
+    for layer in sorted(per):
+        cells = [f"L{layer:<3d}"]
+        for lane in lanes:
+            got = per[layer].get(lane, [])
+            if not got:
+                cells.append(f"{lane} -")
+                continue
+            first, last = min(s for s, _ in got), max(e for _, e in got)
+            busy = sum(e - s for s, e in got)
+            cells.append(f"{lane} {first * 1e3:7.1f}-{last * 1e3:7.1f} ({busy * 1e3:5.1f})")
+        rows.append("  ".join(cells))
+    return {"legend": "lane first start-last end (sum of spans)", "rows": rows}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="bloom", help="a preset (dummy weights)")
@@ -35,13 +61,14 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=3, help="decode steps after the prefill")
     p.add_argument("--out", type=Path, default=Path("."))
+    p.add_argument("--nvme", type=Path, help="fast-disk directory (policies with disk tiers)")
     args = p.parse_args()
     cfg = dataclasses.replace(resolve_model(args.model, dummy=True).config, num_layers=args.layers)
     policy = Policy.from_file(args.policy)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     began = time.perf_counter()
-    ex = Executor(DummySource(cfg), policy, dtype, device, trace=True)
+    ex = Executor(DummySource(cfg), policy, dtype, device, nvme_dir=args.nvme, trace=True)
     load_s = time.perf_counter() - began
     prompts = [[5 + row % 100] * args.prompt_len for row in range(policy.block_size)]
     batch = PaddedBatch(cfg, prompts, args.steps + 1, pad_id=1)
@@ -53,6 +80,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     trace_path = args.out / f"trace_{args.model}_{args.layers}l_decode.json"
     ex.write_trace(trace_path)
+    timeline = layer_timeline(ex.tracer.resolved())
+    print(f"\nlast decode step by layer (ms from the step's start; {timeline['legend']})")
+    for row in timeline["rows"]:
+        print("  " + row)
     rows = []
     for label, step in (("prefill", ex.traces[0]), ("decode", ex.traces[-1])):
         lanes = {lane: v["busy_s"] for lane, v in step.lanes.items() if v["busy_s"] > 0}
@@ -67,6 +98,7 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "load_s": load_s,
         "steps": rows,
+        "timeline": timeline,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
     }
     (args.out / f"trace_{args.model}_{args.layers}l_summary.json").write_text(

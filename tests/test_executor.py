@@ -423,3 +423,29 @@ def test_the_host_to_gpu_link_is_busy_while_either_copy_stream_is():
     assert busy["h2d"] == {"busy_s": 1.0, "bytes": 100}
     assert busy["h2d_kv"] == {"busy_s": 1.5, "bytes": 20}
     assert busy["pcie_h2d"] == {"busy_s": 2.0, "bytes": 120}
+
+
+def test_paced_weight_copies_give_the_plain_tokens(
+    tiny_checkpoints, reference, tmp_path, monkeypatch
+):
+    """With KV loads between them, a stage's weight copy is issued in shares, one a
+    micro-batch (`WeightFetcher.pace`); in pieces of 4 KiB every stage of the tiny model
+    goes in several shares, and whatever is left is issued before the stage computes."""
+    from offload.executor import weights
+
+    monkeypatch.setattr(weights, "COPY_CHUNK", 4096)
+    partial = []  # shares that left copies of their stage queued
+    issue = weights.WeightFetcher._issue
+
+    def counted(self, index, count):
+        if 0 < count < len(self._queued[index][0]):
+            partial.append(index)
+        issue(self, index, count)
+
+    monkeypatch.setattr(weights.WeightFetcher, "_issue", counted)
+    directory, _ = tiny_checkpoints["llama-gqa"]
+    policy = POLICIES["overlap-everything-split"]
+    with LLM(str(directory), device="cpu", dtype="float32", policy=policy, nvme=tmp_path) as llm:
+        got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    assert got == reference["llama-gqa"]
+    assert set(partial) == {1, 2, 3, 4}  # every stage after the embedding, in shares

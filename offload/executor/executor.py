@@ -122,6 +122,12 @@ class Executor(LaneReports):  # implements runner.Runner
         self.fetcher = WeightFetcher(
             self.homes, self.lanes, device, self.pool, self.reader, self.ledger
         )
+        # the next stage's weight copy is issued in shares between the micro-batches
+        # where other host -> GPU copies need the copy engine in between (`fetcher._issue`):
+        # off-GPU KV loaded for attention on the GPU, CPU attention's outputs, activations
+        self._paced = policy.overlap and (
+            policy.kv_cache.gpu < 1 or policy.attention_on_cpu or policy.activations.gpu < 1
+        )
         self.load_seconds = time.perf_counter() - started
         if progress:
             log.info(
@@ -222,10 +228,12 @@ class Executor(LaneReports):  # implements runner.Runner
         hidden: list = [None] * len(self._micro)
         logits: list = [None] * len(self._micro)
         self.fetcher.fetch(0)
+        shares = len(self._micro) + 1  # the next stage's copy: a share now, one a micro-batch
         for stage in range(num_stages):
             weights = self.fetcher.get(stage)
             if self.policy.overlap:
-                self.fetcher.fetch(stage + 1)
+                self.fetcher.fetch(stage + 1, paced=self._paced)
+                self.fetcher.pace(stage + 1, 1 / shares)
             for k, rows in enumerate(self._micro):
                 if stage == 0:
                     with self.lanes.on("compute", f"embed mb{k}"):
@@ -239,6 +247,8 @@ class Executor(LaneReports):  # implements runner.Runner
                         logits[k] = decoder.head(self.cfg, weights, x[:, -1:] if last_only else x)
                 else:
                     hidden[k] = self._layer(stage - 1, k, weights, hidden[k], steps[k])
+                if self.policy.overlap:
+                    self.fetcher.pace(stage + 1, (k + 2) / shares)
             self.fetcher.done(stage)
             if not self.policy.overlap:
                 self.fetcher.fetch(stage + 1)

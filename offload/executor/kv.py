@@ -149,9 +149,9 @@ class KVManager:
         which = blk.slot
         sk, sv = self.homes.scratch[which]
         self.lanes.wait("h2d_kv", self._scratch_free[which])
-        _wait_future(blk.stored)
-        if disk_future is not None:
-            disk_future.result()
+        with self.lanes.blocked(f"kv L{layer} mb{mb} stored, read"):
+            _wait_future(blk.stored)
+            _wait_future(disk_future)
         nbytes = 2 * (c + d) * self.cfg.num_kv_heads * num_tokens * self.cfg.head_dim * self.elt
         with self.lanes.on("h2d_kv", f"kv L{layer} mb{mb}", nbytes):
             if c:
@@ -260,8 +260,9 @@ class KVManager:
             self.prefetch(layer, mb, start)
         disk_future = self._pending.pop((layer, mb))[1] if d else None
         self.lanes.wait("h2d_kv", self._scratch_free[which])
-        _wait_future(blk.stored)
-        _wait_future(disk_future)
+        with self.lanes.blocked(f"kv L{layer} mb{mb} stored, read"):
+            _wait_future(blk.stored)
+            _wait_future(disk_future)
         home = blk.disk_quant
         nbytes = blk.cpu_quant.nbytes if blk.cpu_quant is not None else 0
         nbytes += home.slot_bytes(start) if home is not None else 0
@@ -297,7 +298,8 @@ class KVManager:
         self, blk: KVBlock, mb: int, q, k_new, v_new, bias, start: int, end: int
     ) -> torch.Tensor:
         _, c, d = blk.rows
-        _wait_future(blk.stored)
+        with self.lanes.blocked(f"kv mb{mb} stored"):
+            _wait_future(blk.stored)
         cpu = torch.device("cpu")
         ready = self.lanes.record("compute")
         self.lanes.wait("d2h", ready)

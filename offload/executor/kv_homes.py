@@ -42,6 +42,7 @@ class KVBlock:
     """One layer's KV for one micro-batch, split by rows across tiers."""
 
     rows: tuple[int, int, int]  # (gpu, cpu, disk) row counts
+    name: str = ""  # "L<layer> mb<micro-batch>", for traces
     slot: int = 0  # which of the two GPU scratch buffers it uses
     disk_slot: int = 0  # which of the disk staging blocks it is read and updated in
     gpu: decoder.LayerKV | None = None  # the GPU rows' cache (compressed or not)
@@ -128,7 +129,12 @@ class KVHomes:
                 # land on the same staging block, and each read waited for the last
                 # layer's write-back)
                 turn = layer * len(row_splits) + mb
-                blk = KVBlock((g, c, d), slot=turn % 2, disk_slot=disk_turn % self.disk_buffers)
+                blk = KVBlock(
+                    (g, c, d),
+                    name=f"L{layer} mb{mb}",
+                    slot=turn % 2,
+                    disk_slot=disk_turn % self.disk_buffers,
+                )
                 disk_turn += 1 if d else 0
                 shape = lambda n: (n, cfg.num_kv_heads, max_slots, cfg.head_dim)  # noqa: E731
                 if g:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-LANES = ("compute", "h2d", "h2d_kv", "d2h", "disk", "cpu_attn", "cpu_copy")
+LANES = ("compute", "h2d", "h2d_kv", "d2h", "disk", "cpu_attn", "cpu_copy", "host_wait")
 # lanes that share one physical link: their union is the link's busy time
 LINKS = {"pcie_h2d": ("h2d", "h2d_kv")}
 
@@ -174,6 +174,14 @@ class Lanes:
         stream = self.stream(lane)
         if stream is not None and event is not None:
             stream.wait_event(event)
+
+    @contextlib.contextmanager
+    def blocked(self, name: str) -> Iterator[None]:
+        """The host thread blocks in the enclosed code (waiting for a worker's future):
+        traced on the host_wait lane, where a stall of the launch thread shows."""
+        start = time.perf_counter()
+        yield
+        self.tracer.host_span("host_wait", name, start, time.perf_counter())
 
     def host_wait(self, event: torch.cuda.Event | None) -> None:
         """Block the host until one event completes (never a device-wide sync)."""
