@@ -123,10 +123,15 @@ class Executor(LaneReports):  # implements runner.Runner
             self.homes, self.lanes, device, self.pool, self.reader, self.ledger
         )
         # the next stage's weight copy is issued in shares between the micro-batches
-        # where other host -> GPU copies need the copy engine in between (`fetcher._issue`):
-        # off-GPU KV loaded for attention on the GPU, CPU attention's outputs, activations
-        self._paced = policy.overlap and (
-            policy.kv_cache.gpu < 1 or policy.attention_on_cpu or policy.activations.gpu < 1
+        # where a compressed cache's off-GPU rows are loaded ahead for attention on the
+        # GPU (`fetcher._issue`, `KVManager._load_quant_ahead`). Not where the host
+        # blocks mid-layer (CPU attention): the rest of the copy would wait for it
+        # (OPT-30B fp16, 1 x 64, CPU attention: 43 tok/s paced, H200 run 195504)
+        self._paced = (
+            policy.overlap
+            and policy.kv_compression is not None
+            and policy.kv_cache.gpu < 1
+            and not policy.attention_on_cpu
         )
         self.load_seconds = time.perf_counter() - started
         if progress:
@@ -232,7 +237,7 @@ class Executor(LaneReports):  # implements runner.Runner
         for stage in range(num_stages):
             weights = self.fetcher.get(stage)
             if self.policy.overlap:
-                self.fetcher.fetch(stage + 1, paced=self._paced)
+                self.fetcher.fetch(stage + 1, paced=self._paced and len(self._micro) > 1)
                 self.fetcher.pace(stage + 1, 1 / shares)
             for k, rows in enumerate(self._micro):
                 if stage == 0:

@@ -39,7 +39,7 @@ from offload.config import ModelConfig
 from offload.executor.kv_homes import KVBlock, KVHomes
 from offload.executor.kv_transfer import KVTransfer, _wait_future
 from offload.executor.lanes import Lanes
-from offload.io.layout import DISK_BUFFERS
+from offload.io.layout import DISK_BUFFERS, QUANT_SCRATCH_DEPTH
 from offload.io.pinned import PinnedPool, PoolBlock
 from offload.io.tiers import MemoryLedger
 from offload.kernels.formats import Compression
@@ -75,7 +75,8 @@ class KVManager:
         self._disk_order: list[tuple[int, int]] = []  # blocks with disk rows, attention order
         # (layer, mb): the landing of a compressed home's copy issued ahead of its attention
         self._quant_loaded: dict[tuple[int, int], torch.cuda.Event | None] = {}
-        self._scratch_free: list[torch.cuda.Event | None] = [None, None]
+        # per GPU scratch (a ring, `KVLayout.scratch_depth`): its last reader's event
+        self._scratch_free: list[torch.cuda.Event | None] = [None] * QUANT_SCRATCH_DEPTH
 
     @property
     def pool(self) -> PinnedPool | None:
@@ -277,22 +278,23 @@ class KVManager:
         return loaded
 
     def _load_quant_ahead(self, layer: int, mb: int, start: int) -> None:
-        """After (layer, mb)'s attention was issued: issue the next block's load in
-        attention order, into the other scratch (its copy waits on the GPU for that
-        scratch's last reader). Without it each micro-batch's load was issued at its
-        attention and compute waited for it: a chain of qkv, load, attention per
-        micro-batch (H100 trace of a 4-layer BLOOM decode step: 2.1 ms a micro-batch
-        against 1.0 ms of compute). Blocks with disk rows keep their own read-ahead
-        (`prefetch_after`): loading them early would block the host on the disk."""
+        """After (layer, mb)'s attention was issued: issue the loads of the next blocks
+        in attention order, up to the scratch ring's depth - 1 ahead (each copy waits on
+        the GPU for its scratch's last reader). Loaded at its attention, a micro-batch
+        waited for its load: a chain of qkv, load, attention (H100 trace of a 4-layer
+        BLOOM decode step: 2.1 ms a micro-batch against 1.0 ms of compute); one ahead,
+        for the weight share queued before it on the copy engine (`QUANT_SCRATCH_DEPTH`).
+        Blocks with disk rows keep their own read-ahead (`prefetch_after`): loading them
+        early would block the host on the disk."""
         count = len(self.blocks[0])
-        nxt = layer * count + mb + 1
-        if nxt >= len(self.blocks) * count:
-            return
-        key = (nxt // count, nxt % count)
-        blk = self.blocks[key[0]][key[1]]
-        _, c, d = blk.rows
-        if c and not d and key not in self._quant_loaded:
-            self._quant_loaded[key] = self._load_quant(*key, start)
+        here = layer * count + mb
+        for nxt in range(
+            here + 1, min(here + self.homes.layout.scratch_depth, len(self.blocks) * count)
+        ):
+            key = (nxt // count, nxt % count)
+            _, c, d = self.blocks[key[0]][key[1]].rows
+            if c and not d and key not in self._quant_loaded:
+                self._quant_loaded[key] = self._load_quant(*key, start)
 
     def _cpu_attention(
         self, blk: KVBlock, mb: int, q, k_new, v_new, bias, start: int, end: int

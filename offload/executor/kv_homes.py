@@ -43,7 +43,7 @@ class KVBlock:
 
     rows: tuple[int, int, int]  # (gpu, cpu, disk) row counts
     name: str = ""  # "L<layer> mb<micro-batch>", for traces
-    slot: int = 0  # which of the two GPU scratch buffers it uses
+    slot: int = 0  # which of the GPU scratches it uses (`KVLayout.scratch_depth`)
     disk_slot: int = 0  # which of the disk staging blocks it is read and updated in
     gpu: decoder.LayerKV | None = None  # the GPU rows' cache (compressed or not)
     cpu_blocks: list[PoolBlock] = field(default_factory=list)
@@ -132,7 +132,7 @@ class KVHomes:
                 blk = KVBlock(
                     (g, c, d),
                     name=f"L{layer} mb{mb}",
-                    slot=turn % 2,
+                    slot=turn % kv.scratch_depth,
                     disk_slot=disk_turn % self.disk_buffers,
                 )
                 disk_turn += 1 if d else 0
@@ -164,19 +164,21 @@ class KVHomes:
                 self.pool.alloc(kv.store_staging_bytes(off_rows)) for _ in range(2)
             ]
         if off_rows and self.compression is not None:
-            # where off-GPU rows are quantized (and attended at decode), two deep
-            self.quant_scratch = [self._quant(off_rows, self.device) for _ in range(2)]
-            self._gpu_bytes += 2 * self.quant_scratch[0].nbytes
+            # where off-GPU rows are quantized (and attended at decode), a ring
+            self.quant_scratch = [
+                self._quant(off_rows, self.device) for _ in range(kv.scratch_depth)
+            ]
+            self._gpu_bytes += kv.scratch_depth * self.quant_scratch[0].nbytes
         # decode scratch for rows whose cache is off the GPU, two deep (prefetch)
         elif off_rows and not self.attention_on_cpu:
-            for _ in range(2):
+            for _ in range(kv.scratch_depth):
                 k = torch.empty(
                     (off_rows, cfg.num_kv_heads, max_slots, cfg.head_dim),
                     dtype=self.dtype,
                     device=self.device,
                 )
                 self.scratch.append((k, torch.empty_like(k)))
-            self._gpu_bytes += 4 * off_rows * per_row
+            self._gpu_bytes += kv.scratch_depth * 2 * off_rows * per_row
         acts = [self.pool.alloc(b) if b else None for b in act_bytes]
         self._owned += [b for b in acts if b is not None]
         self.ledger.add(Tier.GPU, self._gpu_bytes)
