@@ -122,17 +122,6 @@ class Executor(LaneReports):  # implements runner.Runner
         self.fetcher = WeightFetcher(
             self.homes, self.lanes, device, self.pool, self.reader, self.ledger
         )
-        # the next stage's weight copy is issued in shares between the micro-batches
-        # where a compressed cache's off-GPU rows are loaded ahead for attention on the
-        # GPU (`fetcher._issue`, `KVManager._load_quant_ahead`). Not where the host
-        # blocks mid-layer (CPU attention): the rest of the copy would wait for it
-        # (OPT-30B fp16, 1 x 64, CPU attention: 43 tok/s paced, H200 run 195504)
-        self._paced = (
-            policy.overlap
-            and policy.kv_compression is not None
-            and policy.kv_cache.gpu < 1
-            and not policy.attention_on_cpu
-        )
         self.load_seconds = time.perf_counter() - started
         if progress:
             log.info(
@@ -233,12 +222,12 @@ class Executor(LaneReports):  # implements runner.Runner
         hidden: list = [None] * len(self._micro)
         logits: list = [None] * len(self._micro)
         self.fetcher.fetch(0)
-        shares = len(self._micro) + 1  # the next stage's copy: a share now, one a micro-batch
         for stage in range(num_stages):
             weights = self.fetcher.get(stage)
             if self.policy.overlap:
-                self.fetcher.fetch(stage + 1, paced=self._paced and len(self._micro) > 1)
-                self.fetcher.pace(stage + 1, 1 / shares)
+                if 0 < stage < num_stages - 1:  # this layer's KV, then the next weights
+                    self.kv.load_layer(stage - 1, step.cache_start)
+                self.fetcher.fetch(stage + 1)
             for k, rows in enumerate(self._micro):
                 if stage == 0:
                     with self.lanes.on("compute", f"embed mb{k}"):
@@ -252,8 +241,6 @@ class Executor(LaneReports):  # implements runner.Runner
                         logits[k] = decoder.head(self.cfg, weights, x[:, -1:] if last_only else x)
                 else:
                     hidden[k] = self._layer(stage - 1, k, weights, hidden[k], steps[k])
-                if self.policy.overlap:
-                    self.fetcher.pace(stage + 1, (k + 2) / shares)
             self.fetcher.done(stage)
             if not self.policy.overlap:
                 self.fetcher.fetch(stage + 1)

@@ -39,7 +39,7 @@ from offload.config import ModelConfig
 from offload.executor.kv_homes import KVBlock, KVHomes
 from offload.executor.kv_transfer import KVTransfer, _wait_future
 from offload.executor.lanes import Lanes
-from offload.io.layout import DISK_BUFFERS, QUANT_SCRATCH_DEPTH
+from offload.io.layout import DISK_BUFFERS
 from offload.io.pinned import PinnedPool, PoolBlock
 from offload.io.tiers import MemoryLedger
 from offload.kernels.formats import Compression
@@ -76,7 +76,7 @@ class KVManager:
         # (layer, mb): the landing of a compressed home's copy issued ahead of its attention
         self._quant_loaded: dict[tuple[int, int], torch.cuda.Event | None] = {}
         # per GPU scratch (a ring, `KVLayout.scratch_depth`): its last reader's event
-        self._scratch_free: list[torch.cuda.Event | None] = [None] * QUANT_SCRATCH_DEPTH
+        self._scratch_free: list[torch.cuda.Event | None] = []
 
     @property
     def pool(self) -> PinnedPool | None:
@@ -96,6 +96,8 @@ class KVManager:
         micro-batch), from the same per-batch pool."""
         self.release()
         acts = self.homes.start(row_splits, max_slots, act_bytes)
+        depth = self.homes.layout.scratch_depth(len(row_splits), self.attention_on_cpu)
+        self._scratch_free = [None] * depth
         self._disk_order = [
             (layer, mb)
             for layer, row in enumerate(self.blocks)
@@ -117,7 +119,10 @@ class KVManager:
     # -- decode prefetch (attention on the GPU over an off-GPU cache) ----------------------
     def prefetch(self, layer: int, mb: int, num_tokens: int) -> None:
         """Start loading the off-GPU cache of (layer, mb) for its decode attention."""
-        if self.attention_on_cpu or (layer, mb) in self._pending or num_tokens == 0:
+        key = (layer, mb)
+        if self.attention_on_cpu or key in self._pending or key in self._quant_loaded:
+            return
+        if num_tokens == 0:
             return
         blk = self.blocks[layer][mb]
         _, c, d = blk.rows
@@ -246,8 +251,6 @@ class KVManager:
         ]
         self._scratch_free[which] = self.lanes.record("compute")
         self.transfer.store_packed(blk, mb, packed, start, end)
-        if start and self.transfer.overlap:
-            self._load_quant_ahead(layer, mb, start)
         return out
 
     def _load_quant(self, layer: int, mb: int, start: int) -> torch.cuda.Event | None:
@@ -277,24 +280,28 @@ class KVManager:
             self.transfer.staging_read(blk, loaded)
         return loaded
 
-    def _load_quant_ahead(self, layer: int, mb: int, start: int) -> None:
-        """After (layer, mb)'s attention was issued: issue the loads of the next blocks
-        in attention order, up to the scratch ring's depth - 1 ahead (each copy waits on
-        the GPU for its scratch's last reader). Loaded at its attention, a micro-batch
-        waited for its load: a chain of qkv, load, attention (H100 trace of a 4-layer
-        BLOOM decode step: 2.1 ms a micro-batch against 1.0 ms of compute); one ahead,
-        for the weight share queued before it on the copy engine (`QUANT_SCRATCH_DEPTH`).
-        Blocks with disk rows keep their own read-ahead (`prefetch_after`): loading them
-        early would block the host on the disk."""
-        count = len(self.blocks[0])
-        here = layer * count + mb
-        for nxt in range(
-            here + 1, min(here + self.homes.layout.scratch_depth, len(self.blocks) * count)
-        ):
-            key = (nxt // count, nxt % count)
-            _, c, d = self.blocks[key[0]][key[1]].rows
-            if c and not d and key not in self._quant_loaded:
-                self._quant_loaded[key] = self._load_quant(*key, start)
+    def load_layer(self, layer: int, start: int) -> None:
+        """Before the next stage's weight copy is issued: issue the loads of this
+        layer's compressed off-GPU homes (attention on the GPU), each into its micro-
+        batch's scratch, after that scratch's reader in the layer before. They share
+        the weights' copy stream (`Lanes`), so they run before the next layer's copy
+        and never behind it. Loaded one micro-batch ahead on a stream of their own, the
+        copy engine drained the whole queued weight copy (25 ms) first, then the loads:
+        a BLOOM-176B layer took both, one after the other (H100 run 193922).
+        Of the layer's blocks with disk rows, the first `disk_buffers` only: each later
+        one is read into the staging block of one before it in this layer, which its
+        attention still updates and writes back (they load at their attention)."""
+        if not (start and self.compression is not None and not self.attention_on_cpu):
+            return
+        on_disk = 0
+        for mb, blk in enumerate(self.blocks[layer]):
+            _, c, d = blk.rows
+            on_disk += 1 if d else 0
+            if not (c + d) or (layer, mb) in self._quant_loaded:
+                continue
+            if d and on_disk > self.disk_buffers:
+                continue
+            self._quant_loaded[(layer, mb)] = self._load_quant(layer, mb, start)
 
     def _cpu_attention(
         self, blk: KVBlock, mb: int, q, k_new, v_new, bias, start: int, end: int

@@ -101,6 +101,7 @@ class KVHomes:
         self.max_slots = max_slots
         self.layout = kv = KVLayout(cfg, self.dtype, max_slots, self.compression)
         per_row = kv.row_bytes
+        depth = kv.scratch_depth(len(row_splits), self.attention_on_cpu)
         disk_homes = [kv.home_bytes(d) for _, _, d in row_splits]
         need = sum(kv.home_bytes(c) for _, c, _ in row_splits) * cfg.num_layers
         off_rows = max((c + d for _, c, d in row_splits), default=0)
@@ -132,7 +133,7 @@ class KVHomes:
                 blk = KVBlock(
                     (g, c, d),
                     name=f"L{layer} mb{mb}",
-                    slot=turn % kv.scratch_depth,
+                    slot=turn % depth,
                     disk_slot=disk_turn % self.disk_buffers,
                 )
                 disk_turn += 1 if d else 0
@@ -165,20 +166,18 @@ class KVHomes:
             ]
         if off_rows and self.compression is not None:
             # where off-GPU rows are quantized (and attended at decode), a ring
-            self.quant_scratch = [
-                self._quant(off_rows, self.device) for _ in range(kv.scratch_depth)
-            ]
-            self._gpu_bytes += kv.scratch_depth * self.quant_scratch[0].nbytes
+            self.quant_scratch = [self._quant(off_rows, self.device) for _ in range(depth)]
+            self._gpu_bytes += depth * self.quant_scratch[0].nbytes
         # decode scratch for rows whose cache is off the GPU, two deep (prefetch)
         elif off_rows and not self.attention_on_cpu:
-            for _ in range(kv.scratch_depth):
+            for _ in range(depth):
                 k = torch.empty(
                     (off_rows, cfg.num_kv_heads, max_slots, cfg.head_dim),
                     dtype=self.dtype,
                     device=self.device,
                 )
                 self.scratch.append((k, torch.empty_like(k)))
-            self._gpu_bytes += kv.scratch_depth * 2 * off_rows * per_row
+            self._gpu_bytes += depth * 2 * off_rows * per_row
         acts = [self.pool.alloc(b) if b else None for b in act_bytes]
         self._owned += [b for b in acts if b is not None]
         self.ledger.add(Tier.GPU, self._gpu_bytes)

@@ -115,10 +115,13 @@ class Lanes:
         self.cuda = device.type == "cuda"
         self.tracer = tracer
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
-        # KV loads get their own copy stream: on the weights' in-order stream a
-        # micro-batch's KV waited behind the next stage's whole weight copy, and the
-        # attention that needed it stalled compute (the BLOOM trace's serialization)
-        self.h2d_kv = torch.cuda.Stream(device) if self.cuda else None
+        # KV loads are traced as their own lane but share the weights' stream: the copy
+        # engine drains one stream's queue before it turns to another's, so the order
+        # of copies on one stream is the only order there is (a layer's KV loads go
+        # before the next layer's weights: `KVManager.load_layer`). On a stream of
+        # their own they waited for a whole queued weight copy (BLOOM-176B, H100 run
+        # 193922, H200 runs 195008 and 200257)
+        self.h2d_kv = self.h2d
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
 
     def stream(self, lane: str):

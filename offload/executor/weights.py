@@ -15,7 +15,6 @@ entirely on the GPU is used in place.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,8 +223,6 @@ class WeightFetcher:
         self._slot_free: list[torch.cuda.Event | None] = [None, None]
         self._staging_free: list[torch.cuda.Event | None] = [None, None]
         self._loaded: dict[int, torch.cuda.Event | None] = {}
-        # stages whose copies are queued, not all issued: (copies left, copies in all)
-        self._queued: dict[int, tuple[list, int]] = {}
         self._disk: dict[int, list] = {}
 
     def close(self) -> None:
@@ -260,11 +257,9 @@ class WeightFetcher:
             extent.nbytes,
         )
 
-    def fetch(self, index: int, paced: bool = False) -> None:
-        """Issue stage `index`'s assembly (and the next stage's disk reads). paced: the
-        copies from the pinned home are only queued here, and `pace` issues them a share
-        at a time (`get` issues what is left)."""
-        if index >= len(self.homes.images) or index in self._loaded or index in self._queued:
+    def fetch(self, index: int) -> None:
+        """Issue stage `index`'s assembly (and the next stage's disk reads)."""
+        if index >= len(self.homes.images) or index in self._loaded:
             return
         self._start_disk(index)
         image = self.homes.images[index]
@@ -275,55 +270,29 @@ class WeightFetcher:
         which = index % 2
         slot = self.slots[which]
         self.lanes.wait("h2d", self._slot_free[which])
-        pieces = []
-        if image.gpu_end:
-            pieces.append((slot[: image.gpu_end], image.gpu_home))
-        if image.cpu_home is not None:
-            pieces += _chunks(slot[image.gpu_end : image.cpu_end], image.cpu_home.tensor)
+        moved = image.size - image.gpu_end
+        with self.lanes.on("h2d", f"weights {image.key}", moved):
+            if image.gpu_end:
+                slot[: image.gpu_end].copy_(image.gpu_home, non_blocking=True)
+            if image.cpu_home is not None:
+                _chunked_copy(slot[image.gpu_end : image.cpu_end], image.cpu_home.tensor)
+            if image.disk_extents:
+                started = time.perf_counter()
+                for future in self._disk.pop(index):
+                    future.result()
+                self.lanes.tracer.host_span(
+                    "disk", f"wait {image.key}", started, time.perf_counter()
+                )
+                staged = self.staging[which].tensor[: image.size - image.cpu_end]
+                _chunked_copy(slot[image.cpu_end : image.size], staged)
+        self._loaded[index] = self.lanes.record("h2d")
         if image.disk_extents:
-            started = time.perf_counter()
-            for future in self._disk.pop(index):
-                future.result()
-            self.lanes.tracer.host_span("disk", f"wait {image.key}", started, time.perf_counter())
-            staged = self.staging[which].tensor[: image.size - image.cpu_end]
-            with self.lanes.on("h2d", f"weights {image.key} disk part", staged.numel()):
-                for dst, src in _chunks(slot[image.cpu_end : image.size], staged):
-                    dst.copy_(src, non_blocking=True)
-            self._staging_free[which] = self.lanes.record("h2d")
-        self._queued[index] = (pieces, len(pieces))
-        if not paced:
-            self._issue(index, len(pieces))
+            self._staging_free[which] = self._loaded[index]
         self._start_disk(index + 1)
-
-    def pace(self, index: int, fraction: float) -> None:
-        """Issue stage `index`'s queued copies until `fraction` of them are issued."""
-        if index in self._queued:
-            pieces, total = self._queued[index]
-            self._issue(index, math.ceil(total * fraction) - (total - len(pieces)))
-
-    def _issue(self, index: int, count: int) -> None:
-        """Issue the next `count` queued copies of stage `index` (the last records it
-        loaded). Paced, a stage's copy goes in shares between the micro-batches' KV
-        loads: the copy engine runs host -> GPU copies in the order they are issued,
-        from whichever stream, so a KV load issued after a whole stage's copy waited
-        for all of it (BLOOM-176B, H100 run 193922: a layer took its weight copy, 25
-        ms, plus its KV loads, 8 ms, one after the other)."""
-        pieces, _ = self._queued[index]
-        share = pieces[: max(count, 0)]
-        if share:
-            moved = sum(dst.numel() for dst, _ in share)
-            with self.lanes.on("h2d", f"weights {self.homes.images[index].key}", moved):
-                for dst, src in share:
-                    dst.copy_(src, non_blocking=True)
-            del pieces[: len(share)]
-        if not pieces:
-            del self._queued[index]
-            self._loaded[index] = self.lanes.record("h2d")
 
     def get(self, index: int) -> Weights:
         """Stage weights for compute; compute waits (on the GPU) for their copies."""
         self.fetch(index)
-        self.pace(index, 1.0)
         image = self.homes.images[index]
         self.lanes.wait("compute", self._loaded.pop(index))
         if image.resident:
@@ -339,14 +308,15 @@ class WeightFetcher:
 
 
 # A stage's weight copy goes in pieces: one copy command of a whole stage (1.2 GB for a
-# BLOOM-176B int4 layer, 23 ms) cannot be paced between KV loads (`WeightFetcher._issue`).
-# 64 MiB is 1.2 ms at 54 GB/s; each command costs microseconds of host time.
+# BLOOM-176B int4 layer, 23 ms) holds the copy engine, and a KV load issued on its own
+# stream behind it waited the whole copy (H100 trace of a 4-layer BLOOM decode step:
+# a micro-batch's attention stalled 21 ms). 64 MiB is 1.2 ms at 54 GB/s; each command
+# costs microseconds of host time.
 COPY_CHUNK = 64 << 20
 
 
-def _chunks(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """dst.copy_(src) for flat byte tensors as (dst, src) pieces of COPY_CHUNK bytes."""
-    return [
-        (dst[start : start + COPY_CHUNK], src[start : start + COPY_CHUNK])
-        for start in range(0, dst.numel(), COPY_CHUNK)
-    ]
+def _chunked_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) for flat byte tensors, COPY_CHUNK bytes a command (non-blocking)."""
+    for start in range(0, dst.numel(), COPY_CHUNK):
+        stop = min(dst.numel(), start + COPY_CHUNK)
+        dst[start:stop].copy_(src[start:stop], non_blocking=True)

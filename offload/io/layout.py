@@ -150,14 +150,6 @@ def store_bytes(
 
 
 # -- KV cache -------------------------------------------------------------------------
-# A compressed cache's off-GPU rows are loaded into a ring of GPU scratches, up to
-# depth - 1 micro-batches ahead of their attention (`KVManager._load_quant_ahead`): one
-# ahead, a load sat in the copy engine's queue behind a weight share and its attention
-# waited (BLOOM-176B, H200 run 195008: 2.9 ms a micro-batch against 1.4 ms of compute).
-# An uncompressed scratch (loaded at its attention) stays two deep: it is 4x the bytes.
-QUANT_SCRATCH_DEPTH = 4
-
-
 @dataclass(frozen=True)
 class KVLayout:
     """Bytes of KV homes for one layer at `max_slots` tokens a sequence."""
@@ -167,10 +159,15 @@ class KVLayout:
     max_slots: int
     compression: Compression | None = None
 
-    @property
-    def scratch_depth(self) -> int:
-        """How many GPU scratches of the off-GPU rows there are (a ring)."""
-        return 2 if self.compression is None else QUANT_SCRATCH_DEPTH
+    def scratch_depth(self, micro_batches: int, attention_on_cpu: bool) -> int:
+        """How many GPU scratches of the off-GPU rows there are (a ring the blocks take
+        in attention order). A compressed cache attended on the GPU has one a micro-
+        batch: a layer's loads are all issued before the next layer's weight copy, on
+        the same stream (`KVManager.load_layer`). Otherwise two: one in use, one loading
+        (an uncompressed scratch is 4x the bytes)."""
+        if self.compression is not None and not attention_on_cpu:
+            return max(2, micro_batches)
+        return 2
 
     @property
     def row_bytes(self) -> int:
@@ -210,11 +207,12 @@ class KVLayout:
             return 2 * rows * self.row_bytes
         return self.quant_bytes(rows)
 
-    def scratch_gpu_bytes(self, rows: int, attention_on_cpu: bool) -> int:
+    def scratch_gpu_bytes(self, rows: int, attention_on_cpu: bool, micro_batches: int) -> int:
         """The GPU scratches where off-GPU rows are attended (fp16: loaded; compressed:
         also quantized into), `scratch_depth` of them."""
         if not rows:
             return 0
+        depth = self.scratch_depth(micro_batches, attention_on_cpu)
         if self.compression is not None:
-            return self.scratch_depth * self.quant_bytes(rows)
-        return 0 if attention_on_cpu else self.scratch_depth * 2 * rows * self.row_bytes
+            return depth * self.quant_bytes(rows)
+        return 0 if attention_on_cpu else depth * 2 * rows * self.row_bytes

@@ -109,7 +109,7 @@ def kv_plan(
         "kv_gpu": sum(kv.gpu_bytes(g) for g, _, _ in splits) * layers,
         "kv_cpu": sum(kv.home_bytes(c) for _, c, _ in splits) * layers,
         "kv_disk": sum(disk_homes) * layers,
-        "kv_scratch_gpu": kv.scratch_gpu_bytes(off_rows, policy.attention_on_cpu),
+        "kv_scratch_gpu": kv.scratch_gpu_bytes(off_rows, policy.attention_on_cpu, len(splits)),
         # disk homes being read, updated and written back, and new entries on their way
         # to off-GPU homes (two deep)
         "kv_staging_cpu": DISK_BUFFERS * max(disk_homes, default=0)
