@@ -70,6 +70,30 @@ def test_a_costly_micro_batch_moves_the_search_to_fewer_micro_batches():
     assert chosen.lanes_decode_s["host"] > 0
 
 
+def test_the_off_gpu_kv_chain_is_compute_time_and_favours_fewer_micro_batches():
+    """A micro-batch's off-GPU KV chain (attention over the scratch, the merge, the
+    store) runs in the compute stream: it adds to the compute lane, once a micro-batch
+    and layer, not to the host lane, so a costly chain makes fewer, larger micro-batches
+    the faster plan for the same sequences."""
+    cfg = cfg_of("opt-30b")
+    kv = Placement(0.25, 0.75, 0)
+    many = Policy(2, 16, kv_cache=kv, weight_compression=INT4, kv_compression=INT4)
+    few = Policy(8, 4, kv_cache=kv, weight_compression=INT4, kv_compression=INT4)
+    chain = dataclasses.replace(PROFILE, offgpu_kv_s=0.002)
+    for policy in (many, few):
+        free = estimate(cfg, policy, torch.float16, 512, 32, PROFILE)
+        costly = estimate(cfg, policy, torch.float16, 512, 32, chain)
+        added = cfg.num_layers * policy.num_gpu_batches * 0.002
+        assert costly.lanes_decode_s["compute"] == pytest.approx(
+            free.lanes_decode_s["compute"] + added
+        )
+        assert costly.lanes_decode_s["host"] == pytest.approx(free.lanes_decode_s["host"])
+    assert (
+        estimate(cfg, few, torch.float16, 512, 32, chain).decode_step_s
+        < estimate(cfg, many, torch.float16, 512, 32, chain).decode_step_s
+    )
+
+
 def test_the_all_reduce_costs_tensor_parallel_plans_time():
     cfg = cfg_of("llama-2-13b")
     policy = Policy(16, 1)

@@ -8,7 +8,8 @@ Lanes per layer (bytes over the profile's measured rates, `policies.hardware`):
              the rate measured for that format (int4 and int8 through the dequantizing
              matmul), and the KV it attends on the GPU at the rate measured for the KV's
              format; prefill at the format's measured prefill TFLOP/s; plus, under
-             tensor parallelism, two all-reduces a layer and micro-batch
+             tensor parallelism, two all-reduces a layer and micro-batch; plus, for
+             off-GPU KV attended on the GPU, its measured chain a micro-batch
     cpu_attn off-GPU KV / CPU attention rate (attention_on_cpu; over a compressed cache
              its K/V at the dtype's size / the rate measured over a compressed cache)
     d2h      new KV entries stored off the GPU (prefill)
@@ -117,9 +118,14 @@ def estimate(
         micro * layer_w / (hw.matmul_rate(policy.weight_compression) * GB)
         + kv_hbm / (hw.attention_rate(policy.kv_compression) * GB),
     ) + _allreduce_s(cfg, hw, tp, n_seqs, micro, elt)
+    if rows_cpu + rows_disk and not policy.attention_on_cpu:
+        # the off-GPU KV's chain a micro-batch (its attention over the scratch, the
+        # merge with the GPU rows' and the store of the new entries) runs in the
+        # compute stream between the micro-batch's matmuls, not beside them: BLOOM-176B
+        # 2 x 16, H100 run 202027, 36 ms a layer against 20 of matmuls and 16 x 1.1 ms
+        # of chain (it was counted on the host lane and the step predicted at 2.2 s)
+        compute += micro * hw.offgpu_kv_s
     host = _host_s(policy, hw, micro, tp)
-    if rows_cpu + rows_disk and not policy.attention_on_cpu:  # the off-GPU KV's chain
-        host += micro * hw.offgpu_kv_s
     cpu_attn = (kv_c + kv_d) / (cpu_attention_gbps * GB) if policy.attention_on_cpu else 0.0
     if cpu_attn:
         per_micro = cpu_attn / micro
