@@ -298,6 +298,8 @@ class Executor(LaneReports):  # implements runner.Runner
         for graph, rows, step in zip(graphs, self._micro, steps, strict=True):
             graph.begin(token_ids[rows], step)
         for layer in range(self.cfg.num_layers):
+            if self.policy.overlap:  # the layer's off-GPU KV loads, ahead of its attentions
+                self.kv.load_layer(layer, steps[0].cache_start)
             for k, (graph, step) in enumerate(zip(graphs, steps, strict=True)):
                 q, k_new, v_new = graph.qkv(layer)
                 context = self.kv.attention(layer, k, q, k_new, v_new, step.bias, step.cache_start)
