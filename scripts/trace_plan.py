@@ -1,7 +1,8 @@
 """Where a plan's step time goes: the executor's lane trace of a model cut to a few layers.
 
     python scripts/trace_plan.py --model bloom --policy policy.json --layers 4 \
-        --prompt-len 512 --out DIR
+        --prompt-len 512 --out DIR [--nvme DIR]
+    python scripts/trace_plan.py --from-trace benchmarks/results/bench_176b_<stamp>_bloom_trace.json
 
 Runs the policy's block (prefill, then decode steps) on the preset cut to `--layers`
 layers at full width (embedding, head, ring slots and per-layer buffers at full size)
@@ -26,6 +27,17 @@ from offload.executor.executor import Executor
 from offload.models.resolve import resolve_model
 from offload.models.weights import DummySource
 from offload.policies.policy import Policy
+
+
+def chrome_spans(path: Path) -> list[tuple[str, str, float, float, int]]:
+    """(lane, name, start s, end s, bytes) of a Chrome trace written by `Tracer`."""
+    events = json.loads(path.read_text())["traceEvents"]
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    return [
+        (lanes[e["tid"]], e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e["args"]["bytes"])
+        for e in events
+        if e.get("ph") == "X"
+    ]
 
 
 def layer_timeline(spans: list[tuple[str, str, float, float, int]]) -> dict:
@@ -56,13 +68,25 @@ def layer_timeline(spans: list[tuple[str, str, float, float, int]]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="bloom", help="a preset (dummy weights)")
-    p.add_argument("--policy", type=Path, required=True, help="policy JSON (offload-plan's)")
+    p.add_argument("--policy", type=Path, help="policy JSON (offload-plan's)")
+    p.add_argument(
+        "--from-trace",
+        type=Path,
+        help="only print the per-layer timeline of a Chrome trace already written "
+        "(offload-run --trace, bench_176b's _bloom_trace.json)",
+    )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=3, help="decode steps after the prefill")
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--nvme", type=Path, help="fast-disk directory (policies with disk tiers)")
     args = p.parse_args()
+    if args.from_trace is not None:
+        for row in layer_timeline(chrome_spans(args.from_trace))["rows"]:
+            print(row)
+        return
+    if args.policy is None:
+        p.error("--policy is required (or --from-trace)")
     cfg = dataclasses.replace(resolve_model(args.model, dummy=True).config, num_layers=args.layers)
     policy = Policy.from_file(args.policy)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

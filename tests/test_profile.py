@@ -72,7 +72,7 @@ def test_a_costly_micro_batch_moves_the_search_to_fewer_micro_batches():
 
 def test_the_off_gpu_kv_chain_is_compute_time_and_favours_fewer_micro_batches():
     """A micro-batch's off-GPU KV chain (attention over the scratch, the merge, the
-    store) runs in the compute stream: it adds to the compute lane, once a micro-batch
+    store) runs between the micro-batch's matmuls: it adds to the compute lane, once a micro-batch
     and layer, not to the host lane, so a costly chain makes fewer, larger micro-batches
     the faster plan for the same sequences."""
     cfg = cfg_of("opt-30b")

@@ -120,10 +120,10 @@ def estimate(
     ) + _allreduce_s(cfg, hw, tp, n_seqs, micro, elt)
     if rows_cpu + rows_disk and not policy.attention_on_cpu:
         # the off-GPU KV's chain a micro-batch (its attention over the scratch, the
-        # merge with the GPU rows' and the store of the new entries) runs in the
-        # compute stream between the micro-batch's matmuls, not beside them: BLOOM-176B
-        # 2 x 16, H100 run 202027, 36 ms a layer against 20 of matmuls and 16 x 1.1 ms
-        # of chain (it was counted on the host lane and the step predicted at 2.2 s)
+        # merge with the GPU rows' and the store of the new entries, and the host's
+        # launches of them) runs between the micro-batch's matmuls, not beside them:
+        # BLOOM-176B 2 x 16, H100 run 202027, 36 ms a layer against 20 of matmuls and
+        # 16 x 1.1 ms of chain (it was counted on the host lane, the step predicted 2.2 s)
         compute += micro * hw.offgpu_kv_s
     host = _host_s(policy, hw, micro, tp)
     cpu_attn = (kv_c + kv_d) / (cpu_attention_gbps * GB) if policy.attention_on_cpu else 0.0
