@@ -75,16 +75,26 @@ class Runner(Protocol):
         """Release pinned memory, spill files and threads."""
 
 
+def prefill_trace_path(path: Path) -> Path:
+    """Where `write_trace` puts the last prefill's trace beside the last step's."""
+    return path.with_name(f"{path.stem}_prefill{path.suffix}")
+
+
 class LaneReports:
-    """The memory and trace reports of a runner with a `ledger`, `tracer` and `traces`."""
+    """The memory and trace reports of a runner with a `ledger`, `tracer`, `traces` and
+    `prefill_spans` (the last prefill's resolved spans, kept while tracing)."""
 
     def peak_disk_bytes(self) -> int:
         return self.ledger.peak(Tier.DISK)
 
     def write_trace(self, path: Path) -> bool:
+        """The last step's trace at path, and the last prefill's beside it
+        (<stem>_prefill<suffix>) when the last step was not that prefill."""
         if not self.tracer.enabled:
             return False
         self.tracer.write_chrome(path)
+        if self.prefill_spans is not None and self.traces and not self.traces[-1].prefill:
+            self.tracer.write_chrome(prefill_trace_path(path), self.prefill_spans)
         return True
 
     def trace_report(self) -> str | None:

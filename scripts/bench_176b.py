@@ -26,7 +26,6 @@ traces in $OUT when set) and prints the table last.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -38,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from offload import bench  # noqa: E402
 from offload.bench import GB, fmt  # noqa: E402
+from offload.runner import prefill_trace_path  # noqa: E402
 
 MODELS = ("bloom", "opt-175b")
 CEILINGS_MIN_S = 20
@@ -147,13 +147,18 @@ def model_part(model: str, args, budget: bench.Budget, work: Path, env, results)
     record["nvme_bytes"] = directory_bytes(nvme) if nvme.exists() else 0
     if not args.keep_store:
         shutil.rmtree(nvme, ignore_errors=True)
+    prefill = prefill_trace_path(trace)
     if trace.is_file():
         record["trace"] = trace_summary(trace)
         record["trace_files"] = [str(trace)]
-        for out_dir in {p.parent for p in results.paths[1:]}:  # $OUT
+    if prefill.is_file():
+        record["prefill_trace"] = trace_summary(prefill)
+        record.setdefault("trace_files", []).append(str(prefill))
+    for path, tag in ((trace, "trace"), (prefill, "prefill_trace")):
+        for out_dir in {p.parent for p in results.paths[1:]} if path.is_file() else ():  # $OUT
             out_dir.mkdir(parents=True, exist_ok=True)
-            copy = out_dir / f"{results.paths[0].stem}_{model}_trace.json"
-            shutil.copyfile(trace, copy)
+            copy = out_dir / f"{results.paths[0].stem}_{model}_{tag}.json"
+            shutil.copyfile(path, copy)
             record["trace_files"].append(str(copy))
     if "summary" not in record or "stats" not in record:
         return record
@@ -168,18 +173,12 @@ def model_part(model: str, args, budget: bench.Budget, work: Path, env, results)
 def trace_summary(path: Path) -> dict[str, Any] | None:
     """Per lane of a Chrome trace written by offload-run --trace (one step): busy time
     (the union of its spans), bytes moved, the rate while busy and the share of the step."""
-    from offload.executor.lanes import busy_seconds
+    from offload.executor.lanes import busy_seconds, read_chrome
 
     try:
-        events = json.loads(path.read_text())["traceEvents"]
+        spans = read_chrome(path)
     except (OSError, ValueError, KeyError):
         return None
-    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
-    spans = [
-        (names.get(e["tid"], str(e["tid"])), e["name"], e["ts"] / 1e6,
-         (e["ts"] + e["dur"]) / 1e6, e.get("args", {}).get("bytes", 0))
-        for e in events if e.get("ph") == "X"
-    ]  # fmt: skip
     if not spans:
         return None
     step_s = max(s[3] for s in spans) - min(s[2] for s in spans)

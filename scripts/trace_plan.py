@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import time
 from pathlib import Path
 
@@ -24,45 +23,10 @@ import torch
 
 from offload.batch import PaddedBatch
 from offload.executor.executor import Executor
+from offload.executor.lanes import layer_timeline, read_chrome
 from offload.models.resolve import resolve_model
 from offload.models.weights import DummySource
 from offload.policies.policy import Policy
-
-
-def chrome_spans(path: Path) -> list[tuple[str, str, float, float, int]]:
-    """(lane, name, start s, end s, bytes) of a Chrome trace written by `Tracer`."""
-    events = json.loads(path.read_text())["traceEvents"]
-    lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
-    return [
-        (lanes[e["tid"]], e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e["args"]["bytes"])
-        for e in events
-        if e.get("ph") == "X"
-    ]
-
-
-def layer_timeline(spans: list[tuple[str, str, float, float, int]]) -> dict:
-    """Per layer of one step: when its weights crossed, its compute ran, its KV loads
-    and disk reads ran, and how long the host thread blocked on its blocks."""
-    per: dict[int, dict[str, list[tuple[float, float]]]] = {}
-    for lane, name, start, end, _ in spans:
-        m = re.search(r"L(\d+) ", name + " ") or re.search(r"layer\.(\d+)", name)
-        if m is None:
-            continue
-        per.setdefault(int(m.group(1)), {}).setdefault(lane, []).append((start, end))
-    lanes = ("h2d", "compute", "h2d_kv", "disk", "host_wait")
-    rows = []
-    for layer in sorted(per):
-        cells = [f"L{layer:<3d}"]
-        for lane in lanes:
-            got = per[layer].get(lane, [])
-            if not got:
-                cells.append(f"{lane} -")
-                continue
-            first, last = min(s for s, _ in got), max(e for _, e in got)
-            busy = sum(e - s for s, e in got)
-            cells.append(f"{lane} {first * 1e3:7.1f}-{last * 1e3:7.1f} ({busy * 1e3:5.1f})")
-        rows.append("  ".join(cells))
-    return {"legend": "lane first start-last end (sum of spans)", "rows": rows}
 
 
 def main() -> None:
@@ -82,7 +46,7 @@ def main() -> None:
     p.add_argument("--nvme", type=Path, help="fast-disk directory (policies with disk tiers)")
     args = p.parse_args()
     if args.from_trace is not None:
-        for row in layer_timeline(chrome_spans(args.from_trace))["rows"]:
+        for row in layer_timeline(read_chrome(args.from_trace))["rows"]:
             print(row)
         return
     if args.policy is None:

@@ -430,3 +430,28 @@ def test_the_host_to_gpu_link_is_busy_while_either_copy_stream_is():
     assert busy["h2d"] == {"busy_s": 1.0, "bytes": 100}
     assert busy["h2d_kv"] == {"busy_s": 1.5, "bytes": 20}
     assert busy["pcie_h2d"] == {"busy_s": 2.0, "bytes": 120}
+
+
+def test_a_trace_holds_the_last_step_and_the_last_prefill(tiny_checkpoints, tmp_path):
+    """--trace writes the last step's spans and, beside them, the last prefill's: every
+    layer's compute once a micro-batch in each, the KV loads of the off-GPU rows only
+    in the decode step, the layer timeline readable from the file."""
+    from offload.executor.lanes import layer_timeline, read_chrome
+    from offload.runner import prefill_trace_path
+
+    directory, _ = tiny_checkpoints["opt"]
+    policy = POLICIES["kv-cpu-device-attention"]
+    with LLM(
+        str(directory), device="cpu", dtype="float32", policy=policy, nvme=tmp_path, trace=True
+    ) as llm:
+        llm.generate(PROMPTS, PARAMS)
+        assert llm.runner.write_trace(tmp_path / "t.json")
+        layers = llm.config.num_layers
+    decode = read_chrome(tmp_path / "t.json")
+    prefill = read_chrome(prefill_trace_path(tmp_path / "t.json"))
+    for spans in (decode, prefill):
+        qkv = [name for lane, name, *_ in spans if lane == "compute" and name.endswith(" qkv")]
+        assert len(qkv) == layers * policy.num_gpu_batches
+    assert any(lane == "h2d_kv" for lane, *_ in decode)
+    assert not any(lane == "h2d_kv" for lane, *_ in prefill)
+    assert len(layer_timeline(prefill)["rows"]) == layers

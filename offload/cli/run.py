@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-o", "--output", help="write results as JSONL here ('-' for stdout)")
     add_sampling_flags(p)
-    p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the last step here")  # fmt: skip
+    p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the last step here (and of the last prefill beside it, <name>_prefill.json)")  # fmt: skip
     p.add_argument("--restart", action="store_true", help="discard an unfinished job's results and start over")  # fmt: skip
     p.add_argument("--skip-invalid", action="store_true", help="record unparsable lines, and prompts too long for the context or the memory caps, as errors and go on")  # fmt: skip
     p.add_argument("--stats", type=Path, help="write the run's summary as JSON here")  # fmt: skip

@@ -60,6 +60,7 @@ class StepTrace:
 
     seconds: float
     lanes: dict[str, dict[str, float]]
+    prefill: bool = False  # a step over the prompts (more than one new token)
 
     @property
     def busiest(self) -> tuple[str, float]:
@@ -147,6 +148,7 @@ class Executor(LaneReports):  # implements runner.Runner
         self._micro: list[slice] = []
         self._act_blocks: list[PoolBlock | None] = []
         self.traces: list[StepTrace] = []
+        self.prefill_spans: list | None = None  # the last prefill's, while tracing
         # (the graphs capture no collectives: tensor-parallel ranks run eagerly)
         self.cuda_graphs = cuda_graphs and device.type == "cuda" and parallel is None
         self._graphs: list[DecodeGraphs] = []
@@ -249,7 +251,12 @@ class Executor(LaneReports):  # implements runner.Runner
         self._sync()
         if self.tracer.enabled:
             spans = self.tracer.resolved()
-            self.traces.append(StepTrace(time.perf_counter() - started, busy_seconds(spans)))
+            prefill = token_ids.shape[1] > 1
+            self.traces.append(
+                StepTrace(time.perf_counter() - started, busy_seconds(spans), prefill)
+            )
+            if prefill:
+                self.prefill_spans = spans
         return out[:, -1] if last_only else out
 
     # -- a decode step from CUDA graphs ----------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -65,7 +66,10 @@ class Tracer:
             out.append((s.lane, s.name, start, end, s.nbytes))
         return out
 
-    def write_chrome(self, path: Path) -> None:
+    def write_chrome(
+        self, path: Path, spans: list[tuple[str, str, float, float, int]] | None = None
+    ) -> None:
+        """The spans (by default this step's) as a Chrome/Perfetto trace."""
         lanes = {lane: i for i, lane in enumerate(LANES)}
         events = [
             {
@@ -77,13 +81,55 @@ class Tracer:
                 "dur": max(end - start, 0) * 1e6,
                 "args": {"bytes": nbytes},
             }
-            for lane, name, start, end, nbytes in self.resolved()
+            for lane, name, start, end, nbytes in (self.resolved() if spans is None else spans)
         ]
         events += [
             {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}}
             for lane, i in lanes.items()
         ]
         path.write_text(json.dumps({"traceEvents": events}))
+
+
+def read_chrome(path: Path) -> list[tuple[str, str, float, float, int]]:
+    """The spans (lane, name, start s, end s, bytes) of a trace `Tracer.write_chrome` wrote."""
+    events = json.loads(path.read_text())["traceEvents"]
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    return [
+        (
+            lanes.get(e["tid"], str(e["tid"])),
+            e["name"],
+            e["ts"] / 1e6,
+            (e["ts"] + e["dur"]) / 1e6,
+            e.get("args", {}).get("bytes", 0),
+        )
+        for e in events
+        if e.get("ph") == "X"
+    ]
+
+
+def layer_timeline(spans: list[tuple[str, str, float, float, int]]) -> dict:
+    """Per layer of one step: when its weights crossed, its compute ran, its KV loads
+    and disk reads ran, and how long the host thread blocked on its blocks."""
+    per: dict[int, dict[str, list[tuple[float, float]]]] = {}
+    for lane, name, start, end, _ in spans:
+        m = re.search(r"L(\d+) ", name + " ") or re.search(r"layer\.(\d+)", name)
+        if m is None:
+            continue
+        per.setdefault(int(m.group(1)), {}).setdefault(lane, []).append((start, end))
+    lanes = ("h2d", "compute", "h2d_kv", "disk", "host_wait")
+    rows = []
+    for layer in sorted(per):
+        cells = [f"L{layer:<3d}"]
+        for lane in lanes:
+            got = per[layer].get(lane, [])
+            if not got:
+                cells.append(f"{lane} -")
+                continue
+            first, last = min(s for s, _ in got), max(e for _, e in got)
+            busy = sum(e - s for s, e in got)
+            cells.append(f"{lane} {first * 1e3:7.1f}-{last * 1e3:7.1f} ({busy * 1e3:5.1f})")
+        rows.append("  ".join(cells))
+    return {"legend": "lane first start-last end (sum of spans)", "rows": rows}
 
 
 def busy_seconds(spans: list[tuple[str, str, float, float, int]]) -> dict[str, dict[str, float]]:
