@@ -120,9 +120,12 @@ class KVManager:
     def prefetch(self, layer: int, mb: int, num_tokens: int) -> None:
         """Start loading the off-GPU cache of (layer, mb) for its decode attention."""
         key = (layer, mb)
-        if self.attention_on_cpu or key in self._pending or key in self._quant_loaded:
-            return
-        if num_tokens == 0:
+        if (
+            self.attention_on_cpu
+            or not num_tokens
+            or key in self._pending
+            or key in self._quant_loaded
+        ):
             return
         blk = self.blocks[layer][mb]
         _, c, d = blk.rows

@@ -275,7 +275,7 @@ class WeightFetcher:
             if image.gpu_end:
                 slot[: image.gpu_end].copy_(image.gpu_home, non_blocking=True)
             if image.cpu_home is not None:
-                _chunked_copy(slot[image.gpu_end : image.cpu_end], image.cpu_home.tensor)
+                slot[image.gpu_end : image.cpu_end].copy_(image.cpu_home.tensor, non_blocking=True)
             if image.disk_extents:
                 started = time.perf_counter()
                 for future in self._disk.pop(index):
@@ -284,7 +284,7 @@ class WeightFetcher:
                     "disk", f"wait {image.key}", started, time.perf_counter()
                 )
                 staged = self.staging[which].tensor[: image.size - image.cpu_end]
-                _chunked_copy(slot[image.cpu_end : image.size], staged)
+                slot[image.cpu_end : image.size].copy_(staged, non_blocking=True)
         self._loaded[index] = self.lanes.record("h2d")
         if image.disk_extents:
             self._staging_free[which] = self._loaded[index]
@@ -305,18 +305,3 @@ class WeightFetcher:
         """Compute of stage `index` is issued: its slot may be refilled after it."""
         if not self.homes.images[index].resident:
             self._slot_free[index % 2] = self.lanes.record("compute")
-
-
-# A stage's weight copy goes in pieces: one copy command of a whole stage (1.2 GB for a
-# BLOOM-176B int4 layer, 23 ms) holds the copy engine, and a KV load issued on its own
-# stream behind it waited the whole copy (H100 trace of a 4-layer BLOOM decode step:
-# a micro-batch's attention stalled 21 ms). 64 MiB is 1.2 ms at 54 GB/s; each command
-# costs microseconds of host time.
-COPY_CHUNK = 64 << 20
-
-
-def _chunked_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src) for flat byte tensors, COPY_CHUNK bytes a command (non-blocking)."""
-    for start in range(0, dst.numel(), COPY_CHUNK):
-        stop = min(dst.numel(), start + COPY_CHUNK)
-        dst[start:stop].copy_(src[start:stop], non_blocking=True)
