@@ -140,10 +140,13 @@ class PlainRunner:
             _compressed(source.layer(i, dtype, device), weight_compression) for i in layers
         ]
         self.kv_compression = kv_compression
-        # a tied head shares the embedding already loaded instead of loading it again
+        # a tied head shares the embedding already loaded instead of loading it again;
+        # the embedding then reads the head's table as compressed (`io.layout`)
         head_w = source.stored_stage("head", 0, dtype, device)
         head_w.setdefault("lm_head.weight", self.embed_w["tok.weight"])
         self.head_w: Weights = _compressed(head_w, weight_compression)
+        if self.cfg.tie_word_embeddings:
+            self.embed_w["tok.weight"] = self.head_w["lm_head.weight"]
         self.load_seconds = time.perf_counter() - started
         self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.family == "llama" else None
         self._cache: list[LayerKV] = []

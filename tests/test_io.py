@@ -32,7 +32,7 @@ from offload.presets import PRESETS
 CPU = torch.device("cpu")
 
 
-def tiny_config() -> ModelConfig:
+def tiny_config(**extra) -> ModelConfig:
     hf = {
         **PRESETS["llama-2-7b"],
         "hidden_size": 96,
@@ -41,6 +41,7 @@ def tiny_config() -> ModelConfig:
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "vocab_size": 333,
+        **extra,
     }
     return ModelConfig.from_hf(hf, "tiny-io")
 
@@ -361,3 +362,33 @@ def test_spill_round_trip_at_aligned_offsets(tmp_path):
         path = spill.path
         assert path.exists()
     assert not path.exists(), "spill file left behind"
+
+
+def test_a_tied_models_store_holds_its_table_once_and_an_older_one_is_rebuilt(tmp_path, caplog):
+    """The table lives in the head's image (`io.layout.shares_table`): the embedding's
+    image has none, the store writes it once, and reading the store back still gives the
+    source's embedding. A store written before (format 2) holds it twice: rebuilt."""
+    cfg = tiny_config(tie_word_embeddings=True)
+    untied = tiny_config()
+    assert cfg.tie_word_embeddings and not untied.tie_word_embeddings
+    dtype, table = torch.bfloat16, cfg.vocab_size * cfg.embed_dim * 2
+    tied_sizes, untied_sizes = (stage_image_bytes(c, dtype) for c in (cfg, untied))
+    assert tied_sizes[0] == 0 and untied_sizes[0] >= table  # this Llama embeds nothing else
+    assert tied_sizes[1:] == untied_sizes[1:]
+    source = DummySource(cfg, seed=3)
+    store = ensure_store(source, tmp_path, dtype)
+    assert store.file_bytes() == sum(tied_sizes)
+    assert "lm_head.weight" in store.manifest["stages"]["head"]["tensors"]
+    assert store.manifest["stages"]["embed"]["tensors"] == {}
+    with PinnedPool(2**24) as pool, ExtentReader(threads=2) as reader:
+        got = StoreSource(cfg, store, pool, reader).stage("embed", 0, dtype, CPU)
+    assert torch.equal(got["tok.weight"], source.stage("embed", 0, dtype, CPU)["tok.weight"])
+    manifest = store.directory / "manifest.json"
+    older = {**json.loads(manifest.read_text()), "format_version": 2}
+    manifest.write_text(json.dumps(older))
+    with pytest.raises(UserError, match="holds the tied embedding twice"):
+        WeightStore.open(store.directory, cfg, dtype)
+    caplog.set_level(logging.WARNING)
+    rebuilt = ensure_store(source, tmp_path, dtype)
+    assert "rebuilding weight store" in caplog.text
+    assert json.loads((rebuilt.directory / "manifest.json").read_text())["format_version"] == 3

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from offload.kernels.formats import Compression
-from offload.kernels.quant import dequantize, pack_int4, quantize, unpack_int4
+from offload.kernels.quant import (
+    dequantize,
+    embedding,
+    fake_quantize,
+    pack_int4,
+    quantize,
+    unpack_int4,
+)
 
 
 def test_int4_pack_unpack_is_bit_exact():
@@ -128,3 +135,16 @@ def test_quantizing_in_row_slices_is_bit_exact(monkeypatch, bits, symmetric):
     assert torch.equal(whole.codes, sliced.codes)
     assert torch.equal(whole.scale, sliced.scale)
     assert symmetric or torch.equal(whole.minimum, sliced.minimum)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_of_a_quantized_table_are_its_dequantized_rows(bits):
+    """A tied model's embedding reads rows of the compressed head (`quant.embedding`):
+    exactly the rows of the table the compressed head computes with."""
+    config = Compression(bits=bits, group_size=32)
+    table = torch.randn(50, 96, dtype=torch.float32)
+    ids = torch.tensor([[3, 0, 49, 3], [7, 7, 1, 22]])
+    got = embedding(ids, quantize(table, config), torch.device("cpu"))
+    assert got.shape == (2, 4, 96)
+    assert torch.equal(got, fake_quantize(table, config)[ids])
+    assert torch.equal(embedding(ids, table, torch.device("cpu")), table[ids])

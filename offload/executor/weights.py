@@ -26,10 +26,12 @@ from offload.errors import UserError
 from offload.executor.lanes import Lanes
 from offload.io.layout import (
     EMBED_TABLE,
+    HEAD_TABLE,
     TensorSlot,
     gathered,
     gathered_gpu_bytes,
     image_bytes,
+    shares_table,
     stage_cuts,
     stage_keys,
     stage_layout,
@@ -158,13 +160,30 @@ class WeightHomes:
                 image.disk_extents = _disk_extents(image, store, host)
                 ledger.add(Tier.DISK, size - cpu_end)
             if image.gathered:  # the table stays in pinned memory, the rest goes up
-                views = image.views(image.cpu_home.tensor[:size])
+                views = image.views(image.cpu_home.tensor[:size]) if size else {}
                 image.resident_views = {
                     name: t if name == EMBED_TABLE else t.to(device) for name, t in views.items()
                 }
                 ledger.add(Tier.GPU, gathered_gpu_bytes(cfg, dtype))
             self.images.append(image)
             del host
+        if shares_table(cfg):
+            self._share_table()
+
+    def _share_table(self) -> None:
+        """A tied model's embedding reads its rows from the head's table, in the one home
+        that holds the head whole (`io.layout.whole_in_cpu`): pinned CPU memory, or the
+        GPU when every weight is there."""
+        embed, head = self.images[0], self.images[-1]
+        if head.gpu_end == head.size:
+            image = head.gpu_home
+        else:
+            assert head.gpu_end == 0 and head.cpu_end == head.size, "the head is in one home"
+            image = head.cpu_home.tensor[: head.size]
+        table = head.views(image)[HEAD_TABLE]
+        if embed.resident_views is None:
+            embed.resident_views = embed.views(embed.gpu_home) if embed.size else {}
+        embed.resident_views[EMBED_TABLE] = table
 
     @staticmethod
     def _host_image(

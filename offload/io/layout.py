@@ -9,6 +9,11 @@ extents. A placement cuts an image at two 4 KiB boundaries (`stage_cut`): bytes
 on disk. The weight store holds each image's disk part (`store_tails`), or the whole
 image when it is written without a placement.
 
+A tied model's one table lives in the head's image (`lm_head.weight`, compressed with
+the head under weight compression); the embedding's image has none and reads the
+block's rows from the head's home (`shares_table`). BLOOM-176B's table is 7.2 GB in
+fp16: stored twice it took the RAM of 12 sequences' int4 KV.
+
 KV cache. A home of `rows` sequences for one layer holds K and V for `max_slots`
 tokens: fp16 K then V (each 4 KiB aligned), or one compressed `QuantKV` buffer. CPU and
 disk homes have the same bytes; `DISK_BUFFERS` staging blocks hold disk homes while they
@@ -48,6 +53,9 @@ def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 # -- weights --------------------------------------------------------------------------
+EMBED_TABLE, HEAD_TABLE = "tok.weight", "lm_head.weight"
+
+
 def stage_keys(cfg: ModelConfig) -> list[str]:
     return ["embed", *(f"layer.{i}" for i in range(cfg.num_layers)), "head"]
 
@@ -69,7 +77,10 @@ def stage_layout(
 ) -> tuple[TensorSlot, ...]:
     """The stored tensors of stage `key` ("embed", "layer.<i>", "head") in image order."""
     slots, offset = [], 0
-    stored = stored_layout(stage_shapes(cfg, key.partition(".")[0]), dtype, compression)
+    shapes = stage_shapes(cfg, key.partition(".")[0])
+    if key == "embed" and shares_table(cfg):
+        del shapes[EMBED_TABLE]
+    stored = stored_layout(shapes, dtype, compression)
     for name, (shape, t_dtype) in stored.items():
         nbytes = nbytes_of(shape, t_dtype)
         slots.append(TensorSlot(name, offset, nbytes, shape, t_dtype))
@@ -78,6 +89,8 @@ def stage_layout(
 
 
 def image_bytes(layout: tuple[TensorSlot, ...] | list[TensorSlot]) -> int:
+    if not layout:  # a tied Llama's embedding: its one tensor is the head's table
+        return 0
     last = layout[-1]
     return align_up(last.offset + last.nbytes)
 
@@ -99,6 +112,20 @@ def stage_cut(size: int, placement) -> tuple[int, int]:
     return gpu_end, min(size, max(gpu_end, align_up(int((placement.gpu + placement.cpu) * size))))
 
 
+def shares_table(cfg: ModelConfig) -> bool:
+    """The embedding reads its rows from the head's `lm_head.weight` (tied embeddings)."""
+    return cfg.tie_word_embeddings
+
+
+def whole_in_cpu(cfg: ModelConfig, key: str, placement) -> bool:
+    """Stages that live whole in pinned CPU memory unless every weight is on the GPU:
+    the gathered embedding, and the head of a tied model (the embedding gathers from its
+    table, which must therefore sit in one home)."""
+    if placement.gpu >= 1:
+        return False
+    return key == "embed" or (key == "head" and shares_table(cfg))
+
+
 def gathered(key: str, placement) -> bool:
     """The embedding is read a few rows a step: unless every weight is on the GPU, its
     stage lives whole in pinned CPU memory, the block's rows are gathered from the table
@@ -114,7 +141,7 @@ def stage_cuts(
     executor."""
     sizes = stage_image_bytes(cfg, dtype, compression)
     return [
-        (0, size) if gathered(key, placement) else stage_cut(size, placement)
+        (0, size) if whole_in_cpu(cfg, key, placement) else stage_cut(size, placement)
         for key, size in zip(stage_keys(cfg), sizes, strict=True)
     ]
 
@@ -123,9 +150,6 @@ def gathered_gpu_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """The GPU copies of a gathered embedding stage's tensors besides its table."""
     layout = stage_layout(cfg, "embed", dtype, None)
     return sum(align_up(t.nbytes) for t in layout if t.name != EMBED_TABLE)
-
-
-EMBED_TABLE = "tok.weight"
 
 
 def store_tails(

@@ -44,7 +44,14 @@ import xxhash
 from offload.config import ModelConfig
 from offload.errors import UserError
 from offload.io.atomic import atomic_write, fsync_dir
-from offload.io.layout import TensorSlot, stage_keys, store_bytes, store_tails
+from offload.io.layout import (
+    TensorSlot,
+    shares_table,
+    stage_keys,
+    stage_layout,
+    store_bytes,
+    store_tails,
+)
 from offload.io.pinned import ALIGN, align_up
 from offload.kernels.formats import Compression
 from offload.kernels.quant import compress_stage
@@ -52,8 +59,11 @@ from offload.models.weights import WeightSource
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2 adds each stage's tail_start; a version 1 store is read as whole
-READABLE_VERSIONS = (1, 2)
+# 2 adds each stage's tail_start (a version 1 store is read as whole); 3 holds a tied
+# model's table once, in the head (`io.layout.shares_table`): a tied model's older store
+# has it in the embedding too, and is rebuilt
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 DTYPE_NAMES = {
     torch.float32: "float32",
@@ -145,6 +155,11 @@ class WeightStore:
                 f"weight store {directory} has format_version="
                 f"{manifest.get('format_version')!r}, this run reads {READABLE_VERSIONS}; "
                 "delete it or use another --nvme directory"
+            )
+        if manifest["format_version"] < 3 and shares_table(cfg):
+            raise UserError(
+                f"weight store {directory} holds the tied embedding twice (format_version="
+                f"{manifest['format_version']}); delete it or use another --nvme directory"
             )
         wanted = {
             "config_hash": cfg.fingerprint(),
@@ -303,10 +318,12 @@ def convert(
     try:
         for key, tail_start in stages_in:
             stage, index = _split_key(key)
-            weights = source.stage(stage, index, dtype, torch.device("cpu"))
-            stages[key] = write_stage_file(
-                partial / _stage_file(key), compress_stage(weights, compression), tail_start
+            stored = compress_stage(
+                source.stage(stage, index, dtype, torch.device("cpu")), compression
             )
+            # the image's tensors only (a tied model's embedding leaves its table to the head)
+            tensors = {t.name: stored[t.name] for t in stage_layout(cfg, key, dtype, compression)}
+            stages[key] = write_stage_file(partial / _stage_file(key), tensors, tail_start)
         manifest = {
             "format_version": FORMAT_VERSION,
             "model": cfg.name,

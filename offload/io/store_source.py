@@ -6,6 +6,7 @@ import torch
 
 from offload.config import ModelConfig
 from offload.errors import UserError
+from offload.io.layout import EMBED_TABLE, HEAD_TABLE, shares_table
 from offload.io.pinned import PinnedPool
 from offload.io.reader import ExtentReader
 from offload.io.store import WeightStore
@@ -33,15 +34,18 @@ class StoreSource(WeightSource):
         self, stage: str, index: int, dtype: torch.dtype, device: torch.device
     ) -> Weights:
         key = f"layer.{index}" if stage == "layer" else stage
+        weights = self._read(key)
+        if stage == "embed" and shares_table(self.config):  # the store's one table is the head's
+            weights[EMBED_TABLE] = self._read("head")[HEAD_TABLE]
+        return {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
+
+    def _read(self, key: str) -> dict[str, torch.Tensor]:
         extents = self.store.extents(key)
         blocks = [self.pool.alloc(e.padded) for e in extents]
         try:
             futures = [self.reader.submit(e, b) for e, b in zip(extents, blocks, strict=True)]
             loads = [f.result() for f in futures]
-            return {
-                load.extent.name: load.host_view().to(device=device, dtype=dtype, copy=True)
-                for load in loads
-            }
+            return {load.extent.name: load.host_view().clone() for load in loads}
         finally:
             for block in blocks:
                 block.free()

@@ -110,6 +110,24 @@ def dequantize(q: QTensor) -> torch.Tensor:
     return values.reshape(q.shape).to(q.dtype)
 
 
+def embedding(
+    ids: torch.Tensor, table: torch.Tensor | QTensor, device: torch.device
+) -> torch.Tensor:
+    """Rows `ids` of a table [V, K] on `device`, gathered where the table lives: a
+    quantized table's rows cross as stored (codes and group parameters, 3.56x less than
+    fp16 at int4-g64) and are dequantized on `device`."""
+    if isinstance(table, torch.Tensor):
+        return torch.nn.functional.embedding(ids.to(table.device), table).to(device)
+    at = ids.to(table.codes.device)
+
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[at].to(device)
+
+    codes, scale, minimum = rows(table.codes), rows(table.scale), rows(table.minimum)
+    shape = (*ids.shape, table.shape[-1])
+    return dequantize(QTensor(codes, scale, minimum, shape, table.dtype, table.config))
+
+
 def fake_quantize(t: torch.Tensor, config: Compression) -> torch.Tensor:
     """quantize then dequantize: the values a compressed run computes with."""
     return dequantize(quantize(t, config))

@@ -11,7 +11,8 @@ offloading executor) pass a dict of tensors per stage. Canonical weight names:
                   mlp_out.weight [hidden, I](/.bias)
     head stage:   final_norm.weight(/.bias) (absent for OPT-350m);
                   proj_out.weight [E, hidden] (OPT-350m); lm_head.weight [V, E]
-                  (for tied embeddings a source hands out tok.weight under this name)
+                  (for tied embeddings a source hands out tok.weight under this name,
+                  and the executor's embedding reads its rows from it: `io.layout`)
 
 A layer is split at its attention so an executor can run `attend` elsewhere (e.g. on
 the CPU next to a CPU-resident KV cache): `attn_in` -> `attend` -> `attn_out_and_mlp`.
@@ -36,7 +37,7 @@ from offload.kernels.formats import Compression
 from offload.kernels.kv_attention import decode_attention
 from offload.kernels.kv_cache import QuantKV
 from offload.kernels.qmatmul import qlinear
-from offload.kernels.quant import QTensor
+from offload.kernels.quant import QTensor, embedding
 from offload.models import ops
 
 # A quantized layer matrix arrives as a `QTensor` (compressed weights); `_linear` runs
@@ -130,12 +131,14 @@ def embed(
     parallel: Parallel | None = None,
 ):
     """Token ids [B, T] -> hidden states [B, T, hidden]. A table held in host memory
-    (the executor's gathered embedding) is read there: only these rows cross. With
-    `parallel` the table is this rank's vocabulary slice (`Parallel.embed`)."""
+    (the executor's gathered embedding) is read there: only these rows cross; a
+    quantized table (a tied model's compressed head) is dequantized after they cross.
+    With `parallel` the table is this rank's vocabulary slice (`Parallel.embed`)."""
     table = w["tok.weight"]
-    ids = token_ids.to(table.device)
-    x = F.embedding(ids, table) if parallel is None else parallel.embed(ids, table)
-    x = x.to(token_ids.device)
+    if parallel is None:
+        x = embedding(token_ids, table, token_ids.device)
+    else:
+        x = parallel.embed(token_ids, table)
     if "proj_in.weight" in w:
         x = F.linear(x, w["proj_in.weight"])
     if cfg.family == "opt":

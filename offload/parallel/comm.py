@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from offload.errors import UserError
+from offload.kernels.quant import QTensor, embedding
 from offload.parallel.shard import RankShard
 
 # overrides the backend (nccl on CUDA, gloo on the CPU): gloo lets two ranks share one
@@ -167,14 +168,14 @@ class TensorParallel:
             self.reduce_seconds += time.perf_counter() - started
         return x
 
-    def embed(self, token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    def embed(self, token_ids: torch.Tensor, table: torch.Tensor | QTensor) -> torch.Tensor:
         """Vocab-parallel lookup: rows outside this rank's slice are zero here and come
-        from their owner in the all-reduce."""
-        local = token_ids - self.shard.vocab.start
+        from their owner in the all-reduce (a gathered table's rows reduce on device)."""
+        local = token_ids.to(self.device) - self.shard.vocab.start
         outside = (local < 0) | (local >= table.shape[0])
-        x = torch.nn.functional.embedding(local.masked_fill(outside, 0), table)
+        x = embedding(local.masked_fill(outside, 0), table, self.device)
         x.masked_fill_(outside[..., None], 0)
-        return self.reduce(x.to(self.device))  # a gathered table's rows: reduce on device
+        return self.reduce(x)
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Every rank's vocabulary slice of logits [..., V_rank] -> the full [..., V],
