@@ -25,8 +25,8 @@ from offload.policies.hardware import HardwareProfile
 from offload.policies.memory import plan_memory
 from offload.policies.policy import Placement, Policy
 
-BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-NUM_BATCHES = (1, 2, 4, 8, 16)
+BATCH_SIZES = (1, 2, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128, 192, 256)
+NUM_BATCHES = (1, 2, 4, 6, 8, 12, 16)
 WEIGHT_STEPS = 20
 
 
