@@ -209,3 +209,38 @@ def test_cuda_compressed_kv_in_cpu_and_disk_homes(case, tiny_checkpoints, tmp_pa
                 continue
             runs = [[o.token_ids for o in llm.generate(PROMPTS, KV_PARAMS)] for _ in range(3)]
         assert all(run == want for run in runs), f"{case} under {name} differs"
+
+
+def test_masked_grouped_query_prefill_attention_holds_no_scores():
+    """SDPA's own GQA path falls back to the math backend under a mask and holds fp32
+    scores [B, H, T, S] (28.5 GB under a 10 GB cap in an H100 run); `decoder.attend`
+    expands K/V instead, which `policies.memory` counts. Same values as grouping."""
+    from offload.models.decoder import attend
+
+    batch, heads, kv_heads, tokens, dim = 64, 32, 8, 512, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, heads, tokens, dim, device="cuda", dtype=torch.float16, generator=gen)
+    k, v = (
+        torch.randn(batch, kv_heads, tokens, dim, device="cuda", dtype=torch.float16, generator=gen)
+        for _ in range(2)
+    )
+    causal = torch.full((tokens, tokens), float("-inf"), device="cuda").triu(1)
+    bias = causal.to(torch.float16).expand(batch, 1, tokens, tokens).contiguous()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = attend(q, k, v, bias)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    scores = batch * heads * tokens * tokens * 4
+    expanded = 2 * batch * heads * tokens * dim * 2
+    bound = expanded + 2 * out.numel() * out.element_size() + (64 << 20)  # + out's reshape
+    assert bound < scores, "the bound must tell the two backends apart"
+    assert extra < bound, f"{extra / 1e9:.2f} GB over the expanded K/V's {bound / 1e9:.2f}"
+    rows = slice(0, 4)  # the reference on a few rows: grouped heads, plain math
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[rows].float(), k[rows].float().repeat_interleave(4, 1),
+        v[rows].float().repeat_interleave(4, 1), attn_mask=bias[rows].float(),
+    )  # fmt: skip
+    want = ref.transpose(1, 2).reshape(4, tokens, heads * dim)
+    torch.testing.assert_close(out[rows].float(), want, atol=2e-3, rtol=2e-3)

@@ -159,18 +159,21 @@ def _graph_bytes(cfg: ModelConfig, policy: Policy, sizes: list[int]) -> int:
         return 0
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     per_row = cfg.num_layers * (2 * qkv + cfg.hidden_size) + 2 * cfg.vocab_size
-    return sum(rows * per_row + _layer_transient(cfg, rows) for rows in sizes)
+    return sum(rows * per_row + _layer_transient(cfg, rows, prefill=False) for rows in sizes)
 
 
-def _layer_transient(cfg: ModelConfig, tokens: int) -> int:
+def _layer_transient(cfg: ModelConfig, tokens: int, prefill: bool = True) -> int:
     """Elements a layer holds at its peak over `tokens` new rows, besides its input and
     output (counted as activations); counted from `decoder`'s own code:
     attention half: norm output + the fused qkv + RoPE's temporaries of q (3 x hidden)
-    or SDPA's output and its reshape; MLP half: attention output and projection at full
-    size, plus one `MLP_CHUNK_ROWS` slice of the MLP (its input, norm, intermediate and
-    activation, output)."""
+    or SDPA's output and its reshape, and in prefill with grouped-query heads K and V
+    expanded to every query head (`decoder.attend`); MLP half: attention output and projection at
+    full size, plus one `MLP_CHUNK_ROWS` slice of the MLP (its input, norm, intermediate
+    and activation, output)."""
     hidden, qkv = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     attn_half = tokens * (qkv + (4 if cfg.family == "llama" else 3) * hidden)
+    if prefill and cfg.num_kv_heads != cfg.num_heads:
+        attn_half += 2 * tokens * cfg.num_heads * cfg.head_dim
     intermediate = (2 if cfg.gated_mlp else 1) * cfg.intermediate_size
     chunk = min(tokens, decoder.MLP_CHUNK_ROWS)
     mlp_half = 2 * tokens * hidden + chunk * (2 * hidden + 2 * intermediate)
