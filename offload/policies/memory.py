@@ -167,9 +167,9 @@ def _layer_transient(cfg: ModelConfig, tokens: int, prefill: bool = True) -> int
     output (counted as activations); counted from `decoder`'s own code:
     attention half: norm output + the fused qkv + RoPE's temporaries of q (3 x hidden)
     or SDPA's output and its reshape, and in prefill with grouped-query heads K and V
-    expanded to every query head (`decoder.attend`); MLP half: attention output and projection at
-    full size, plus one `MLP_CHUNK_ROWS` slice of the MLP (its input, norm, intermediate
-    and activation, output)."""
+    expanded to every query head (`decoder.attend`); MLP half: attention output and
+    projection at full size, plus one `MLP_CHUNK_ROWS` slice of the MLP (its input,
+    norm, intermediate and activation, output)."""
     hidden, qkv = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     attn_half = tokens * (qkv + (4 if cfg.family == "llama" else 3) * hidden)
     if prefill and cfg.num_kv_heads != cfg.num_heads:
