@@ -26,8 +26,8 @@ from offload.policies.memory import plan_memory
 from offload.policies.policy import Placement, Policy
 
 # rows a micro-batch and micro-batches a block: fine enough that memory, not the grid,
-# sets the block (BLOOM-176B's 7.2 GB freed by the tied table held 40 sequences, which
-# 4 x 8 and 12 x 4 missed: run 222029)
+# sets the block (the 7.2 GB that the tied table freed on BLOOM-176B hold 40 sequences,
+# between the old grid's 32 and 48, which does not fit: run 222029)
 BATCH_SIZES = (1, 2, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128, 192, 256)
 NUM_BATCHES = (1, 2, 4, 6, 8, 12, 16)
 WEIGHT_STEPS = 20
