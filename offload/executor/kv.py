@@ -37,7 +37,7 @@ import torch
 
 from offload.config import ModelConfig
 from offload.executor.kv_homes import KVBlock, KVHomes
-from offload.executor.kv_transfer import KVTransfer, _wait_future
+from offload.executor.kv_transfer import KVTransfer, _wait_all, _wait_future
 from offload.executor.lanes import Lanes
 from offload.io.layout import DISK_BUFFERS
 from offload.io.pinned import PinnedPool, PoolBlock
@@ -159,8 +159,7 @@ class KVManager:
         sk, sv = self.homes.scratch[which]
         self.lanes.wait("h2d_kv", self._scratch_free[which])
         with self.lanes.blocked(f"kv L{layer} mb{mb} stored, read"):
-            _wait_future(blk.stored)
-            _wait_future(disk_future)
+            _wait_all(blk.stored, disk_future)
         nbytes = 2 * (c + d) * self.cfg.num_kv_heads * num_tokens * self.cfg.head_dim * self.elt
         with self.lanes.on("h2d_kv", f"kv L{layer} mb{mb}", nbytes):
             if c:
@@ -268,8 +267,7 @@ class KVManager:
         disk_future = self._pending.pop((layer, mb))[1] if d else None
         self.lanes.wait("h2d_kv", self._scratch_free[which])
         with self.lanes.blocked(f"kv L{layer} mb{mb} stored, read"):
-            _wait_future(blk.stored)
-            _wait_future(disk_future)
+            _wait_all(blk.stored, disk_future)
         home = blk.disk_quant
         nbytes = blk.cpu_quant.nbytes if blk.cpu_quant is not None else 0
         nbytes += home.slot_bytes(start) if home is not None else 0
