@@ -44,6 +44,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="decode steps after the prefill")
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--nvme", type=Path, help="fast-disk directory (policies with disk tiers)")
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="then run the block again under torch.profiler and print the GPU time a "
+        "layer by kernel, for the prefill and for a decode step (warm: kernels compiled)",
+    )
     args = p.parse_args()
     if args.from_trace is not None:
         for row in layer_timeline(read_chrome(args.from_trace))["rows"]:
@@ -61,7 +67,9 @@ def main() -> None:
     prompts = [[5 + row % 100] * args.prompt_len for row in range(policy.block_size)]
     batch = PaddedBatch(cfg, prompts, args.steps + 1, pad_id=1)
     ex.start(batch)
+    began = time.perf_counter()
     ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, args.prompt_len))
+    first_prefill_s = time.perf_counter() - began
     ids = torch.ones(batch.size, 1, dtype=torch.long)
     for t in range(args.steps):
         ex.forward(ids, ex.step_inputs(batch, args.prompt_len + t, 1))
@@ -85,14 +93,50 @@ def main() -> None:
         "policy": policy.to_dict(),
         "prompt_len": args.prompt_len,
         "load_s": load_s,
+        "first_prefill_s": first_prefill_s,
         "steps": rows,
         "timeline": timeline,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
     }
+    if args.kernels:
+        summary["kernels"] = {}
+        for label, run in (
+            (
+                "prefill",
+                lambda: ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, args.prompt_len)),
+            ),
+            ("decode", lambda: ex.forward(ids, ex.step_inputs(batch, args.prompt_len, 1))),
+        ):
+            began = time.perf_counter()
+            summary["kernels"][label] = kernel_times(run, args.layers)
+            print(f"{label} under the profiler: {time.perf_counter() - began:.3f} s")
+    print(f"first prefill {first_prefill_s:.3f} s (kernels compiled in it)")
     (args.out / f"trace_{args.model}_{args.layers}l_summary.json").write_text(
         json.dumps(summary, indent=1)
     )
     ex.close()
+
+
+def kernel_times(run, layers: int, top: int = 14) -> dict[str, float]:
+    """GPU ms a layer by kernel name (the top few, the rest summed) over one run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+        if us > 0:
+            totals[event.key[:90]] = us / 1e3 / layers
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])
+    out = dict(ranked[:top])
+    out["(rest)"] = sum(v for _, v in ranked[top:])
+    print(f"  GPU ms a layer, total {sum(totals.values()):.2f}")
+    for name, ms in out.items():
+        print(f"  {ms:9.3f}  {name}")
+    return out
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from offload.cli.plan import main as plan_main
-from offload.executor.probe import overheads, probe_plan
+from offload.executor.probe import overheads, prefill_elementwise, probe_plan
 from offload.kernels.formats import Compression
 from offload.policies.caps import Caps
-from offload.policies.cost import estimate
+from offload.policies.cost import _layer_bytes, estimate
 from offload.policies.hardware import HardwareProfile, code_version, load_profile, save_profile
 from offload.policies.policy import Placement, Policy
 from offload.policies.search import ranked, search
@@ -57,6 +57,36 @@ def test_slow_int4_matmul_moves_the_search_to_dense_weights():
     # and a plan's estimate follows the measured rate, not the HBM's
     est = estimate(cfg, fast.policy, torch.float16, 512, 32, slow_hw)
     assert est.decode_step_s > 2 * fast.decode_step_s
+
+
+def test_prefill_pays_dequantization_attention_and_elementwise_as_measured():
+    """Prefill's terms: a compressed weight is dequantized once a matmul call from
+    qmatmul.DENSE_ROWS rows (`cost._prefill_matmul_s`) and multiplied by the fused
+    kernel below; attention at its own measured rate; the non-matmul time per token and
+    hidden unit."""
+    cfg = cfg_of("opt-30b")
+    compressed = Policy(4, 2, weight_compression=INT4)  # 4 x 512 rows a micro-batch
+    dense = Policy(4, 2)
+
+    def prefill(policy: Policy, prompt_len: int = 512, **figures) -> float:
+        hw = dataclasses.replace(PROFILE, **figures)
+        return estimate(cfg, policy, torch.float16, prompt_len, 32, hw).prefill_s
+
+    # 2 micro-batches of 2048 rows (one MLP chunk): each dequantizes the layer once
+    stored = _layer_bytes(cfg, compressed, torch.float16)[3]
+    slow, fast = ({"int4": 10.0}, {"int4": 1e9})
+    extra = prefill(compressed, dequant_gbps=slow) - prefill(compressed, dequant_gbps=fast)
+    assert extra == pytest.approx(cfg.num_layers * 2 * stored / 10e9, rel=1e-3)
+    assert prefill(dense, dequant_gbps=slow) == prefill(dense)
+    # 4 x 128 rows run the fused kernel: no dequantization, its own measured rate
+    assert prefill(compressed, 128, dequant_gbps=slow) == prefill(compressed, 128)
+    fused_slow = {"int4": PROFILE.prefill_tflops / 10}
+    slow_fused = prefill(compressed, 128, prefill_format_tflops=fused_slow)
+    assert slow_fused > 5 * prefill(compressed, 128)
+    # attention at its own rate; the elementwise term per token and hidden unit
+    assert prefill(dense, prefill_attention_tflops=1.0) > 1.5 * prefill(dense)
+    extra = prefill(dense, prefill_elementwise_s=1e-12) - prefill(dense)
+    assert extra == pytest.approx(cfg.num_layers * 8 * 512 * cfg.hidden_size * 1e-12, rel=1e-6)
 
 
 def test_a_costly_micro_batch_moves_the_search_to_fewer_micro_batches():
@@ -131,6 +161,10 @@ def test_executor_fixed_costs_are_measured():
     assert figures["offgpu_kv_s"] >= 0
     assert 0 < figures["layer_fixed_s"] + figures["micro_fixed_s"] < 1.0
     assert figures["graph_layer_s"] == 0.0  # no CUDA graphs on the CPU
+    # a prefill layer beyond its matmuls and attention: with the test profile's GPU
+    # rates those are next to nothing on the CPU, so it is the CPU layer's whole time
+    per_unit = prefill_elementwise(PROFILE, torch.device("cpu"))
+    assert 1e-12 < per_unit < 1e-6
 
 
 def test_probe_extrapolates_from_two_depths(tiny_checkpoints):

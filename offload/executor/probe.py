@@ -5,6 +5,8 @@ Two uses:
   costs (`overheads`): the host time a layer and a micro-batch of a layer cost, eager and
   replayed from CUDA graphs. They are measured on a narrow model whose transfers and
   kernels take next to nothing, so what is left is launches, Python and stream waits.
+  And a prefill layer's time beyond its matmuls and attention (`prefill_elementwise`),
+  measured on a full-width layer.
 - `probe_plan`: a candidate plan run for real at its shapes (the block, the prompt, the
   weight and KV split, the formats), cut to a few layers: `offload-plan --verify`
   times the search's best few this way and keeps the fastest measured. Two depths
@@ -44,6 +46,18 @@ OVERHEAD_CONFIG = {
     "vocab_size": 512,
 }
 PROBE_DEPTHS = (2, 4)  # layers of a plan probe's two runs
+# the layer a prefill's non-matmul time is measured on: OPT-6.7B's (its norms,
+# activation and residuals; the GPU's matmuls at a realistic width), narrower where
+# the CPU computes; (rows, prompt tokens) of its block
+ELEMENTWISE_CONFIG = {**PRESETS["opt-6.7b"], "vocab_size": 512}
+ELEMENTWISE_CPU_CONFIG = {
+    **OVERHEAD_CONFIG,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "ffn_dim": 1024,
+    "word_embed_proj_dim": 256,
+}
+ELEMENTWISE_SHAPE = {"cuda": (8, 512), "cpu": (2, 64)}
 
 
 def _decode_seconds(ex: Executor, batch: PaddedBatch, start: int, steps: int) -> float:
@@ -97,11 +111,52 @@ def overheads(device: torch.device, steps: int = 8) -> dict[str, float]:
     }
 
 
+def _prefill_seconds(cfg: ModelConfig, device: torch.device, rows: int, tokens: int) -> float:
+    """The fastest of three prefills of `rows` x `tokens`, every weight on the device
+    (after one that compiles)."""
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    ex = Executor(DummySource(cfg), Policy(rows, 1), dtype, device)
+    try:
+        batch = PaddedBatch(cfg, [[5] * tokens] * rows, 2, pad_id=1)
+        ex.start(batch)
+        times = []
+        for _ in range(4):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, tokens))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - began)
+        return min(times[1:])
+    finally:
+        ex.close()
+
+
+def prefill_elementwise(hw: HardwareProfile, device: torch.device) -> float:
+    """A prefill layer's time beyond its matmuls and attention (as `hw` rates them), per
+    token and hidden unit: norms, activations, residuals, the KV's store. One layer's
+    time is the difference of a 4- and a 2-layer model's prefill."""
+    rows, tokens = ELEMENTWISE_SHAPE[device.type]
+    config = ELEMENTWISE_CONFIG if device.type == "cuda" else ELEMENTWISE_CPU_CONFIG
+    cfg = ModelConfig.from_hf(config, "elementwise-probe")
+    shallow, deep = (
+        _prefill_seconds(dataclasses.replace(cfg, num_layers=depth), device, rows, tokens)
+        for depth in PROBE_DEPTHS
+    )
+    layer = (deep - shallow) / (PROBE_DEPTHS[1] - PROBE_DEPTHS[0])
+    matmuls = 2 * rows * tokens * cfg.layer_param_count() / (hw.prefill_rate(None) * 1e12)
+    attention = 4 * rows * tokens**2 * cfg.num_heads * cfg.head_dim
+    attention /= hw.prefill_attention_rate() * 1e12
+    return max(0.0, layer - matmuls - attention) / (rows * tokens * cfg.hidden_size)
+
+
 def measure_profile(nvme: Path | None, quick: bool = True) -> HardwareProfile:
-    """This machine's profile: the device's rates and the executor's fixed costs."""
+    """This machine's profile: the device's rates and the executor's own costs."""
     hw = measure(nvme, quick=quick)
     device = torch.device("cuda" if hw.has_gpu else "cpu")
-    return dataclasses.replace(hw, **overheads(device, steps=4 if quick else 8))
+    hw = dataclasses.replace(hw, **overheads(device, steps=4 if quick else 8))
+    return dataclasses.replace(hw, prefill_elementwise_s=prefill_elementwise(hw, device))
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ OPTIONAL_FIGURES = (
     "graph_layer_s",
     "allreduce_gbps",
     "allreduce_latency_s",
+    "prefill_attention_tflops",
+    "prefill_elementwise_s",
 )
 
 
@@ -71,10 +73,15 @@ class HardwareProfile:
     process_base_bytes: int = 0  # host RSS of a loaded engine before any weights
     measured_at: str = ""
     # per storage format (`format_name`): the weight bytes a decode-shaped matmul reads
-    # a second, and the prefill-shaped matmul's TFLOP/s (int4 and int8 through the
-    # dequantizing kernel); missing formats fall back to hbm_gbps / prefill_tflops
+    # a second; the prefill-shaped matmul's TFLOP/s (dense: cuBLAS at 4096 rows; int4
+    # and int8: the fused kernel at FUSED_PREFILL_ROWS, as micro-batches of fewer than
+    # `qmatmul.DENSE_ROWS` tokens run it); and the stored bytes a second that a
+    # compressed matmul of DENSE_ROWS or more rows dequantizes into its scratch before
+    # cuBLAS multiplies at the dense rate. Missing formats fall back to hbm_gbps /
+    # prefill_tflops
     matmul_gbps: dict[str, float] = field(default_factory=dict)
     prefill_format_tflops: dict[str, float] = field(default_factory=dict)
+    dequant_gbps: dict[str, float] = field(default_factory=dict)
     # decode attention on the GPU: the cache bytes (as stored) it reads a second
     gpu_attention_gbps: dict[str, float] = field(default_factory=dict)
     # the executor's host time: per layer of a step, per micro-batch of a layer, per
@@ -85,6 +92,12 @@ class HardwareProfile:
     micro_fixed_s: float = 0.0
     offgpu_kv_s: float = 0.0
     graph_layer_s: float = 0.0
+    # prefill: masked attention (the executor's `decoder.attend`) in TFLOP/s of
+    # 4 x rows x T x S x heads x head_dim, and a layer's time beyond its matmuls and
+    # attention (norms, activations, residuals, the KV's quantization and store) per
+    # token and hidden unit (`executor.probe`)
+    prefill_attention_tflops: float = 0.0
+    prefill_elementwise_s: float = 0.0
     # tensor parallelism: NCCL all-reduce bus bandwidth and latency between this node's
     # GPUs (measured where there are two or more)
     allreduce_gbps: float = 0.0
@@ -115,6 +128,13 @@ class HardwareProfile:
 
     def prefill_rate(self, compression: Compression | None) -> float:
         return self.prefill_format_tflops.get(format_name(compression), self.prefill_tflops)
+
+    def dequant_rate(self, compression: Compression | None) -> float:
+        """GB/s of stored weight bytes that a prefill matmul dequantizes (`dequant_gbps`)."""
+        return self.dequant_gbps.get(format_name(compression), self.hbm_gbps)
+
+    def prefill_attention_rate(self) -> float:
+        return self.prefill_attention_tflops or self.prefill_tflops
 
     def attention_rate(self, compression: Compression | None) -> float:
         """GB/s of stored KV bytes that decode attention on the GPU reads."""

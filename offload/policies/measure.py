@@ -130,35 +130,51 @@ def _matmul_tflops(m: int, k: int, n: int, device: torch.device, dtype: torch.dt
     return 2 * m * k * n / _timed(lambda: a @ b, repeat=3) / 1e12
 
 
+# the rows at which a compressed format's fused prefill kernel is measured: a micro-
+# batch of a few short prompts (fewer than qmatmul.DENSE_ROWS tokens) runs it
+FUSED_PREFILL_ROWS = 512
+
+
 def _matmul_rates(
     m: int, k: int, n: int, device: torch.device, dtype: torch.dtype
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Per format: the stored weight bytes a [m, k] x [k, n] matmul reads a second at
-    m = decode rows, and TFLOP/s at a prefill's rows."""
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Per format: the stored weight bytes a [m, k] x [k, n] matmul reads a second at m =
+    decode rows; TFLOP/s at prefill rows (dense: cuBLAS at 4096 rows; compressed: the
+    fused kernel at FUSED_PREFILL_ROWS); and, compressed, the stored bytes a second the
+    4096-row matmul dequantizes (its time beyond cuBLAS's on the dense weight)."""
     w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
     decode_x = torch.randn(m, k, device=device, dtype=dtype)
     prefill_rows = 4096 if device.type == "cuda" else 256
     prefill_x = torch.randn(prefill_rows, k, device=device, dtype=dtype)
-    read, flops = {}, {}
+    fused_x = prefill_x[: min(FUSED_PREFILL_ROWS, prefill_rows // 2)]
+    read, flops, dequant = {}, {}, {}
+    dense_s = _timed(lambda: F.linear(prefill_x, w), repeat=3)
     for config in FORMATS:
-        if config is None:
-            stored, nbytes = w, w.numel() * w.element_size()
-
-            def run(x, stored=stored):
-                return F.linear(x, stored)
-        else:
-            stored = quantize(w, config)
-            nbytes = stored.nbytes
-
-            def run(x, stored=stored):
-                return qlinear(x, stored)
-
         name = format_name(config)
-        read[name] = nbytes / _timed(lambda run=run: run(decode_x), repeat=10) / GB
-        seconds = _timed(lambda run=run: run(prefill_x), repeat=3)
-        flops[name] = 2 * prefill_rows * k * n / seconds / 1e12
+        if config is None:
+            seconds = _timed(lambda: F.linear(decode_x, w), repeat=10)
+            read[name] = w.numel() * w.element_size() / seconds / GB
+            flops[name] = 2 * prefill_rows * k * n / dense_s / 1e12
+            continue
+        stored = quantize(w, config)
+        read[name] = stored.nbytes / _timed(lambda s=stored: qlinear(decode_x, s), repeat=10) / GB
+        seconds = _timed(lambda s=stored: qlinear(fused_x, s), repeat=3)
+        flops[name] = 2 * fused_x.shape[0] * k * n / seconds / 1e12
+        # noise can make the difference tiny: at least 2% of the matmul
+        extra = _timed(lambda s=stored: qlinear(prefill_x, s), repeat=3) - dense_s
+        dequant[name] = stored.nbytes / max(extra, 0.02 * dense_s) / GB
         del stored
-    return read, flops
+    return read, flops, dequant
+
+
+def _prefill_attention_tflops(device: torch.device, dtype: torch.dtype) -> float:
+    """TFLOP/s (4 x rows x T x S x heads x dim) of the executor's masked prefill
+    attention at a 512-token prompt."""
+    rows, heads, t, dim = (4, 32, 512, 128) if device.type == "cuda" else (1, 4, 128, 64)
+    q, k, v = (torch.randn(rows, heads, t, dim, device=device, dtype=dtype) for _ in range(3))
+    bias = torch.zeros(rows, 1, t, t, device=device, dtype=dtype)
+    bias.masked_fill_(torch.ones(t, t, device=device, dtype=torch.bool).triu(1), float("-inf"))
+    return 4 * rows * t * t * heads * dim / _timed(lambda: attend(q, k, v, bias)) / 1e12
 
 
 def _gpu_attention_rates(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
@@ -208,8 +224,9 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         del host, host2, gpu, gpu2
         prefill = _matmul_tflops(4096, 8192, 8192, dev, torch.float16)
         decode = _matmul_tflops(64, 8192, 28672, dev, torch.float16)
-        matmul, prefill_formats = _matmul_rates(16, 8192, 28672, dev, torch.float16)
+        matmul, prefill_formats, dequant = _matmul_rates(16, 8192, 28672, dev, torch.float16)
         attention = _gpu_attention_rates(dev, torch.float16)
+        prefill_attention = _prefill_attention_tflops(dev, torch.float16)
         gpu_mem, name = (
             torch.cuda.get_device_properties(dev).total_memory,
             torch.cuda.get_device_name(),
@@ -223,7 +240,8 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         cpu_quant_attn = _cpu_attention_rate(torch.float32, compressed=True)
         prefill = decode = _matmul_tflops(1024, 2048, 2048, torch.device("cpu"), torch.float32)
         cpu = torch.device("cpu")
-        matmul, prefill_formats = _matmul_rates(16, 1024, 2048, cpu, torch.float32)
+        matmul, prefill_formats, dequant = _matmul_rates(16, 1024, 2048, cpu, torch.float32)
+        prefill_attention = _prefill_attention_tflops(cpu, torch.float32)
         attention = {}  # no GPU: decode attention runs on the CPU (cpu_*attention_gbps)
         gpu_mem, name = psutil.virtual_memory().total, f"CPU only ({platform.processor() or 'cpu'})"
         context = 0
@@ -249,6 +267,8 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
         matmul_gbps=matmul,
         prefill_format_tflops=prefill_formats,
+        dequant_gbps=dequant,
+        prefill_attention_tflops=prefill_attention,
         gpu_attention_gbps=attention,
         code_version=code_version(),
     )
