@@ -85,8 +85,27 @@ def test_prefill_pays_dequantization_attention_and_elementwise_as_measured():
     assert slow_fused > 5 * prefill(compressed, 128)
     # attention at its own rate; the elementwise term per token and hidden unit
     assert prefill(dense, prefill_attention_tflops=1.0) > 1.5 * prefill(dense)
-    extra = prefill(dense, prefill_elementwise_s=1e-12) - prefill(dense)
+    extra = prefill(dense, prefill_elementwise_s={"opt": 1e-12, "llama": 1.0}) - prefill(dense)
     assert extra == pytest.approx(cfg.num_layers * 8 * 512 * cfg.hidden_size * 1e-12, rel=1e-6)
+
+
+def test_cpu_attention_pays_its_fixed_cost_a_micro_batch():
+    cfg = cfg_of("llama-3.1-8b")
+    on_cpu = Placement(0, 1, 0)
+    costly = dataclasses.replace(PROFILE, cpu_attention_fixed_s=0.01)
+    steps = {}
+    for micro in (1, 8):
+        policy = Policy(64 // micro, micro, weights=on_cpu, kv_cache=on_cpu, attention_on_cpu=True)
+        base, paid = (estimate(cfg, policy, torch.float16, 512, 32, hw) for hw in (PROFILE, costly))
+        steps[micro] = paid.decode_step_s - base.decode_step_s
+        assert paid.lanes_decode_s["cpu_attn"] - base.lanes_decode_s["cpu_attn"] == (
+            pytest.approx(cfg.num_layers * micro * 0.01)
+        )
+    assert steps[8] > steps[1] >= 0  # one micro-batch: hidden behind the weight copy
+    on_gpu = Policy(16, 4, weights=on_cpu, kv_cache=on_cpu)
+    assert estimate(cfg, on_gpu, torch.float16, 512, 32, costly).decode_step_s == (
+        estimate(cfg, on_gpu, torch.float16, 512, 32, PROFILE).decode_step_s
+    )
 
 
 def test_a_costly_micro_batch_moves_the_search_to_fewer_micro_batches():
@@ -161,10 +180,12 @@ def test_executor_fixed_costs_are_measured():
     assert figures["offgpu_kv_s"] >= 0
     assert 0 < figures["layer_fixed_s"] + figures["micro_fixed_s"] < 1.0
     assert figures["graph_layer_s"] == 0.0  # no CUDA graphs on the CPU
+    assert figures["cpu_attention_fixed_s"] == 0.0  # without CUDA all attention is the CPU's
     # a prefill layer beyond its matmuls and attention: with the test profile's GPU
     # rates those are next to nothing on the CPU, so it is the CPU layer's whole time
     per_unit = prefill_elementwise(PROFILE, torch.device("cpu"))
-    assert 1e-12 < per_unit < 1e-6
+    assert set(per_unit) == {"opt", "bloom", "llama"}
+    assert all(1e-12 < figure < 1e-6 for figure in per_unit.values()), per_unit
 
 
 def test_probe_extrapolates_from_two_depths(tiny_checkpoints):

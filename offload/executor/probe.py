@@ -46,16 +46,21 @@ OVERHEAD_CONFIG = {
     "vocab_size": 512,
 }
 PROBE_DEPTHS = (2, 4)  # layers of a plan probe's two runs
-# the layer a prefill's non-matmul time is measured on: OPT-6.7B's (its norms,
-# activation and residuals; the GPU's matmuls at a realistic width), narrower where
-# the CPU computes; (rows, prompt tokens) of its block
-ELEMENTWISE_CONFIG = {**PRESETS["opt-6.7b"], "vocab_size": 512}
-ELEMENTWISE_CPU_CONFIG = {
-    **OVERHEAD_CONFIG,
-    "hidden_size": 256,
-    "num_attention_heads": 4,
-    "ffn_dim": 1024,
-    "word_embed_proj_dim": 256,
+# the layers a prefill's non-matmul time is measured on, one a model family (their
+# norms, activations, position encodings and residuals differ: Llama-3.1-8B's cost 9x
+# OPT's a token and hidden unit on the H100 machine, validate_cost_model 000155):
+# 4096 wide on the GPU (its matmuls at a realistic width), 256 where the CPU computes;
+# (rows, prompt tokens) of the block
+_WIDTH = {"cuda": {}, "cpu": {"hidden_size": 256, "num_attention_heads": 4, "vocab_size": 512}}
+ELEMENTWISE_CONFIGS = {
+    "opt": {**PRESETS["opt-6.7b"], "vocab_size": 512},
+    "bloom": {**PRESETS["bloom"], "hidden_size": 4096, "n_head": 32, "vocab_size": 512},
+    "llama": {**PRESETS["llama-3.1-8b"], "vocab_size": 512},
+}
+_CPU_NARROW = {
+    "opt": {"ffn_dim": 1024, "word_embed_proj_dim": 256},
+    "bloom": {"n_head": 4},
+    "llama": {"num_key_value_heads": 2, "intermediate_size": 768},
 }
 ELEMENTWISE_SHAPE = {"cuda": (8, 512), "cpu": (2, 64)}
 
@@ -89,7 +94,9 @@ def _stage_seconds(policy: Policy, device: torch.device, rows: int, steps: int) 
 def overheads(device: torch.device, steps: int = 8) -> dict[str, float]:
     """The executor's fixed costs: per stage, per micro-batch of a stage, per layer and
     micro-batch whose KV lives off the GPU and is attended there (its load, store and
-    the handoffs between them), and per stage of a step replayed from CUDA graphs (0
+    the handoffs between them), per layer and micro-batch attended on the CPU (the
+    copies of q, k, v and the output, their waits, the call; 0 without CUDA, where all
+    attention is the CPU's), and per stage of a step replayed from CUDA graphs (0
     without CUDA)."""
     streamed = Placement(0.0, 1.0, 0.0)  # every stage crosses: the eager path's work
     one = _stage_seconds(Policy(1, 1, weights=streamed), device, 1, steps)
@@ -98,6 +105,8 @@ def overheads(device: torch.device, steps: int = 8) -> dict[str, float]:
         1, 4, weights=streamed, kv_cache=streamed, kv_compression=Compression(4, 64, False)
     )
     four_kv = _stage_seconds(off_gpu_kv, device, 4, steps)
+    on_cpu = Policy(1, 4, weights=streamed, kv_cache=streamed, attention_on_cpu=True)
+    four_cpu = _stage_seconds(on_cpu, device, 4, steps) if device.type == "cuda" else four
     stages_per_layer = (OVERHEAD_LAYERS + 2) / OVERHEAD_LAYERS  # KV lives in layers only
     micro = max(0.0, (four - one) / 3)
     graph = 0.0
@@ -107,6 +116,7 @@ def overheads(device: torch.device, steps: int = 8) -> dict[str, float]:
         "layer_fixed_s": max(0.0, one - micro),
         "micro_fixed_s": micro,
         "offgpu_kv_s": max(0.0, (four_kv - four) / 4 * stages_per_layer),
+        "cpu_attention_fixed_s": max(0.0, (four_cpu - four) / 4 * stages_per_layer),
         "graph_layer_s": graph,
     }
 
@@ -133,22 +143,33 @@ def _prefill_seconds(cfg: ModelConfig, device: torch.device, rows: int, tokens: 
         ex.close()
 
 
-def prefill_elementwise(hw: HardwareProfile, device: torch.device) -> float:
-    """A prefill layer's time beyond its matmuls and attention (as `hw` rates them), per
-    token and hidden unit: norms, activations, residuals, the KV's store. One layer's
-    time is the difference of a 4- and a 2-layer model's prefill."""
+def _elementwise_config(family: str, device: torch.device) -> ModelConfig:
+    config = ELEMENTWISE_CONFIGS[family]
+    if device.type != "cuda":
+        config = {**config, **_WIDTH["cpu"], **_CPU_NARROW[family]}
+    return ModelConfig.from_hf(config, f"elementwise-probe-{family}")
+
+
+def prefill_elementwise(hw: HardwareProfile, device: torch.device) -> dict[str, float]:
+    """Per model family (`ModelConfig.family`): a prefill layer's time beyond its
+    matmuls and attention (as `hw` rates them), per token and hidden unit: norms,
+    activations, position encodings, residuals, the KV's store. One layer's time is
+    the difference of a 4- and a 2-layer model's prefill."""
     rows, tokens = ELEMENTWISE_SHAPE[device.type]
-    config = ELEMENTWISE_CONFIG if device.type == "cuda" else ELEMENTWISE_CPU_CONFIG
-    cfg = ModelConfig.from_hf(config, "elementwise-probe")
-    shallow, deep = (
-        _prefill_seconds(dataclasses.replace(cfg, num_layers=depth), device, rows, tokens)
-        for depth in PROBE_DEPTHS
-    )
-    layer = (deep - shallow) / (PROBE_DEPTHS[1] - PROBE_DEPTHS[0])
-    matmuls = 2 * rows * tokens * cfg.layer_param_count() / (hw.prefill_rate(None) * 1e12)
-    attention = 4 * rows * tokens**2 * cfg.num_heads * cfg.head_dim
-    attention /= hw.prefill_attention_rate() * 1e12
-    return max(0.0, layer - matmuls - attention) / (rows * tokens * cfg.hidden_size)
+    figures = {}
+    for family in ELEMENTWISE_CONFIGS:
+        cfg = _elementwise_config(family, device)
+        shallow, deep = (
+            _prefill_seconds(dataclasses.replace(cfg, num_layers=depth), device, rows, tokens)
+            for depth in PROBE_DEPTHS
+        )
+        layer = (deep - shallow) / (PROBE_DEPTHS[1] - PROBE_DEPTHS[0])
+        matmuls = 2 * rows * tokens * cfg.layer_param_count() / (hw.prefill_rate(None) * 1e12)
+        attention = 4 * rows * tokens**2 * cfg.num_heads * cfg.head_dim
+        attention /= hw.prefill_attention_rate() * 1e12
+        residual = max(0.0, layer - matmuls - attention)
+        figures[family] = residual / (rows * tokens * cfg.hidden_size)
+    return figures
 
 
 def measure_profile(nvme: Path | None, quick: bool = True) -> HardwareProfile:

@@ -11,7 +11,8 @@ Lanes per layer (bytes over the profile's measured rates, `policies.hardware`):
              tensor parallelism, two all-reduces a layer and micro-batch; plus, for
              off-GPU KV attended on the GPU, its measured chain a micro-batch
     cpu_attn off-GPU KV / CPU attention rate (attention_on_cpu; over a compressed cache
-             its K/V at the dtype's size / the rate measured over a compressed cache)
+             its K/V at the dtype's size / the rate measured over a compressed cache),
+             plus a measured fixed cost a micro-batch (its copies, waits and the call)
     d2h      new KV entries stored off the GPU (prefill)
     host     the executor's own time: a fixed cost per layer and per micro-batch of a
              layer (launches, Python, stream waits), measured by `executor.probe`; a
@@ -128,7 +129,9 @@ def estimate(
         # 16 x 1.1 ms of chain (it was counted on the host lane, the step predicted 2.2 s)
         compute += micro * hw.offgpu_kv_s
     host = _host_s(policy, hw, micro, tp)
-    cpu_attn = (kv_c + kv_d) / (cpu_attention_gbps * GB) if policy.attention_on_cpu else 0.0
+    cpu_attn = 0.0
+    if policy.attention_on_cpu:
+        cpu_attn = (kv_c + kv_d) / (cpu_attention_gbps * GB) + micro * hw.cpu_attention_fixed_s
     if cpu_attn:
         per_micro = cpu_attn / micro
         layer = max(max(h2d, per_micro, disk) + per_micro * (micro - 1) + compute, host)
@@ -151,7 +154,7 @@ def estimate(
     p_compute = (
         _prefill_matmul_s(cfg, policy, hw, micro_batch_sizes(policy, n_seqs), prompt_len, layer_w)
         + attn_flops / (hw.prefill_attention_rate() * 1e12)
-        + tokens * cfg.hidden_size * hw.prefill_elementwise_s
+        + tokens * cfg.hidden_size * hw.prefill_elementwise_s.get(cfg.family, 0.0)
         + _allreduce_s(cfg, hw, tp, tokens, micro, elt)
     )
     p_h2d = off_w / (hw.h2d_gbps * GB)

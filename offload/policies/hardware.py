@@ -37,6 +37,7 @@ OPTIONAL_FIGURES = (
     "layer_fixed_s",
     "micro_fixed_s",
     "offgpu_kv_s",
+    "cpu_attention_fixed_s",
     "graph_layer_s",
     "allreduce_gbps",
     "allreduce_latency_s",
@@ -92,12 +93,16 @@ class HardwareProfile:
     micro_fixed_s: float = 0.0
     offgpu_kv_s: float = 0.0
     graph_layer_s: float = 0.0
+    # per layer and micro-batch attended on the CPU: the fixed part of the CPU
+    # attention's chain (Llama-3.1-8B, 8 x 8, H100 run validate_cost_model 000155:
+    # about 1.3 ms a call beyond the KV bytes over the measured rate)
+    cpu_attention_fixed_s: float = 0.0
     # prefill: masked attention (the executor's `decoder.attend`) in TFLOP/s of
     # 4 x rows x T x S x heads x head_dim, and a layer's time beyond its matmuls and
     # attention (norms, activations, residuals, the KV's quantization and store) per
-    # token and hidden unit (`executor.probe`)
+    # token and hidden unit, per model family (`ModelConfig.family`; `executor.probe`)
     prefill_attention_tflops: float = 0.0
-    prefill_elementwise_s: float = 0.0
+    prefill_elementwise_s: dict[str, float] = field(default_factory=dict)
     # tensor parallelism: NCCL all-reduce bus bandwidth and latency between this node's
     # GPUs (measured where there are two or more)
     allreduce_gbps: float = 0.0
@@ -113,7 +118,7 @@ class HardwareProfile:
                     raise ValueError(f"hardware profile figure {f.name}={value} must be positive")
             if isinstance(value, dict):
                 for key, rate in value.items():
-                    if not rate > 0:
+                    if not (rate >= 0 if f.name in OPTIONAL_FIGURES else rate > 0):
                         raise ValueError(f"hardware profile figure {f.name}[{key}]={rate} must be positive")  # fmt: skip
 
     @property
