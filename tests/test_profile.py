@@ -108,6 +108,25 @@ def test_cpu_attention_pays_its_fixed_cost_a_micro_batch():
     )
 
 
+def test_the_decode_matmul_rate_follows_the_micro_batch_rows():
+    """Measured at 16 and at 64 rows; between them a byte's time is linear in the rows."""
+    hw = dataclasses.replace(
+        PROFILE, matmul_gbps={"int4": 1000.0}, matmul_gbps_wide={"int4": 250.0}
+    )
+    assert hw.matmul_rate(INT4, 1) == hw.matmul_rate(INT4, 16) == 1000.0
+    assert hw.matmul_rate(INT4, 40) == pytest.approx(1 / (0.5 / 1000 + 0.5 / 250))
+    assert hw.matmul_rate(INT4, 64) == hw.matmul_rate(INT4, 512) == 250.0
+    assert hw.matmul_rate(None, 64) == PROFILE.hbm_gbps  # not measured: HBM's rate
+    cfg = cfg_of("llama-3.1-8b")
+    for rows, slower in ((16, False), (48, True)):
+        policy = Policy(rows, 1, weight_compression=INT4, kv_compression=INT4)
+        base, wide = (
+            estimate(cfg, policy, torch.float16, 512, 32, p).lanes_decode_s["compute"]
+            for p in (dataclasses.replace(hw, matmul_gbps_wide={}), hw)
+        )
+        assert (wide > 1.5 * base) == slower
+
+
 def test_a_costly_micro_batch_moves_the_search_to_fewer_micro_batches():
     cfg, caps = cfg_of("opt-30b"), Caps(12 * GB, 64 * GB, False)
     formats = {"compressions": (INT4,), "kv_compressions": (INT4,)}

@@ -118,7 +118,10 @@ def estimate(
     kv_hbm = kv_g if policy.attention_on_cpu else kv_g + kv_c + kv_d
     compute = max(
         2 * n_seqs * params / (hw.decode_tflops * 1e12),
-        micro * layer_w / (hw.matmul_rate(policy.weight_compression) * GB)
+        sum(
+            layer_w / (hw.matmul_rate(policy.weight_compression, size) * GB)
+            for size in micro_batch_sizes(policy, n_seqs)
+        )
         + kv_hbm / (hw.attention_rate(policy.kv_compression) * GB),
     ) + _allreduce_s(cfg, hw, tp, n_seqs, micro, elt)
     if rows_cpu + rows_disk and not policy.attention_on_cpu:

@@ -30,6 +30,9 @@ from offload.models.demo import cache_dir
 log = logging.getLogger(__name__)
 
 GB = 1e9
+# the rows of x at which the decode matmul rates are measured (`matmul_gbps`,
+# `matmul_gbps_wide`)
+DECODE_ROWS, WIDE_DECODE_ROWS = 16, 64
 # what the profile's speed figures depend on (relative to the package)
 VERSIONED_SOURCES = ("kernels", "executor", "io", "models/decoder.py", "models/ops.py")
 # figures that may be zero: "not measured" (the cost model then leaves the term out)
@@ -81,6 +84,9 @@ class HardwareProfile:
     # cuBLAS multiplies at the dense rate. Missing formats fall back to hbm_gbps /
     # prefill_tflops
     matmul_gbps: dict[str, float] = field(default_factory=dict)
+    # the same at WIDE_DECODE_ROWS (the kernel's 64-row tiles: Llama-3.1-8B int4 at 48
+    # rows took 15.5 ms a step against 7.9 predicted from the 16-row rate, run 001205)
+    matmul_gbps_wide: dict[str, float] = field(default_factory=dict)
     prefill_format_tflops: dict[str, float] = field(default_factory=dict)
     dequant_gbps: dict[str, float] = field(default_factory=dict)
     # decode attention on the GPU: the cache bytes (as stored) it reads a second
@@ -127,9 +133,17 @@ class HardwareProfile:
         processes keep a tenth of the machine's memory."""
         return int(0.9 * self.cpu_mem_bytes)
 
-    def matmul_rate(self, compression: Compression | None) -> float:
-        """GB/s of stored weight bytes a decode-shaped matmul reads in this format."""
-        return self.matmul_gbps.get(format_name(compression), self.hbm_gbps)
+    def matmul_rate(self, compression: Compression | None, rows: int = DECODE_ROWS) -> float:
+        """GB/s of stored weight bytes a decode-shaped matmul of `rows` rows reads in this
+        format: the rate measured at DECODE_ROWS up to there, at WIDE_DECODE_ROWS from
+        there, its time a byte linear in the rows between."""
+        name = format_name(compression)
+        narrow = self.matmul_gbps.get(name, self.hbm_gbps)
+        wide = self.matmul_gbps_wide.get(name)
+        if wide is None or rows <= DECODE_ROWS:
+            return narrow
+        share = (min(rows, WIDE_DECODE_ROWS) - DECODE_ROWS) / (WIDE_DECODE_ROWS - DECODE_ROWS)
+        return 1 / ((1 - share) / narrow + share / wide)
 
     def prefill_rate(self, compression: Compression | None) -> float:
         return self.prefill_format_tflops.get(format_name(compression), self.prefill_tflops)

@@ -28,7 +28,14 @@ from offload.kernels.kv_cache import QuantKV
 from offload.kernels.qmatmul import qlinear
 from offload.kernels.quant import quantize
 from offload.models.decoder import attend
-from offload.policies.hardware import GB, HardwareProfile, code_version, format_name
+from offload.policies.hardware import (
+    DECODE_ROWS,
+    GB,
+    WIDE_DECODE_ROWS,
+    HardwareProfile,
+    code_version,
+    format_name,
+)
 from offload.policies.memory_limit import node_memory_limit
 
 # the formats whose matmul and attention rates a profile holds
@@ -137,34 +144,38 @@ FUSED_PREFILL_ROWS = 512
 
 def _matmul_rates(
     m: int, k: int, n: int, device: torch.device, dtype: torch.dtype
-) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
     """Per format: the stored weight bytes a [m, k] x [k, n] matmul reads a second at m =
-    decode rows; TFLOP/s at prefill rows (dense: cuBLAS at 4096 rows; compressed: the
+    decode rows and at WIDE_DECODE_ROWS; TFLOP/s at prefill rows (dense: cuBLAS at 4096 rows; compressed: the
     fused kernel at FUSED_PREFILL_ROWS); and, compressed, the stored bytes a second the
     4096-row matmul dequantizes (its time beyond cuBLAS's on the dense weight)."""
     w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
     decode_x = torch.randn(m, k, device=device, dtype=dtype)
+    wide_x = torch.randn(WIDE_DECODE_ROWS, k, device=device, dtype=dtype)
     prefill_rows = 4096 if device.type == "cuda" else 256
     prefill_x = torch.randn(prefill_rows, k, device=device, dtype=dtype)
     fused_x = prefill_x[: min(FUSED_PREFILL_ROWS, prefill_rows // 2)]
-    read, flops, dequant = {}, {}, {}
+    read, wide, flops, dequant = {}, {}, {}, {}
     dense_s = _timed(lambda: F.linear(prefill_x, w), repeat=3)
     for config in FORMATS:
         name = format_name(config)
         if config is None:
-            seconds = _timed(lambda: F.linear(decode_x, w), repeat=10)
-            read[name] = w.numel() * w.element_size() / seconds / GB
+            for rates, x in ((read, decode_x), (wide, wide_x)):
+                seconds = _timed(lambda x=x: F.linear(x, w), repeat=10)
+                rates[name] = w.numel() * w.element_size() / seconds / GB
             flops[name] = 2 * prefill_rows * k * n / dense_s / 1e12
             continue
         stored = quantize(w, config)
-        read[name] = stored.nbytes / _timed(lambda s=stored: qlinear(decode_x, s), repeat=10) / GB
+        for rates, x in ((read, decode_x), (wide, wide_x)):
+            seconds = _timed(lambda s=stored, x=x: qlinear(x, s), repeat=10)
+            rates[name] = stored.nbytes / seconds / GB
         seconds = _timed(lambda s=stored: qlinear(fused_x, s), repeat=3)
         flops[name] = 2 * fused_x.shape[0] * k * n / seconds / 1e12
         # noise can make the difference tiny: at least 2% of the matmul
         extra = _timed(lambda s=stored: qlinear(prefill_x, s), repeat=3) - dense_s
         dequant[name] = stored.nbytes / max(extra, 0.02 * dense_s) / GB
         del stored
-    return read, flops, dequant
+    return read, wide, flops, dequant
 
 
 def _prefill_attention_tflops(device: torch.device, dtype: torch.dtype) -> float:
@@ -224,7 +235,9 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         del host, host2, gpu, gpu2
         prefill = _matmul_tflops(4096, 8192, 8192, dev, torch.float16)
         decode = _matmul_tflops(64, 8192, 28672, dev, torch.float16)
-        matmul, prefill_formats, dequant = _matmul_rates(16, 8192, 28672, dev, torch.float16)
+        matmul, wide, prefill_formats, dequant = _matmul_rates(
+            DECODE_ROWS, 8192, 28672, dev, torch.float16
+        )
         attention = _gpu_attention_rates(dev, torch.float16)
         prefill_attention = _prefill_attention_tflops(dev, torch.float16)
         gpu_mem, name = (
@@ -240,7 +253,9 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         cpu_quant_attn = _cpu_attention_rate(torch.float32, compressed=True)
         prefill = decode = _matmul_tflops(1024, 2048, 2048, torch.device("cpu"), torch.float32)
         cpu = torch.device("cpu")
-        matmul, prefill_formats, dequant = _matmul_rates(16, 1024, 2048, cpu, torch.float32)
+        matmul, wide, prefill_formats, dequant = _matmul_rates(
+            DECODE_ROWS, 1024, 2048, cpu, torch.float32
+        )
         prefill_attention = _prefill_attention_tflops(cpu, torch.float32)
         attention = {}  # no GPU: decode attention runs on the CPU (cpu_*attention_gbps)
         gpu_mem, name = psutil.virtual_memory().total, f"CPU only ({platform.processor() or 'cpu'})"
@@ -266,6 +281,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         process_base_bytes=psutil.Process().memory_info().rss,
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
         matmul_gbps=matmul,
+        matmul_gbps_wide=wide,
         prefill_format_tflops=prefill_formats,
         dequant_gbps=dequant,
         prefill_attention_tflops=prefill_attention,
