@@ -280,6 +280,7 @@ class Executor(LaneReports):  # implements runner.Runner
                 return None
             assert all(image.resident for image in self.homes.images), "weights.gpu is 1"
             self._drop_graphs()  # the old sizes' graphs and memory go first
+            self.kv.settle()  # no transfer thread's CUDA call inside the capture
             stages = [self.fetcher.get(s) for s in range(len(self.homes.images))]
             rope = self.inv_freq is not None
             before = torch.cuda.memory_allocated(self.device)

@@ -63,9 +63,14 @@ class DecodeGraphs:
                     self.outputs.append(decoder.head(cfg, stages[-1], h))
 
     def _capture(self, pool):
+        """The capture binds only this thread: the KV transfer threads (their event
+        waits, the disk reads ahead) run on beside it. In the default ("global") mode
+        their CUDA calls invalidated the capture whenever they fell inside it
+        (cudaErrorStreamCaptureInvalidated in cuBLAS; the compressed KV with CPU and
+        disk homes, 1 GPU test run in 4 under load on the H100 machine)."""
         graph = torch.cuda.CUDAGraph()
         self.graphs.append(graph)
-        return torch.cuda.graph(graph, pool=pool)
+        return torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
 
     def begin(self, token_ids: torch.Tensor, step: StepInputs) -> None:
         """The step's inputs into the static buffers; embedding and layer 0's QKV."""

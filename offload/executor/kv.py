@@ -106,6 +106,12 @@ class KVManager:
         ]
         return acts
 
+    def settle(self) -> None:
+        """Wait for every transfer in flight, the disk reads ahead included: none of
+        their threads' CUDA calls may fall inside a graph capture."""
+        self.transfer.settle()
+        _wait_all(*(future for _, future in self._pending.values()))
+
     def release(self) -> None:
         self.transfer.drain()
         self.homes.release()

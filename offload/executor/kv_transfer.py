@@ -92,9 +92,14 @@ class KVTransfer:
         self._disk_busy: list[Future | None] = [None] * homes.disk_buffers
         self._disk_h2d: list[torch.cuda.Event | None] = [None] * homes.disk_buffers
 
+    def settle(self) -> None:
+        """Wait for every store and disk transfer in flight (their threads then make no
+        CUDA call until the next is issued)."""
+        _wait_all(*(f for busy in self._store_busy for _, _, f in busy), *self._disk_busy)
+
     def drain(self) -> None:
         """Wait for every store and disk transfer in flight; forget the orderings."""
-        _wait_all(*(f for busy in self._store_busy for _, _, f in busy), *self._disk_busy)
+        self.settle()
         self._store_busy, self._store_head = [[], []], [0, 0]
         self._disk_busy = [None] * self.homes.disk_buffers
         self._disk_h2d = [None] * self.homes.disk_buffers
