@@ -33,8 +33,16 @@ GB = 1e9
 # the rows of x at which the decode matmul rates are measured (`matmul_gbps`,
 # `matmul_gbps_wide`)
 DECODE_ROWS, WIDE_DECODE_ROWS = 16, 64
-# what the profile's speed figures depend on (relative to the package)
-VERSIONED_SOURCES = ("kernels", "executor", "io", "models/decoder.py", "models/ops.py")
+# what the profile's figures depend on (relative to the package): the code they time,
+# and how they are measured (a figure measured another way is measured again)
+VERSIONED_SOURCES = (
+    "kernels",
+    "executor",
+    "io",
+    "models/decoder.py",
+    "models/ops.py",
+    "policies/measure.py",
+)
 # figures that may be zero: "not measured" (the cost model then leaves the term out)
 OPTIONAL_FIGURES = (
     "layer_fixed_s",
