@@ -98,10 +98,13 @@ def measure_policy(
         batch = PaddedBatch(cfg, prompts, gen_len, pad_id=1)
         if policy.weight_compression is not None or policy.kv_compression is not None:
             # Triton compiles a kernel per shape class it meets (about a second each, once
-            # per process): a whole warm-up generation, so the timing is the steady state
+            # per process): an untimed prefill and the decode steps that compile and
+            # capture (the first eager, the second captures the graphs), so the timing
+            # is the steady state. Not a whole generation: a 70B-class block's would
+            # not fit one 10-minute GPU call beside the timed one
             ex.start(batch)
             logits = ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, prompt_len))
-            for t in range(gen_len - 1):
+            for t in range(min(gen_len - 1, 3)):
                 ids = sample(logits, SamplingParams(max_new_tokens=gen_len))
                 logits = ex.forward(ids[:, None], ex.step_inputs(batch, prompt_len + t, 1))
         if device.type == "cuda":
