@@ -67,7 +67,7 @@ class DecodeGraphs:
         waits, the disk reads ahead) run on beside it. In the default ("global") mode
         their CUDA calls invalidated the capture whenever they fell inside it
         (cudaErrorStreamCaptureInvalidated in cuBLAS; the compressed KV with CPU and
-        disk homes, 1 GPU test run in 4 under load on the H100 machine)."""
+        disk homes: 4 of 9 GPU suite runs under xdist on the H100 machine)."""
         graph = torch.cuda.CUDAGraph()
         self.graphs.append(graph)
         return torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
