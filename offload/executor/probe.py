@@ -51,7 +51,7 @@ PROBE_DEPTHS = (2, 4)  # layers of a plan probe's two runs
 # OPT's a token and hidden unit on the H100 machine, validate_cost_model 000155):
 # 4096 wide on the GPU (its matmuls at a realistic width), 256 where the CPU computes;
 # (rows, prompt tokens) of the block
-_WIDTH = {"cuda": {}, "cpu": {"hidden_size": 256, "num_attention_heads": 4, "vocab_size": 512}}
+_CPU_WIDTH = {"hidden_size": 256, "num_attention_heads": 4, "vocab_size": 512}
 ELEMENTWISE_CONFIGS = {
     "opt": {**PRESETS["opt-6.7b"], "vocab_size": 512},
     "bloom": {**PRESETS["bloom"], "hidden_size": 4096, "n_head": 32, "vocab_size": 512},
@@ -146,7 +146,7 @@ def _prefill_seconds(cfg: ModelConfig, device: torch.device, rows: int, tokens: 
 def _elementwise_config(family: str, device: torch.device) -> ModelConfig:
     config = ELEMENTWISE_CONFIGS[family]
     if device.type != "cuda":
-        config = {**config, **_WIDTH["cpu"], **_CPU_NARROW[family]}
+        config = {**config, **_CPU_WIDTH, **_CPU_NARROW[family]}
     return ModelConfig.from_hf(config, f"elementwise-probe-{family}")
 
 

@@ -85,7 +85,8 @@ def estimate(
     """tp: tensor-parallel ranks; cfg is then one rank's shard (`parallel.shard`)."""
     elt = torch.empty((), dtype=dtype).element_size()
     n_seqs = batch or policy.block_size
-    splits = row_splits(policy.kv_cache, micro_batch_sizes(policy, n_seqs))
+    sizes = micro_batch_sizes(policy, n_seqs)
+    splits = row_splits(policy.kv_cache, sizes)
     rows_gpu = sum(g for g, _, _ in splits)
     rows_cpu = sum(c for _, c, _ in splits)
     rows_disk = sum(d for _, _, d in splits)
@@ -118,10 +119,7 @@ def estimate(
     kv_hbm = kv_g if policy.attention_on_cpu else kv_g + kv_c + kv_d
     compute = max(
         2 * n_seqs * params / (hw.decode_tflops * 1e12),
-        sum(
-            layer_w / (hw.matmul_rate(policy.weight_compression, size) * GB)
-            for size in micro_batch_sizes(policy, n_seqs)
-        )
+        sum(layer_w / (hw.matmul_rate(policy.weight_compression, size) * GB) for size in sizes)
         + kv_hbm / (hw.attention_rate(policy.kv_compression) * GB),
     ) + _allreduce_s(cfg, hw, tp, n_seqs, micro, elt)
     if rows_cpu + rows_disk and not policy.attention_on_cpu:
@@ -155,7 +153,7 @@ def estimate(
     tokens = n_seqs * prompt_len
     attn_flops = 4 * n_seqs * prompt_len * prompt_len * cfg.num_heads * cfg.head_dim
     p_compute = (
-        _prefill_matmul_s(cfg, policy, hw, micro_batch_sizes(policy, n_seqs), prompt_len, layer_w)
+        _prefill_matmul_s(cfg, policy, hw, sizes, prompt_len, layer_w)
         + attn_flops / (hw.prefill_attention_rate() * 1e12)
         + tokens * cfg.hidden_size * hw.prefill_elementwise_s.get(cfg.family, 0.0)
         + _allreduce_s(cfg, hw, tp, tokens, micro, elt)

@@ -146,9 +146,10 @@ def _matmul_rates(
     m: int, k: int, n: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
     """Per format: the stored weight bytes a [m, k] x [k, n] matmul reads a second at m =
-    decode rows and at WIDE_DECODE_ROWS; TFLOP/s at prefill rows (dense: cuBLAS at 4096 rows; compressed: the
-    fused kernel at FUSED_PREFILL_ROWS); and, compressed, the stored bytes a second the
-    4096-row matmul dequantizes (its time beyond cuBLAS's on the dense weight)."""
+    decode rows and at WIDE_DECODE_ROWS; TFLOP/s at prefill rows (dense: cuBLAS at 4096
+    rows; compressed: the fused kernel at FUSED_PREFILL_ROWS); and, compressed, the
+    stored bytes a second the 4096-row matmul dequantizes (its time beyond cuBLAS's on
+    the dense weight)."""
     w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
     decode_x = torch.randn(m, k, device=device, dtype=dtype)
     wide_x = torch.randn(WIDE_DECODE_ROWS, k, device=device, dtype=dtype)
