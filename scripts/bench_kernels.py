@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 
 from offload.kernels import qmatmul
 from offload.kernels.formats import Compression
-from offload.kernels.kv_attention import decode_attention
+from offload.kernels.kv_attention import decode_attention, decode_attention_reference
 from offload.kernels.kv_attention_cpu import decode_attention_cpu
 from offload.kernels.kv_cache import QuantKV
 from offload.kernels.qmatmul import Tiles, qlinear
@@ -99,11 +101,26 @@ ATTENTION_SHAPES = [
     ("opt-30b", 32, 56, 56, 128, 544, False),
     ("llama-2-70b", 32, 64, 8, 128, 4096, False),
     ("bloom", 16, 112, 112, 128, 1024, True),
+    ("llama-2-13b", 8, 40, 40, 128, 4096, False),  # plain heads, long context
 ]
 
 
-# decode attention: (largest number of splits, warps); the first is the default
-ATTENTION_SWEEP = [(64, 2), (128, 2), (32, 2), (64, 4), (32, 4)]
+# decode attention (--kernels attention-sweep): `decode_attention`'s (split_groups,
+# warps, stages, tile_groups); split_groups None: the launcher's choice from the SM
+# count. The first is the default; a split_groups past a shape's groups is skipped.
+ATTENTION_SWEEP = [
+    (None, 2, 3, 1),
+    (None, 4, 3, 1),
+    (None, 2, 2, 1),
+    (None, 2, 4, 1),
+    (None, 4, 4, 1),
+    (None, 2, 3, 2),
+    (2, 2, 3, 1),
+    (4, 2, 3, 1),
+    (8, 2, 3, 1),
+    (16, 2, 3, 1),
+    (32, 2, 3, 1),
+]
 
 
 def _attention_shape(model, batch, heads, kv_heads, dim, ctx, bits) -> dict:
@@ -119,6 +136,11 @@ def _attention_shape(model, batch, heads, kv_heads, dim, ctx, bits) -> dict:
 
 
 def bench_attention(dev: torch.device, hbm: float, sweep: bool) -> list[dict]:
+    """`decode_attention` over int4 / int8 caches (group 64, asymmetric, fp16) and fp16
+    SDPA over the same K/V: GB/s of the cache's bytes (and the bias and q) and their
+    share of the HBM copy rate. Each variant's largest difference from the default's
+    output (a miscompiled variant shows there); the default's from the plain-torch
+    reference (dequantize, SDPA)."""
     out = []
     for model, batch, heads, kv_heads, dim, ctx, per_head in ATTENTION_SHAPES:
         k = torch.randn(batch, kv_heads, ctx, dim, device=dev, dtype=torch.float16)
@@ -132,24 +154,30 @@ def bench_attention(dev: torch.device, hbm: float, sweep: bool) -> list[dict]:
             cache.write(k, v, 0)
             read = cache.nbytes + bias.numel() * 2 + 2 * q.numel() * 2
             want = decode_attention(q, cache, bias, ctx)
-            for max_splits, warps in ATTENTION_SWEEP if sweep else ATTENTION_SWEEP[:1]:
-                call = functools.partial(decode_attention, q, cache, bias, ctx, max_splits, warps)
-                seconds = timed(call)
-                print(
-                    f"{model} B{batch} int{bits} s{max_splits} w{warps}: {seconds * 1e6:.1f} us",
-                    flush=True,
+            reference = decode_attention_reference(q, cache, bias, ctx)
+            shape = _attention_shape(model, batch, heads, kv_heads, dim, ctx, bits)
+            for variant in ATTENTION_SWEEP if sweep else ATTENTION_SWEEP[:1]:
+                split_groups, warps, stages, tile_groups = variant
+                if split_groups is not None and split_groups > ctx // cache.group:
+                    continue
+                row = {**shape, "split_groups": split_groups, "warps": warps, "stages": stages}
+                row["tile_groups"] = tile_groups
+                call = functools.partial(
+                    decode_attention, q, cache, bias, ctx, split_groups, warps, stages, tile_groups
                 )
-                out.append(
-                    {
-                        **_attention_shape(model, batch, heads, kv_heads, dim, ctx, bits),
-                        "max_splits": max_splits,
-                        "warps": warps,
-                        "max_diff_vs_default": (call() - want).abs().max().item(),
-                        **_rates(read, seconds, hbm, dense),
-                        "fp16_sdpa_seconds": dense,
-                    }
-                )
-            del cache
+                try:
+                    seconds = timed(call)
+                except Exception as exc:  # a variant that does not fit shared memory
+                    out.append({**row, "error": str(exc)[:200]})
+                    print(f"{model} B{batch} int{bits} {variant}: {out[-1]['error']}", flush=True)
+                    continue
+                got = call()
+                row["max_diff_vs_default"] = (got - want).abs().max().item()
+                if variant == ATTENTION_SWEEP[0]:
+                    row["max_diff_vs_reference"] = (got - reference).abs().max().item()
+                out.append({**row, **_rates(read, seconds, hbm, dense), "fp16_sdpa_seconds": dense})
+                print(f"{model} B{batch} int{bits} {variant}: {seconds * 1e6:.1f} us", flush=True)
+            del cache, want, reference
     return out
 
 
@@ -168,30 +196,110 @@ PREFILL_TILES = [  # Tiles(BLOCK_M, BLOCK_N, K step, warps, stages); the first i
     Tiles(256, 128, 64, 8, 3),
 ]
 
-# decode: OPT-30B's four matrices at the 12 rows of the searched policy's block
+# decode and mid-sized shapes (--kernels decode): the fused kernel's tiles by rows of x,
+# (block_m, block_n, K step, warps, stages, programs an SM, registers); the split
+# is the launcher's rule for that many programs an SM (`qmatmul._split`). The launcher's
+# own choice (`qmatmul.ROW_TILES`) runs first at every row count.
 DECODE_SHAPES = [
-    ("opt-30b", "qkv", 12, 3 * 7168, 7168),
-    ("opt-30b", "o", 12, 7168, 7168),
-    ("opt-30b", "mlp_in", 12, 28672, 7168),
-    ("opt-30b", "mlp_out", 12, 7168, 28672),
+    ("opt-30b", "qkv", 3 * 7168, 7168),
+    ("opt-30b", "mlp_out", 7168, 28672),
+    ("llama-2-70b", "mlp_in", 2 * 28672, 8192),
 ]
-DECODE_TILES = [  # the first: no split-K (the earlier default); None: the launcher's choice.
-    # At most 128 dequantized values a thread (BLOCK_N x K step / threads): more spills
-    # registers, and compiles for minutes
-    Tiles(16, 64, 256, 4, 4),
-    None,
-    Tiles(16, 64, 256, 4, 4, 2),
-    Tiles(16, 64, 256, 4, 4, 4),
-    Tiles(16, 128, 256, 8, 4, 2),
-    Tiles(16, 128, 256, 8, 4, 4),
-    Tiles(16, 128, 128, 4, 4, 4),
-    Tiles(16, 128, 128, 4, 4, 8),
-    Tiles(16, 256, 128, 8, 4, 4),
-    Tiles(16, 256, 128, 8, 4, 8),
-    Tiles(16, 32, 256, 4, 4, 4),
-    Tiles(16, 64, 128, 4, 4, 4),
-    Tiles(16, 64, 128, 2, 4, 8),
-]
+DECODE_SWEEP = {
+    1: [],
+    16: [
+        (16, 64, 256, 4, 3, 4, None),
+        (16, 64, 256, 4, 2, 4, None),
+        (16, 64, 256, 4, 3, 2, None),
+        (16, 64, 256, 4, 3, 8, None),
+        (16, 64, 512, 4, 3, 4, None),
+        (16, 64, 512, 4, 2, 4, None),
+        (16, 32, 512, 4, 3, 4, None),
+        (16, 128, 256, 8, 3, 4, None),
+        (16, 64, 256, 4, 3, 4, 168),
+        (16, 64, 256, 4, 3, 4, 128),
+        (16, 64, 128, 4, 3, 4, None),
+        (16, 128, 128, 4, 3, 4, None),
+    ],
+    32: [
+        (32, 64, 256, 4, 3, 4, None),
+        (32, 64, 256, 4, 2, 4, None),
+        (32, 64, 512, 4, 3, 4, None),
+        (32, 128, 256, 8, 3, 4, None),
+        (32, 64, 256, 4, 3, 4, 168),
+        (32, 64, 256, 4, 3, 8, None),
+    ],
+    64: [
+        (64, 64, 256, 4, 3, 4, None),
+        (64, 64, 256, 8, 3, 4, None),
+        (64, 128, 128, 8, 3, 4, None),
+        (64, 128, 256, 8, 3, 4, None),
+        (64, 64, 128, 4, 3, 4, None),
+        (32, 64, 256, 4, 3, 4, None),
+    ],
+    128: [
+        (128, 128, 64, 8, 3, 2, None),
+        (64, 128, 128, 8, 3, 2, None),
+        (32, 64, 256, 4, 3, 4, None),
+        (64, 64, 256, 4, 3, 4, None),
+    ],
+    256: [
+        (128, 128, 64, 8, 3, 1, None),
+        (64, 128, 128, 8, 3, 1, None),
+    ],
+}
+
+
+def bench_decode(dev: torch.device, hbm: float, baseline=None) -> list[dict]:
+    """int4-g64 `qlinear` at decode and mid-sized row counts over `DECODE_SWEEP`'s tiles:
+    time, share of HBM (compressed bytes read), TFLOP/s, cuBLAS fp16 on the same shape,
+    `baseline.qlinear` (an earlier version of the module, --baseline) and the largest
+    difference from the launcher's output (a miscompiled variant shows there)."""
+    out = []
+    for model, name, n, k in DECODE_SHAPES:
+        w = torch.randn(n, k, device=dev, dtype=torch.float16)
+        q = quantize(w, Compression(4, 64, False))
+        for m, sweep in DECODE_SWEEP.items():
+            x = torch.randn(m, k, device=dev, dtype=torch.float16)
+            flops, read = 2 * m * n * k, q.nbytes + x.numel() * 2 + m * n * 2
+            dense = timed(functools.partial(F.linear, x, w), repeat=10)
+            reference = qlinear(x, q)
+            chosen = qmatmul._tiles(m, n, k, 64, dev)
+            variants = [("launcher", chosen, qlinear)]
+            for block_m, block_n, max_k, warps, stages, per_sm, registers in sweep:
+                tiles = Tiles(block_m, block_n, max_k, warps, stages)
+                split = qmatmul._split(m, n, k, tiles, dev, per_sm)
+                tiles = tiles._replace(split=split, registers=registers)
+                label = f"{block_m}x{block_n}x{max_k} w{warps} s{stages} p{per_sm}"
+                label += f" r{registers}" if registers else ""
+                variants.append((label, tiles, qlinear))
+            if baseline is not None:
+                variants.append(("before", None, baseline.qlinear))
+            for label, tiles, fn in variants:
+                row = {"shape": f"{model} {name}", "rows": m, "variant": label}
+                row["tiles"] = list(tiles) if tiles is not None else None
+                call = functools.partial(fn, x, q, None, tiles if label != "launcher" else None)
+                try:
+                    diff = (call() - reference).abs().max().item()
+                    seconds = timed(call, repeat=10)
+                except Exception as exc:  # a tile that does not fit shared memory
+                    out.append({**row, "error": str(exc)[:200]})
+                    continue
+                print(
+                    f"{row['shape']:22s} m{m:<4d} {label:28s} {seconds * 1e6:8.1f} us", flush=True
+                )
+                out.append(
+                    {
+                        **row,
+                        **_rates(read, seconds, hbm, dense),
+                        "tflops": flops / seconds / 1e12,
+                        "fp16_tflops": flops / dense / 1e12,
+                        "fp16_seconds": dense,
+                        "max_diff_vs_launcher": diff,
+                    }
+                )
+        del w, q
+    return out
 
 
 def bench_sweep(dev: torch.device, shapes, tiles_list, hbm: float) -> list[dict]:
@@ -335,6 +443,14 @@ def bench_cpu_attention(dram: float) -> list[dict]:
     return out
 
 
+def _module_from(path: Path):
+    """The module in the file at path (a baseline version of one of ours)."""
+    spec = importlib.util.spec_from_file_location(f"baseline_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _host_timed(fn, repeat: int = 5) -> float:
     fn()
     started = time.perf_counter()
@@ -352,6 +468,12 @@ def main() -> None:
         "cpu-attention (the CPU's attention over a compressed cache; needs no GPU)",
     )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        help="an earlier qmatmul.py (git show REV:offload/kernels/qmatmul.py > FILE): its "
+        "qlinear runs beside ours in --kernels decode",
+    )
     args = p.parse_args()
     kernels = args.kernels.split(",")
     dram = dram_rate() if "cpu-attention" in kernels else 0.0
@@ -364,7 +486,8 @@ def main() -> None:
         else []
     )
     prefill = bench_sweep(dev, PREFILL_SHAPES, PREFILL_TILES, hbm) if "prefill" in kernels else []
-    decode = bench_sweep(dev, DECODE_SHAPES, DECODE_TILES, hbm) if "decode" in kernels else []
+    baseline = _module_from(args.baseline) if args.baseline else None
+    decode = bench_decode(dev, hbm, baseline) if "decode" in kernels else []
     launch = bench_launch(dev) if "launch" in kernels else []
     rows_out = []
     for model, name, n, k in SHAPES if "qlinear" in kernels else []:
@@ -420,7 +543,16 @@ def main() -> None:
             f"{r['seconds'] * 1e6:8.1f} {r['gbps']:7.0f} {100 * r['hbm_share']:5.0f} "
             f"{r['speedup_vs_fp16']:7.2f}"
         )
-    for r in prefill + decode:
+    for r in decode:
+        if "error" in r:
+            print(f"{r['shape']:22s} m{r['rows']:<4d} {r['variant']:28s} {r['error']}")
+        else:
+            print(
+                f"{r['shape']:22s} m{r['rows']:<4d} {r['variant']:28s} {r['seconds'] * 1e6:8.1f} us "
+                f"HBM {100 * r['hbm_share']:3.0f}% {r['tflops']:6.1f} TFLOP/s "
+                f"(fp16 {r['fp16_seconds'] * 1e6:.1f} us) diff {r['max_diff_vs_launcher']:.2g}"
+            )
+    for r in prefill:
         if "error" in r:
             print(f"{r['shape']:24s} {r['tiles']}: {r['error']}")
         else:
@@ -431,13 +563,53 @@ def main() -> None:
             )
     for r in launch:
         print(f"launch {r['call']:20s} {r['host_us']:6.1f} us host")
-    print(f"\n{'attention':28s} {'bits':>4s} {'us':>8s} {'GB/s':>7s} {'HBM%':>5s} {'vs fp16':>7s}")
+    print_attention(attention)
+
+
+def print_attention(attention: list[dict]) -> None:
+    """The attention sweep's rows (variant: split groups ('auto': the launcher's
+    choice) / warps / stages / tile groups; diff: the default's largest difference from the
+    reference, the others' from the default), then a short table: each shape's default
+    and best variant, and the variants by their mean time against the default."""
+    rows = [r for r in attention if "error" not in r]
+
+    def variant(r: dict) -> str:
+        split = "auto" if r["split_groups"] is None else r["split_groups"]
+        return f"{split}/w{r['warps']}/s{r['stages']}/t{r['tile_groups']}"
+
+    head = f"{'attention':26s} {'variant':14s} {'bits':>4s} {'us':>7s} {'GB/s':>6s} {'HBM%':>5s}"
+    print(f"\n{head} {'vs fp16':>7s} {'diff':>8s}")
     for r in attention:
-        shape = f"{r['model']} B{r['batch']} S{r['context']} s{r['max_splits']} w{r['warps']}"
+        shape = f"{r['model']} B{r['batch']} S{r['context']}"
+        if "error" in r:
+            print(f"{shape:26s} {variant(r):14s} {r['bits']:4d} {r['error'][:60]}")
+            continue
+        diff = r.get("max_diff_vs_reference", r["max_diff_vs_default"])
         print(
-            f"{shape:28s} {r['bits']:4d} {r['seconds'] * 1e6:8.1f} {r['gbps']:7.0f} "
-            f"{100 * r['hbm_share']:5.0f} {r['speedup_vs_fp16']:7.2f}"
+            f"{shape:26s} {variant(r):14s} {r['bits']:4d} {r['seconds'] * 1e6:7.1f} "
+            f"{r['gbps']:6.0f} {100 * r['hbm_share']:5.0f} {r['speedup_vs_fp16']:7.2f} {diff:8.2g}"
         )
+    cases: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cases.setdefault((r["model"], r["batch"], r["context"], r["bits"]), []).append(r)
+    print(
+        f"\n{'attention, default / best':26s} {'bits':>4s} {'HBM%':>5s} {'best':>5s} best variant"
+    )
+    ratios: dict[str, list[float]] = {}
+    for (model, batch, ctx, bits), group in cases.items():
+        default, best = group[0], min(group, key=lambda r: r["seconds"])
+        if "max_diff_vs_reference" not in default:
+            continue  # the default variant failed
+        print(
+            f"{f'{model} B{batch} S{ctx}':26s} {bits:4d} {100 * default['hbm_share']:5.0f} "
+            f"{100 * best['hbm_share']:5.0f} {variant(best)}"
+        )
+        for r in group:
+            ratios.setdefault(variant(r), []).append(r["seconds"] / default["seconds"])
+    ranked = sorted(ratios.items(), key=lambda kv: math.prod(kv[1]) ** (1 / len(kv[1])))
+    print("variants by geometric-mean time against the default (cases measured):")
+    for name, values in ranked:
+        print(f"  {name:14s} {math.prod(values) ** (1 / len(values)):5.2f} ({len(values)})")
 
 
 if __name__ == "__main__":

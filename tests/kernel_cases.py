@@ -82,7 +82,16 @@ ATTENTION_SHAPES = [
     (3, 4, 4, 80, 32, 64, 64, True),
     (1, 12, 4, 128, 64, 70, 1, True),
     (2, 6, 1, 32, 16, 17, 9, False),
-    (1, 4, 2, 32, 16, 1100, 1090, False),  # 69 blocks: two groups a split
+    (1, 4, 2, 32, 16, 1100, 1090, False),  # 68 groups: several loop steps a split
+]
+
+
+# the last step of each case again with other splits and tiles than the launcher's:
+# a partial last tile of a split (3 groups, 2 a step), one group a split (and, compiled,
+# other warps and pipeline depths)
+ATTENTION_VARIANTS = [
+    {"split_groups": 3, "tile_groups": 2},
+    {"split_groups": 1, "warps": 4, "stages": 2},
 ]
 
 
@@ -122,14 +131,16 @@ def attention_failures(
                 exact = cache.dequantized(end, torch.float64)
                 truth = _sdpa(q.double(), *exact, mask.double())
                 torch_err = (_sdpa(q, keys, values, mask).double() - truth).abs().max().item()
-                ours = decode_attention(q, cache, bias, end)
-                our_err = (ours.double() - truth).abs().max().item()
                 bound = 2 * torch_err + 1e-6 * truth.abs().max().item()
-                if ours.shape != truth.shape or ours.dtype != dtype or not our_err <= bound:
-                    failures.append(
-                        f"bits={bits} sym={symmetric} {dtype} B{batch} H{heads}/{kv_heads} "
-                        f"D{dim} g{group} end {end}: error {our_err:.3g} > bound {bound:.3g}"
-                    )
+                for variant in [{}, *ATTENTION_VARIANTS] if end == slots else [{}]:
+                    ours = decode_attention(q, cache, bias, end, **variant)
+                    our_err = (ours.double() - truth).abs().max().item()
+                    if ours.shape != truth.shape or ours.dtype != dtype or not our_err <= bound:
+                        failures.append(
+                            f"bits={bits} sym={symmetric} {dtype} B{batch} H{heads}/{kv_heads} "
+                            f"D{dim} g{group} end {end} {variant}: error {our_err:.3g} > "
+                            f"bound {bound:.3g}"
+                        )
     return failures
 
 

@@ -49,8 +49,9 @@ def _kind(arg) -> object:
 
 
 class Launcher:
-    """launcher(grid, warps, *args): args in the kernel's signature order, constexprs
-    included (positionally)."""
+    """launcher(grid, warps, *args, registers=None): args in the kernel's signature order,
+    constexprs included (positionally); registers caps a thread's registers (ptxas's
+    maxrregcount: more programs an SM, at the risk of spills)."""
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
@@ -58,16 +59,23 @@ class Launcher:
         self.constexpr = [p.is_constexpr for p in getattr(kernel, "params", [])]
         self.compiled: dict[tuple, object] = {}
 
-    def __call__(self, grid: tuple[int, ...], warps: int, *args) -> None:
+    def __call__(
+        self, grid: tuple[int, ...], warps: int, *args, registers: int | None = None
+    ) -> None:
+        options = (
+            {"num_warps": warps}
+            if registers is None
+            else {"num_warps": warps, "maxnreg": registers}
+        )
         if INTERPRETED or knobs.runtime.launch_enter_hook is not None:
-            self.kernel[grid](*args, num_warps=warps)
+            self.kernel[grid](*args, **options)
             return
         device = driver.active.get_current_device()
         kinds = (a if const else _kind(a) for a, const in zip(args, self.constexpr, strict=True))
-        key = (device, warps, *kinds)
+        key = (device, warps, registers, *kinds)
         compiled = self.compiled.get(key)
         if compiled is None:
-            self.compiled[key] = self.kernel[grid](*args, num_warps=warps)
+            self.compiled[key] = self.kernel[grid](*args, **options)
             return
         grid = (*grid, 1, 1)
         stream = driver.active.get_current_stream(device)

@@ -47,9 +47,11 @@ def qlinear_reference(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None) ->
 
 class Tiles(NamedTuple):
     """How one `qlinear` call is tiled. split > 1 divides K among up to that many programs
-    per output tile (split-K; the largest divisor of the K steps not above it), for decode shapes whose output tiles alone would leave SMs idle
-    or too few bytes in flight; the last of a tile's programs to finish sums the
-    partials in a fixed order (the result does not depend on which finished last)."""
+    per output tile (split-K; the largest divisor of the K steps not above it), for
+    decode shapes whose output tiles alone would leave SMs idle or too few bytes in
+    flight; the last of a tile's programs to finish sums the partials in a fixed order
+    (the result does not depend on which finished last). registers: a cap on a thread's
+    registers (more programs an SM), or None."""
 
     block_m: int
     block_n: int
@@ -57,6 +59,7 @@ class Tiles(NamedTuple):
     warps: int
     stages: int
     split: int = 1
+    registers: int | None = None
 
 
 # rows of x from which a matmul dequantizes W and multiplies with cuBLAS (module doc)
@@ -120,6 +123,7 @@ def qlinear(
         split > 1,
         steps // split,
         cfg.bits == 4 and block_k >= 32,
+        registers=t.registers,
     )
     return out.view(*x.shape[:-1], n)
 
@@ -176,28 +180,33 @@ def _dense_slices(
 DEQUANT_ROWS = 32  # W rows a dequantizing program writes
 
 
-# Decode shapes: enough programs that every SM holds several (split-K where the output
-# tiles alone are fewer)
-PROGRAMS_PER_SM = 4
+# The fused kernel's tiles by rows of x: those of the first bucket at or above m, and
+# the programs an SM its K is split for (`_split`). Measured on the H100 machine
+# (`scripts/bench_kernels.py --kernels decode`, OPT-30B and Llama-2-70B matrices, int4;
+# docs/throughput.md): at 32 rows, 32-row tiles read 1.8x faster than 64-row ones; at
+# 64, K steps of 128 beat 256 by 10-30% (fewer registers); at 16, a cap of 128
+# registers (4 programs an SM, not 2) 2-5%; from 128 rows split-K loses.
+ROW_TILES = (
+    (16, Tiles(16, 64, 256, 4, 3, registers=128), 4),
+    (32, Tiles(32, 64, 256, 4, 3), 4),
+    (64, Tiles(64, 64, 128, 4, 3), 4),
+    (DENSE_ROWS, Tiles(128, 128, 64, 8, 3), 1),
+)
 
 
 def _tiles(m: int, n: int, k: int, group: int, device: torch.device) -> Tiles:
-    """The tiles for [m, k] x [k, n].
+    """The tiles for [m, k] x [k, n] below DENSE_ROWS rows (`ROW_TILES`); K steps are whole
+    groups (`_block_k`), so a group longer than the bucket's K step takes its own."""
+    tiles, per_sm = next((t, p) for rows, t, p in ROW_TILES if m <= rows)
+    return tiles._replace(split=_split(m, n, k, tiles, device, per_sm))
 
-    Decode (m <= 64): one M tile and 64-wide N tiles, K steps of up to 256 (several
-    groups) to keep bytes in flight, and K split so that there are PROGRAMS_PER_SM
-    programs an SM (each with 4 K steps at least); prefill: 256 x 128 tiles (128 x 128
-    below 2048 rows, or where a group is longer than 64 and so the K step) with K steps
-    of 64 (shared memory)."""
-    if m >= 2048 and group <= 64:  # 6% over 128 x 128 at OPT-30B prefill shapes (fewer
-        # rows leave too few 256-row tiles to fill the GPU)
-        return Tiles(256, 128, 64, 8, 3)  # (256 + 128) x 64 x 2 bytes a stage: fits
-    if m > 64:
-        return Tiles(128, 128, 64, 8, 3)
-    block_m, stages = (16, 3) if m <= 16 else (64, 3)
-    tiles = -(-m // block_m) * -(-n // 64)
-    wanted = -(-PROGRAMS_PER_SM * _sm_count(device) // tiles)
-    return Tiles(block_m, 64, 256, 4, stages, max(1, min(wanted, k // 1024)))
+
+def _split(m: int, n: int, k: int, tiles: Tiles, device: torch.device, per_sm: int) -> int:
+    """The most programs to divide K among for each output tile: enough that every SM
+    holds per_sm programs, each with 4 K steps at least."""
+    count = -(-m // tiles.block_m) * -(-n // tiles.block_n)
+    wanted = -(-per_sm * _sm_count(device) // count)
+    return max(1, min(wanted, k // (4 * tiles.max_k)))
 
 
 @functools.cache
