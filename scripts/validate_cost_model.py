@@ -89,7 +89,11 @@ def measure_policy(
     spec, policy: Policy, dtype, device, prompt_len: int, gen_len: int, cuda_graphs: bool = True
 ) -> dict:
     cfg = spec.config
+    began = time.perf_counter()
     ex = Executor(spec.open_weights(), policy, dtype, device, cuda_graphs=cuda_graphs)
+    # each phase's time as it ends: a run cut off by the call's limit still tells where
+    # its time went (the 70B-class runs of earlier calls returned nothing)
+    print(f"  weights placed in {time.perf_counter() - began:.1f} s", flush=True)
     try:
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(
@@ -107,6 +111,7 @@ def measure_policy(
             for t in range(min(gen_len - 1, 3)):
                 ids = sample(logits, SamplingParams(max_new_tokens=gen_len))
                 logits = ex.forward(ids[:, None], ex.step_inputs(batch, prompt_len + t, 1))
+            print(f"  warmed up at {time.perf_counter() - began:.1f} s", flush=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -115,6 +120,7 @@ def measure_policy(
         started = time.perf_counter()
         logits = ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, prompt_len))
         prefill = time.perf_counter() - started
+        print(f"  timed prefill {prefill:.1f} s", flush=True)
         for t in range(gen_len - 1):
             ids = sample(logits, greedy)
             logits = ex.forward(ids[:, None], ex.step_inputs(batch, prompt_len + t, 1))
@@ -179,6 +185,7 @@ def main() -> None:
     spec = resolve_model(args.model, dummy=True)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     hw = HardwareProfile.from_file(args.profile) if args.profile else measure_profile(None)
+    print(f"profile at {time.perf_counter() - began:.1f} s", flush=True)
     caps = Caps(
         parse_size(args.gpu_mem),
         parse_size(args.cpu_mem) if args.cpu_mem else hw.default_cpu_cap,
@@ -212,6 +219,7 @@ def main() -> None:
             for name, (weights, kv) in searches.items()
         }
         policies = {**searched, **policies}
+        print(f"searched at {time.perf_counter() - began:.1f} s", flush=True)
     if args.policies:
         policies = {k: v for k, v in policies.items() if k in args.policies.split(",")}
     res = {
