@@ -98,32 +98,42 @@ if triton is not None:
     _BYTES_SYMMETRIC = _dequant_ptx(8, True)
 
     @triton.jit
-    def dequant_bytes(codes, scale, minimum, SYMMETRIC: tl.constexpr, out_dtype: tl.constexpr):
+    def dequant_bytes(
+        codes, scale, minimum, SYMMETRIC: tl.constexpr, out_dtype: tl.constexpr,
+        HOISTABLE: tl.constexpr = True,
+    ):  # fmt: skip
         """int8 codes (uint8, any shape whose threads hold four consecutive codes: loaded
         rows of codes) to values, as `dequant`; four at a time in inline PTX for float16
-        on the GPU."""
+        on the GPU. HOISTABLE=False: as `dequant_nibbles`."""
         if out_dtype == tl.float16 and FMA16:
             scale = tl.broadcast_to(scale, codes.shape)
             if SYMMETRIC:
                 return tl.inline_asm_elementwise(
                     _BYTES_SYMMETRIC, "=r,=r,r,r,r", [codes, scale],
-                    dtype=tl.float16, is_pure=True, pack=4,
+                    dtype=tl.float16, is_pure=HOISTABLE, pack=4,
                 )  # fmt: skip
             return tl.inline_asm_elementwise(
                 _BYTES_ASYMMETRIC, "=r,=r,r,r,r,r,r",
                 [codes, scale, tl.broadcast_to(minimum, codes.shape)],
-                dtype=tl.float16, is_pure=True, pack=4,
+                dtype=tl.float16, is_pure=HOISTABLE, pack=4,
             )  # fmt: skip
         return dequant(codes, scale, minimum, 8, SYMMETRIC, out_dtype)
 
     @triton.jit
     def dequant_nibbles(
-        packed, scale, minimum, SYMMETRIC: tl.constexpr, out_dtype: tl.constexpr
+        packed, scale, minimum, SYMMETRIC: tl.constexpr, out_dtype: tl.constexpr,
+        HOISTABLE: tl.constexpr = True,
     ):  # fmt: skip
         """int4 codes, two a byte (uint8, any shape), to the values of their low and high
         nibbles (each packed's shape), the fp16 scale (and minimum) broadcast against
         them; the same arithmetic as `dequant`, four bytes at a time in inline PTX for
-        float16 on the GPU."""
+        float16 on the GPU.
+
+        HOISTABLE=False marks the PTX impure, so Triton's layout passes leave it where
+        it is: when its values feed a tl.dot through shared memory, they otherwise move
+        the operand's layout conversion above it, onto the codes, which are then read
+        from shared memory a byte at a time (the decode attention's keys and values:
+        2-3x the instructions a byte, compiled for sm_90 with triton 3.6)."""
         if out_dtype == tl.float16 and FMA16:
             scale = tl.broadcast_to(scale, packed.shape)
             if SYMMETRIC:
@@ -132,7 +142,7 @@ if triton is not None:
                     "=r,=r,=r,=r,r,r,r",
                     [packed, scale],
                     dtype=(tl.float16, tl.float16),
-                    is_pure=True,
+                    is_pure=HOISTABLE,
                     pack=4,
                 )
             return tl.inline_asm_elementwise(
@@ -140,7 +150,7 @@ if triton is not None:
                 "=r,=r,=r,=r,r,r,r,r,r",
                 [packed, scale, tl.broadcast_to(minimum, packed.shape)],
                 dtype=(tl.float16, tl.float16),
-                is_pure=True,
+                is_pure=HOISTABLE,
                 pack=4,
             )
         return (

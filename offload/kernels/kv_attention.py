@@ -27,7 +27,7 @@ try:
 except ImportError:  # CPU-only installs: the reference path runs instead
     triton = None
 else:
-    from offload.kernels.dequant import dequant, dequant_nibbles
+    from offload.kernels.dequant import dequant_bytes, dequant_nibbles
 
 
 def decode_attention_reference(
@@ -42,10 +42,24 @@ def decode_attention_reference(
     return out.transpose(1, 2).reshape(batch, 1, heads * dim)
 
 
-# Sequence splits of the decode attention: each program of the first kernel takes
-# PER_SPLIT token groups of one (sequence, KV head), so even a small batch fills
-# the GPU (flash-decoding); the second kernel merges the splits' softmax partials.
-MAX_SPLITS = 64
+# Sequence splits (flash-decoding): each program of the first kernel takes a run of
+# whole token groups of one (sequence, KV head), or that row's tail, so even a small
+# batch fills the GPU; the second kernel merges the splits' softmax partials. Splits are
+# sized for about SPLIT_WAVES programs an SM (`_split_groups`).
+SPLIT_WAVES = 8
+
+
+def _split_groups(rows: int, full_groups: int, tile_groups: int, device: torch.device) -> int:
+    """Token groups a program takes: the fewest that still give about SPLIT_WAVES
+    programs an SM over the rows' (sequence, KV head) pairs, in whole tiles."""
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 1
+    )
+    splits = max(1, -(-SPLIT_WAVES * sms // rows))
+    groups = max(1, -(-full_groups // splits))
+    return -(-groups // tile_groups) * tile_groups
 
 
 def decode_attention(
@@ -53,13 +67,17 @@ def decode_attention(
     cache: QuantKV,
     bias: torch.Tensor,
     end: int,
-    max_splits: int = MAX_SPLITS,
+    split_groups: int | None = None,
     warps: int = 2,
+    stages: int = 3,
+    tile_groups: int = 1,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over the compressed cache; [B, 1, H x D].
 
     q [B, H, 1, D]; bias [B, 1 | H, 1, >= end] additive (padding, ALiBi). The new token's
-    own K/V must already be written. max_splits and warps: the kernel benchmark's sweep."""
+    own K/V must already be written. split_groups (token groups a program; None: sized
+    from the SM count), warps, stages (of the loads' pipeline) and tile_groups (token
+    groups a loop step): the kernel benchmark's sweep."""
     if not use_kernel(q):
         return decode_attention_cpu(q, cache, bias, end)
     batch, heads, _, dim = q.shape
@@ -69,31 +87,32 @@ def decode_attention(
     kv_heads = cache.k_codes.shape[1]
     rep = heads // kv_heads
     g = cache.group
-    blocks = end // g + 1  # the full groups, then the tail
-    per_split = triton.next_power_of_2(-(-blocks // max_splits))
-    splits = -(-blocks // per_split)
+    full_groups = end // g
+    # a loop step's token planes are the K dimension of a tl.dot: 16 at least
+    tile_groups = max(tile_groups, 32 // g)
+    if split_groups is None:
+        split_groups = _split_groups(batch * kv_heads, full_groups, tile_groups, q.device)
+    splits = -(-full_groups // split_groups) + 1  # the last program takes the tail
     block_d = triton.next_power_of_2(dim)
-    # tensor cores where the query heads of a KV head fill some of the 16 MMA rows and
-    # the planes are at least 16 wide (tl.dot's smallest)
-    dot = rep > 1 and g >= 32 and block_d >= 32
-    block_r = max(16, triton.next_power_of_2(rep)) if dot else triton.next_power_of_2(rep)
     part_acc = torch.empty((batch, heads, splits, block_d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((2, batch, heads, splits), dtype=torch.float32, device=q.device)
+    per_head = bias.shape[1] > 1
     _launch_split(
         (batch, kv_heads, splits), warps,
         q, q.stride(0), q.stride(1),
-        bias, bias.stride(0), bias.stride(1) if bias.shape[1] > 1 else 0, bias.stride(3),
+        bias, bias.stride(0), bias.stride(1) if per_head else 0, bias.stride(3),
         cache.k_codes, cache.k_scale, cache.k_scale if cache.k_min is None else cache.k_min,
         cache.k_tail,
         cache.v_codes, cache.v_scale, cache.v_scale if cache.v_min is None else cache.v_min,
         cache.v_tail,
         part_acc, part_ml, part_ml[1],
-        end // g, end % g, cache.k_codes.shape[2], cache.v_codes.shape[2], splits,
-        1.0 / math.sqrt(dim),
-        # HEAD_DIM, BLOCK_D, REP, BLOCK_R, GROUP, VGROUP, BITS, SYMMETRIC, PER_SPLIT
-        dim, block_d, rep, block_r,
-        g, cache.value_config.group_size, cache.config.bits, cache.config.symmetric, per_split,
-        dot,
+        full_groups, end % g, cache.k_codes.shape[2], cache.v_codes.shape[2], splits,
+        split_groups, 1.0 / math.sqrt(dim),
+        # HEAD_DIM, BLOCK_D, REP, BLOCK_R, GROUP, VGROUP, BITS, SYMMETRIC
+        dim, block_d, rep, triton.next_power_of_2(rep),
+        g, cache.value_config.group_size, cache.config.bits, cache.config.symmetric,
+        # BIAS_PER_HEAD, TILE_GROUPS, STAGES, PRECISION
+        per_head, tile_groups, stages, "ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     out = torch.empty((batch, 1, heads * dim), dtype=q.dtype, device=q.device)
     _launch_merge(
@@ -110,7 +129,7 @@ if triton is not None:
     @triton.jit(
         do_not_specialize=[
             "bias_sb", "bias_sh",
-            "full_groups", "tail_len", "num_groups", "max_slots", "splits",
+            "full_groups", "tail_len", "num_groups", "max_slots", "splits", "split_groups",
         ]
     )  # fmt: skip
     def _attention_split_kernel(
@@ -119,183 +138,280 @@ if triton is not None:
         kc_ptr, ks_ptr, km_ptr, kt_ptr,
         vc_ptr, vs_ptr, vm_ptr, vt_ptr,
         acc_ptr, m_ptr, l_ptr,
-        full_groups, tail_len, num_groups, max_slots, splits,
-        sm_scale,
+        full_groups, tail_len, num_groups, max_slots, splits, split_groups,
+        qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, REP: tl.constexpr, BLOCK_R: tl.constexpr,
         GROUP: tl.constexpr, VGROUP: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
-        PER_SPLIT: tl.constexpr, DOT: tl.constexpr,
+        BIAS_PER_HEAD: tl.constexpr, TILE_GROUPS: tl.constexpr, STAGES: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
-        """One (sequence, KV head, split): its REP query heads against PER_SPLIT token
-        groups (the compressed groups j < full_groups; the last split also takes the
-        tail); writes the split's softmax max m, sum l and unnormalized output.
+        """One (sequence, KV head, split): its REP query heads against split_groups
+        compressed token groups, or (the last split) against the tail; writes the split's
+        softmax maximum m and sum l and its unnormalized output.
 
-        Everything is worked in planes, so int4 codes are never interleaved: keys by
-        even and odd tokens (the low and high nibbles of a key byte), values by even
-        and odd tokens (rows) and even and odd channels (the nibbles of a value byte).
-        The loop over the compressed groups has no branch (a group past the last is
-        masked), so the loads of later groups can be issued early. DOT: the products
-        on tensor cores (tl.dot, 16 query rows at least), else as sums of products
-        (one query head a KV head: 15 of 16 MMA rows would be wasted)."""
+        Tokens are the rows of the products (the M side of tl.dot) and the query heads
+        its columns, so one query head a KV head wastes no MMA rows and the softmax
+        works on tokens x heads only. Everything is worked in planes, so codes are never
+        interleaved: keys and values by even and odd tokens (the low and high nibbles of
+        a key byte), values also by even and odd channels (of a value byte). A loop step
+        takes TILE_GROUPS groups; its loads are pipelined STAGES deep (cp.async), except
+        the bias, whose stride is not known to be aligned: it is loaded a step ahead."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         kv_heads = tl.num_programs(1)
         r = tl.arange(0, BLOCK_R)
         d = tl.arange(0, BLOCK_D)
-        dh = tl.arange(0, BLOCK_D // 2)  # even / odd channel planes
-        th = tl.arange(0, GROUP // 2)  # even / odd token planes
         r_ok = r < REP
-        d_ok = d < HEAD_DIM
-        dh_ok = dh < HEAD_DIM // 2
         heads = kvh * REP + r
         q = tl.load(
-            q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :],
-            mask=r_ok[:, None] & d_ok[None, :],
+            q_ptr + b * q_sb + heads[None, :] * q_sh + d[:, None],
+            mask=r_ok[None, :] & (d < HEAD_DIM)[:, None],
             other=0.0,
-        )
+        )  # [D, R]
         dtype = q.dtype
         row = b * kv_heads + kvh  # index of this (sequence, KV head) in the cache
-        k_bytes: tl.constexpr = GROUP * BITS // 8
-        v_bytes: tl.constexpr = HEAD_DIM * BITS // 8
-        v_groups: tl.constexpr = HEAD_DIM // VGROUP
+        bias_row = bias_ptr + b * bias_sb
         m_i = tl.full((BLOCK_R,), -float("inf"), tl.float32)
         l_i = tl.zeros((BLOCK_R,), tl.float32)
-        acc_e = tl.zeros((BLOCK_R, BLOCK_D // 2), tl.float32)  # even output channels
-        acc_o = tl.zeros((BLOCK_R, BLOCK_D // 2), tl.float32)  # odd
-        bias_rows = bias_ptr + b * bias_sb + heads[:, None] * bias_sh
-        for i in tl.static_range(PER_SPLIT):
-            j = split * PER_SPLIT + i
-            # a one-element block, not a scalar: triton 3.9's interpreter rejects a mask
-            # made of a block & a scalar condition ('mask has unsupported dtype')
-            ok = (j + tl.zeros((1,), tl.int32)) < full_groups
-            # keys [D, GROUP / 2] a plane: channel d of token t is byte d * k_bytes + t * BITS / 8
-            kbase = (row * num_groups + j) * HEAD_DIM
-            kscale = tl.load(ks_ptr + kbase + d, mask=d_ok & ok, other=0.0)[:, None]
-            kmin = tl.load(km_ptr + kbase + d, mask=d_ok & ok, other=0.0)[:, None]
-            krows = kc_ptr + (kbase + d[:, None]) * k_bytes
-            kmask = d_ok[:, None] & ok
-            if BITS == 4:
-                kbyte = tl.load(krows + th[None, :], mask=kmask, other=0)
-                k_e, k_o = dequant_nibbles(kbyte, kscale, kmin, SYMMETRIC, dtype)
-            else:
-                kbyte = tl.load(krows + tl.arange(0, GROUP)[None, :], mask=kmask, other=0)
-                k_e, k_o = _pairs(kbyte, BLOCK_D, GROUP // 2)
-                k_e = dequant(k_e, kscale, kmin, BITS, SYMMETRIC, dtype)
-                k_o = dequant(k_o, kscale, kmin, BITS, SYMMETRIC, dtype)
-            # values [GROUP / 2, D / 2] a plane: token t's channel c is byte t * v_bytes + c * BITS / 8
-            slot_e = j * GROUP + 2 * th
-            v_ee, v_eo = _value_planes(
-                vc_ptr, vs_ptr, vm_ptr, row * max_slots + slot_e, dh, dh_ok, ok,
-                v_bytes, v_groups, VGROUP, BLOCK_D, GROUP, BITS, SYMMETRIC, dtype,
-            )  # fmt: skip
-            v_oe, v_oo = _value_planes(
-                vc_ptr, vs_ptr, vm_ptr, row * max_slots + slot_e + 1, dh, dh_ok, ok,
-                v_bytes, v_groups, VGROUP, BLOCK_D, GROUP, BITS, SYMMETRIC, dtype,
-            )  # fmt: skip
-            block_ok = (th >= 0) & ok  # every token of a compressed group, or none
-            m_i, l_i, acc_e, acc_o = _attend(
-                q, k_e, k_o, v_ee, v_eo, v_oe, v_oo, bias_rows, slot_e, bias_ss,
-                block_ok, block_ok, r_ok, sm_scale, m_i, l_i, acc_e, acc_o, DOT,
-            )  # fmt: skip
+        acc_e = tl.zeros((BLOCK_D // 2, BLOCK_R), tl.float32)  # even output channels
+        acc_o = tl.zeros((BLOCK_D // 2, BLOCK_R), tl.float32)  # odd
+        TOKENS: tl.constexpr = TILE_GROUPS * GROUP // 2  # a plane's tokens a step
+        i = tl.arange(0, TOKENS)
         if split == splits - 1:
             # the tail: tokens of the incomplete last group, in the compute dtype
-            t = tl.arange(0, GROUP)
-            t_ok = t < tail_len
-            keys = tl.load(
-                kt_ptr + (row * GROUP + t[None, :]) * HEAD_DIM + d[:, None],
-                mask=t_ok[None, :] & d_ok[:, None],
-                other=0.0,
-            )
-            k_e, k_o = _pairs(keys, BLOCK_D, GROUP // 2)
-            tail = vt_ptr + (row * GROUP + 2 * th[:, None]) * HEAD_DIM + d[None, :]
-            e_ok = 2 * th < tail_len
-            o_ok = 2 * th + 1 < tail_len
-            v_ee, v_eo = _pairs(
-                tl.load(tail, mask=e_ok[:, None] & d_ok[None, :], other=0.0),
-                GROUP // 2,
-                BLOCK_D // 2,
-            )
-            v_oe, v_oo = _pairs(
-                tl.load(tail + HEAD_DIM, mask=o_ok[:, None] & d_ok[None, :], other=0.0),
-                GROUP // 2,
-                BLOCK_D // 2,
-            )
-            m_i, l_i, acc_e, acc_o = _attend(
-                q, k_e, k_o, v_ee, v_eo, v_oe, v_oo, bias_rows, full_groups * GROUP + 2 * th,
-                bias_ss, e_ok, o_ok, r_ok, sm_scale, m_i, l_i, acc_e, acc_o, DOT,
+            e_ok = 2 * i < tail_len
+            o_ok = 2 * i + 1 < tail_len
+            k_e, k_o = _tail_keys(kt_ptr, row, i, d, e_ok, o_ok, HEAD_DIM, GROUP)
+            b_e, b_o = _bias(
+                bias_row, heads, r_ok, bias_sh, bias_ss, full_groups * GROUP + 2 * i, e_ok,
+                o_ok, BIAS_PER_HEAD,
             )  # fmt: skip
+            m_i, l_i, p_e, p_o, alpha = _softmax_step(
+                q, k_e, k_o, b_e, b_o, e_ok, o_ok, qk_scale, m_i, l_i, True, PRECISION
+            )  # fmt: skip
+            v_ee, v_eo = _tail_values(vt_ptr, row, 2 * i, e_ok, HEAD_DIM, BLOCK_D, GROUP)
+            v_oe, v_oo = _tail_values(vt_ptr, row, 2 * i + 1, o_ok, HEAD_DIM, BLOCK_D, GROUP)
+            acc_e, acc_o = _accumulate(
+                acc_e, acc_o, alpha, p_e, p_o, v_ee, v_eo, v_oe, v_oo, PRECISION
+            )  # fmt: skip
+        else:
+            first = split * split_groups
+            last = tl.minimum(first + split_groups, full_groups)
+            slot = first * GROUP + 2 * i
+            b_e, b_o = _bias(
+                bias_row, heads, r_ok, bias_sh, bias_ss, slot, slot < last * GROUP,
+                slot + 1 < last * GROUP, BIAS_PER_HEAD,
+            )  # fmt: skip
+            for j in tl.range(first, last, TILE_GROUPS, num_stages=STAGES):
+                # a tile's groups past the split's last are masked (TILE_GROUPS > 1)
+                t_ok = j + i // (GROUP // 2) < last
+                bias_e, bias_o = b_e, b_o  # loaded a step ahead
+                slot = (j + TILE_GROUPS) * GROUP + 2 * i
+                b_e, b_o = _bias(
+                    bias_row, heads, r_ok, bias_sh, bias_ss, slot, slot < last * GROUP,
+                    slot + 1 < last * GROUP, BIAS_PER_HEAD,
+                )  # fmt: skip
+                k_e, k_o = _keys(
+                    kc_ptr, ks_ptr, km_ptr, row * num_groups + j, j, last, HEAD_DIM, BLOCK_D,
+                    GROUP, BITS, SYMMETRIC, TILE_GROUPS, dtype,
+                )  # fmt: skip
+                # the scores first: their operands' shared memory is then free for the values'
+                m_i, l_i, p_e, p_o, alpha = _softmax_step(
+                    q, k_e, k_o, bias_e, bias_o, t_ok, t_ok, qk_scale, m_i, l_i,
+                    TILE_GROUPS > 1, PRECISION,
+                )  # fmt: skip
+                slots = row * max_slots + j * GROUP + 2 * i
+                v_ee, v_eo, v_oe, v_oo = _values(
+                    vc_ptr, vs_ptr, vm_ptr, slots, t_ok, TOKENS, HEAD_DIM, BLOCK_D, VGROUP, BITS,
+                    SYMMETRIC, dtype,
+                )  # fmt: skip
+                acc_e, acc_o = _accumulate(
+                    acc_e, acc_o, alpha, p_e, p_o, v_ee, v_eo, v_oe, v_oo, PRECISION
+                )  # fmt: skip
         part = (b * kv_heads * REP + heads) * splits + split  # [BLOCK_R]
         tl.store(m_ptr + part, m_i, mask=r_ok)
         tl.store(l_ptr + part, l_i, mask=r_ok)
-        out = acc_ptr + part[:, None] * BLOCK_D + 2 * dh[None, :]
-        tl.store(out, acc_e, mask=r_ok[:, None])
-        tl.store(out + 1, acc_o, mask=r_ok[:, None])
+        out = acc_ptr + part[None, :] * BLOCK_D + 2 * tl.arange(0, BLOCK_D // 2)[:, None]
+        tl.store(out, acc_e, mask=r_ok[None, :])
+        tl.store(out + 1, acc_o, mask=r_ok[None, :])
 
     @triton.jit
-    def _pairs(x, ROWS: tl.constexpr, HALF: tl.constexpr):
-        """x [ROWS, 2 x HALF] as its even and odd columns."""
-        return tl.split(tl.reshape(x, (ROWS, HALF, 2)))
-
-    @triton.jit
-    def _value_planes(
-        vc_ptr, vs_ptr, vm_ptr, vrow, dh, dh_ok, ok,
-        v_bytes: tl.constexpr, v_groups: tl.constexpr, VGROUP: tl.constexpr,
-        BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
-        SYMMETRIC: tl.constexpr, dtype: tl.constexpr,
+    def _planes(
+        codes, scale, minimum, BITS: tl.constexpr, SYMMETRIC: tl.constexpr, dtype: tl.constexpr,
+        ROWS: tl.constexpr, COLUMNS: tl.constexpr, BYTES: tl.constexpr,
     ):  # fmt: skip
-        """The values of cache rows vrow [GROUP / 2], dequantized: even and odd channels."""
-        mask = dh_ok[None, :] & ok
-        # both channels of a pair are in one group (VGROUP is even)
-        params = vrow[:, None] * v_groups + (2 * dh[None, :]) // VGROUP
-        vscale = tl.load(vs_ptr + params, mask=mask, other=0.0)
-        vmin = tl.load(vm_ptr + params, mask=mask, other=0.0)
+        """Codes [ROWS, COLUMNS, BYTES] (uint8) to the values of their even and odd codes
+        along the last axis, each [ROWS, COLUMNS, codes / 2] (int4: a byte holds two
+        codes, the low nibble first)."""
         if BITS == 4:
-            vbyte = tl.load(vc_ptr + vrow[:, None] * v_bytes + dh[None, :], mask=mask, other=0)
-            return dequant_nibbles(vbyte, vscale, vmin, SYMMETRIC, dtype)
-        vbyte = tl.load(
-            vc_ptr + vrow[:, None] * v_bytes + tl.arange(0, BLOCK_D)[None, :],
-            mask=(tl.arange(0, BLOCK_D) < v_bytes)[None, :] & ok,
+            even, odd = dequant_nibbles(codes, scale, minimum, SYMMETRIC, dtype, False)
+        else:
+            even, odd = tl.split(tl.reshape(codes, (ROWS, COLUMNS, BYTES // 2, 2)))
+            even = dequant_bytes(even, scale, minimum, SYMMETRIC, dtype, False)
+            odd = dequant_bytes(odd, scale, minimum, SYMMETRIC, dtype, False)
+        return even, odd
+
+    @triton.jit
+    def _keys(
+        kc_ptr, ks_ptr, km_ptr, group_row, j, last,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
+        SYMMETRIC: tl.constexpr, TILE_GROUPS: tl.constexpr, dtype: tl.constexpr,
+    ):  # fmt: skip
+        """Keys of groups j .. j + TILE_GROUPS - 1 (cache groups group_row ..), those
+        from last on masked: even and odd tokens [TILE_GROUPS x GROUP / 2, D]."""
+        n = tl.arange(0, TILE_GROUPS)
+        d = tl.arange(0, BLOCK_D)
+        ok = (j + n < last)[:, None] & (d < HEAD_DIM)[None, :]
+        # channel d of token t is byte d * k_bytes + t * BITS / 8 of its group
+        params = (group_row + n[:, None]) * HEAD_DIM + d[None, :]
+        scale = tl.load(ks_ptr + params, mask=ok, other=0.0)[:, :, None]
+        minimum = tl.load(km_ptr + params, mask=ok, other=0.0)[:, :, None]
+        k_bytes: tl.constexpr = GROUP * BITS // 8
+        codes = tl.load(
+            kc_ptr + params[:, :, None] * k_bytes + tl.arange(0, k_bytes)[None, None, :],
+            mask=ok[:, :, None],
             other=0,
         )
-        v_e, v_o = _pairs(vbyte, GROUP // 2, BLOCK_D // 2)
+        k_e, k_o = _planes(
+            codes, scale, minimum, BITS, SYMMETRIC, dtype, TILE_GROUPS, BLOCK_D, k_bytes
+        )
+        tokens: tl.constexpr = TILE_GROUPS * GROUP // 2
         return (
-            dequant(v_e, vscale, vmin, BITS, SYMMETRIC, dtype),
-            dequant(v_o, vscale, vmin, BITS, SYMMETRIC, dtype),
+            tl.reshape(tl.permute(k_e, (0, 2, 1)), (tokens, BLOCK_D)),
+            tl.reshape(tl.permute(k_o, (0, 2, 1)), (tokens, BLOCK_D)),
         )
 
     @triton.jit
-    def _mm(a, b, DOT: tl.constexpr):
-        """a [R, K] @ b [K, N] in float32: tensor cores, or sums of products."""
-        if DOT:
-            return tl.dot(a, b)
-        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    def _values(
+        vc_ptr, vs_ptr, vm_ptr, slots, ok, TOKENS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VGROUP: tl.constexpr, BITS: tl.constexpr,
+        SYMMETRIC: tl.constexpr, dtype: tl.constexpr,
+    ):  # fmt: skip
+        """Values of cache rows slots (even tokens) and slots + 1 (odd), by token and
+        channel parity, transposed for the product: v_<token><channel> [D / 2, T]."""
+        v_groups: tl.constexpr = HEAD_DIM // VGROUP
+        BLOCK_G: tl.constexpr = BLOCK_D // VGROUP
+        g = tl.arange(0, BLOCK_G)
+        mask = ok[:, None] & (g < v_groups)[None, :]
+        # a token's scales and minimums, even then odd tokens: [T, G, 2] split
+        params = (slots[:, None, None] + tl.arange(0, 2)[None, None, :]) * v_groups
+        params += g[None, :, None]
+        scale_e, scale_o = tl.split(tl.load(vs_ptr + params, mask=mask[:, :, None], other=0.0))
+        min_e, min_o = tl.split(tl.load(vm_ptr + params, mask=mask[:, :, None], other=0.0))
+        v_ee, v_eo = _value_row_planes(
+            vc_ptr, slots, mask, scale_e, min_e, TOKENS, HEAD_DIM, BLOCK_D, VGROUP, BITS, SYMMETRIC,
+            dtype,
+        )  # fmt: skip
+        v_oe, v_oo = _value_row_planes(
+            vc_ptr, slots + 1, mask, scale_o, min_o, TOKENS, HEAD_DIM, BLOCK_D, VGROUP, BITS,
+            SYMMETRIC, dtype,
+        )  # fmt: skip
+        return v_ee, v_eo, v_oe, v_oo
 
     @triton.jit
-    def _attend(
-        q, k_e, k_o, v_ee, v_eo, v_oe, v_oo, bias_rows, slot_e, bias_ss, e_ok, o_ok, r_ok,
-        sm_scale, m_i, l_i, acc_e, acc_o, DOT: tl.constexpr,
+    def _value_row_planes(
+        vc_ptr, slots, mask, scale, minimum, TOKENS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VGROUP: tl.constexpr, BITS: tl.constexpr,
+        SYMMETRIC: tl.constexpr, dtype: tl.constexpr,
     ):  # fmt: skip
-        """One block of tokens folded into the running softmax: keys k_e / k_o [D, T]
-        (even / odd tokens), values v_<token><channel> [T, D / 2], e_ok / o_ok [T] which
-        tokens count; slot_e [T] the even tokens' slots (the bias's columns)."""
-        s_e = _mm(q, k_e, DOT) * sm_scale
-        s_o = _mm(q, k_o, DOT) * sm_scale
-        bias = bias_rows + slot_e[None, :] * bias_ss
-        s_e += tl.load(bias, mask=r_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
-        s_o += tl.load(bias + bias_ss, mask=r_ok[:, None] & o_ok[None, :], other=0.0).to(tl.float32)
-        s_e = tl.where(e_ok[None, :], s_e, -float("inf"))
-        s_o = tl.where(o_ok[None, :], s_o, -float("inf"))
-        m_new = tl.maximum(m_i, tl.maximum(tl.max(s_e, axis=1), tl.max(s_o, axis=1)))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
+        """Cache rows slots [T]: even and odd channels, [D / 2, T] each. A row's bytes
+        are read as [value groups, bytes a group], so each group's scale and minimum
+        broadcast along the last axis."""
+        g_bytes: tl.constexpr = VGROUP * BITS // 8
+        g = tl.arange(0, BLOCK_D // VGROUP)
+        codes = tl.load(
+            vc_ptr
+            + slots[:, None, None] * (HEAD_DIM * BITS // 8)
+            + (g * g_bytes)[None, :, None]
+            + tl.arange(0, g_bytes)[None, None, :],
+            mask=mask[:, :, None],
+            other=0,
+        )
+        even, odd = _planes(
+            codes, scale[:, :, None], minimum[:, :, None], BITS, SYMMETRIC, dtype, TOKENS,
+            BLOCK_D // VGROUP, g_bytes,
+        )  # fmt: skip
+        even = tl.reshape(even, (TOKENS, BLOCK_D // 2))
+        odd = tl.reshape(odd, (TOKENS, BLOCK_D // 2))
+        return tl.trans(even), tl.trans(odd)
+
+    @triton.jit
+    def _tail_keys(
+        kt_ptr, row, i, d, e_ok, o_ok, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr
+    ):  # fmt: skip
+        """The tail's keys (compute dtype): even and odd tokens [T, D]."""
+        keys = kt_ptr + (row * GROUP + 2 * i[:, None]) * HEAD_DIM + d[None, :]
+        d_ok = (d < HEAD_DIM)[None, :]
+        k_e = tl.load(keys, mask=e_ok[:, None] & d_ok, other=0.0)
+        k_o = tl.load(keys + HEAD_DIM, mask=o_ok[:, None] & d_ok, other=0.0)
+        return k_e, k_o
+
+    @triton.jit
+    def _tail_values(
+        vt_ptr, row, t, t_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr
+    ):  # fmt: skip
+        """The tail's values of tokens t (compute dtype): even and odd channels [D / 2, T]."""
+        c = 2 * tl.arange(0, BLOCK_D // 2)
+        values = vt_ptr + (row * GROUP + t[None, :]) * HEAD_DIM + c[:, None]
+        v_e = tl.load(values, mask=t_ok[None, :] & (c < HEAD_DIM)[:, None], other=0.0)
+        v_o = tl.load(values + 1, mask=t_ok[None, :] & (c + 1 < HEAD_DIM)[:, None], other=0.0)
+        return v_e, v_o
+
+    @triton.jit
+    def _bias(
+        bias_row, heads, r_ok, bias_sh, bias_ss, slot_e, e_ok, o_ok, BIAS_PER_HEAD: tl.constexpr
+    ):  # fmt: skip
+        """The bias of slots slot_e (even tokens) and slot_e + 1 (odd) [T, R] (a bias
+        shared by the heads: [T, 1]); 0 where not e_ok / o_ok."""
+        if BIAS_PER_HEAD:
+            columns = bias_row + heads[None, :] * bias_sh
+            b_e = tl.load(columns + slot_e[:, None] * bias_ss, mask=e_ok[:, None] & r_ok, other=0.0)
+            b_o = tl.load(
+                columns + (slot_e + 1)[:, None] * bias_ss, mask=o_ok[:, None] & r_ok, other=0.0
+            )
+        else:
+            b_e = tl.load(bias_row + slot_e * bias_ss, mask=e_ok, other=0.0)[:, None]
+            b_o = tl.load(bias_row + (slot_e + 1) * bias_ss, mask=o_ok, other=0.0)[:, None]
+        return b_e, b_o
+
+    @triton.jit
+    def _softmax_step(
+        q, k_e, k_o, b_e, b_o, e_ok, o_ok, qk_scale, m_i, l_i,
+        MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """The running softmax over one step's tokens: keys k_e / k_o [T, D] (even / odd
+        tokens), q [D, R], bias b_e / b_o [T, R | 1]; MASKED: only the tokens e_ok / o_ok
+        [T] count. The new maximum and sum, the probabilities p_e / p_o [T, R] in the
+        compute dtype and alpha [R], the old terms' factor."""
+        s_e = tl.dot(k_e, q, input_precision=PRECISION) * qk_scale + b_e.to(tl.float32)
+        s_o = tl.dot(k_o, q, input_precision=PRECISION) * qk_scale + b_o.to(tl.float32)
+        if MASKED:
+            s_e = tl.where(e_ok[:, None], s_e, -float("inf"))
+            s_o = tl.where(o_ok[:, None], s_o, -float("inf"))
+        m_new = tl.maximum(m_i, tl.maximum(tl.max(s_e, axis=0), tl.max(s_o, axis=0)))
+        m_safe = m_new
+        if MASKED:
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
         alpha = tl.exp(m_i - m_safe)
-        p_e = tl.exp(s_e - m_safe[:, None])
-        p_o = tl.exp(s_o - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p_e, axis=1) + tl.sum(p_o, axis=1)
-        p_e = p_e.to(q.dtype)
-        p_o = p_o.to(q.dtype)
-        acc_e = acc_e * alpha[:, None] + _mm(p_e, v_ee, DOT) + _mm(p_o, v_oe, DOT)
-        acc_o = acc_o * alpha[:, None] + _mm(p_e, v_eo, DOT) + _mm(p_o, v_oo, DOT)
-        return m_new, l_i, acc_e, acc_o
+        p_e = tl.exp(s_e - m_safe[None, :])
+        p_o = tl.exp(s_o - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(p_e, axis=0) + tl.sum(p_o, axis=0)
+        return m_new, l_i, p_e.to(q.dtype), p_o.to(q.dtype), alpha
+
+    @triton.jit
+    def _accumulate(
+        acc_e, acc_o, alpha, p_e, p_o, v_ee, v_eo, v_oe, v_oo, PRECISION: tl.constexpr
+    ):  # fmt: skip
+        """The output's even and odd channels [D / 2, R] rescaled by alpha, plus one
+        step's values v_<token><channel> [D / 2, T] weighted by p_e / p_o [T, R]."""
+        acc_e = acc_e * alpha[None, :]
+        acc_e += tl.dot(v_ee, p_e, input_precision=PRECISION)
+        acc_e += tl.dot(v_oe, p_o, input_precision=PRECISION)
+        acc_o = acc_o * alpha[None, :]
+        acc_o += tl.dot(v_eo, p_e, input_precision=PRECISION)
+        acc_o += tl.dot(v_oo, p_o, input_precision=PRECISION)
+        return acc_e, acc_o
 
     @triton.jit(do_not_specialize=["splits"])
     def _attention_merge_kernel(
