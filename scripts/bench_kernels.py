@@ -106,20 +106,19 @@ ATTENTION_SHAPES = [
 
 
 # decode attention (--kernels attention-sweep): `decode_attention`'s (split_groups,
-# warps, stages, tile_groups); split_groups None: the launcher's choice from the SM
-# count. The first is the default; a split_groups past a shape's groups is skipped.
+# warps, stages, tile_groups, fused_merge); split_groups None: the launcher's choice from
+# the SM count. The first is the default; a split_groups past a shape's groups is skipped.
 ATTENTION_SWEEP = [
-    (None, 2, 3, 1),
-    (None, 4, 3, 1),
-    (None, 2, 2, 1),
-    (None, 2, 4, 1),
-    (None, 4, 4, 1),
-    (None, 2, 3, 2),
-    (2, 2, 3, 1),
-    (4, 2, 3, 1),
-    (8, 2, 3, 1),
-    (16, 2, 3, 1),
-    (32, 2, 3, 1),
+    (None, 2, 3, 1, False),
+    (None, 2, 3, 1, True),
+    (None, 4, 3, 1, False),
+    (None, 2, 2, 1, False),
+    (None, 2, 4, 1, False),
+    (2, 2, 3, 1, False),
+    (4, 2, 3, 1, False),
+    (8, 2, 3, 1, False),
+    (16, 2, 3, 1, False),
+    (32, 2, 3, 1, False),
 ]
 
 
@@ -157,14 +156,12 @@ def bench_attention(dev: torch.device, hbm: float, sweep: bool) -> list[dict]:
             reference = decode_attention_reference(q, cache, bias, ctx)
             shape = _attention_shape(model, batch, heads, kv_heads, dim, ctx, bits)
             for variant in ATTENTION_SWEEP if sweep else ATTENTION_SWEEP[:1]:
-                split_groups, warps, stages, tile_groups = variant
+                split_groups, warps, stages, tile_groups, fused_merge = variant
                 if split_groups is not None and split_groups > ctx // cache.group:
                     continue
                 row = {**shape, "split_groups": split_groups, "warps": warps, "stages": stages}
-                row["tile_groups"] = tile_groups
-                call = functools.partial(
-                    decode_attention, q, cache, bias, ctx, split_groups, warps, stages, tile_groups
-                )
+                row |= {"tile_groups": tile_groups, "fused_merge": fused_merge}
+                call = functools.partial(decode_attention, q, cache, bias, ctx, *variant)
                 try:
                     seconds = timed(call)
                 except Exception as exc:  # a variant that does not fit shared memory
@@ -568,25 +565,27 @@ def main() -> None:
 
 def print_attention(attention: list[dict]) -> None:
     """The attention sweep's rows (variant: split groups ('auto': the launcher's
-    choice) / warps / stages / tile groups; diff: the default's largest difference from the
-    reference, the others' from the default), then a short table: each shape's default
-    and best variant, and the variants by their mean time against the default."""
+    choice) / warps / stages / tile groups, /fused: the merge in the kernel; diff: the
+    default's largest difference from the reference, the others' from the default),
+    then a short table: each shape's default and best variant, and the variants by
+    their mean time against the default."""
     rows = [r for r in attention if "error" not in r]
 
     def variant(r: dict) -> str:
         split = "auto" if r["split_groups"] is None else r["split_groups"]
-        return f"{split}/w{r['warps']}/s{r['stages']}/t{r['tile_groups']}"
+        fused = "/fused" if r["fused_merge"] else ""
+        return f"{split}/w{r['warps']}/s{r['stages']}/t{r['tile_groups']}{fused}"
 
-    head = f"{'attention':26s} {'variant':14s} {'bits':>4s} {'us':>7s} {'GB/s':>6s} {'HBM%':>5s}"
+    head = f"{'attention':26s} {'variant':20s} {'bits':>4s} {'us':>7s} {'GB/s':>6s} {'HBM%':>5s}"
     print(f"\n{head} {'vs fp16':>7s} {'diff':>8s}")
     for r in attention:
         shape = f"{r['model']} B{r['batch']} S{r['context']}"
         if "error" in r:
-            print(f"{shape:26s} {variant(r):14s} {r['bits']:4d} {r['error'][:60]}")
+            print(f"{shape:26s} {variant(r):20s} {r['bits']:4d} {r['error'][:60]}")
             continue
         diff = r.get("max_diff_vs_reference", r["max_diff_vs_default"])
         print(
-            f"{shape:26s} {variant(r):14s} {r['bits']:4d} {r['seconds'] * 1e6:7.1f} "
+            f"{shape:26s} {variant(r):20s} {r['bits']:4d} {r['seconds'] * 1e6:7.1f} "
             f"{r['gbps']:6.0f} {100 * r['hbm_share']:5.0f} {r['speedup_vs_fp16']:7.2f} {diff:8.2g}"
         )
     cases: dict[tuple, list[dict]] = {}
@@ -609,7 +608,7 @@ def print_attention(attention: list[dict]) -> None:
     ranked = sorted(ratios.items(), key=lambda kv: math.prod(kv[1]) ** (1 / len(kv[1])))
     print("variants by geometric-mean time against the default (cases measured):")
     for name, values in ranked:
-        print(f"  {name:14s} {math.prod(values) ** (1 / len(values)):5.2f} ({len(values)})")
+        print(f"  {name:20s} {math.prod(values) ** (1 / len(values)):5.2f} ({len(values)})")
 
 
 if __name__ == "__main__":

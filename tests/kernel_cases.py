@@ -86,10 +86,12 @@ ATTENTION_SHAPES = [
 ]
 
 
-# the last step of each case again with another split, tile, warps and pipeline depth
-# than the launcher's: splits of 3 groups, 2 a step, so each split's last step is half
-# masked (warps and stages change nothing under the interpreter)
-ATTENTION_VARIANTS = [{"split_groups": 3, "tile_groups": 2, "warps": 4, "stages": 2}]
+# the last step of each case again with another split, tile, warps, pipeline depth and
+# merge than the launcher's: splits of 3 groups, 2 a step, so each split's last step is
+# half masked (warps and stages change nothing under the interpreter)
+ATTENTION_VARIANTS = [
+    {"split_groups": 3, "tile_groups": 2, "warps": 4, "stages": 2, "fused_merge": True}
+]
 
 
 def _sdpa(q, keys, values, bias):

@@ -62,6 +62,20 @@ def _split_groups(rows: int, full_groups: int, tile_groups: int, device: torch.d
     return -(-groups // tile_groups) * tile_groups
 
 
+# Arrival counters of the fused merge, one per (sequence, KV head); the row's last
+# program sets its counter back to 0. Per stream: kernels on one stream never overlap.
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, rows: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    counts = _COUNTERS.get((device, stream))
+    if counts is None or counts.numel() < rows:
+        counts = torch.zeros(max(rows, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[(device, stream)] = counts
+    return counts
+
+
 def decode_attention(
     q: torch.Tensor,
     cache: QuantKV,
@@ -71,13 +85,15 @@ def decode_attention(
     warps: int = 2,
     stages: int = 3,
     tile_groups: int = 1,
+    fused_merge: bool = False,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over the compressed cache; [B, 1, H x D].
 
     q [B, H, 1, D]; bias [B, 1 | H, 1, >= end] additive (padding, ALiBi). The new token's
     own K/V must already be written. split_groups (token groups a program; None: sized
-    from the SM count), warps, stages (of the loads' pipeline) and tile_groups (token
-    groups a loop step): the kernel benchmark's sweep."""
+    from the SM count), warps, stages (of the loads' pipeline), tile_groups (token
+    groups a loop step) and fused_merge (the last split of a row merges, no second
+    kernel): the kernel benchmark's sweep."""
     if not use_kernel(q):
         return decode_attention_cpu(q, cache, bias, end)
     batch, heads, _, dim = q.shape
@@ -97,6 +113,8 @@ def decode_attention(
     part_acc = torch.empty((batch, heads, splits, block_d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((2, batch, heads, splits), dtype=torch.float32, device=q.device)
     per_head = bias.shape[1] > 1
+    out = torch.empty((batch, 1, heads * dim), dtype=q.dtype, device=q.device)
+    counts = _arrival_counters(q.device, batch * kv_heads) if fused_merge else part_ml
     _launch_split(
         (batch, kv_heads, splits), warps,
         q, q.stride(0), q.stride(1),
@@ -105,16 +123,18 @@ def decode_attention(
         cache.k_tail,
         cache.v_codes, cache.v_scale, cache.v_scale if cache.v_min is None else cache.v_min,
         cache.v_tail,
-        part_acc, part_ml, part_ml[1],
+        part_acc, part_ml, part_ml[1], out, counts,
         full_groups, end % g, cache.k_codes.shape[2], cache.v_codes.shape[2], splits,
         split_groups, 1.0 / math.sqrt(dim),
         # HEAD_DIM, BLOCK_D, REP, BLOCK_R, GROUP, VGROUP, BITS, SYMMETRIC
         dim, block_d, rep, triton.next_power_of_2(rep),
         g, cache.value_config.group_size, cache.config.bits, cache.config.symmetric,
-        # BIAS_PER_HEAD, TILE_GROUPS, STAGES, PRECISION
+        # BIAS_PER_HEAD, TILE_GROUPS, STAGES, PRECISION, FUSED_MERGE
         per_head, tile_groups, stages, "ieee" if q.dtype == torch.float32 else "tf32",
+        fused_merge,
     )  # fmt: skip
-    out = torch.empty((batch, 1, heads * dim), dtype=q.dtype, device=q.device)
+    if fused_merge:
+        return out
     _launch_merge(
         (batch, heads), 4,
         part_acc, part_ml, part_ml[1], out, splits,
@@ -137,13 +157,13 @@ if triton is not None:
         bias_ptr, bias_sb, bias_sh, bias_ss,
         kc_ptr, ks_ptr, km_ptr, kt_ptr,
         vc_ptr, vs_ptr, vm_ptr, vt_ptr,
-        acc_ptr, m_ptr, l_ptr,
+        acc_ptr, m_ptr, l_ptr, out_ptr, count_ptr,
         full_groups, tail_len, num_groups, max_slots, splits, split_groups,
         qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, REP: tl.constexpr, BLOCK_R: tl.constexpr,
         GROUP: tl.constexpr, VGROUP: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
         BIAS_PER_HEAD: tl.constexpr, TILE_GROUPS: tl.constexpr, STAGES: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, FUSED_MERGE: tl.constexpr,
     ):  # fmt: skip
         """One (sequence, KV head, split): its REP query heads against split_groups
         compressed token groups, or (the last split) against the tail; writes the split's
@@ -155,7 +175,9 @@ if triton is not None:
         interleaved: keys and values by even and odd tokens (the low and high nibbles of
         a key byte), values also by even and odd channels (of a value byte). A loop step
         takes TILE_GROUPS groups; its loads are pipelined STAGES deep (cp.async), except
-        the bias, whose stride is not known to be aligned: it is loaded a step ahead."""
+        the bias, whose stride is not known to be aligned: it is loaded a step ahead.
+        FUSED_MERGE: the row's last program to finish (an arrival counter) merges the
+        splits into out, in split order, so the sum does not depend on which was last."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -232,9 +254,53 @@ if triton is not None:
         part = (b * kv_heads * REP + heads) * splits + split  # [BLOCK_R]
         tl.store(m_ptr + part, m_i, mask=r_ok)
         tl.store(l_ptr + part, l_i, mask=r_ok)
-        out = acc_ptr + part[None, :] * BLOCK_D + 2 * tl.arange(0, BLOCK_D // 2)[:, None]
-        tl.store(out, acc_e, mask=r_ok[None, :])
-        tl.store(out + 1, acc_o, mask=r_ok[None, :])
+        partial = acc_ptr + part[None, :] * BLOCK_D + 2 * tl.arange(0, BLOCK_D // 2)[:, None]
+        tl.store(partial, acc_e, mask=r_ok[None, :])
+        tl.store(partial + 1, acc_o, mask=r_ok[None, :])
+        if FUSED_MERGE:
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == splits - 1:
+                _merge_row(
+                    acc_ptr, m_ptr, l_ptr, out_ptr, (b * kv_heads * REP + heads) * splits,
+                    r_ok, splits, b * kv_heads * REP + heads, HEAD_DIM, BLOCK_D, BLOCK_R,
+                )  # fmt: skip
+                tl.atomic_xchg(count_ptr + row, 0)
+
+    @triton.jit
+    def _merge_row(
+        acc_ptr, m_ptr, l_ptr, out_ptr, first, r_ok, splits, heads,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):  # fmt: skip
+        """The splits' partials (from first [R] on) of query heads heads [R] merged into
+        their normalized output, in split order. The partials are read past L1 (.cg):
+        other programs wrote them."""
+        d = tl.arange(0, BLOCK_D)
+        m_run = tl.full((BLOCK_R,), -float("inf"), tl.float32)
+        l_run = tl.zeros((BLOCK_R,), tl.float32)
+        o_run = tl.zeros((BLOCK_D, BLOCK_R), tl.float32)
+        s = 0
+        while s < splits:
+            m_s = tl.load(m_ptr + first + s, mask=r_ok, other=-float("inf"), cache_modifier=".cg")
+            l_s = tl.load(l_ptr + first + s, mask=r_ok, other=0.0, cache_modifier=".cg")
+            o_s = tl.load(
+                acc_ptr + (first + s)[None, :] * BLOCK_D + d[:, None],
+                mask=r_ok[None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            m_new = tl.maximum(m_run, m_s)
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
+            old = tl.exp(m_run - m_safe)
+            new = tl.exp(m_s - m_safe)
+            l_run = l_run * old + l_s * new
+            o_run = o_run * old[None, :] + o_s * new[None, :]
+            m_run = m_new
+            s += 1
+        tl.store(
+            out_ptr + heads[None, :] * HEAD_DIM + d[:, None],
+            (o_run / l_run[None, :]).to(out_ptr.dtype.element_ty),
+            mask=r_ok[None, :] & (d < HEAD_DIM)[:, None],
+        )
 
     @triton.jit
     def _planes(
