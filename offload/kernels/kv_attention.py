@@ -108,7 +108,8 @@ def decode_attention(
     tile_groups = max(tile_groups, 32 // g)
     if split_groups is None:
         split_groups = _split_groups(batch * kv_heads, full_groups, tile_groups, q.device)
-    splits = -(-full_groups // split_groups) + 1  # the last program takes the tail
+    # and a last program for the tail, if there is one
+    splits = -(-full_groups // split_groups) + (end % g > 0)
     block_d = triton.next_power_of_2(dim)
     part_acc = torch.empty((batch, heads, splits, block_d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((2, batch, heads, splits), dtype=torch.float32, device=q.device)
@@ -166,8 +167,9 @@ if triton is not None:
         PRECISION: tl.constexpr, FUSED_MERGE: tl.constexpr,
     ):  # fmt: skip
         """One (sequence, KV head, split): its REP query heads against split_groups
-        compressed token groups, or (the last split) against the tail; writes the split's
-        softmax maximum m and sum l and its unnormalized output.
+        compressed token groups, or (a last split, where the tail holds tokens) against
+        the tail; writes the split's softmax maximum m and sum l and its unnormalized
+        output.
 
         Tokens are the rows of the products (the M side of tl.dot) and the query heads
         its columns, so one query head a KV head wastes no MMA rows and the softmax
@@ -200,7 +202,7 @@ if triton is not None:
         acc_o = tl.zeros((BLOCK_D // 2, BLOCK_R), tl.float32)  # odd
         TOKENS: tl.constexpr = TILE_GROUPS * GROUP // 2  # a plane's tokens a step
         i = tl.arange(0, TOKENS)
-        if split == splits - 1:
+        if split * split_groups >= full_groups:
             # the tail: tokens of the incomplete last group, in the compute dtype
             e_ok = 2 * i < tail_len
             o_ok = 2 * i + 1 < tail_len
@@ -417,12 +419,16 @@ if triton is not None:
     def _tail_values(
         vt_ptr, row, t, t_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr
     ):  # fmt: skip
-        """The tail's values of tokens t (compute dtype): even and odd channels [D / 2, T]."""
-        c = 2 * tl.arange(0, BLOCK_D // 2)
-        values = vt_ptr + (row * GROUP + t[None, :]) * HEAD_DIM + c[:, None]
-        v_e = tl.load(values, mask=t_ok[None, :] & (c < HEAD_DIM)[:, None], other=0.0)
-        v_o = tl.load(values + 1, mask=t_ok[None, :] & (c + 1 < HEAD_DIM)[:, None], other=0.0)
-        return v_e, v_o
+        """The tail's values of tokens t (compute dtype): even and odd channels [D / 2, T],
+        from whole rows [T, D / 2, 2] split in registers."""
+        c = tl.arange(0, BLOCK_D // 2)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+        values = tl.load(
+            vt_ptr + (row * GROUP + t[:, None, None]) * HEAD_DIM + c,
+            mask=t_ok[:, None, None] & (c < HEAD_DIM),
+            other=0.0,
+        )
+        v_e, v_o = tl.split(values)
+        return tl.trans(v_e), tl.trans(v_o)
 
     @triton.jit
     def _bias(
