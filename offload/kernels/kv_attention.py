@@ -44,8 +44,10 @@ def decode_attention_reference(
 
 # Sequence splits (flash-decoding): each program of the first kernel takes a run of
 # whole token groups of one (sequence, KV head), or that row's tail, so even a small
-# batch fills the GPU; the second kernel merges the splits' softmax partials. Splits are
-# sized for about SPLIT_WAVES programs an SM (`_split_groups`).
+# batch fills the GPU; the second kernel (fused_merge: the row's last program) merges
+# the splits' softmax partials. Splits are sized for about SPLIT_WAVES programs an SM
+# (`_split_groups`): a guess, for the sweep (`bench_kernels --kernels attention-sweep`)
+# to settle.
 SPLIT_WAVES = 8
 
 
