@@ -14,8 +14,11 @@ channel d (tokens t) and the value group j of token t (channels d):
 where centre = min + 2^(bits-1) scale (symmetric: scale, the zero being code
 (2^bits - 1) // 2).
 
-`kv_attention.decode_attention` calls it wherever the Triton kernels do not run: the
-executor's CPU attention, and the plain run without CUDA.
+`kv_attention.decode_attention` calls `decode_attention_cpu` wherever the Triton
+kernels do not run: the executor's CPU attention, and the plain run without CUDA. It
+runs the C kernel (`cpu_attention.decode_attention_quant`: the same algebra, streamed
+once over all cores; 8.7x the torch path on one CI core at the profile's shape) where
+that runs, else `decode_attention_cpu_torch`, the same algebra in torch ops.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import math
 
 import torch
 
+from offload.kernels.cpu_attention import decode_attention_quant
 from offload.kernels.kv_cache import QuantKV
 
 # float32 values of one code plane (a nibble of int4, all of int8) a chunk of
@@ -42,6 +46,15 @@ def decode_attention_cpu(
 ) -> torch.Tensor:
     """`decode_attention` without CUDA (the executor's CPU attention, the plain run):
     q [B, H, 1, D], bias [B, 1 | H, 1, >= end] additive; [B, 1, H x D] in q's dtype.
+    The C kernel where it runs, else the torch ops below."""
+    out = decode_attention_quant(q, cache, bias, end)
+    return out if out is not None else decode_attention_cpu_torch(q, cache, bias, end)
+
+
+def decode_attention_cpu_torch(
+    q: torch.Tensor, cache: QuantKV, bias: torch.Tensor, end: int
+) -> torch.Tensor:
+    """`decode_attention_cpu` in torch ops (where the C kernel does not run).
 
     A chunk of (sequence, KV head) pairs at a time, in buffers allocated once a call
     (a fresh 8M-value `.float()` converted 0.26 G values/s on one CI core, a copy into

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from offload.config import OPT_POSITION_OFFSET, ModelConfig
+from offload.kernels.cpu_attention import decode_attention_dense
 from offload.kernels.formats import Compression
 from offload.kernels.kv_attention import decode_attention
 from offload.kernels.kv_cache import QuantKV
@@ -182,6 +183,14 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torc
     """
     batch, heads, num_new, dim = q.shape
     kv_heads = keys.shape[1]
+    if num_new == 1 and q.device.type == "cpu":
+        # decode on the CPU (the executor's CPU attention, the plain CPU run): the C
+        # kernel reads each K/V byte once on every core, grouped-query heads together
+        # (1.7-2x SDPA at the profile's and Llama-2-70B's shapes: docs/cpu_attention.md);
+        # None where it does not run
+        out = decode_attention_dense(q, keys, values, bias)
+        if out is not None:
+            return out
     if kv_heads != heads and num_new == 1 and bias.shape[1] == 1:
         # decode with grouped-query heads: the query heads of one KV head become rows of
         # one attention over it (same math; SDPA's own GQA path copies K/V per query

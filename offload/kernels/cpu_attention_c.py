@@ -1,0 +1,735 @@
+"""The C source of the CPU decode attention (`cpu_attention.py` builds and calls it).
+
+One work item is a (sequence, KV head) pair over a range of its tokens; OpenMP spreads
+the items over torch's threads. Each item streams its tokens once, a block at a time
+(64 tokens of a full-precision cache, one token group of a compressed one), all the
+query heads of the KV head (grouped-query) against each block: scores, an online
+softmax (a running maximum and sum), then the values, so every byte of K and V is read
+from DRAM once and reused from L1 by the query heads. Compressed blocks are used as
+stored: key scores are sum_d (q[d] scale[d]) c'[d, t] + sum_d q[d] centre[d] over the
+centred codes c' (`kv_attention_cpu.py` gives the algebra), values likewise with the
+probabilities folded into their per-token scales. The values of a block and the keys
+of the next are prefetched (into L2: prefetcht2 was 1.14x as fast as prefetcht0 and
+1.6x as fast as none, one core, fp16, Llama-2-70B's shape). Long contexts are split
+into ranges of SPLIT_TOKENS (`cpu_attention.py`) merged after, so a sequence's result
+depends on its context length only, never on the batch or the thread count.
+"""
+
+SOURCE = r"""/* Decode attention on the CPU: one query token a sequence over its cached keys and
+   values, each byte read once, all threads (offload/kernels/cpu_attention.py). Vectors
+   are 16 floats: one register with AVX-512; without it gcc keeps them in memory (the
+   AVX2 build ran 2.7x (fp16) to 5x (int4) slower than the AVX-512 one, same core). */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef uint64_t u64x2 __attribute__((vector_size(16)));
+
+typedef float f32x8 __attribute__((vector_size(32)));
+
+/* a shuffle of two vectors by constant lane indices (gcc 11 has only __builtin_shuffle);
+   JOIN: two 8-lane vectors as one of 16 lanes */
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#define JOIN(low, high) \
+    __builtin_shufflevector((f32x8)(low), (f32x8)(high), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i32x16){__VA_ARGS__})
+static inline f32x16 JOIN(f32x8 low, f32x8 high) {
+    f32x16 v;
+    memcpy(&v, &low, 32);
+    memcpy((char *)&v + 32, &high, 32);
+    return v;
+}
+#endif
+
+#define MAX_TILE 8     /* query heads of one KV head a pass over a block */
+#define MAX_BLOCK 128  /* tokens a block: a key group, or DENSE_BLOCK */
+#define DENSE_BLOCK 64
+#define MAX_DIM 256
+
+enum { F32 = 0, F16 = 1, BF16 = 2 };
+
+typedef struct {
+    const float *q;     /* [batch, heads, dim], scaled by 1 / sqrt(dim) */
+    const float *bias;  /* [batch, 1 | heads, >= end], tokens contiguous */
+    int64_t bias_sb, bias_sh;
+    float *out;         /* [batch, heads, dim] */
+    float *partial;     /* [batch x kv heads x splits, rep, dim + 2] when splits > 1 */
+    int64_t batch, heads, kv_heads, dim, end, splits, threads;
+    /* full-precision keys and values of tokens dense_from .. end - 1 */
+    const void *k, *v;
+    int64_t k_sb, k_sh, k_st, v_sb, v_sh, v_st, dtype, dense_from;
+    /* compressed groups 0 .. full_groups - 1 (bits 0: none) */
+    int64_t bits, group, vgroup, symmetric, full_groups;
+    const uint8_t *kc;
+    int64_t kc_sb, kc_sh, kc_sg;
+    const uint16_t *ks, *km; /* km NULL when symmetric */
+    int64_t ks_sb, ks_sh, ks_sg;
+    const uint8_t *vc;
+    int64_t vc_sb, vc_sh, vc_st;
+    const uint16_t *vs, *vm;
+    int64_t vs_sb, vs_sh, vs_st;
+} Args;
+
+/* ---- loads and conversions ------------------------------------------------------ */
+
+static inline f32x16 splat(float x) {
+    return (f32x16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+
+static inline f32x16 load_f32(const float *p) {
+    f32x16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store_f32(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
+
+static inline float half_bits_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f;
+    uint32_t mantissa = h & 0x3ff, bits;
+    float f;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000 | (mantissa << 13);
+    } else if (exponent) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else {
+        f = (float)mantissa * 5.9604644775390625e-8f; /* subnormal: mantissa x 2^-24 */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float load_half(const uint16_t *p) {
+#if defined(__F16C__)
+    return _cvtsh_ss(*p);
+#else
+    return half_bits_to_float(*p);
+#endif
+}
+
+static inline f32x16 load_f16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (f32x16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+    return JOIN(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8))));
+#else
+    f32x16 v;
+    for (int i = 0; i < 16; i++) v[i] = half_bits_to_float(p[i]);
+    return v;
+#endif
+}
+
+static inline f32x16 load_bf16(const uint16_t *p) {
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    return (f32x16)(__builtin_convertvector(h, u32x16) << 16);
+}
+
+static inline __attribute__((always_inline)) f32x16 load_row(const void *base, int64_t at,
+                                                             int dtype) {
+    if (dtype == F32) return load_f32((const float *)base + at);
+    if (dtype == F16) return load_f16((const uint16_t *)base + at);
+    return load_bf16((const uint16_t *)base + at);
+}
+
+static inline float hsum(f32x16 v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    float s = 0;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+#endif
+}
+
+static inline f32x16 vmax(f32x16 a, f32x16 b) {
+    i32x16 less = a < b;
+    return (f32x16)(((i32x16)a & ~less) | ((i32x16)b & less));
+}
+
+static inline float hmax(f32x16 v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_max_ps((__m512)v);
+#else
+    float top = v[0];
+    for (int i = 1; i < 16; i++) top = v[i] > top ? v[i] : top;
+    return top;
+#endif
+}
+
+/* exp(x) for x <= 0 (0 below -87): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor
+   series to r^7 (relative error below 6e-9, a tenth of float32's epsilon) */
+static inline f32x16 vexp(f32x16 x) {
+    const float shifter = 12582912.0f; /* 1.5 x 2^23: adding it rounds to an integer */
+    i32x16 under = x < splat(-87.0f);
+    x = (f32x16)((i32x16)x & ~under);
+    f32x16 shifted = x * 1.44269504088896341f + shifter;
+    f32x16 n = shifted - shifter;
+    i32x16 power = ((i32x16)shifted - 0x4b400000 + 127) << 23;
+    f32x16 r = x - n * 0.693145751953125f; /* ln2's high bits: n x them is exact */
+    r = r - n * 1.428606820309417e-6f;
+    f32x16 p = splat(1.0f / 5040);
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return (f32x16)((i32x16)(p * (f32x16)power) & ~under);
+}
+
+/* ---- compressed codes ---------------------------------------------------------- */
+/* A unit of codes decodes to one or two vectors of centred codes (code - 2^(bits-1)):
+   INT8: 16 bytes, 16 values in order. INT4_PAIR: 16 bytes, 32 values: the even ones
+   (low nibbles) in the first vector, the odd ones in the second. INT4_HALF: 8 bytes,
+   16 values: the even ones in lanes 0-7, the odd ones in lanes 8-15. */
+enum { INT8 = 0, INT4_PAIR = 1, INT4_HALF = 2 };
+
+static inline int unit_bytes(int kind) { return kind == INT4_HALF ? 8 : 16; }
+static inline int unit_vectors(int kind) { return kind == INT4_PAIR ? 2 : 1; }
+
+/* 16 signed bytes, each shifted right by `shift` (arithmetic), as floats */
+static inline __attribute__((always_inline)) f32x16 bytes_to_float(i8x16 x, int shift) {
+#if defined(__AVX512F__)
+    __m512i wide = _mm512_cvtepi8_epi32((__m128i)x);
+    if (shift) wide = _mm512_srai_epi32(wide, shift);
+    return (f32x16)_mm512_cvtepi32_ps(wide);
+#elif defined(__AVX2__)
+    __m256i low = _mm256_cvtepi8_epi32((__m128i)x);
+    __m256i high = _mm256_cvtepi8_epi32(_mm_srli_si128((__m128i)x, 8));
+    if (shift) low = _mm256_srai_epi32(low, shift), high = _mm256_srai_epi32(high, shift);
+    return JOIN(_mm256_cvtepi32_ps(low), _mm256_cvtepi32_ps(high));
+#else
+    return __builtin_convertvector(__builtin_convertvector(x, i32x16) >> shift, f32x16);
+#endif
+}
+
+static inline __attribute__((always_inline)) void decode(int kind, const uint8_t *p,
+                                                         f32x16 *out) {
+    if (kind == INT8) {
+        i8x16 x;
+        memcpy(&x, p, 16);
+        out[0] = bytes_to_float(x ^ (int8_t)0x80, 0); /* code - 128, as int8 */
+    } else if (kind == INT4_PAIR) {
+        i8x16 x;
+        memcpy(&x, p, 16);
+        x ^= (int8_t)0x88;
+        out[0] = bytes_to_float((i8x16)((u64x2)x << 4), 4);
+        out[1] = bytes_to_float(x, 4);
+    } else {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        w ^= 0x8888888888888888ull;
+        out[0] = bytes_to_float((i8x16)(u64x2){w << 4, w}, 4);
+    }
+}
+
+/* the unit's values in their natural order, from decode's order */
+static inline __attribute__((always_inline)) void natural(int kind, const f32x16 *in,
+                                                          f32x16 *out) {
+    if (kind == INT8) {
+        out[0] = in[0];
+    } else if (kind == INT4_PAIR) {
+        out[0] = SHUFFLE(in[0], in[1], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        out[1] = SHUFFLE(in[0], in[1], 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    } else {
+        out[0] = SHUFFLE(in[0], in[0], 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    }
+}
+
+/* ---- one work item: a (sequence, KV head) pair over a range of tokens ------------- */
+
+typedef struct {
+    const Args *a;
+    int64_t row, kv_head, rep, dim;
+    const float *q;    /* the pair's rep query heads [rep, dim] */
+    float *m, *l;      /* [rep]: running maximum and sum of exp */
+    float *acc;        /* [rep, dim]: running sum of p x values, natural channel order */
+    float s[MAX_TILE][MAX_BLOCK + 16]; /* a block's scores, then probabilities */
+    float alpha[MAX_TILE];             /* a block's rescale of the running sums */
+    float qs[MAX_TILE][MAX_DIM];       /* query x key scale of a group */
+    float coef[MAX_TILE][MAX_DIM / 16][MAX_BLOCK]; /* p x value scale, by value group */
+    float centre[MAX_DIM / 16][MAX_BLOCK];         /* value centres by value group */
+    float value_scale[MAX_DIM / 16][MAX_BLOCK];
+} Item;
+
+/* bias, then the online softmax of scores s[0 .. tile)[0 .. n) of heads first ..: s
+   becomes the probabilities (relative to the new maxima), alpha each head's rescale */
+static void softmax_block(Item *it, int64_t first, int tile, int64_t token0, int n) {
+    const Args *a = it->a;
+    for (int r = 0; r < tile; r++) {
+        int64_t head = it->kv_head * it->rep + first + r;
+        const float *bias = a->bias + it->row * a->bias_sb + head * a->bias_sh + token0;
+        float *s = it->s[r];
+        f32x16 top = splat(-INFINITY);
+        int t = 0;
+        for (; t + 16 <= n; t += 16) {
+            f32x16 x = load_f32(s + t) + load_f32(bias + t);
+            store_f32(s + t, x);
+            top = vmax(top, x);
+        }
+        float block_max = hmax(top);
+        for (; t < n; t++) {
+            s[t] += bias[t];
+            block_max = s[t] > block_max ? s[t] : block_max;
+        }
+        for (; t < ((n + 15) & ~15); t++) s[t] = -INFINITY;
+        float old_max = it->m[first + r];
+        float new_max = block_max > old_max ? block_max : old_max;
+        if (new_max == -INFINITY) { /* nothing unmasked yet */
+            it->alpha[r] = 1.0f;
+            for (int t = 0; t < n; t++) s[t] = 0.0f;
+            continue;
+        }
+        it->alpha[r] = expf(old_max - new_max);
+        it->m[first + r] = new_max;
+        f32x16 total = splat(0.0f);
+        for (int t = 0; t < n; t += 16) {
+            f32x16 p = vexp(load_f32(s + t) - new_max);
+            store_f32(s + t, p);
+            total += p;
+        }
+        it->l[first + r] = it->l[first + r] * it->alpha[r] + hsum(total);
+    }
+}
+
+static inline void prefetch_row(const void *p, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)p + at, 0, 1);
+}
+
+/* lane i: the sum of v[i]'s lanes, by a transpose and add (45 operations for 16 sums):
+   pairs of vectors interleaved within 128-bit lanes by 32 then 64 bits, then the
+   128-bit lanes of pairs */
+#define LANES_32(a, b, o) SHUFFLE(a, b, 0 + o, 16 + o, 1 + o, 17 + o, 4 + o, 20 + o, 5 + o, \
+                                  21 + o, 8 + o, 24 + o, 9 + o, 25 + o, 12 + o, 28 + o,   \
+                                  13 + o, 29 + o)
+#define LANES_64(a, b, o) SHUFFLE(a, b, 0 + o, 1 + o, 16 + o, 17 + o, 4 + o, 5 + o, 20 + o, \
+                                  21 + o, 8 + o, 9 + o, 24 + o, 25 + o, 12 + o, 13 + o,   \
+                                  28 + o, 29 + o)
+#define LANES_128(a, b, o) SHUFFLE(a, b, 0 + o, 1 + o, 2 + o, 3 + o, 8 + o, 9 + o, 10 + o, \
+                                   11 + o, 16 + o, 17 + o, 18 + o, 19 + o, 24 + o, 25 + o, \
+                                   26 + o, 27 + o)
+
+static inline f32x16 sum16(const f32x16 *v) {
+    f32x16 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = LANES_32(v[2 * i], v[2 * i + 1], 0) + LANES_32(v[2 * i], v[2 * i + 1], 2);
+    for (int i = 0; i < 4; i++)
+        b[i] = LANES_64(a[2 * i], a[2 * i + 1], 0) + LANES_64(a[2 * i], a[2 * i + 1], 2);
+    for (int i = 0; i < 2; i++)
+        c[i] = LANES_128(b[2 * i], b[2 * i + 1], 0) + LANES_128(b[2 * i], b[2 * i + 1], 4);
+    return LANES_128(c[0], c[1], 0) + LANES_128(c[0], c[1], 4);
+}
+
+/* scores of full-precision keys of tokens token0 .. token0 + n - 1, 16 tokens at a
+   time: a vector of partial dot products a token and head, then sum16; the values of
+   the same tokens are prefetched meanwhile */
+static inline __attribute__((always_inline)) void dense_scores(Item *it, int64_t first,
+                                                               int tile, int64_t token0,
+                                                               int n, int dtype) {
+    const Args *a = it->a;
+    const int vectors = it->dim / 16, size = dtype == F32 ? 4 : 2;
+    const int64_t base = it->row * a->k_sb + it->kv_head * a->k_sh;
+    const int64_t value_base = it->row * a->v_sb + it->kv_head * a->v_sh;
+    const float *q = it->q + first * it->dim;
+    for (int t16 = 0; t16 < n; t16 += 16) {
+        f32x16 dots[MAX_TILE][16];
+        for (int t = 0; t < 16; t++) {
+            if (t16 + t >= n) {
+                for (int r = 0; r < tile; r++) dots[r][t] = splat(0.0f);
+                continue;
+            }
+            int64_t token = token0 + t16 + t - a->dense_from;
+            if (first == 0)
+                prefetch_row((const char *)a->v + (value_base + token * a->v_st) * size,
+                             it->dim * size);
+            int64_t at = base + token * a->k_st;
+            f32x16 even[MAX_TILE], odd[MAX_TILE];
+            for (int r = 0; r < tile; r++) even[r] = odd[r] = splat(0.0f);
+            for (int j = 0; j < vectors; j += 2) {
+                f32x16 key = load_row(a->k, at + 16 * j, dtype);
+                for (int r = 0; r < tile; r++) even[r] += load_f32(q + r * it->dim + 16 * j) * key;
+                if (j + 1 < vectors) {
+                    key = load_row(a->k, at + 16 * j + 16, dtype);
+                    for (int r = 0; r < tile; r++)
+                        odd[r] += load_f32(q + r * it->dim + 16 * j + 16) * key;
+                }
+            }
+            for (int r = 0; r < tile; r++) dots[r][t] = even[r] + odd[r];
+        }
+        for (int r = 0; r < tile; r++) store_f32(it->s[r] + t16, sum16(dots[r]));
+    }
+}
+
+/* acc = acc x alpha + p . values for full-precision values of tokens token0 ..; the
+   keys of the next block are prefetched meanwhile */
+static inline __attribute__((always_inline)) void dense_values(Item *it, int64_t first,
+                                                               int tile, int64_t token0,
+                                                               int n, int dtype) {
+    const Args *a = it->a;
+    const int vectors = it->dim / 16, size = dtype == F32 ? 4 : 2;
+    const int columns = 16 / tile; /* vectors of channels a pass, its sums in registers */
+    const int64_t base = it->row * a->v_sb + it->kv_head * a->v_sh;
+    const int64_t key_base = it->row * a->k_sb + it->kv_head * a->k_sh;
+    for (int j = 0; j < vectors; j += columns) {
+        f32x16 sum[MAX_TILE][16];
+        for (int r = 0; r < tile; r++)
+            for (int c = 0; c < columns; c++) sum[r][c] = splat(0.0f);
+        for (int t = 0; t < n; t++) {
+            int64_t token = token0 + t - a->dense_from;
+            if (j == 0 && first == 0 && token0 + n + t < a->end)
+                prefetch_row((const char *)a->k + (key_base + (token + n) * a->k_st) * size,
+                             it->dim * size);
+            int64_t at = base + token * a->v_st + 16 * j;
+            for (int c = 0; c < columns; c++) {
+                if (j + c >= vectors) break;
+                f32x16 value = load_row(a->v, at + 16 * c, dtype);
+                for (int r = 0; r < tile; r++) sum[r][c] += it->s[r][t] * value;
+            }
+        }
+        for (int r = 0; r < tile; r++) {
+            float *acc = it->acc + (first + r) * it->dim + 16 * j;
+            for (int c = 0; c < columns; c++) {
+                if (j + c >= vectors) break;
+                store_f32(acc + 16 * c, load_f32(acc + 16 * c) * it->alpha[r] + sum[r][c]);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void dense_block(Item *it, int64_t first,
+                                                              int tile, int64_t token0, int n,
+                                                              int dtype) {
+    dense_scores(it, first, tile, token0, n, dtype);
+    softmax_block(it, first, tile, token0, n);
+    dense_values(it, first, tile, token0, n, dtype);
+}
+
+/* channels a key dot product sums in one float32 chain; the chains are summed after */
+#ifndef CHAIN
+#define CHAIN 16
+#endif
+
+/* key scores of compressed group g: sum over channels of (q x scale) x centred code,
+   plus q . centre. Keys are stored per channel, a group's tokens along a row: a unit of
+   each row at a time (16 or 32 tokens), its vectors of scores in registers. The
+   group's values and the next group's keys are prefetched meanwhile. */
+static inline __attribute__((always_inline)) void quant_scores(Item *it, int64_t first,
+                                                               int tile, int64_t g, int kind) {
+    const Args *a = it->a;
+    const int dim = it->dim, group = a->group;
+    const int row_bytes = group * a->bits / 8, ub = unit_bytes(kind), uv = unit_vectors(kind);
+    const int units = row_bytes / ub;
+    const int64_t at = it->row * a->ks_sb + it->kv_head * a->ks_sh + g * a->ks_sg;
+    const uint16_t *scale = a->ks + at, *minimum = a->km ? a->km + at : 0;
+    const float half = (float)(1 << (a->bits - 1));
+    const float zero_shift = half - (float)(((1 << a->bits) - 1) / 2); /* symmetric */
+    float bias_of_centre[MAX_TILE];
+    for (int r = 0; r < tile; r++) {
+        f32x16 dot = splat(0.0f);
+        for (int d = 0; d < dim; d += 16) {
+            f32x16 sc = load_f16(scale + d);
+            f32x16 centre = minimum ? load_f16(minimum + d) + sc * half : sc * zero_shift;
+            f32x16 q = load_f32(it->q + (first + r) * dim + d);
+            store_f32(it->qs[r] + d, q * sc);
+            dot += q * centre;
+        }
+        bias_of_centre[r] = hsum(dot);
+    }
+    const int64_t pair = it->row * a->kc_sb + it->kv_head * a->kc_sh;
+    const uint8_t *codes = a->kc + pair + g * a->kc_sg;
+    const uint8_t *next = g + 1 < a->full_groups ? codes + a->kc_sg : 0;
+    const uint8_t *values = a->vc + it->row * a->vc_sb + it->kv_head * a->vc_sh;
+    const int64_t value_bytes = dim * a->bits / 8, group_lines = (int64_t)dim * row_bytes / 64;
+    for (int u = 0; u < units; u++) {
+        f32x16 total[MAX_TILE][2];
+        for (int r = 0; r < tile; r++) total[r][0] = total[r][1] = splat(0.0f);
+        for (int d0 = 0; d0 < dim; d0 += CHAIN) {
+            f32x16 part[MAX_TILE][2];
+            for (int r = 0; r < tile; r++) part[r][0] = part[r][1] = splat(0.0f);
+            for (int d = d0; d < d0 + CHAIN && d < dim; d++) {
+                if (u == 0 && first == 0) { /* a line of each, a channel */
+                    if (d < group)
+                        prefetch_row(values + (g * group + d) * a->vc_st, value_bytes);
+                    if (next && d < group_lines) __builtin_prefetch(next + 64 * d, 0, 1);
+                }
+                f32x16 c[2];
+                decode(kind, codes + (int64_t)d * row_bytes + u * ub, c);
+                for (int r = 0; r < tile; r++) {
+                    f32x16 q = splat(it->qs[r][d]);
+                    for (int v = 0; v < uv; v++) part[r][v] += q * c[v];
+                }
+            }
+            for (int r = 0; r < tile; r++)
+                for (int v = 0; v < uv; v++) total[r][v] += part[r][v];
+        }
+        for (int r = 0; r < tile; r++) {
+            f32x16 ordered[2];
+            natural(kind, total[r], ordered);
+            for (int v = 0; v < uv; v++)
+                store_f32(it->s[r] + (u * uv + v) * 16, ordered[v] + bias_of_centre[r]);
+        }
+    }
+}
+
+/* acc = acc x alpha + p . values of compressed group g: values are stored per token,
+   scaled per value group of channels: sum over tokens of (p x scale) x centred code,
+   plus p . centre */
+static inline __attribute__((always_inline)) void quant_values(Item *it, int64_t first,
+                                                               int tile, int64_t g, int kind) {
+    const Args *a = it->a;
+    const int dim = it->dim, group = a->group, groups = dim / a->vgroup;
+    const int row_bytes = dim * a->bits / 8, ub = unit_bytes(kind), uv = unit_vectors(kind);
+    const int units = row_bytes / ub, unit_values = 16 * uv;
+    const float half = (float)(1 << (a->bits - 1));
+    const float zero_shift = half - (float)(((1 << a->bits) - 1) / 2);
+    const int64_t token0 = g * group;
+    const int64_t at = it->row * a->vs_sb + it->kv_head * a->vs_sh;
+    if (first == 0) {
+        for (int t = 0; t < group; t++) {
+            const uint16_t *scale = a->vs + at + (token0 + t) * a->vs_st;
+            const uint16_t *minimum = a->vm ? a->vm + at + (token0 + t) * a->vs_st : 0;
+            for (int j = 0; j < groups; j++) {
+                float sc = load_half(scale + j);
+                it->value_scale[j][t] = sc;
+                it->centre[j][t] = minimum ? load_half(minimum + j) + sc * half : sc * zero_shift;
+            }
+        }
+    }
+    float centre_sum[MAX_TILE][MAX_DIM / 16];
+    for (int r = 0; r < tile; r++) {
+        for (int j = 0; j < groups; j++) {
+            f32x16 dot = splat(0.0f);
+            for (int t = 0; t < group; t += 16) {
+                f32x16 p = load_f32(it->s[r] + t);
+                store_f32(it->coef[r][j] + t, p * load_f32(it->value_scale[j] + t));
+                dot += p * load_f32(it->centre[j] + t);
+            }
+            centre_sum[r][j] = hsum(dot);
+        }
+    }
+    const uint8_t *codes = a->vc + it->row * a->vc_sb + it->kv_head * a->vc_sh;
+    for (int u = 0; u < units; u++) {
+        const int j = u * unit_values / a->vgroup;
+        f32x16 sum[MAX_TILE][2];
+        for (int r = 0; r < tile; r++) sum[r][0] = sum[r][1] = splat(0.0f);
+        for (int t = 0; t < group; t++) {
+            f32x16 c[2];
+            decode(kind, codes + (token0 + t) * a->vc_st + u * ub, c);
+            for (int r = 0; r < tile; r++) {
+                f32x16 p = splat(it->coef[r][j][t]);
+                for (int v = 0; v < uv; v++) sum[r][v] += p * c[v];
+            }
+        }
+        for (int r = 0; r < tile; r++) {
+            f32x16 ordered[2];
+            natural(kind, sum[r], ordered);
+            float *acc = it->acc + (first + r) * dim + u * unit_values;
+            for (int v = 0; v < uv; v++)
+                store_f32(acc + 16 * v, load_f32(acc + 16 * v) * it->alpha[r] + ordered[v] +
+                                            centre_sum[r][j]);
+        }
+    }
+}
+
+/* the largest power-of-two head tile of at most `limit` and `left` heads */
+static inline int tile_of(int left, int limit) {
+    int tile = 1;
+    while (tile * 2 <= left && tile * 2 <= limit) tile *= 2;
+    return tile;
+}
+
+static inline __attribute__((always_inline)) void quant_tile(Item *it, int64_t first, int tile,
+                                                             int64_t g, int kkind, int vkind) {
+    quant_scores(it, first, tile, g, kkind);
+    softmax_block(it, first, tile, g * it->a->group, it->a->group);
+    quant_values(it, first, tile, g, vkind);
+}
+
+static inline __attribute__((always_inline)) void quant_group(Item *it, int64_t g, int kkind,
+                                                              int vkind) {
+    for (int64_t first = 0; first < it->rep;) {
+        int tile = tile_of(it->rep - first, MAX_TILE);
+        switch (tile) {
+        case 8: quant_tile(it, first, 8, g, kkind, vkind); break;
+        case 4: quant_tile(it, first, 4, g, kkind, vkind); break;
+        case 2: quant_tile(it, first, 2, g, kkind, vkind); break;
+        default: quant_tile(it, first, 1, g, kkind, vkind);
+        }
+        first += tile;
+    }
+}
+
+static inline __attribute__((always_inline)) void dense_tiles(Item *it, int64_t t, int n,
+                                                              int dtype) {
+    for (int64_t first = 0; first < it->rep;) {
+        int tile = tile_of(it->rep - first, MAX_TILE);
+        switch (tile) {
+        case 8: dense_block(it, first, 8, t, n, dtype); break;
+        case 4: dense_block(it, first, 4, t, n, dtype); break;
+        case 2: dense_block(it, first, 2, t, n, dtype); break;
+        default: dense_block(it, first, 1, t, n, dtype);
+        }
+        first += tile;
+    }
+}
+
+static void dense_range(Item *it, int64_t token0, int64_t token1) {
+    const int dtype = (int)it->a->dtype;
+    for (int64_t t = token0; t < token1; t += DENSE_BLOCK) {
+        int n = token1 - t < DENSE_BLOCK ? (int)(token1 - t) : DENSE_BLOCK;
+        if (dtype == F16)
+            dense_tiles(it, t, n, F16);
+        else if (dtype == BF16)
+            dense_tiles(it, t, n, BF16);
+        else
+            dense_tiles(it, t, n, F32);
+    }
+}
+
+static int key_kind(const Args *a) {
+    if (a->bits == 8) return INT8;
+    return a->group >= 32 ? INT4_PAIR : INT4_HALF;
+}
+
+static int value_kind(const Args *a) {
+    if (a->bits == 8) return INT8;
+    return a->vgroup >= 32 && a->dim % 32 == 0 ? INT4_PAIR : INT4_HALF;
+}
+
+static void quant_range(Item *it, int64_t g0, int64_t g1) {
+    const int kk = key_kind(it->a), vk = value_kind(it->a);
+    for (int64_t g = g0; g < g1; g++) {
+        if (kk == INT8)
+            quant_group(it, g, INT8, INT8);
+        else if (kk == INT4_PAIR && vk == INT4_PAIR)
+            quant_group(it, g, INT4_PAIR, INT4_PAIR);
+        else if (kk == INT4_PAIR)
+            quant_group(it, g, INT4_PAIR, INT4_HALF);
+        else
+            quant_group(it, g, INT4_HALF, INT4_HALF);
+    }
+}
+
+static void run_item(const Args *a, int64_t item) {
+    const int64_t pair = item / a->splits, split = item % a->splits;
+    const int64_t rep = a->heads / a->kv_heads, dim = a->dim;
+    Item it;
+    it.a = a;
+    it.row = pair / a->kv_heads;
+    it.kv_head = pair % a->kv_heads;
+    it.rep = rep;
+    it.dim = dim;
+    it.q = a->q + (it.row * a->heads + it.kv_head * rep) * dim;
+    float m[64], l[64], *acc;
+    float *out = a->partial ? a->partial + item * rep * (dim + 2) : 0;
+    acc = out ? out + 2 * rep : a->out + (it.row * a->heads + it.kv_head * rep) * dim;
+    it.m = out ? out : m;
+    it.l = out ? out + rep : l;
+    it.acc = acc;
+    for (int64_t r = 0; r < rep; r++) it.m[r] = -INFINITY, it.l[r] = 0.0f;
+    memset(acc, 0, rep * dim * sizeof(float));
+    /* splits divide the compressed groups (the full-precision tail joins the last) or
+       the dense cache's blocks */
+    if (a->bits) {
+        int64_t g0 = a->full_groups * split / a->splits;
+        int64_t g1 = a->full_groups * (split + 1) / a->splits;
+        quant_range(&it, g0, g1);
+        if (split == a->splits - 1) dense_range(&it, a->dense_from, a->end);
+    } else {
+        int64_t blocks = (a->end + DENSE_BLOCK - 1) / DENSE_BLOCK;
+        int64_t t0 = blocks * split / a->splits * DENSE_BLOCK;
+        int64_t t1 = blocks * (split + 1) / a->splits * DENSE_BLOCK;
+        dense_range(&it, t0, t1 < a->end ? t1 : a->end);
+    }
+    if (!out) {
+        for (int64_t r = 0; r < rep; r++) {
+            float scale = it.l[r] > 0 ? 1.0f / it.l[r] : 0.0f;
+            for (int64_t d = 0; d < dim; d++) acc[r * dim + d] *= scale;
+        }
+    }
+}
+
+/* out[b, h] from the splits' partial maxima, sums and accumulators */
+static void merge(const Args *a, int64_t pair_head) {
+    const int64_t rep = a->heads / a->kv_heads, dim = a->dim;
+    const int64_t pair = pair_head / rep, r = pair_head % rep;
+    const int64_t stride = rep * (dim + 2);
+    const float *first = a->partial + pair * a->splits * stride;
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t s = 0; s < a->splits; s++) {
+        float m = first[s * stride + r];
+        top = m > top ? m : top;
+    }
+    float *out = a->out + (pair * rep + r) * dim;
+    memset(out, 0, dim * sizeof(float));
+    if (top == -INFINITY) return;
+    for (int64_t s = 0; s < a->splits; s++) {
+        const float *part = first + s * stride;
+        float weight = expf(part[r] - top);
+        total += weight * part[rep + r];
+        for (int64_t d = 0; d < dim; d++) out[d] += weight * part[2 * rep + r * dim + d];
+    }
+    for (int64_t d = 0; d < dim; d++) out[d] /= total;
+}
+
+int attend(const Args *a) {
+    if (a->dim % 16 || a->dim > MAX_DIM || a->heads % a->kv_heads || a->heads / a->kv_heads > 64)
+        return 1;
+    const int64_t items = a->batch * a->kv_heads * a->splits;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(a->threads)
+    for (int64_t item = 0; item < items; item++) run_item(a, item);
+    if (a->splits > 1) {
+        const int64_t heads = a->batch * a->heads;
+#pragma omp parallel for schedule(static) num_threads(a->threads)
+        for (int64_t h = 0; h < heads; h++) merge(a, h);
+    }
+    return 0;
+}
+
+/* reads nbytes (a multiple of 64) with all threads; returns a sum so it is not elided */
+double read_bytes(const float *p, int64_t nbytes, int64_t threads) {
+    const int64_t vectors = nbytes / 64;
+    double total = 0.0;
+#pragma omp parallel for schedule(static) reduction(+ : total) num_threads(threads)
+    for (int64_t chunk = 0; chunk < vectors; chunk += 1024) {
+        int64_t last = chunk + 1024 < vectors ? chunk + 1024 : vectors;
+        f32x16 s0 = splat(0.0f), s1 = s0, s2 = s0, s3 = s0;
+        int64_t i = chunk;
+        for (; i + 4 <= last; i += 4) {
+            s0 += load_f32(p + 16 * i);
+            s1 += load_f32(p + 16 * i + 16);
+            s2 += load_f32(p + 16 * i + 32);
+            s3 += load_f32(p + 16 * i + 48);
+        }
+        for (; i < last; i++) s0 += load_f32(p + 16 * i);
+        total += hsum(s0 + s1 + s2 + s3);
+    }
+    return total;
+}
+
+/* 512 where the kernels run on AVX-512 (the fast build), 256 on AVX2, 0 elsewhere */
+int vector_bits(void) {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__)
+    return 256;
+#else
+    return 0;
+#endif
+}
+"""
