@@ -8,6 +8,11 @@ torch's own SDPA at the dtype, plus a floor of 1e-6 of the output's scale.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +24,7 @@ from offload.kernels.kv_cache import QuantKV
 from offload.models.decoder import attend
 
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parent.parent
 dense_runs = pytest.mark.skipif(
     not cpu_attention.available(compressed=False),
     reason="the C kernel does not run here for a full-precision cache (no compiler or AVX-512)",
@@ -197,3 +203,39 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "false")  # a "compiler" that fails
     with pytest.warns(UserWarning, match="could not build"):
         assert native.load_library("broken", "int f(void) { return 1; }") is None
+
+
+def _cpu_flags() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def test_the_build_has_the_vector_width_asked_for():
+    """512-bit vectors where AVX-512 is, 256 for an AVX2 build (OFFLOAD_NATIVE_ARCH)."""
+    lib = cpu_attention._library() if native.enabled() else None
+    if lib is None:
+        pytest.skip("no C compiler with OpenMP here")
+    if os.environ.get("OFFLOAD_NATIVE_ARCH") == "haswell":
+        assert lib.vector_bits() == 256
+    elif " avx512f" in _cpu_flags():
+        assert lib.vector_bits() == 512
+
+
+@pytest.mark.skipif(
+    " avx512f" not in _cpu_flags() or os.environ.get("OFFLOAD_NATIVE_ARCH") is not None,
+    reason="runs the AVX2 build where CI's AVX-512 one runs",
+)
+def test_the_avx2_build_matches_too():
+    """The kernel's 8-float build (AVX2 machines), these tests again in a subprocess."""
+    env = {**os.environ, "OFFLOAD_NATIVE_ARCH": "haswell", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]

@@ -17,8 +17,8 @@ depends on its context length only, never on the batch or the thread count.
 
 SOURCE = r"""/* Decode attention on the CPU: one query token a sequence over its cached keys and
    values, each byte read once, all threads (offload/kernels/cpu_attention.py). Vectors
-   are 16 floats: one register with AVX-512; without it gcc keeps them in memory (the
-   AVX2 build ran 2.7x (fp16) to 5x (int4) slower than the AVX-512 one, same core). */
+   are one register: VL = 16 floats with AVX-512, else 8 (AVX2; wider generic vectors
+   gcc keeps in memory: 16 floats on AVX2 ran 2.7x (fp16) to 5x (int4) slower). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -26,29 +26,27 @@ SOURCE = r"""/* Decode attention on the CPU: one query token a sequence over its
 #include <immintrin.h>
 #endif
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+/* registers of sums a loop keeps (of 32 with AVX-512, 16 with AVX2) */
+#define SUM_REGISTERS (VL == 16 ? 16 : 8)
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x8 __attribute__((vector_size(8)));
 typedef uint64_t u64x2 __attribute__((vector_size(16)));
 
-typedef float f32x8 __attribute__((vector_size(32)));
-
-/* a shuffle of two vectors by constant lane indices (gcc 11 has only __builtin_shuffle);
-   JOIN: two 8-lane vectors as one of 16 lanes */
+/* a shuffle of two vectors by constant lane indices (gcc 11 has only __builtin_shuffle) */
 #if defined(__clang__) || __GNUC__ >= 12
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#define JOIN(low, high) \
-    __builtin_shufflevector((f32x8)(low), (f32x8)(high), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 #else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i32x16){__VA_ARGS__})
-static inline f32x16 JOIN(f32x8 low, f32x8 high) {
-    f32x16 v;
-    memcpy(&v, &low, 32);
-    memcpy((char *)&v + 32, &high, 32);
-    return v;
-}
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
 #endif
 
 #define MAX_TILE 8     /* query heads of one KV head a pass over a block */
@@ -82,17 +80,21 @@ typedef struct {
 
 /* ---- loads and conversions ------------------------------------------------------ */
 
-static inline f32x16 splat(float x) {
-    return (f32x16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+static inline vf splat(float x) {
+#if VL == 16
+    return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#else
+    return (vf){x, x, x, x, x, x, x, x};
+#endif
 }
 
-static inline f32x16 load_f32(const float *p) {
-    f32x16 v;
+static inline vf load_f32(const float *p) {
+    vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline void store_f32(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
+static inline void store_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
 static inline float half_bits_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f;
@@ -119,69 +121,68 @@ static inline float load_half(const uint16_t *p) {
 #endif
 }
 
-static inline f32x16 load_f16(const uint16_t *p) {
-#if defined(__AVX512F__)
-    return (f32x16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+static inline vf load_f16(const uint16_t *p) {
+#if VL == 16
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 #elif defined(__F16C__)
-    return JOIN(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
-                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8))));
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 #else
-    f32x16 v;
-    for (int i = 0; i < 16; i++) v[i] = half_bits_to_float(p[i]);
+    vf v;
+    for (int i = 0; i < VL; i++) v[i] = half_bits_to_float(p[i]);
     return v;
 #endif
 }
 
-static inline f32x16 load_bf16(const uint16_t *p) {
-    u16x16 h;
+static inline vf load_bf16(const uint16_t *p) {
+    vh h;
     memcpy(&h, p, sizeof h);
-    return (f32x16)(__builtin_convertvector(h, u32x16) << 16);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
 }
 
-static inline __attribute__((always_inline)) f32x16 load_row(const void *base, int64_t at,
+static inline __attribute__((always_inline)) vf load_row(const void *base, int64_t at,
                                                              int dtype) {
     if (dtype == F32) return load_f32((const float *)base + at);
     if (dtype == F16) return load_f16((const uint16_t *)base + at);
     return load_bf16((const uint16_t *)base + at);
 }
 
-static inline float hsum(f32x16 v) {
-#if defined(__AVX512F__)
+static inline float hsum(vf v) {
+#if VL == 16
     return _mm512_reduce_add_ps((__m512)v);
 #else
     float s = 0;
-    for (int i = 0; i < 16; i++) s += v[i];
+    for (int i = 0; i < VL; i++) s += v[i];
     return s;
 #endif
 }
 
-static inline f32x16 vmax(f32x16 a, f32x16 b) {
-    i32x16 less = a < b;
-    return (f32x16)(((i32x16)a & ~less) | ((i32x16)b & less));
+static inline vf vmax(vf a, vf b) {
+    vi less = a < b;
+    return (vf)(((vi)a & ~less) | ((vi)b & less));
 }
 
-static inline float hmax(f32x16 v) {
-#if defined(__AVX512F__)
+static inline float hmax(vf v) {
+#if VL == 16
     return _mm512_reduce_max_ps((__m512)v);
 #else
     float top = v[0];
-    for (int i = 1; i < 16; i++) top = v[i] > top ? v[i] : top;
+    for (int i = 1; i < VL; i++) top = v[i] > top ? v[i] : top;
     return top;
 #endif
 }
 
 /* exp(x) for x <= 0 (0 below -87): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor
    series to r^7 (relative error below 6e-9, a tenth of float32's epsilon) */
-static inline f32x16 vexp(f32x16 x) {
+static inline vf vexp(vf x) {
     const float shifter = 12582912.0f; /* 1.5 x 2^23: adding it rounds to an integer */
-    i32x16 under = x < splat(-87.0f);
-    x = (f32x16)((i32x16)x & ~under);
-    f32x16 shifted = x * 1.44269504088896341f + shifter;
-    f32x16 n = shifted - shifter;
-    i32x16 power = ((i32x16)shifted - 0x4b400000 + 127) << 23;
-    f32x16 r = x - n * 0.693145751953125f; /* ln2's high bits: n x them is exact */
+    vi under = x < splat(-87.0f);
+    x = (vf)((vi)x & ~under);
+    vf shifted = x * 1.44269504088896341f + shifter;
+    vf n = shifted - shifter;
+    vi power = ((vi)shifted - 0x4b400000 + 127) << 23;
+    vf r = x - n * 0.693145751953125f; /* ln2's high bits: n x them is exact */
     r = r - n * 1.428606820309417e-6f;
-    f32x16 p = splat(1.0f / 5040);
+    vf p = splat(1.0f / 5040);
     p = p * r + 1.0f / 720;
     p = p * r + 1.0f / 120;
     p = p * r + 1.0f / 24;
@@ -189,65 +190,103 @@ static inline f32x16 vexp(f32x16 x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    return (f32x16)((i32x16)(p * (f32x16)power) & ~under);
+    return (vf)((vi)(p * (vf)power) & ~under);
 }
 
 /* ---- compressed codes ---------------------------------------------------------- */
-/* A unit of codes decodes to one or two vectors of centred codes (code - 2^(bits-1)):
-   INT8: 16 bytes, 16 values in order. INT4_PAIR: 16 bytes, 32 values: the even ones
-   (low nibbles) in the first vector, the odd ones in the second. INT4_HALF: 8 bytes,
-   16 values: the even ones in lanes 0-7, the odd ones in lanes 8-15. */
+/* A unit of codes decodes to vectors of centred codes (code - 2^(bits-1)): INT8, 16
+   bytes: 16 values in order. INT4_PAIR, 16 bytes: 32 values, low nibbles (the even
+   values) and high nibbles (the odd ones) of each VL bytes in turn. INT4_HALF, 8
+   bytes: 16 values, the even ones then the odd ones (one vector with AVX-512). */
 enum { INT8 = 0, INT4_PAIR = 1, INT4_HALF = 2 };
 
 static inline int unit_bytes(int kind) { return kind == INT4_HALF ? 8 : 16; }
-static inline int unit_vectors(int kind) { return kind == INT4_PAIR ? 2 : 1; }
+static inline int unit_values(int kind) { return kind == INT4_PAIR ? 32 : 16; }
+static inline int unit_vectors(int kind) { return unit_values(kind) / VL; }
 
-/* 16 signed bytes, each shifted right by `shift` (arithmetic), as floats */
-static inline __attribute__((always_inline)) f32x16 bytes_to_float(i8x16 x, int shift) {
-#if defined(__AVX512F__)
+/* VL signed bytes of x (from byte `from`), each shifted right by `shift`
+   (arithmetic), as floats */
+static inline __attribute__((always_inline)) vf bytes_to_float(i8x16 x, int from, int shift) {
+#if VL == 16
     __m512i wide = _mm512_cvtepi8_epi32((__m128i)x);
     if (shift) wide = _mm512_srai_epi32(wide, shift);
-    return (f32x16)_mm512_cvtepi32_ps(wide);
+    return (vf)_mm512_cvtepi32_ps(wide);
 #elif defined(__AVX2__)
-    __m256i low = _mm256_cvtepi8_epi32((__m128i)x);
-    __m256i high = _mm256_cvtepi8_epi32(_mm_srli_si128((__m128i)x, 8));
-    if (shift) low = _mm256_srai_epi32(low, shift), high = _mm256_srai_epi32(high, shift);
-    return JOIN(_mm256_cvtepi32_ps(low), _mm256_cvtepi32_ps(high));
+    __m128i part = from ? _mm_unpackhi_epi64((__m128i)x, (__m128i)x) : (__m128i)x;
+    __m256i wide = _mm256_cvtepi8_epi32(part);
+    if (shift) wide = _mm256_srai_epi32(wide, shift);
+    return (vf)_mm256_cvtepi32_ps(wide);
 #else
-    return __builtin_convertvector(__builtin_convertvector(x, i32x16) >> shift, f32x16);
+    i8x8 part;
+    memcpy(&part, (const char *)&x + from, 8);
+    return __builtin_convertvector(__builtin_convertvector(part, vi) >> shift, vf);
 #endif
 }
 
-static inline __attribute__((always_inline)) void decode(int kind, const uint8_t *p,
-                                                         f32x16 *out) {
-    if (kind == INT8) {
-        i8x16 x;
-        memcpy(&x, p, 16);
-        out[0] = bytes_to_float(x ^ (int8_t)0x80, 0); /* code - 128, as int8 */
-    } else if (kind == INT4_PAIR) {
-        i8x16 x;
-        memcpy(&x, p, 16);
-        x ^= (int8_t)0x88;
-        out[0] = bytes_to_float((i8x16)((u64x2)x << 4), 4);
-        out[1] = bytes_to_float(x, 4);
-    } else {
+static inline __attribute__((always_inline)) void decode(int kind, const uint8_t *p, vf *out) {
+    i8x16 x;
+    if (kind == INT4_HALF) {
         uint64_t w;
         memcpy(&w, p, 8);
         w ^= 0x8888888888888888ull;
-        out[0] = bytes_to_float((i8x16)(u64x2){w << 4, w}, 4);
+        x = (i8x16)(u64x2){w << 4, w};
+    } else {
+        memcpy(&x, p, 16);
+        /* int8: code - 128 as int8. int4: flipping each nibble's top bit makes it its
+           centred value as signed 4 bits; a byte's arithmetic shift right by 4
+           sign-extends the high nibble, the same of the byte shifted left by 4 (in
+           64-bit lanes) the low nibble */
+        x ^= (int8_t)(kind == INT8 ? 0x80 : 0x88);
     }
+#if VL == 16
+    if (kind == INT8) {
+        out[0] = bytes_to_float(x, 0, 0);
+    } else if (kind == INT4_PAIR) {
+        out[0] = bytes_to_float((i8x16)((u64x2)x << 4), 0, 4);
+        out[1] = bytes_to_float(x, 0, 4);
+    } else {
+        out[0] = bytes_to_float(x, 0, 4);
+    }
+#else
+    if (kind == INT8) {
+        out[0] = bytes_to_float(x, 0, 0);
+        out[1] = bytes_to_float(x, 8, 0);
+    } else if (kind == INT4_PAIR) {
+        i8x16 low = (i8x16)((u64x2)x << 4);
+        out[0] = bytes_to_float(low, 0, 4);
+        out[1] = bytes_to_float(x, 0, 4);
+        out[2] = bytes_to_float(low, 8, 4);
+        out[3] = bytes_to_float(x, 8, 4);
+    } else {
+        out[0] = bytes_to_float(x, 0, 4);
+        out[1] = bytes_to_float(x, 8, 4);
+    }
+#endif
 }
 
 /* the unit's values in their natural order, from decode's order */
-static inline __attribute__((always_inline)) void natural(int kind, const f32x16 *in,
-                                                          f32x16 *out) {
+#if VL == 16
+#define INTERLEAVE_LOW(a, b) SHUFFLE(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23)
+#define INTERLEAVE_HIGH(a, b) SHUFFLE(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31)
+#else
+#define INTERLEAVE_LOW(a, b) SHUFFLE(a, b, 0, 8, 1, 9, 2, 10, 3, 11)
+#define INTERLEAVE_HIGH(a, b) SHUFFLE(a, b, 4, 12, 5, 13, 6, 14, 7, 15)
+#endif
+
+static inline __attribute__((always_inline)) void natural(int kind, const vf *in, vf *out) {
     if (kind == INT8) {
-        out[0] = in[0];
-    } else if (kind == INT4_PAIR) {
-        out[0] = SHUFFLE(in[0], in[1], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-        out[1] = SHUFFLE(in[0], in[1], 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    } else {
+        for (int v = 0; v < unit_vectors(INT8); v++) out[v] = in[v];
+        return;
+    }
+#if VL == 16
+    if (kind == INT4_HALF) {
         out[0] = SHUFFLE(in[0], in[0], 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+        return;
+    }
+#endif
+    for (int v = 0; v < unit_vectors(kind); v += 2) {
+        out[v] = INTERLEAVE_LOW(in[v], in[v + 1]);
+        out[v + 1] = INTERLEAVE_HIGH(in[v], in[v + 1]);
     }
 }
 
@@ -275,10 +314,10 @@ static void softmax_block(Item *it, int64_t first, int tile, int64_t token0, int
         int64_t head = it->kv_head * it->rep + first + r;
         const float *bias = a->bias + it->row * a->bias_sb + head * a->bias_sh + token0;
         float *s = it->s[r];
-        f32x16 top = splat(-INFINITY);
+        vf top = splat(-INFINITY);
         int t = 0;
-        for (; t + 16 <= n; t += 16) {
-            f32x16 x = load_f32(s + t) + load_f32(bias + t);
+        for (; t + VL <= n; t += VL) {
+            vf x = load_f32(s + t) + load_f32(bias + t);
             store_f32(s + t, x);
             top = vmax(top, x);
         }
@@ -297,9 +336,9 @@ static void softmax_block(Item *it, int64_t first, int tile, int64_t token0, int
         }
         it->alpha[r] = expf(old_max - new_max);
         it->m[first + r] = new_max;
-        f32x16 total = splat(0.0f);
-        for (int t = 0; t < n; t += 16) {
-            f32x16 p = vexp(load_f32(s + t) - new_max);
+        vf total = splat(0.0f);
+        for (int t = 0; t < n; t += VL) {
+            vf p = vexp(load_f32(s + t) - new_max);
             store_f32(s + t, p);
             total += p;
         }
@@ -311,9 +350,10 @@ static inline void prefetch_row(const void *p, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)p + at, 0, 1);
 }
 
-/* lane i: the sum of v[i]'s lanes, by a transpose and add (45 operations for 16 sums):
-   pairs of vectors interleaved within 128-bit lanes by 32 then 64 bits, then the
-   128-bit lanes of pairs */
+/* lane i: the sum of v[i]'s lanes (i < VL), by a transpose and add (45 operations for
+   16 sums): pairs of vectors interleaved within 128-bit lanes by 32 then 64 bits, then
+   the 128-bit lanes (then the 256-bit halves) of pairs */
+#if VL == 16
 #define LANES_32(a, b, o) SHUFFLE(a, b, 0 + o, 16 + o, 1 + o, 17 + o, 4 + o, 20 + o, 5 + o, \
                                   21 + o, 8 + o, 24 + o, 9 + o, 25 + o, 12 + o, 28 + o,   \
                                   13 + o, 29 + o)
@@ -323,32 +363,44 @@ static inline void prefetch_row(const void *p, int64_t bytes) {
 #define LANES_128(a, b, o) SHUFFLE(a, b, 0 + o, 1 + o, 2 + o, 3 + o, 8 + o, 9 + o, 10 + o, \
                                    11 + o, 16 + o, 17 + o, 18 + o, 19 + o, 24 + o, 25 + o, \
                                    26 + o, 27 + o)
+#define HALF_128 4
+#else
+#define LANES_32(a, b, o) SHUFFLE(a, b, 0 + o, 8 + o, 1 + o, 9 + o, 4 + o, 12 + o, 5 + o, 13 + o)
+#define LANES_64(a, b, o) SHUFFLE(a, b, 0 + o, 1 + o, 8 + o, 9 + o, 4 + o, 5 + o, 12 + o, 13 + o)
+#define LANES_128(a, b, o) SHUFFLE(a, b, 0 + o, 1 + o, 2 + o, 3 + o, 8 + o, 9 + o, 10 + o, 11 + o)
+#define HALF_128 4
+#endif
 
-static inline f32x16 sum16(const f32x16 *v) {
-    f32x16 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++)
+static inline vf sum_lanes(const vf *v) {
+    vf a[VL / 2], b[VL / 4], c[VL / 8 > 1 ? VL / 8 : 1];
+    for (int i = 0; i < VL / 2; i++)
         a[i] = LANES_32(v[2 * i], v[2 * i + 1], 0) + LANES_32(v[2 * i], v[2 * i + 1], 2);
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < VL / 4; i++)
         b[i] = LANES_64(a[2 * i], a[2 * i + 1], 0) + LANES_64(a[2 * i], a[2 * i + 1], 2);
+#if VL == 16
     for (int i = 0; i < 2; i++)
-        c[i] = LANES_128(b[2 * i], b[2 * i + 1], 0) + LANES_128(b[2 * i], b[2 * i + 1], 4);
-    return LANES_128(c[0], c[1], 0) + LANES_128(c[0], c[1], 4);
+        c[i] = LANES_128(b[2 * i], b[2 * i + 1], 0) + LANES_128(b[2 * i], b[2 * i + 1], HALF_128);
+    return LANES_128(c[0], c[1], 0) + LANES_128(c[0], c[1], HALF_128);
+#else
+    (void)c;
+    return LANES_128(b[0], b[1], 0) + LANES_128(b[0], b[1], HALF_128);
+#endif
 }
 
-/* scores of full-precision keys of tokens token0 .. token0 + n - 1, 16 tokens at a
-   time: a vector of partial dot products a token and head, then sum16; the values of
+/* scores of full-precision keys of tokens token0 .. token0 + n - 1, VL tokens at a
+   time: a vector of partial dot products a token and head, then sum_lanes; the values of
    the same tokens are prefetched meanwhile */
 static inline __attribute__((always_inline)) void dense_scores(Item *it, int64_t first,
                                                                int tile, int64_t token0,
                                                                int n, int dtype) {
     const Args *a = it->a;
-    const int vectors = it->dim / 16, size = dtype == F32 ? 4 : 2;
+    const int vectors = it->dim / VL, size = dtype == F32 ? 4 : 2;
     const int64_t base = it->row * a->k_sb + it->kv_head * a->k_sh;
     const int64_t value_base = it->row * a->v_sb + it->kv_head * a->v_sh;
     const float *q = it->q + first * it->dim;
-    for (int t16 = 0; t16 < n; t16 += 16) {
-        f32x16 dots[MAX_TILE][16];
-        for (int t = 0; t < 16; t++) {
+    for (int t16 = 0; t16 < n; t16 += VL) {
+        vf dots[MAX_TILE][VL];
+        for (int t = 0; t < VL; t++) {
             if (t16 + t >= n) {
                 for (int r = 0; r < tile; r++) dots[r][t] = splat(0.0f);
                 continue;
@@ -358,20 +410,20 @@ static inline __attribute__((always_inline)) void dense_scores(Item *it, int64_t
                 prefetch_row((const char *)a->v + (value_base + token * a->v_st) * size,
                              it->dim * size);
             int64_t at = base + token * a->k_st;
-            f32x16 even[MAX_TILE], odd[MAX_TILE];
+            vf even[MAX_TILE], odd[MAX_TILE];
             for (int r = 0; r < tile; r++) even[r] = odd[r] = splat(0.0f);
             for (int j = 0; j < vectors; j += 2) {
-                f32x16 key = load_row(a->k, at + 16 * j, dtype);
-                for (int r = 0; r < tile; r++) even[r] += load_f32(q + r * it->dim + 16 * j) * key;
+                vf key = load_row(a->k, at + VL * j, dtype);
+                for (int r = 0; r < tile; r++) even[r] += load_f32(q + r * it->dim + VL * j) * key;
                 if (j + 1 < vectors) {
-                    key = load_row(a->k, at + 16 * j + 16, dtype);
+                    key = load_row(a->k, at + VL * j + VL, dtype);
                     for (int r = 0; r < tile; r++)
-                        odd[r] += load_f32(q + r * it->dim + 16 * j + 16) * key;
+                        odd[r] += load_f32(q + r * it->dim + VL * j + VL) * key;
                 }
             }
             for (int r = 0; r < tile; r++) dots[r][t] = even[r] + odd[r];
         }
-        for (int r = 0; r < tile; r++) store_f32(it->s[r] + t16, sum16(dots[r]));
+        for (int r = 0; r < tile; r++) store_f32(it->s[r] + t16, sum_lanes(dots[r]));
     }
 }
 
@@ -381,12 +433,12 @@ static inline __attribute__((always_inline)) void dense_values(Item *it, int64_t
                                                                int tile, int64_t token0,
                                                                int n, int dtype) {
     const Args *a = it->a;
-    const int vectors = it->dim / 16, size = dtype == F32 ? 4 : 2;
-    const int columns = 16 / tile; /* vectors of channels a pass, its sums in registers */
+    const int vectors = it->dim / VL, size = dtype == F32 ? 4 : 2;
+    const int columns = SUM_REGISTERS / tile; /* vectors of channels a pass, in registers */
     const int64_t base = it->row * a->v_sb + it->kv_head * a->v_sh;
     const int64_t key_base = it->row * a->k_sb + it->kv_head * a->k_sh;
     for (int j = 0; j < vectors; j += columns) {
-        f32x16 sum[MAX_TILE][16];
+        vf sum[MAX_TILE][SUM_REGISTERS];
         for (int r = 0; r < tile; r++)
             for (int c = 0; c < columns; c++) sum[r][c] = splat(0.0f);
         for (int t = 0; t < n; t++) {
@@ -394,18 +446,18 @@ static inline __attribute__((always_inline)) void dense_values(Item *it, int64_t
             if (j == 0 && first == 0 && token0 + n + t < a->end)
                 prefetch_row((const char *)a->k + (key_base + (token + n) * a->k_st) * size,
                              it->dim * size);
-            int64_t at = base + token * a->v_st + 16 * j;
+            int64_t at = base + token * a->v_st + VL * j;
             for (int c = 0; c < columns; c++) {
                 if (j + c >= vectors) break;
-                f32x16 value = load_row(a->v, at + 16 * c, dtype);
+                vf value = load_row(a->v, at + VL * c, dtype);
                 for (int r = 0; r < tile; r++) sum[r][c] += it->s[r][t] * value;
             }
         }
         for (int r = 0; r < tile; r++) {
-            float *acc = it->acc + (first + r) * it->dim + 16 * j;
+            float *acc = it->acc + (first + r) * it->dim + VL * j;
             for (int c = 0; c < columns; c++) {
                 if (j + c >= vectors) break;
-                store_f32(acc + 16 * c, load_f32(acc + 16 * c) * it->alpha[r] + sum[r][c]);
+                store_f32(acc + VL * c, load_f32(acc + VL * c) * it->alpha[r] + sum[r][c]);
             }
         }
     }
@@ -440,11 +492,11 @@ static inline __attribute__((always_inline)) void quant_scores(Item *it, int64_t
     const float zero_shift = half - (float)(((1 << a->bits) - 1) / 2); /* symmetric */
     float bias_of_centre[MAX_TILE];
     for (int r = 0; r < tile; r++) {
-        f32x16 dot = splat(0.0f);
-        for (int d = 0; d < dim; d += 16) {
-            f32x16 sc = load_f16(scale + d);
-            f32x16 centre = minimum ? load_f16(minimum + d) + sc * half : sc * zero_shift;
-            f32x16 q = load_f32(it->q + (first + r) * dim + d);
+        vf dot = splat(0.0f);
+        for (int d = 0; d < dim; d += VL) {
+            vf sc = load_f16(scale + d);
+            vf centre = minimum ? load_f16(minimum + d) + sc * half : sc * zero_shift;
+            vf q = load_f32(it->q + (first + r) * dim + d);
             store_f32(it->qs[r] + d, q * sc);
             dot += q * centre;
         }
@@ -456,21 +508,23 @@ static inline __attribute__((always_inline)) void quant_scores(Item *it, int64_t
     const uint8_t *values = a->vc + it->row * a->vc_sb + it->kv_head * a->vc_sh;
     const int64_t value_bytes = dim * a->bits / 8, group_lines = (int64_t)dim * row_bytes / 64;
     for (int u = 0; u < units; u++) {
-        f32x16 total[MAX_TILE][2];
-        for (int r = 0; r < tile; r++) total[r][0] = total[r][1] = splat(0.0f);
+        vf total[MAX_TILE][4];
+        for (int r = 0; r < tile; r++)
+            for (int v = 0; v < uv; v++) total[r][v] = splat(0.0f);
         for (int d0 = 0; d0 < dim; d0 += CHAIN) {
-            f32x16 part[MAX_TILE][2];
-            for (int r = 0; r < tile; r++) part[r][0] = part[r][1] = splat(0.0f);
+            vf part[MAX_TILE][4];
+            for (int r = 0; r < tile; r++)
+                for (int v = 0; v < uv; v++) part[r][v] = splat(0.0f);
             for (int d = d0; d < d0 + CHAIN && d < dim; d++) {
                 if (u == 0 && first == 0) { /* a line of each, a channel */
                     if (d < group)
                         prefetch_row(values + (g * group + d) * a->vc_st, value_bytes);
                     if (next && d < group_lines) __builtin_prefetch(next + 64 * d, 0, 1);
                 }
-                f32x16 c[2];
+                vf c[4];
                 decode(kind, codes + (int64_t)d * row_bytes + u * ub, c);
                 for (int r = 0; r < tile; r++) {
-                    f32x16 q = splat(it->qs[r][d]);
+                    vf q = splat(it->qs[r][d]);
                     for (int v = 0; v < uv; v++) part[r][v] += q * c[v];
                 }
             }
@@ -478,10 +532,10 @@ static inline __attribute__((always_inline)) void quant_scores(Item *it, int64_t
                 for (int v = 0; v < uv; v++) total[r][v] += part[r][v];
         }
         for (int r = 0; r < tile; r++) {
-            f32x16 ordered[2];
+            vf ordered[4];
             natural(kind, total[r], ordered);
             for (int v = 0; v < uv; v++)
-                store_f32(it->s[r] + (u * uv + v) * 16, ordered[v] + bias_of_centre[r]);
+                store_f32(it->s[r] + (u * uv + v) * VL, ordered[v] + bias_of_centre[r]);
         }
     }
 }
@@ -494,7 +548,7 @@ static inline __attribute__((always_inline)) void quant_values(Item *it, int64_t
     const Args *a = it->a;
     const int dim = it->dim, group = a->group, groups = dim / a->vgroup;
     const int row_bytes = dim * a->bits / 8, ub = unit_bytes(kind), uv = unit_vectors(kind);
-    const int units = row_bytes / ub, unit_values = 16 * uv;
+    const int units = row_bytes / ub, values = VL * uv;
     const float half = (float)(1 << (a->bits - 1));
     const float zero_shift = half - (float)(((1 << a->bits) - 1) / 2);
     const int64_t token0 = g * group;
@@ -513,9 +567,9 @@ static inline __attribute__((always_inline)) void quant_values(Item *it, int64_t
     float centre_sum[MAX_TILE][MAX_DIM / 16];
     for (int r = 0; r < tile; r++) {
         for (int j = 0; j < groups; j++) {
-            f32x16 dot = splat(0.0f);
-            for (int t = 0; t < group; t += 16) {
-                f32x16 p = load_f32(it->s[r] + t);
+            vf dot = splat(0.0f);
+            for (int t = 0; t < group; t += VL) {
+                vf p = load_f32(it->s[r] + t);
                 store_f32(it->coef[r][j] + t, p * load_f32(it->value_scale[j] + t));
                 dot += p * load_f32(it->centre[j] + t);
             }
@@ -524,23 +578,24 @@ static inline __attribute__((always_inline)) void quant_values(Item *it, int64_t
     }
     const uint8_t *codes = a->vc + it->row * a->vc_sb + it->kv_head * a->vc_sh;
     for (int u = 0; u < units; u++) {
-        const int j = u * unit_values / a->vgroup;
-        f32x16 sum[MAX_TILE][2];
-        for (int r = 0; r < tile; r++) sum[r][0] = sum[r][1] = splat(0.0f);
+        const int j = u * values / a->vgroup;
+        vf sum[MAX_TILE][4];
+        for (int r = 0; r < tile; r++)
+            for (int v = 0; v < uv; v++) sum[r][v] = splat(0.0f);
         for (int t = 0; t < group; t++) {
-            f32x16 c[2];
+            vf c[4];
             decode(kind, codes + (token0 + t) * a->vc_st + u * ub, c);
             for (int r = 0; r < tile; r++) {
-                f32x16 p = splat(it->coef[r][j][t]);
+                vf p = splat(it->coef[r][j][t]);
                 for (int v = 0; v < uv; v++) sum[r][v] += p * c[v];
             }
         }
         for (int r = 0; r < tile; r++) {
-            f32x16 ordered[2];
+            vf ordered[4];
             natural(kind, sum[r], ordered);
-            float *acc = it->acc + (first + r) * dim + u * unit_values;
+            float *acc = it->acc + (first + r) * dim + u * values;
             for (int v = 0; v < uv; v++)
-                store_f32(acc + 16 * v, load_f32(acc + 16 * v) * it->alpha[r] + ordered[v] +
+                store_f32(acc + VL * v, load_f32(acc + VL * v) * it->alpha[r] + ordered[v] +
                                             centre_sum[r][j]);
         }
     }
@@ -562,8 +617,10 @@ static inline __attribute__((always_inline)) void quant_tile(Item *it, int64_t f
 
 static inline __attribute__((always_inline)) void quant_group(Item *it, int64_t g, int kkind,
                                                               int vkind) {
+    const int widest = unit_vectors(kkind) > unit_vectors(vkind) ? unit_vectors(kkind)
+                                                                  : unit_vectors(vkind);
     for (int64_t first = 0; first < it->rep;) {
-        int tile = tile_of(it->rep - first, MAX_TILE);
+        int tile = tile_of(it->rep - first, SUM_REGISTERS / widest);
         switch (tile) {
         case 8: quant_tile(it, first, 8, g, kkind, vkind); break;
         case 4: quant_tile(it, first, 4, g, kkind, vkind); break;
@@ -703,21 +760,17 @@ int attend(const Args *a) {
 
 /* reads nbytes (a multiple of 64) with all threads; returns a sum so it is not elided */
 double read_bytes(const float *p, int64_t nbytes, int64_t threads) {
-    const int64_t vectors = nbytes / 64;
+    const int64_t lines = nbytes / 64;
     double total = 0.0;
 #pragma omp parallel for schedule(static) reduction(+ : total) num_threads(threads)
-    for (int64_t chunk = 0; chunk < vectors; chunk += 1024) {
-        int64_t last = chunk + 1024 < vectors ? chunk + 1024 : vectors;
-        f32x16 s0 = splat(0.0f), s1 = s0, s2 = s0, s3 = s0;
-        int64_t i = chunk;
-        for (; i + 4 <= last; i += 4) {
-            s0 += load_f32(p + 16 * i);
-            s1 += load_f32(p + 16 * i + 16);
-            s2 += load_f32(p + 16 * i + 32);
-            s3 += load_f32(p + 16 * i + 48);
+    for (int64_t chunk = 0; chunk < lines; chunk += 1024) {
+        int64_t last = chunk + 1024 < lines ? chunk + 1024 : lines;
+        vf sum = splat(0.0f), other = sum;
+        for (int64_t line = chunk; line < last; line++) {
+            sum += load_f32(p + 16 * line);
+            if (VL == 8) other += load_f32(p + 16 * line + 8);
         }
-        for (; i < last; i++) s0 += load_f32(p + 16 * i);
-        total += hsum(s0 + s1 + s2 + s3);
+        total += hsum(sum + other);
     }
     return total;
 }

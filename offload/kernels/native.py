@@ -7,7 +7,8 @@ shared library under the cache directory (`$OFFLOAD_CACHE`, else
 `$XDG_CACHE_HOME/offload`, else `~/.cache/offload`) keyed by the source, the compiler,
 its flags and the CPU, and loads it. Without a compiler, or if the build fails (a
 warning says why), it returns None and the caller runs its plain-torch path instead;
-`OFFLOAD_NATIVE=0` asks for that path everywhere.
+`OFFLOAD_NATIVE=0` asks for that path everywhere. `OFFLOAD_NATIVE_ARCH` names another
+-march than this CPU's (the tests build an AVX2 library on an AVX-512 machine).
 
 The library links the OpenMP runtime by its usual name (libgomp.so.1), the one torch
 itself loads, so its threads are torch's: no second pool competes for the cores. A
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import xxhash
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 
 def enabled() -> bool:
@@ -73,21 +74,22 @@ def load_library(name: str, source: str) -> ctypes.CDLL | None:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    key = xxhash.xxh3_64(f"{source}\0{version}\0{FLAGS}\0{_cpu()}".encode()).hexdigest()
+    flags = (*FLAGS, f"-march={os.environ.get('OFFLOAD_NATIVE_ARCH', 'native')}")
+    key = xxhash.xxh3_64(f"{source}\0{version}\0{flags}\0{_cpu()}".encode()).hexdigest()
     path = _cache_dir() / f"{name}-{key}.so"
-    if not path.exists() and not _build(compiler, source, path):
+    if not path.exists() and not _build(compiler, flags, source, path):
         return None
     return ctypes.CDLL(str(path))
 
 
-def _build(compiler: str, source: str, path: Path) -> bool:
+def _build(compiler: str, flags: tuple[str, ...], source: str, path: Path) -> bool:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         c_file, built = Path(scratch) / "kernel.c", Path(scratch) / path.name
         c_file.write_text(source)
         try:
             done = subprocess.run(
-                [compiler, *FLAGS, "-o", str(built), str(c_file)],
+                [compiler, *flags, "-o", str(built), str(c_file)],
                 capture_output=True,
                 text=True,
                 timeout=300,
