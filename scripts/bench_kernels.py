@@ -109,16 +109,16 @@ ATTENTION_SHAPES = [
 # warps, stages, tile_groups, fused_merge); split_groups None: the launcher's choice from
 # the SM count. The first is the default; a split_groups past a shape's groups is skipped.
 ATTENTION_SWEEP = [
-    (None, 2, 3, 1, False),
-    (None, 2, 3, 1, True),
-    (None, 4, 3, 1, False),
     (None, 2, 2, 1, False),
+    (None, 2, 2, 1, True),
+    (None, 4, 2, 1, False),
+    (None, 2, 3, 1, False),
     (None, 2, 4, 1, False),
-    (2, 2, 3, 1, False),
-    (4, 2, 3, 1, False),
-    (8, 2, 3, 1, False),
-    (16, 2, 3, 1, False),
-    (32, 2, 3, 1, False),
+    (2, 2, 2, 1, False),
+    (4, 2, 2, 1, False),
+    (8, 2, 2, 1, False),
+    (16, 2, 2, 1, False),
+    (32, 2, 2, 1, False),
 ]
 
 

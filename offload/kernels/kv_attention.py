@@ -46,9 +46,13 @@ def decode_attention_reference(
 # whole token groups of one (sequence, KV head), or that row's tail, so even a small
 # batch fills the GPU; the second kernel (fused_merge: the row's last program) merges
 # the splits' softmax partials. Splits are sized for about SPLIT_WAVES programs an SM
-# (`_split_groups`): a guess, for the sweep (`bench_kernels --kernels attention-sweep`)
-# to settle.
+# (`_split_groups`). H100 sweep (`bench_kernels --kernels attention-sweep`, run 232230,
+# OPT-30B, Llama-2-70B/13B, BLOOM shapes): fixed split sizes of 4-32 groups came within
+# 3-8% of this either way, the fused merge within 1%; 4 warps lost 40%.
 SPLIT_WAVES = 8
+# stages of the loads' pipeline: 2 was 4-13% faster than 3 on the MHA shapes (more
+# programs an SM in the shared memory), even on the 70B one; 4 lost 6%
+STAGES = 2
 
 
 def _split_groups(rows: int, full_groups: int, tile_groups: int, device: torch.device) -> int:
@@ -85,7 +89,7 @@ def decode_attention(
     end: int,
     split_groups: int | None = None,
     warps: int = 2,
-    stages: int = 3,
+    stages: int = STAGES,
     tile_groups: int = 1,
     fused_merge: bool = False,
 ) -> torch.Tensor:
