@@ -12,7 +12,7 @@ warning says why), it returns None and the caller runs its plain-torch path inst
 
 The library links the OpenMP runtime by its usual name (libgomp.so.1), the one torch
 itself loads, so its threads are torch's: no second pool competes for the cores. A
-build takes about 2 s (gcc 12, 2-core CI machine); concurrent builds each write their
+build takes about 3.5 s (gcc 12, 2-core CI machine); concurrent builds each write their
 own file and rename it into place.
 """
 
