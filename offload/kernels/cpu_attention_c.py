@@ -400,28 +400,30 @@ static inline __attribute__((always_inline)) void dense_scores(Item *it, int64_t
     const float *q = it->q + first * it->dim;
     for (int t16 = 0; t16 < n; t16 += VL) {
         vf dots[MAX_TILE][VL];
-        for (int t = 0; t < VL; t++) {
+        for (int t = 0; t < VL; t += 2) { /* two tokens: each query vector loaded once */
             if (t16 + t >= n) {
-                for (int r = 0; r < tile; r++) dots[r][t] = splat(0.0f);
+                for (int r = 0; r < tile; r++) dots[r][t] = dots[r][t + 1] = splat(0.0f);
                 continue;
             }
+            const int second = t16 + t + 1 < n;
             int64_t token = token0 + t16 + t - a->dense_from;
             if (first == 0)
-                prefetch_row((const char *)a->v + (value_base + token * a->v_st) * size,
-                             it->dim * size);
-            int64_t at = base + token * a->k_st;
-            vf even[MAX_TILE], odd[MAX_TILE];
-            for (int r = 0; r < tile; r++) even[r] = odd[r] = splat(0.0f);
-            for (int j = 0; j < vectors; j += 2) {
-                vf key = load_row(a->k, at + VL * j, dtype);
-                for (int r = 0; r < tile; r++) even[r] += load_f32(q + r * it->dim + VL * j) * key;
-                if (j + 1 < vectors) {
-                    key = load_row(a->k, at + VL * j + VL, dtype);
-                    for (int r = 0; r < tile; r++)
-                        odd[r] += load_f32(q + r * it->dim + VL * j + VL) * key;
+                for (int i = 0; i <= second; i++)
+                    prefetch_row((const char *)a->v + (value_base + (token + i) * a->v_st) * size,
+                                 it->dim * size);
+            int64_t at = base + token * a->k_st, next = second ? at + a->k_st : at;
+            vf sum0[MAX_TILE], sum1[MAX_TILE];
+            for (int r = 0; r < tile; r++) sum0[r] = sum1[r] = splat(0.0f);
+            for (int j = 0; j < vectors; j++) {
+                vf key0 = load_row(a->k, at + VL * j, dtype);
+                vf key1 = load_row(a->k, next + VL * j, dtype);
+                for (int r = 0; r < tile; r++) {
+                    vf query = load_f32(q + r * it->dim + VL * j);
+                    sum0[r] += query * key0;
+                    sum1[r] += query * key1;
                 }
             }
-            for (int r = 0; r < tile; r++) dots[r][t] = even[r] + odd[r];
+            for (int r = 0; r < tile; r++) dots[r][t] = sum0[r], dots[r][t + 1] = sum1[r];
         }
         for (int r = 0; r < tile; r++) store_f32(it->s[r] + t16, sum_lanes(dots[r]));
     }
@@ -634,7 +636,7 @@ static inline __attribute__((always_inline)) void quant_group(Item *it, int64_t 
 static inline __attribute__((always_inline)) void dense_tiles(Item *it, int64_t t, int n,
                                                               int dtype) {
     for (int64_t first = 0; first < it->rep;) {
-        int tile = tile_of(it->rep - first, MAX_TILE);
+        int tile = tile_of(it->rep - first, SUM_REGISTERS / 2); /* two tokens' sums a head */
         switch (tile) {
         case 8: dense_block(it, first, 8, t, n, dtype); break;
         case 4: dense_block(it, first, 4, t, n, dtype); break;
