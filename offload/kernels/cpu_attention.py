@@ -40,6 +40,9 @@ from offload.kernels.kv_cache import QuantKV
 SPLIT_TOKENS = 1024
 DENSE_BLOCK = 64  # tokens of a full-precision block (the C source's DENSE_BLOCK)
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# K/V bytes a thread at least: a small call (the demo's decode, 40 KB a layer) runs on
+# one thread, which costs no fork-join and no wait for a busy core
+THREAD_BYTES = 1 << 18
 MAX_DIM, MAX_REP = 256, 64
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -100,9 +103,11 @@ def _bias_rows(bias: torch.Tensor, q: torch.Tensor, end: int) -> torch.Tensor | 
     return bias[:, :, -1, :end].float().contiguous()
 
 
-def _launch(args: _Args, q: torch.Tensor, bias: torch.Tensor, end: int, units: int, per: int):
+def _launch(
+    args: _Args, q: torch.Tensor, bias: torch.Tensor, end: int, units: int, per: int, nbytes: int
+):
     """Fill the common fields, run, return [B, 1, H x D] in q's dtype. units: blocks or
-    token groups to split by `per` a split."""
+    token groups to split by `per` a split; nbytes: the K/V the call reads."""
     batch, heads, _, dim = q.shape
     query = (q.float() * (1.0 / math.sqrt(dim))).reshape(batch, heads, dim).contiguous()
     out = torch.empty(batch, heads, dim)
@@ -117,7 +122,9 @@ def _launch(args: _Args, q: torch.Tensor, bias: torch.Tensor, end: int, units: i
     args.bias_sb = bias.stride(0) if bias.shape[0] > 1 else 0
     args.bias_sh = bias.stride(1) if bias.shape[1] > 1 else 0
     args.batch, args.heads, args.dim, args.end = batch, heads, dim, end
-    args.splits, args.threads = splits, torch.get_num_threads()
+    items = batch * args.kv_heads * splits
+    args.splits = splits
+    args.threads = max(1, min(torch.get_num_threads(), items, nbytes // THREAD_BYTES))
     assert _library().attend(ctypes.byref(args)) == 0, "unsupported shape"
     return out.view(batch, 1, heads * dim).to(q.dtype)
 
@@ -150,7 +157,8 @@ def decode_attention_dense(
     args = _Args(kv_heads=keys.shape[1])
     _dense_fields(args, keys, values)
     blocks = -(-end // DENSE_BLOCK)
-    return _launch(args, q, rows, end, blocks, SPLIT_TOKENS // DENSE_BLOCK)
+    nbytes = 2 * keys[..., :1, :].numel() * end * keys.element_size()
+    return _launch(args, q, rows, end, blocks, SPLIT_TOKENS // DENSE_BLOCK, nbytes)
 
 
 def _quant_layout_ok(cache: QuantKV) -> bool:
@@ -195,7 +203,8 @@ def decode_attention_quant(
     args.vc_sb, args.vc_sh, args.vc_st = cache.v_codes.stride()[:3]
     args.vs, args.vm = cache.v_scale.data_ptr(), _pointer(cache.v_min)
     args.vs_sb, args.vs_sh, args.vs_st = cache.v_scale.stride()[:3]
-    return _launch(args, q, rows, end, full, max(1, SPLIT_TOKENS // group))
+    nbytes = 2 * cache.k_tail[..., :1, :].numel() * end * cache.config.bits // 8
+    return _launch(args, q, rows, end, full, max(1, SPLIT_TOKENS // group), nbytes)
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:
