@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,6 +107,57 @@ def test_cpu_attention_pays_its_fixed_cost_a_micro_batch():
     assert estimate(cfg, on_gpu, torch.float16, 512, 32, costly).decode_step_s == (
         estimate(cfg, on_gpu, torch.float16, 512, 32, PROFILE).decode_step_s
     )
+
+
+def test_the_host_issue_after_each_cpu_attention_is_serial_with_compute():
+    """Attended on the CPU, each micro-batch's rest of a layer is issued only after its
+    attention: micro_fixed_s a micro-batch is added to the layer, not hidden beside its
+    compute as it is where attention stays on the GPU. With weights on the GPU (a
+    compute-bound layer) the step grows by exactly layers x micro-batches x the cost,
+    which moves the search off a plan that attends a few sequences on the CPU."""
+    cfg = cfg_of("opt-30b")
+    w4 = INT4
+    # (decode graphs replayed where every weight is on the GPU: their own host cost)
+    base_hw = dataclasses.replace(PROFILE, graph_layer_s=1e-5)
+    costly = dataclasses.replace(base_hw, micro_fixed_s=base_hw.micro_fixed_s + 0.002)
+    for micro in (1, 4):
+        mixed = Policy(
+            16 // micro,
+            micro,
+            kv_cache=Placement(0.875, 0.125, 0),
+            attention_on_cpu=True,
+            weight_compression=w4,
+            kv_compression=w4,
+        )
+        base, paid = (estimate(cfg, mixed, torch.float16, 512, 32, hw) for hw in (base_hw, costly))
+        assert paid.decode_step_s - base.decode_step_s == pytest.approx(
+            cfg.num_layers * micro * 0.002
+        )
+    on_gpu = Policy(16, 1, weight_compression=w4, kv_compression=w4)
+    assert estimate(cfg, on_gpu, torch.float16, 512, 32, costly).decode_step_s == (
+        estimate(cfg, on_gpu, torch.float16, 512, 32, base_hw).decode_step_s
+    )
+
+
+def test_a_measured_profile_keeps_w1c_attention_on_the_gpu():
+    """H100 run 233323's own profile (its C kernel attends an int4 cache on the CPU at
+    172 GB/s of fp16-sized K/V): the search put 2 of 16 sequences' KV in CPU memory and
+    attended them there, predicted 264 tok/s; the run measured 100.6 (68 ms a step
+    against 38). With the host's issue after each CPU attention counted, it keeps the
+    12 x 1 all-GPU plan (297.5 tok/s measured on the same machine, run 181458)."""
+    hw = HardwareProfile.from_file(Path(__file__).parent / "data" / "profile_h100_233323.json")
+    best = search(
+        cfg_of("opt-30b"),
+        torch.float16,
+        512,
+        32,
+        hw,
+        Caps(24 * 10**9, hw.default_cpu_cap, False),
+        compressions=[INT4],
+        kv_compressions=[INT4],
+    )
+    assert not best.policy.attention_on_cpu
+    assert best.policy.kv_cache.gpu == 1.0 and best.policy.weights.gpu == 1.0
 
 
 def test_the_decode_matmul_rate_follows_the_micro_batch_rows():
