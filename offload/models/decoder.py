@@ -186,7 +186,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torc
     if num_new == 1 and q.device.type == "cpu":
         # decode on the CPU (the executor's CPU attention, the plain CPU run): the C
         # kernel reads each K/V byte once on every core, grouped-query heads together
-        # (1.7-2x SDPA at the profile's and Llama-2-70B's shapes: docs/cpu_attention.md);
+        # (2x SDPA at the profile's shape, 1.4x at Llama-2-70B's: docs/cpu_attention.md);
         # None where it does not run
         out = decode_attention_dense(q, keys, values, bias)
         if out is not None:
