@@ -363,27 +363,25 @@ static inline void prefetch_row(const void *p, int64_t bytes) {
 #define LANES_128(a, b, o) SHUFFLE(a, b, 0 + o, 1 + o, 2 + o, 3 + o, 8 + o, 9 + o, 10 + o, \
                                    11 + o, 16 + o, 17 + o, 18 + o, 19 + o, 24 + o, 25 + o, \
                                    26 + o, 27 + o)
-#define HALF_128 4
 #else
 #define LANES_32(a, b, o) SHUFFLE(a, b, 0 + o, 8 + o, 1 + o, 9 + o, 4 + o, 12 + o, 5 + o, 13 + o)
 #define LANES_64(a, b, o) SHUFFLE(a, b, 0 + o, 1 + o, 8 + o, 9 + o, 4 + o, 5 + o, 12 + o, 13 + o)
 #define LANES_128(a, b, o) SHUFFLE(a, b, 0 + o, 1 + o, 2 + o, 3 + o, 8 + o, 9 + o, 10 + o, 11 + o)
-#define HALF_128 4
 #endif
 
 static inline vf sum_lanes(const vf *v) {
-    vf a[VL / 2], b[VL / 4], c[VL / 8 > 1 ? VL / 8 : 1];
+    vf a[VL / 2], b[VL / 4];
     for (int i = 0; i < VL / 2; i++)
         a[i] = LANES_32(v[2 * i], v[2 * i + 1], 0) + LANES_32(v[2 * i], v[2 * i + 1], 2);
     for (int i = 0; i < VL / 4; i++)
         b[i] = LANES_64(a[2 * i], a[2 * i + 1], 0) + LANES_64(a[2 * i], a[2 * i + 1], 2);
 #if VL == 16
+    vf c[2];
     for (int i = 0; i < 2; i++)
-        c[i] = LANES_128(b[2 * i], b[2 * i + 1], 0) + LANES_128(b[2 * i], b[2 * i + 1], HALF_128);
-    return LANES_128(c[0], c[1], 0) + LANES_128(c[0], c[1], HALF_128);
+        c[i] = LANES_128(b[2 * i], b[2 * i + 1], 0) + LANES_128(b[2 * i], b[2 * i + 1], 4);
+    return LANES_128(c[0], c[1], 0) + LANES_128(c[0], c[1], 4);
 #else
-    (void)c;
-    return LANES_128(b[0], b[1], 0) + LANES_128(b[0], b[1], HALF_128);
+    return LANES_128(b[0], b[1], 0) + LANES_128(b[0], b[1], 4);
 #endif
 }
 
