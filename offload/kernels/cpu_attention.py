@@ -96,9 +96,12 @@ def _runs(q: torch.Tensor, kv_heads: int, compressed: bool) -> bool:
 
 
 def _bias_rows(bias: torch.Tensor, q: torch.Tensor, end: int) -> torch.Tensor | None:
-    """bias [B | 1, H | 1, 1, >= end] as float32 [B | 1, H | 1, end], tokens contiguous."""
+    """Additive bias [B | 1, H | 1, 1, >= end] as float32 [B | 1, H | 1, end], tokens
+    contiguous; None for another shape or a boolean mask."""
     batch, heads = q.shape[:2]
     if bias.dim() != 4 or bias.shape[0] not in (1, batch) or bias.shape[1] not in (1, heads):
+        return None
+    if not bias.is_floating_point():
         return None
     return bias[:, :, -1, :end].float().contiguous()
 
