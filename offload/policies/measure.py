@@ -93,7 +93,8 @@ def _cpu_attention_rate(
     h2d_gbps: float = 0.0,
     compressed: bool = False,
 ) -> float:
-    """GB/s of KV that the executor's CPU attention (torch SDPA) reads at a decode shape;
+    """GB/s of KV that the executor's CPU attention (`decoder.attend`: the C kernel, else
+    torch SDPA) reads at a decode shape;
     `compressed`: its attention over an int4-g64 cache (`kv_attention_cpu.decode_attention_cpu`),
     counting the K/V it attends at the dtype's size.
 
@@ -107,7 +108,7 @@ def _cpu_attention_rate(
     v = torch.randn_like(k)
     q = torch.randn(rows, heads, 1, dim).to(dtype)
     bias = torch.zeros(rows, 1, 1, slots, dtype=dtype)
-    attention = functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=bias)
+    attention = functools.partial(attend, q, k, v, bias)
     if compressed:
         cache = QuantKV(rows, heads, dim, slots, Compression(4, 64), dtype, torch.device("cpu"))
         cache.write(k, v, 0)
