@@ -33,6 +33,7 @@ from offload.kernels.kv_attention_cpu import decode_attention_cpu
 from offload.kernels.kv_cache import QuantKV
 from offload.kernels.qmatmul import Tiles, qlinear
 from offload.kernels.quant import quantize
+from offload.policies.measure import kernel_seconds
 
 GB = 1e9
 # (model, matrix, N, K)
@@ -49,21 +50,9 @@ ROWS = [1, 16, 64, 256]
 
 def timed(fn, repeat: int = 20) -> float:
     """GPU seconds a call: `repeat` calls captured in one CUDA graph and replayed, so the
-    host's launch cost (measured apart: --kernels launch) does not hide the kernel's."""
-    fn()  # compiles, and Launcher remembers the compiled kernel
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / repeat
+    host's launch cost (measured apart: --kernels launch) does not hide the kernel's
+    (`measure.kernel_seconds`, as the profile times its kernel rates)."""
+    return kernel_seconds(fn, repeat)
 
 
 def _rates(read: int, seconds: float, hbm: float, dense: float) -> dict[str, float]:

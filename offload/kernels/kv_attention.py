@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from offload.kernels.kv_attention_cpu import decode_attention_cpu
 from offload.kernels.kv_cache import QuantKV
-from offload.kernels.launch import Launcher, use_kernel
+from offload.kernels.launch import Launcher, arrival_counters, sm_count, use_kernel
 
 try:
     import triton
@@ -58,28 +58,9 @@ STAGES = 2
 def _split_groups(rows: int, full_groups: int, tile_groups: int, device: torch.device) -> int:
     """Token groups a program takes: the fewest that still give about SPLIT_WAVES
     programs an SM over the rows' (sequence, KV head) pairs, in whole tiles."""
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 1
-    )
-    splits = max(1, -(-SPLIT_WAVES * sms // rows))
+    splits = max(1, -(-SPLIT_WAVES * sm_count(device) // rows))
     groups = max(1, -(-full_groups // splits))
     return -(-groups // tile_groups) * tile_groups
-
-
-# Arrival counters of the fused merge, one per (sequence, KV head); the row's last
-# program sets its counter back to 0. Per stream: kernels on one stream never overlap.
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, rows: int) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    counts = _COUNTERS.get((device, stream))
-    if counts is None or counts.numel() < rows:
-        counts = torch.zeros(max(rows, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[(device, stream)] = counts
-    return counts
 
 
 def decode_attention(
@@ -121,7 +102,7 @@ def decode_attention(
     part_ml = torch.empty((2, batch, heads, splits), dtype=torch.float32, device=q.device)
     per_head = bias.shape[1] > 1
     out = torch.empty((batch, 1, heads * dim), dtype=q.dtype, device=q.device)
-    counts = _arrival_counters(q.device, batch * kv_heads) if fused_merge else part_ml
+    counts = arrival_counters("attention", q.device, batch * kv_heads) if fused_merge else part_ml
     _launch_split(
         (batch, kv_heads, splits), warps,
         q, q.stride(0), q.stride(1),

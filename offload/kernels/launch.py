@@ -20,6 +20,7 @@ TRITON_INTERPRET=1; elsewhere each op runs its plain-torch path.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -91,3 +92,28 @@ class Launcher:
             None,
             *args,
         )
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The device's multiprocessors (1 off CUDA: the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# Arrival counters of kernels whose last program of a group (a split-K tile, a decode
+# attention row's splits) finishes the group's work: one int32 a group, which that
+# program sets back to 0. One buffer per kernel kind and stream: kernels on one stream
+# never overlap.
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def arrival_counters(kind: str, device: torch.device, count: int) -> torch.Tensor:
+    """At least `count` zeroed counters for kernels of `kind` on the current stream."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    counts = _COUNTERS.get((kind, device, stream))
+    if counts is None or counts.numel() < count:
+        counts = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[(kind, device, stream)] = counts
+    return counts

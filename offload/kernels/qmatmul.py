@@ -23,13 +23,12 @@ kernel must match; it also runs wherever Triton or CUDA is absent (the CPU tests
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from offload.kernels.launch import Launcher, use_kernel
+from offload.kernels.launch import Launcher, arrival_counters, sm_count, use_kernel
 from offload.kernels.quant import QTensor, dequantize
 
 try:
@@ -95,7 +94,7 @@ def qlinear(
     partial = counts = out  # unused without split-K
     if grid[2] > 1:
         partial = torch.empty((grid[2], m, n), dtype=torch.float32, device=x.device)
-        counts = _tile_counters(x.device, grid[0] * grid[1])
+        counts = arrival_counters("qlinear", x.device, grid[0] * grid[1])
     _launch(
         grid,
         t.warps,
@@ -205,29 +204,8 @@ def _split(m: int, n: int, k: int, tiles: Tiles, device: torch.device, per_sm: i
     """The most programs to divide K among for each output tile: enough that every SM
     holds per_sm programs, each with 4 K steps at least."""
     count = -(-m // tiles.block_m) * -(-n // tiles.block_n)
-    wanted = -(-per_sm * _sm_count(device) // count)
+    wanted = -(-per_sm * sm_count(device) // count)
     return max(1, min(wanted, k // (4 * tiles.max_k)))
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-# Split-K arrival counters, one per output tile; the last program of a tile sets its
-# counter back to 0. Per stream: kernels on one stream never overlap.
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    counts = _COUNTERS.get((device, stream))
-    if counts is None or counts.numel() < tiles:
-        counts = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[(device, stream)] = counts
-    return counts
 
 
 if triton is not None:

@@ -54,7 +54,7 @@ def _timed(fn, repeat: int = 5) -> float:
     return (time.perf_counter() - started) / repeat
 
 
-def _kernel_timed(fn, repeat: int = 10) -> float:
+def kernel_seconds(fn, repeat: int = 10) -> float:
     """GPU seconds a call of fn (a kernel's rate): `repeat` calls captured in a CUDA graph
     and replayed, timed with CUDA events, as `scripts/bench_kernels.py` times kernels.
     Timed from the host, the int4 matmul at 16 rows read 125 us a call over 10 calls
@@ -70,7 +70,7 @@ def _kernel_timed(fn, repeat: int = 10) -> float:
     with torch.cuda.graph(graph):
         for _ in range(repeat):
             fn()
-    graph.replay()
+    graph.replay()  # (compiled and allocated during the first call and the capture)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     graph.replay()
@@ -188,13 +188,13 @@ def _matmul_rates(
         name = format_name(config)
         if config is None:
             for rates, x in ((read, decode_x), (wide, wide_x)):
-                seconds = _kernel_timed(lambda x=x: F.linear(x, w), repeat=10)
+                seconds = kernel_seconds(lambda x=x: F.linear(x, w), repeat=10)
                 rates[name] = w.numel() * w.element_size() / seconds / GB
             flops[name] = 2 * prefill_rows * k * n / dense_s / 1e12
             continue
         stored = quantize(w, config)
         for rates, x in ((read, decode_x), (wide, wide_x)):
-            seconds = _kernel_timed(lambda s=stored, x=x: qlinear(x, s), repeat=10)
+            seconds = kernel_seconds(lambda s=stored, x=x: qlinear(x, s), repeat=10)
             rates[name] = stored.nbytes / seconds / GB
         seconds = _timed(lambda s=stored: qlinear(fused_x, s), repeat=3)
         flops[name] = 2 * fused_x.shape[0] * k * n / seconds / 1e12
@@ -222,12 +222,12 @@ def _gpu_attention_rates(device: torch.device, dtype: torch.dtype) -> dict[str, 
     k = torch.randn(rows, heads, slots, dim, device=device, dtype=dtype)
     v = torch.randn_like(k)
     bias = torch.zeros(rows, 1, 1, slots, device=device, dtype=dtype)
-    dense = _kernel_timed(lambda: attend(q, k, v, bias))
+    dense = kernel_seconds(lambda: attend(q, k, v, bias))
     rates = {"dense": 2 * k.numel() * k.element_size() / dense / GB}
     for config in FORMATS[1:]:
         cache = QuantKV(rows, heads, dim, slots, config, dtype, device)
         cache.write(k, v, 0)
-        seconds = _kernel_timed(lambda cache=cache: decode_attention(q, cache, bias, slots))
+        seconds = kernel_seconds(lambda cache=cache: decode_attention(q, cache, bias, slots))
         rates[format_name(config)] = cache.nbytes / seconds / GB
         del cache
     return rates
