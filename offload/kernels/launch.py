@@ -63,20 +63,15 @@ class Launcher:
     def __call__(
         self, grid: tuple[int, ...], warps: int, *args, registers: int | None = None
     ) -> None:
-        options = (
-            {"num_warps": warps}
-            if registers is None
-            else {"num_warps": warps, "maxnreg": registers}
-        )
         if INTERPRETED or knobs.runtime.launch_enter_hook is not None:
-            self.kernel[grid](*args, **options)
+            self.kernel[grid](*args, **_options(warps, registers))
             return
         device = driver.active.get_current_device()
         kinds = (a if const else _kind(a) for a, const in zip(args, self.constexpr, strict=True))
         key = (device, warps, registers, *kinds)
         compiled = self.compiled.get(key)
         if compiled is None:
-            self.compiled[key] = self.kernel[grid](*args, **options)
+            self.compiled[key] = self.kernel[grid](*args, **_options(warps, registers))
             return
         grid = (*grid, 1, 1)
         stream = driver.active.get_current_stream(device)
@@ -92,6 +87,11 @@ class Launcher:
             None,
             *args,
         )
+
+
+def _options(warps: int, registers: int | None) -> dict:
+    """Triton's launch options: the warps, and ptxas's register cap where one is set."""
+    return {"num_warps": warps} if registers is None else {"num_warps": warps, "maxnreg": registers}
 
 
 @functools.cache
