@@ -244,3 +244,39 @@ def test_masked_grouped_query_prefill_attention_holds_no_scores():
     )  # fmt: skip
     want = ref.transpose(1, 2).reshape(4, tokens, heads * dim)
     torch.testing.assert_close(out[rows].float(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_a_job_after_the_warm_up_compiles_no_kernel(tiny_checkpoints, tmp_path):
+    """Where decode replays graphs, the load's warm-up compiles every kernel a job of
+    another prompt length and budget runs: none compiles in the job's prefill or its
+    decode steps, which complete cache groups (W1c's first prefill took 2.25 s against
+    0.70: the KV quantize kernel specialized on a slot count the warm-up's was not like).
+    The counter itself is checked on a tiling nothing else uses."""
+    from offload.kernels.formats import Compression
+    from offload.kernels.launch import CompileCount
+    from offload.kernels.qmatmul import Tiles, qlinear
+    from offload.kernels.quant import quantize
+    from offload.sampling import SamplingParams
+    from tests.test_executor import INT4, KV4, _with
+
+    w = quantize(torch.randn(96, 256, device="cuda"), Compression(4, 32, False))
+    with CompileCount() as fresh:
+        qlinear(torch.randn(5, 256, device="cuda"), w, tiles=Tiles(16, 32, 64, 2, 2))
+    assert fresh.names == ["_qmatmul_kernel"]
+
+    directory, _ = tiny_checkpoints["opt"]
+    policy = _with(
+        Policy(gpu_batch_size=8, num_gpu_batches=1), weight_compression=INT4, kv_compression=KV4
+    )
+    with LLM(str(directory), device="cuda", dtype="float16", policy=policy, nvme=tmp_path) as llm:
+        assert llm.runner._graphs, "the load warmed up and captured the graphs"
+        warm_slots = llm.runner.kv.homes.max_slots
+        # 8 x 130 prompt rows take the dense path as the warm-up's did; 130 + 46 slots
+        # are a multiple of 16 where the warm-up's were not; decode completes 3 groups
+        prompts = [[5 + i] * 130 for i in range(8)]
+        params = SamplingParams(max_tokens=46, ignore_eos=True)
+        with CompileCount() as job:
+            outs = llm.generate(prompts, params)
+        assert warm_slots % 16 and llm.runner.kv.homes.max_slots == 176
+    assert all(len(o.outputs[0].token_ids) == 46 for o in outs)
+    assert job.names == [], f"compiled in the job: {job.names}"

@@ -44,11 +44,15 @@ def decode_attention_reference(
 
 # Sequence splits (flash-decoding): each program of the first kernel takes a run of
 # whole token groups of one (sequence, KV head), or that row's tail, so even a small
-# batch fills the GPU; the second kernel (fused_merge: the row's last program) merges
-# the splits' softmax partials. Splits are sized for about SPLIT_WAVES programs an SM
-# (`_split_groups`). H100 sweep (`bench_kernels --kernels attention-sweep`, run 232230,
-# OPT-30B, Llama-2-70B/13B, BLOOM shapes): fixed split sizes of 4-32 groups came within
-# 3-8% of this either way, the fused merge within 1%; 4 warps lost 40%.
+# batch fills the GPU; the row's last program to finish merges the splits' softmax
+# partials (fused_merge), or a second kernel does. Splits are sized for about
+# SPLIT_WAVES programs an SM (`_split_groups`). H100 sweep (`bench_kernels --kernels
+# attention-sweep`, run 232230, OPT-30B, Llama-2-70B/13B, BLOOM shapes): fixed split
+# sizes of 4-32 groups came within 3-8% of this either way; 4 warps lost 40%. The fused
+# merge is the default: its time was within -3.5%..+2.6% of the two kernels', it saves
+# a launch a layer in the eager decode attention, and the merge kernel's BLOCK_S (the
+# splits, to a power of two) changes with the context, a compile in the job where the
+# warm-up's short context had fewer splits.
 SPLIT_WAVES = 8
 # stages of the loads' pipeline: 2 was 4-13% faster than 3 on the MHA shapes (more
 # programs an SM in the shared memory), even on the 70B one; 4 lost 6%
@@ -72,7 +76,7 @@ def decode_attention(
     warps: int = 2,
     stages: int = STAGES,
     tile_groups: int = 1,
-    fused_merge: bool = False,
+    fused_merge: bool = True,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over the compressed cache; [B, 1, H x D].
 

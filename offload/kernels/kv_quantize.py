@@ -111,7 +111,11 @@ if triton is not None:
         lo, hi = tl.split(tl.reshape(c, (c.shape[0], c.shape[1] // 2, 2)))
         return lo | (hi << 4)
 
-    @triton.jit
+    # the cache's shape and where the groups go vary with the job (its prompt length and
+    # generation budget) and the step, so they are not specialized on: each new case
+    # (1, a multiple of 16) was a compile of about a second in the job, after the warm-up
+    # (W1c's first prefill: 544 slots against the warm-up's 99)
+    @triton.jit(do_not_specialize=["row0", "first", "num_groups", "max_slots"])
     def _quantize_kv_kernel(
         k_ptr, k_sr, k_sh, k_st,
         v_ptr, v_sr, v_sh, v_st,

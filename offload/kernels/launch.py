@@ -41,12 +41,15 @@ def use_kernel(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or INTERPRETED)
 
 
-def _kind(arg) -> object:
+def _kind(arg, specialized: bool = True) -> object:
+    """What Triton specializes an argument on; specialized=False: an integer marked
+    do_not_specialize (only its width)."""
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
     if isinstance(arg, bool) or not isinstance(arg, int):
         return arg  # constexprs (bool, str) and floats (never specialized)
-    return arg == 1, arg % 16 == 0, not -(2**31) <= arg < 2**31
+    wide = not -(2**31) <= arg < 2**31
+    return (arg == 1, arg % 16 == 0, wide) if specialized else wide
 
 
 class Launcher:
@@ -57,7 +60,9 @@ class Launcher:
     def __init__(self, kernel) -> None:
         self.kernel = kernel
         # (the interpreter's kernels have no params: every call takes Triton's path)
-        self.constexpr = [p.is_constexpr for p in getattr(kernel, "params", [])]
+        params = getattr(kernel, "params", [])
+        self.constexpr = [p.is_constexpr for p in params]
+        self.specialized = [not p.do_not_specialize for p in params]
         self.compiled: dict[tuple, object] = {}
 
     def __call__(
@@ -67,7 +72,10 @@ class Launcher:
             self.kernel[grid](*args, **_options(warps, registers))
             return
         device = driver.active.get_current_device()
-        kinds = (a if const else _kind(a) for a, const in zip(args, self.constexpr, strict=True))
+        kinds = (
+            a if const else _kind(a, spec)
+            for a, const, spec in zip(args, self.constexpr, self.specialized, strict=True)
+        )
         key = (device, warps, registers, *kinds)
         compiled = self.compiled.get(key)
         if compiled is None:
@@ -87,6 +95,24 @@ class Launcher:
             None,
             *args,
         )
+
+
+class CompileCount:
+    """Counts Triton's compiles in this process while it is entered (each new
+    specialization of a kernel: a compile, or a load from Triton's disk cache; about a
+    second each where nothing is cached). `names` lists the kernels in order."""
+
+    def __enter__(self) -> CompileCount:
+        self.names: list[str] = []
+        self._before = knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_post_compile_hook = self._compiled
+        return self
+
+    def _compiled(self, *, fn, **_) -> None:
+        self.names.append(fn.name)
+
+    def __exit__(self, *exc: object) -> None:
+        knobs.runtime.jit_post_compile_hook = self._before
 
 
 def _options(warps: int, registers: int | None) -> dict:
