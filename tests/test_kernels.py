@@ -53,9 +53,10 @@ def test_kv_cache_quantizing_kernel_is_bit_exact_interpreted(bits, symmetric):
 
 
 def test_the_launcher_takes_triton_s_path_only_while_a_launch_hook_is_installed():
-    """Triton 3.5 and later hold launch hooks in a chain that is never None: with none in
-    it the Launcher's direct launches run (they did not, on every Triton the project
-    allows, until this was checked); a profiler's hook sends launches to Triton's path."""
+    """The Tritons the project allows hold launch hooks in a chain that is never None:
+    with none in it the Launcher's direct launches run (they did not, on every Triton
+    the project allows, until this was checked); a profiler's hook sends launches to
+    Triton's path."""
     pytest.importorskip("triton")
     from triton import knobs
 
@@ -64,15 +65,9 @@ def test_the_launcher_takes_triton_s_path_only_while_a_launch_hook_is_installed(
     assert not hooks_installed()
     chain = knobs.runtime.launch_enter_hook
     hook = lambda metadata: None  # noqa: E731
-    if hasattr(chain, "add"):
-        chain.add(hook)
-    else:
-        knobs.runtime.launch_enter_hook = hook
+    chain.add(hook)
     try:
         assert hooks_installed()
     finally:
-        if hasattr(chain, "remove"):
-            chain.remove(hook)
-        else:
-            knobs.runtime.launch_enter_hook = chain
+        chain.remove(hook)
     assert not hooks_installed()

@@ -117,11 +117,10 @@ class CompileCount:
 
 def hooks_installed() -> bool:
     """Whether a Triton launch hook is installed (a profiler's), which only Triton's own
-    launch path calls. Triton 3.5 and later keep the hooks in a chain that is never None
-    (the fast path's old test, `is not None`, sent every launch down Triton's path: the
-    W1c decode step's host time 13.7 ms, H100); earlier ones keep a function or None."""
-    hook = knobs.runtime.launch_enter_hook
-    return bool(getattr(hook, "calls", hook))
+    launch path calls. The Tritons the project allows (3.6+) keep the hooks in a chain
+    that is never None (the fast path's old test, `is not None`, sent every launch down
+    Triton's path: the W1c decode step's host time 13.7 ms, H100)."""
+    return bool(knobs.runtime.launch_enter_hook.calls)
 
 
 def _options(warps: int, registers: int | None) -> dict:
