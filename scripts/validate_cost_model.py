@@ -199,18 +199,23 @@ def main() -> None:
             )
             for k, v in policies.items()
         }
-    else:
-        searches = (
-            {f"searched {f}": FORMATS[f] for f in args.formats.split(",")}
-            if args.formats
-            else {"searched": (args.compress, args.kv_compress)}
-        )
+    searches = (
+        {f"searched {f}": FORMATS[f] for f in args.formats.split(",")}
+        if args.formats
+        else {"searched": (args.compress, args.kv_compress)}
+    )
+    if device.type == "cpu":
+        searches = {}
+    gen_lens = [int(g) for g in args.gen_lens.split(",")] if args.gen_lens else [args.gen_len]
+    # the search plans for each generation length (its KV, so its batch, differs)
+    runs = []
+    for gen_len in gen_lens:
         searched = {
             name: search(
                 spec.config,
                 dtype,
                 args.prompt_len,
-                args.gen_len,
+                gen_len,
                 hw,
                 caps,
                 compressions=parse_compression(weights),
@@ -218,10 +223,13 @@ def main() -> None:
             ).policy
             for name, (weights, kv) in searches.items()
         }
-        policies = {**searched, **policies}
-        print(f"searched at {time.perf_counter() - began:.1f} s", flush=True)
-    if args.policies:
-        policies = {k: v for k, v in policies.items() if k in args.policies.split(",")}
+        for name, policy in {**searched, **policies}.items():
+            if args.policies and name not in args.policies.split(","):
+                continue
+            runs.append((name, policy, gen_len, True))
+            if args.eager:
+                runs.append((f"{name} eager", policy, gen_len, False))
+    print(f"searched at {time.perf_counter() - began:.1f} s", flush=True)
     res = {
         "model": args.model,
         "profile": json.loads(hw.to_json()),
@@ -231,22 +239,15 @@ def main() -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     outdir = Path(os.environ.get("OUT", args.out))
     outdir.mkdir(parents=True, exist_ok=True)
-    gen_lens = [int(g) for g in args.gen_lens.split(",")] if args.gen_lens else [args.gen_len]
-    runs = [(name, policy, True) for name, policy in policies.items()]
-    if args.eager:
-        runs += [(f"{name} eager", policy, False) for name, policy in policies.items()]
-    for gen_len in gen_lens:
-        for base, policy, graphs in runs:
-            name = base if len(gen_lens) == 1 else f"{base} @ gen {gen_len}"
-            left = (
-                None
-                if args.time_budget is None
-                else args.time_budget - (time.perf_counter() - began)
-            )
-            res["runs"][name] = _run_one(
-                spec, policy, dtype, device, args, gen_len, graphs, hw, caps, left
-            )
-            (outdir / f"validate_cost_model_{stamp}.json").write_text(json.dumps(res, indent=1))
+    for base, policy, gen_len, graphs in runs:
+        name = base if len(gen_lens) == 1 else f"{base} @ gen {gen_len}"
+        left = (
+            None if args.time_budget is None else args.time_budget - (time.perf_counter() - began)
+        )
+        res["runs"][name] = _run_one(
+            spec, policy, dtype, device, args, gen_len, graphs, hw, caps, left
+        )
+        (outdir / f"validate_cost_model_{stamp}.json").write_text(json.dumps(res, indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"validate_cost_model_{stamp}.json").write_text(json.dumps(res, indent=1))
     _report(res)

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from offload.cli.plan import main as plan_main
-from offload.executor.probe import overheads, prefill_elementwise, probe_plan
+from offload.executor.probe import elementwise, overheads, probe_plan
 from offload.kernels.formats import Compression
 from offload.policies.caps import Caps
 from offload.policies.cost import _layer_bytes, estimate
 from offload.policies.hardware import HardwareProfile, code_version, load_profile, save_profile
+from offload.policies.measure import fit_call
 from offload.policies.policy import Placement, Policy
 from offload.policies.search import ranked, search
 from tests.test_policies import GB, PROFILE, cfg_of
@@ -179,6 +180,48 @@ def test_the_decode_matmul_rate_follows_the_micro_batch_rows():
         assert (wide > 1.5 * base) == slower
 
 
+def test_a_call_fixed_time_and_rate_are_fitted_from_two_calls():
+    # 5 us + bytes at 2 TB/s, seen at 8 MB and 120 MB
+    rate, fixed = fit_call((8e6, 5e-6 + 8e6 / 2e12), (120e6, 5e-6 + 120e6 / 2e12))
+    assert rate == pytest.approx(2000.0) and fixed == pytest.approx(5e-6)
+    # the small call no slower a byte than the large: no fixed time, the large call's rate
+    assert fit_call((8e6, 4e-6), (120e6, 80e-6)) == (pytest.approx(1500.0), 0.0)
+
+
+def test_a_gpu_resident_decode_step_pays_each_kernel_call_and_the_layers_other_kernels():
+    """All on the GPU the step is its kernels' time: each micro-batch's four matmul
+    calls and its attention call pay their fixed time beside their bytes, and the
+    layer's other kernels (norms, activations, the KV write, the gaps) their measured
+    time a micro-batch."""
+    cfg = cfg_of("opt-30b")
+    policy = Policy(6, 2, weight_compression=INT4, kv_compression=INT4)
+
+    def compute(**figures) -> float:
+        hw = dataclasses.replace(PROFILE, **figures)
+        return estimate(cfg, policy, torch.float16, 512, 32, hw).lanes_decode_s["compute"]
+
+    base = compute()
+    per_micro = {"matmul_call_s": 4 * 1e-5, "attention_call_s": 2e-5, "decode_elementwise_s": 3e-5}
+    for name, added in per_micro.items():
+        figure = {"int4": added / 4 if name == "matmul_call_s" else added}
+        if name == "decode_elementwise_s":
+            figure = {"opt": added, "llama": 1.0}  # another family's figure is not OPT's
+        assert compute(**{name: figure}) - base == pytest.approx(cfg.num_layers * 2 * added)
+    assert compute(matmul_call_s={"dense": 1.0}) == base  # another format's figure
+
+
+def test_costly_gpu_kernel_calls_move_the_search_to_fewer_micro_batches():
+    """The same sequences in fewer, larger micro-batches make fewer kernel calls: a
+    machine where a call costs much moves the search there."""
+    cfg, caps = cfg_of("opt-30b"), Caps(12 * GB, 64 * GB, False)
+    formats = {"compressions": (INT4,), "kv_compressions": (INT4,)}
+    base = search(cfg, torch.float16, 512, 32, PROFILE, caps, **formats)
+    assert base.policy.num_gpu_batches > 1
+    costly = dataclasses.replace(PROFILE, decode_elementwise_s={"opt": 0.02})
+    chosen = search(cfg, torch.float16, 512, 32, costly, caps, **formats)
+    assert chosen.policy.num_gpu_batches < base.policy.num_gpu_batches
+
+
 def test_a_costly_micro_batch_moves_the_search_to_fewer_micro_batches():
     cfg, caps = cfg_of("opt-30b"), Caps(12 * GB, 64 * GB, False)
     formats = {"compressions": (INT4,), "kv_compressions": (INT4,)}
@@ -252,11 +295,13 @@ def test_executor_fixed_costs_are_measured():
     assert 0 < figures["layer_fixed_s"] + figures["micro_fixed_s"] < 1.0
     assert figures["graph_layer_s"] == 0.0  # no CUDA graphs on the CPU
     assert figures["cpu_attention_fixed_s"] == 0.0  # without CUDA all attention is the CPU's
-    # a prefill layer beyond its matmuls and attention: with the test profile's GPU
-    # rates those are next to nothing on the CPU, so it is the CPU layer's whole time
-    per_unit = prefill_elementwise(PROFILE, torch.device("cpu"))
-    assert set(per_unit) == {"opt", "bloom", "llama"}
+    # a layer beyond its matmuls and attention: with the test profile's GPU rates those
+    # are next to nothing on the CPU, so it is the CPU layer's whole time
+    figures = elementwise(PROFILE, torch.device("cpu"))
+    per_unit, per_layer = figures["prefill_elementwise_s"], figures["decode_elementwise_s"]
+    assert set(per_unit) == set(per_layer) == {"opt", "bloom", "llama"}
     assert all(1e-12 < figure < 1e-6 for figure in per_unit.values()), per_unit
+    assert all(1e-6 < figure < 0.1 for figure in per_layer.values()), per_layer
 
 
 def test_probe_extrapolates_from_two_depths(tiny_checkpoints):

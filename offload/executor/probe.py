@@ -17,6 +17,7 @@ Two uses:
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from offload.batch import PaddedBatch
 from offload.config import ModelConfig
 from offload.executor.executor import Executor
 from offload.kernels.formats import Compression
+from offload.models.decoder import LAYER_MATMULS
 from offload.models.weights import DummySource
 from offload.policies.hardware import HardwareProfile
 from offload.policies.measure import measure
@@ -65,15 +67,26 @@ _CPU_NARROW = {
 ELEMENTWISE_SHAPE = {"cuda": (8, 512), "cpu": (2, 64)}
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _decode_seconds(ex: Executor, batch: PaddedBatch, start: int, steps: int) -> float:
-    """Mean wall time of `steps` decode steps from slot `start` (after one warm-up)."""
+    """The median wall time of `steps` decode steps from slot `start` (after two that
+    compile and capture graphs), each step synchronized: one slow step (a page fault, a
+    clock change) would otherwise be multiplied by the layers a probe extrapolates to."""
     ids = torch.ones(batch.size, 1, dtype=torch.long)
     ex.forward(ids, ex.step_inputs(batch, start, 1))  # compiles, captures graphs
     ex.forward(ids, ex.step_inputs(batch, start + 1, 1))
-    began = time.perf_counter()
+    times = []
     for t in range(steps):
+        _sync(ex.device)
+        began = time.perf_counter()
         ex.forward(ids, ex.step_inputs(batch, start + 2 + t, 1))
-    return (time.perf_counter() - began) / steps
+        _sync(ex.device)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
 
 
 def _stage_seconds(policy: Policy, device: torch.device, rows: int, steps: int) -> float:
@@ -121,24 +134,25 @@ def overheads(device: torch.device, steps: int = 8) -> dict[str, float]:
     }
 
 
-def _prefill_seconds(cfg: ModelConfig, device: torch.device, rows: int, tokens: int) -> float:
-    """The fastest of three prefills of `rows` x `tokens`, every weight on the device
-    (after one that compiles)."""
+def _full_width_seconds(
+    cfg: ModelConfig, device: torch.device, rows: int, tokens: int, steps: int = 8
+) -> tuple[float, float]:
+    """(prefill, decode step) of `rows` x `tokens`, every weight on the device (decode
+    replayed from CUDA graphs there): the fastest of three prefills after one that
+    compiles, and the median decode step (`_decode_seconds`)."""
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     ex = Executor(DummySource(cfg), Policy(rows, 1), dtype, device)
     try:
-        batch = PaddedBatch(cfg, [[5] * tokens] * rows, 2, pad_id=1)
+        batch = PaddedBatch(cfg, [[5] * tokens] * rows, steps + 4, pad_id=1)
         ex.start(batch)
         times = []
         for _ in range(4):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            _sync(device)
             began = time.perf_counter()
             ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, tokens))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            _sync(device)
             times.append(time.perf_counter() - began)
-        return min(times[1:])
+        return min(times[1:]), _decode_seconds(ex, batch, tokens, steps)
     finally:
         ex.close()
 
@@ -150,26 +164,34 @@ def _elementwise_config(family: str, device: torch.device) -> ModelConfig:
     return ModelConfig.from_hf(config, f"elementwise-probe-{family}")
 
 
-def prefill_elementwise(hw: HardwareProfile, device: torch.device) -> dict[str, float]:
-    """Per model family (`ModelConfig.family`): a prefill layer's time beyond its
-    matmuls and attention (as `hw` rates them), per token and hidden unit: norms,
-    activations, position encodings, residuals, the KV's store. One layer's time is
-    the difference of a 4- and a 2-layer model's prefill."""
+def elementwise(hw: HardwareProfile, device: torch.device) -> dict[str, dict[str, float]]:
+    """Per model family (`ModelConfig.family`), a full-width layer's time beyond its
+    matmuls and attention (as `hw` rates them), from the difference of a 4- and a
+    2-layer model: in prefill per token and hidden unit (norms, activations, position
+    encodings, residuals, the KV's store: `prefill_elementwise_s`), in a decode step a
+    layer and micro-batch (the same kernels at a few rows, where their launches and
+    the gaps between them set their time: `decode_elementwise_s`)."""
     rows, tokens = ELEMENTWISE_SHAPE[device.type]
-    figures = {}
+    prefill, decode = {}, {}
     for family in ELEMENTWISE_CONFIGS:
         cfg = _elementwise_config(family, device)
-        shallow, deep = (
-            _prefill_seconds(dataclasses.replace(cfg, num_layers=depth), device, rows, tokens)
+        (p_lo, d_lo), (p_hi, d_hi) = (
+            _full_width_seconds(dataclasses.replace(cfg, num_layers=depth), device, rows, tokens)
             for depth in PROBE_DEPTHS
         )
-        layer = (deep - shallow) / (PROBE_DEPTHS[1] - PROBE_DEPTHS[0])
+        layers = PROBE_DEPTHS[1] - PROBE_DEPTHS[0]
         matmuls = 2 * rows * tokens * cfg.layer_param_count() / (hw.prefill_rate(None) * 1e12)
         attention = 4 * rows * tokens**2 * cfg.num_heads * cfg.head_dim
         attention /= hw.prefill_attention_rate() * 1e12
-        residual = max(0.0, layer - matmuls - attention)
-        figures[family] = residual / (rows * tokens * cfg.hidden_size)
-    return figures
+        residual = max(0.0, (p_hi - p_lo) / layers - matmuls - attention)
+        prefill[family] = residual / (rows * tokens * cfg.hidden_size)
+        elt = 2 if device.type == "cuda" else 4
+        weights = cfg.layer_param_count() * elt
+        cache = rows * tokens * 2 * cfg.num_kv_heads * cfg.head_dim * elt
+        kernels = hw.matmul_seconds(None, weights, rows, len(LAYER_MATMULS))
+        kernels += hw.attention_seconds(None, cache, 1)
+        decode[family] = max(0.0, (d_hi - d_lo) / layers - kernels)
+    return {"prefill_elementwise_s": prefill, "decode_elementwise_s": decode}
 
 
 def measure_profile(nvme: Path | None, quick: bool = True) -> HardwareProfile:
@@ -177,7 +199,7 @@ def measure_profile(nvme: Path | None, quick: bool = True) -> HardwareProfile:
     hw = measure(nvme, quick=quick)
     device = torch.device("cuda" if hw.has_gpu else "cpu")
     hw = dataclasses.replace(hw, **overheads(device, steps=4 if quick else 8))
-    return dataclasses.replace(hw, prefill_elementwise_s=prefill_elementwise(hw, device))
+    return dataclasses.replace(hw, **elementwise(hw, device))
 
 
 @dataclass(frozen=True)
@@ -200,18 +222,20 @@ def _run_depth(
     nvme: Path | None,
     steps: int,
 ) -> tuple[float, float]:
-    """(prefill s, decode step s) of the plan on `cfg` (already cut to a few layers);
+    """(prefill s, decode step s) of the plan on `cfg` (already cut to a few layers):
+    the second of two prefills (the first compiles what the job's warm-up would), and
     decode at the middle of the generation, where the cost model averages the context."""
     ex = Executor(DummySource(cfg), policy, dtype, device, nvme_dir=nvme)
     try:
         prompts = [[5 + row % 100] * prompt_len for row in range(policy.block_size)]
         batch = PaddedBatch(cfg, prompts, gen_len + steps + 2, pad_id=1)
         ex.start(batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        began = time.perf_counter()
-        ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, prompt_len))
-        prefill = time.perf_counter() - began
+        for _ in range(2):
+            _sync(device)
+            began = time.perf_counter()
+            ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, prompt_len))
+            _sync(device)
+            prefill = time.perf_counter() - began
         step = _decode_seconds(ex, batch, prompt_len + gen_len // 2, steps)
         return prefill, step
     finally:
@@ -226,7 +250,7 @@ def probe_plan(
     prompt_len: int,
     gen_len: int,
     nvme: Path | None = None,
-    steps: int = 3,
+    steps: int = 5,
 ) -> Probe:
     """Run the plan at its shapes on PROBE_DEPTHS layers and extrapolate to cfg's."""
     began = time.perf_counter()

@@ -215,6 +215,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torc
 # Prefill pushes tens of thousands of token rows through the MLP at once; in slices of
 # this many rows its intermediate (4-8x the hidden size) stays small on the GPU.
 MLP_CHUNK_ROWS = 4096
+# a layer's matmul calls at decode (one each: decode rows are fewer than a chunk)
+LAYER_MATMULS = ("qkv", "o", "mlp_in", "mlp_out")
 
 
 def attn_out_and_mlp(

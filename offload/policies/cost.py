@@ -3,11 +3,13 @@
 Lanes per layer (bytes over the profile's measured rates, `policies.hardware`):
     h2d      weights not on the GPU (+ off-GPU KV when attention runs on the GPU)
     disk     weights on disk (+ disk-resident KV read back)
-    compute  the larger of 2 x tokens x layer parameters / matmul rate and the bytes
-             the kernels read: every micro-batch reads the layer's weights as stored, at
-             the rate measured for that format (int4 and int8 through the dequantizing
-             matmul), and the KV it attends on the GPU at the rate measured for the KV's
-             format; prefill at the format's measured prefill TFLOP/s; plus, under
+    compute  the larger of 2 x tokens x layer parameters / matmul rate and the kernels'
+             time: every micro-batch reads the layer's weights as stored, at the rate
+             measured for that format (int4 and int8 through the dequantizing matmul),
+             and the KV it attends on the GPU at the rate measured for the KV's format,
+             each call with its measured fixed time, and runs the layer's other kernels
+             (norms, activations, the KV's write: measured a layer and micro-batch);
+             prefill at the format's measured prefill TFLOP/s; plus, under
              tensor parallelism, two all-reduces a layer and micro-batch; plus, for
              off-GPU KV attended on the GPU, its measured chain a micro-batch
     cpu_attn off-GPU KV / CPU attention rate (attention_on_cpu; over a compressed cache
@@ -34,7 +36,7 @@ from offload.config import ModelConfig
 from offload.io.layout import gathered, stage_cuts, stage_image_bytes
 from offload.kernels.kv_cache import kv_row_bytes
 from offload.kernels.qmatmul import DENSE_ROWS
-from offload.models.decoder import MLP_CHUNK_ROWS
+from offload.models.decoder import LAYER_MATMULS, MLP_CHUNK_ROWS
 from offload.policies.caps import Baseline, peak_bytes
 from offload.policies.hardware import GB, HardwareProfile
 from offload.policies.memory import MemoryPlan, micro_batch_sizes, plan_memory, row_splits
@@ -118,11 +120,16 @@ def estimate(
     # compressed) from GPU memory, whichever tier they came from, and the KV it attends
     # on the GPU (off-GPU rows from the scratch they were loaded into)
     kv_hbm = kv_g if policy.attention_on_cpu else kv_g + kv_c + kv_d
-    compute = max(
-        2 * n_seqs * params / (hw.decode_tflops * 1e12),
-        sum(layer_w / (hw.matmul_rate(policy.weight_compression, size) * GB) for size in sizes)
-        + kv_hbm / (hw.attention_rate(policy.kv_compression) * GB),
-    ) + _allreduce_s(cfg, hw, tp, n_seqs, micro, elt)
+    gpu_attended = sum(1 for g, _, _ in splits if g) if policy.attention_on_cpu else micro
+    kernels = sum(
+        hw.matmul_seconds(policy.weight_compression, layer_w, size, len(LAYER_MATMULS))
+        for size in sizes
+    )
+    kernels += hw.attention_seconds(policy.kv_compression, kv_hbm, gpu_attended)
+    # the layer's other kernels and the gaps between them, a micro-batch
+    kernels += micro * hw.decode_elementwise_s.get(cfg.family, 0.0)
+    compute = max(2 * n_seqs * params / (hw.decode_tflops * 1e12), kernels)
+    compute += _allreduce_s(cfg, hw, tp, n_seqs, micro, elt)
     if rows_cpu + rows_disk and not policy.attention_on_cpu:
         # the off-GPU KV's chain a micro-batch (its attention over the scratch, the
         # merge with the GPU rows' and the store of the new entries, and the host's

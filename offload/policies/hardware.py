@@ -54,6 +54,9 @@ OPTIONAL_FIGURES = (
     "allreduce_latency_s",
     "prefill_attention_tflops",
     "prefill_elementwise_s",
+    "matmul_call_s",
+    "attention_call_s",
+    "decode_elementwise_s",
 )
 
 
@@ -99,6 +102,13 @@ class HardwareProfile:
     dequant_gbps: dict[str, float] = field(default_factory=dict)
     # decode attention on the GPU: the cache bytes (as stored) it reads a second
     gpu_attention_gbps: dict[str, float] = field(default_factory=dict)
+    # per format: a decode matmul call's time beyond its bytes at matmul_gbps, and a
+    # decode attention call's beyond its cache bytes at gpu_attention_gbps (launch,
+    # ramp-up, the last wave), fitted with those rates from a large and a small call.
+    # W1c's four matrices averaged 1.75 TB/s where one 8192 x 28672 matrix read 2.0, and
+    # its attention 1.1 TB/s where 32 x 32 heads x 2048 slots read 1.95 (H100, 2026-11-25)
+    matmul_call_s: dict[str, float] = field(default_factory=dict)
+    attention_call_s: dict[str, float] = field(default_factory=dict)
     # the executor's host time: per layer of a step, per micro-batch of a layer, per
     # layer and micro-batch whose KV lives off the GPU and is attended there (load,
     # store and their handoffs), and per layer of a step replayed from CUDA graphs
@@ -117,6 +127,11 @@ class HardwareProfile:
     # token and hidden unit, per model family (`ModelConfig.family`; `executor.probe`)
     prefill_attention_tflops: float = 0.0
     prefill_elementwise_s: dict[str, float] = field(default_factory=dict)
+    # decode, per model family: a layer's GPU time a micro-batch beyond its matmuls and
+    # attention (norms, activations, residuals, the KV's write, the gaps between its
+    # kernels), from a full-width layer replayed from CUDA graphs (`executor.probe`).
+    # W1c: 1.8 ms of such kernels and 1.4 ms of gaps in a 15.2 ms step (H100, 2026-11-25)
+    decode_elementwise_s: dict[str, float] = field(default_factory=dict)
     # tensor parallelism: NCCL all-reduce bus bandwidth and latency between this node's
     # GPUs (measured where there are two or more)
     allreduce_gbps: float = 0.0
@@ -153,6 +168,14 @@ class HardwareProfile:
         share = (min(rows, WIDE_DECODE_ROWS) - DECODE_ROWS) / (WIDE_DECODE_ROWS - DECODE_ROWS)
         return 1 / ((1 - share) / narrow + share / wide)
 
+    def matmul_seconds(
+        self, compression: Compression | None, nbytes: float, rows: int, calls: int
+    ) -> float:
+        """GPU seconds of `calls` decode matmuls of `rows` rows reading `nbytes` stored
+        weight bytes in all."""
+        fixed = self.matmul_call_s.get(format_name(compression), 0.0)
+        return calls * fixed + nbytes / (self.matmul_rate(compression, rows) * GB)
+
     def prefill_rate(self, compression: Compression | None) -> float:
         return self.prefill_format_tflops.get(format_name(compression), self.prefill_tflops)
 
@@ -166,6 +189,13 @@ class HardwareProfile:
     def attention_rate(self, compression: Compression | None) -> float:
         """GB/s of stored KV bytes that decode attention on the GPU reads."""
         return self.gpu_attention_gbps.get(format_name(compression), self.hbm_gbps)
+
+    def attention_seconds(
+        self, compression: Compression | None, nbytes: float, calls: int
+    ) -> float:
+        """GPU seconds of `calls` decode attentions reading `nbytes` of cache in all."""
+        fixed = self.attention_call_s.get(format_name(compression), 0.0)
+        return calls * fixed + nbytes / (self.attention_rate(compression) * GB)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -14,6 +14,7 @@ import os
 import platform
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -168,41 +169,70 @@ def _matmul_tflops(m: int, k: int, n: int, device: torch.device, dtype: torch.dt
 FUSED_PREFILL_ROWS = 512
 
 
+def fit_call(small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
+    """(GB/s, fixed seconds) of calls taking fixed + bytes / rate, from the (bytes,
+    seconds) of a small and a large call. Where the small call is no slower a byte than
+    the large one (no fixed cost to see, or noise), the large call's rate and no fixed
+    cost."""
+    (b_small, t_small), (b_large, t_large) = small, large
+    slope = (t_large - t_small) / (b_large - b_small)
+    fixed = t_small - b_small * slope
+    if slope <= 0 or fixed <= 0:
+        return b_large / t_large / GB, 0.0
+    return 1 / slope / GB, fixed
+
+
+@dataclass(frozen=True)
+class MatmulRates:
+    """Per format (`hardware.format_name`), the profile's matmul figures."""
+
+    decode_gbps: dict[str, float]  # stored bytes a second, DECODE_ROWS rows
+    wide_gbps: dict[str, float]  # the same at WIDE_DECODE_ROWS
+    call_s: dict[str, float]  # a decode call's fixed time
+    prefill_tflops: dict[str, float]
+    dequant_gbps: dict[str, float]
+
+
 def _matmul_rates(
-    m: int, k: int, n: int, device: torch.device, dtype: torch.dtype
-) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
-    """Per format: the stored weight bytes a [m, k] x [k, n] matmul reads a second at m =
-    decode rows and at WIDE_DECODE_ROWS; TFLOP/s at prefill rows (dense: cuBLAS at 4096
+    m: int, k: int, n: int, small: int, device: torch.device, dtype: torch.dtype
+) -> MatmulRates:
+    """Per format: the stored weight bytes a [m, k] x [k, n] matmul reads a second at
+    m = decode rows and at WIDE_DECODE_ROWS, beyond a call's fixed time (fitted against
+    a small x small matrix at m rows); TFLOP/s at prefill rows (dense: cuBLAS at 4096
     rows; compressed: the fused kernel at FUSED_PREFILL_ROWS); and, compressed, the
     stored bytes a second the 4096-row matmul dequantizes (its time beyond cuBLAS's on
     the dense weight)."""
     w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+    w_small = w[:small, :small].contiguous()
     decode_x = torch.randn(m, k, device=device, dtype=dtype)
+    small_x = decode_x[:, :small].contiguous()
     wide_x = torch.randn(WIDE_DECODE_ROWS, k, device=device, dtype=dtype)
     prefill_rows = 4096 if device.type == "cuda" else 256
     prefill_x = torch.randn(prefill_rows, k, device=device, dtype=dtype)
     fused_x = prefill_x[: min(FUSED_PREFILL_ROWS, prefill_rows // 2)]
-    read, wide, flops, dequant = {}, {}, {}, {}
+    rates = MatmulRates({}, {}, {}, {}, {})
     dense_s = _timed(lambda: F.linear(prefill_x, w), repeat=3)
     for config in FORMATS:
         name = format_name(config)
+        stored = w if config is None else quantize(w, config)
+        stored_small = w_small if config is None else quantize(w_small, config)
+        call = F.linear if config is None else qlinear
+        small_s = kernel_seconds(functools.partial(call, small_x, stored_small))
+        large_s = kernel_seconds(functools.partial(call, decode_x, stored))
+        rate, fixed = fit_call((stored_small.nbytes, small_s), (stored.nbytes, large_s))
+        rates.decode_gbps[name], rates.call_s[name] = rate, fixed
+        wide_s = kernel_seconds(functools.partial(call, wide_x, stored))
+        rates.wide_gbps[name] = stored.nbytes / max(wide_s - fixed, 0.5 * wide_s) / GB
         if config is None:
-            for rates, x in ((read, decode_x), (wide, wide_x)):
-                seconds = kernel_seconds(lambda x=x: F.linear(x, w), repeat=10)
-                rates[name] = w.numel() * w.element_size() / seconds / GB
-            flops[name] = 2 * prefill_rows * k * n / dense_s / 1e12
+            rates.prefill_tflops[name] = 2 * prefill_rows * k * n / dense_s / 1e12
             continue
-        stored = quantize(w, config)
-        for rates, x in ((read, decode_x), (wide, wide_x)):
-            seconds = kernel_seconds(lambda s=stored, x=x: qlinear(x, s), repeat=10)
-            rates[name] = stored.nbytes / seconds / GB
         seconds = _timed(lambda s=stored: qlinear(fused_x, s), repeat=3)
-        flops[name] = 2 * fused_x.shape[0] * k * n / seconds / 1e12
+        rates.prefill_tflops[name] = 2 * fused_x.shape[0] * k * n / seconds / 1e12
         # noise can make the difference tiny: at least 2% of the matmul
         extra = _timed(lambda s=stored: qlinear(prefill_x, s), repeat=3) - dense_s
-        dequant[name] = stored.nbytes / max(extra, 0.02 * dense_s) / GB
-        del stored
-    return read, wide, flops, dequant
+        rates.dequant_gbps[name] = stored.nbytes / max(extra, 0.02 * dense_s) / GB
+        del stored, stored_small
+    return rates
 
 
 def _prefill_attention_tflops(device: torch.device, dtype: torch.dtype) -> float:
@@ -215,22 +245,33 @@ def _prefill_attention_tflops(device: torch.device, dtype: torch.dtype) -> float
     return 4 * rows * t * t * heads * dim / _timed(lambda: attend(q, k, v, bias)) / 1e12
 
 
-def _gpu_attention_rates(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
-    """Per format: the cache bytes (as stored) decode attention on the GPU reads a second."""
-    rows, heads, slots, dim = 32, 32, 2048, 128
-    q = torch.randn(rows, heads, 1, dim, device=device, dtype=dtype)
-    k = torch.randn(rows, heads, slots, dim, device=device, dtype=dtype)
-    v = torch.randn_like(k)
-    bias = torch.zeros(rows, 1, 1, slots, device=device, dtype=dtype)
-    dense = kernel_seconds(lambda: attend(q, k, v, bias))
-    rates = {"dense": 2 * k.numel() * k.element_size() / dense / GB}
-    for config in FORMATS[1:]:
-        cache = QuantKV(rows, heads, dim, slots, config, dtype, device)
-        cache.write(k, v, 0)
-        seconds = kernel_seconds(lambda cache=cache: decode_attention(q, cache, bias, slots))
-        rates[format_name(config)] = cache.nbytes / seconds / GB
-        del cache
-    return rates
+def _gpu_attention_rates(
+    device: torch.device, dtype: torch.dtype
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Per format: the cache bytes (as stored) decode attention on the GPU reads a
+    second beyond a call's fixed time, and that fixed time (fitted from 32 x 32 heads
+    x 2048 slots and 4 x 32 heads x 512)."""
+    heads, dim = 32, 128
+    rates, call_s = {}, {}
+    for config in FORMATS:
+        points = []
+        for rows, slots in ((4, 512), (32, 2048)):
+            q = torch.randn(rows, heads, 1, dim, device=device, dtype=dtype)
+            k = torch.randn(rows, heads, slots, dim, device=device, dtype=dtype)
+            v = torch.randn_like(k)
+            bias = torch.zeros(rows, 1, 1, slots, device=device, dtype=dtype)
+            if config is None:
+                nbytes = 2 * k.numel() * k.element_size()
+                seconds = kernel_seconds(functools.partial(attend, q, k, v, bias))
+            else:
+                cache = QuantKV(rows, heads, dim, slots, config, dtype, device)
+                cache.write(k, v, 0)
+                nbytes = cache.nbytes
+                seconds = kernel_seconds(functools.partial(decode_attention, q, cache, bias, slots))
+            points.append((nbytes, seconds))
+        name = format_name(config)
+        rates[name], call_s[name] = fit_call(*points)
+    return rates, call_s
 
 
 def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
@@ -263,10 +304,8 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         del host, host2, gpu, gpu2
         prefill = _matmul_tflops(4096, 8192, 8192, dev, torch.float16)
         decode = _matmul_tflops(64, 8192, 28672, dev, torch.float16)
-        matmul, wide, prefill_formats, dequant = _matmul_rates(
-            DECODE_ROWS, 8192, 28672, dev, torch.float16
-        )
-        attention = _gpu_attention_rates(dev, torch.float16)
+        matmuls = _matmul_rates(DECODE_ROWS, 8192, 28672, 4096, dev, torch.float16)
+        attention, attention_call = _gpu_attention_rates(dev, torch.float16)
         prefill_attention = _prefill_attention_tflops(dev, torch.float16)
         gpu_mem, name = (
             torch.cuda.get_device_properties(dev).total_memory,
@@ -281,11 +320,10 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         cpu_quant_attn = _cpu_attention_rate(torch.float32, compressed=True)
         prefill = decode = _matmul_tflops(1024, 2048, 2048, torch.device("cpu"), torch.float32)
         cpu = torch.device("cpu")
-        matmul, wide, prefill_formats, dequant = _matmul_rates(
-            DECODE_ROWS, 1024, 2048, cpu, torch.float32
-        )
+        matmuls = _matmul_rates(DECODE_ROWS, 1024, 2048, 256, cpu, torch.float32)
         prefill_attention = _prefill_attention_tflops(cpu, torch.float32)
-        attention = {}  # no GPU: decode attention runs on the CPU (cpu_*attention_gbps)
+        # no GPU: decode attention runs on the CPU (cpu_*attention_gbps)
+        attention, attention_call = {}, {}
         gpu_mem, name = psutil.virtual_memory().total, f"CPU only ({platform.processor() or 'cpu'})"
         context = 0
     return HardwareProfile(
@@ -308,11 +346,13 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         gpu_context_bytes=int(context),
         process_base_bytes=psutil.Process().memory_info().rss,
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
-        matmul_gbps=matmul,
-        matmul_gbps_wide=wide,
-        prefill_format_tflops=prefill_formats,
-        dequant_gbps=dequant,
+        matmul_gbps=matmuls.decode_gbps,
+        matmul_gbps_wide=matmuls.wide_gbps,
+        matmul_call_s=matmuls.call_s,
+        prefill_format_tflops=matmuls.prefill_tflops,
+        dequant_gbps=matmuls.dequant_gbps,
         prefill_attention_tflops=prefill_attention,
         gpu_attention_gbps=attention,
+        attention_call_s=attention_call,
         code_version=code_version(),
     )
