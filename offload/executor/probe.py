@@ -17,6 +17,7 @@ Two uses:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -89,6 +90,32 @@ def _decode_seconds(ex: Executor, batch: PaddedBatch, start: int, steps: int) ->
     return statistics.median(times)
 
 
+def _decode_kernels(
+    ex: Executor, batch: PaddedBatch, start: int, steps: int
+) -> tuple[float, float]:
+    """A decode step's GPU time in kernels and the number of kernels, under the torch
+    profiler (CUPTI sees the kernels of a graph's replay), after `_decode_seconds`'
+    warm-up; and the median gap between consecutive kernels. The step's wall time would
+    also hold the host's waits where the host is behind: that is the host lane's, a
+    lane of its own in the cost model."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.ones(batch.size, 1, dtype=torch.long)
+    _sync(ex.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for t in range(steps):
+            ex.forward(ids, ex.step_inputs(batch, start + t, 1))
+        _sync(ex.device)
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and e.device_time > 0
+    )
+    busy = sum(end - begin for begin, end in spans) / 1e6
+    gaps = [max(0.0, b[0] - a[1]) / 1e6 for a, b in itertools.pairwise(spans)]
+    return busy / steps, len(spans) / steps, statistics.median(gaps) if gaps else 0.0
+
+
 def _stage_seconds(policy: Policy, device: torch.device, rows: int, steps: int) -> float:
     """A decode step's wall time a stage (the layers, the embedding and the head), on
     the narrow model under `policy`."""
@@ -136,14 +163,15 @@ def overheads(device: torch.device, steps: int = 8) -> dict[str, float]:
 
 def _full_width_seconds(
     cfg: ModelConfig, device: torch.device, rows: int, tokens: int, steps: int = 8
-) -> tuple[float, float]:
-    """(prefill, decode step) of `rows` x `tokens`, every weight on the device (decode
+) -> tuple[float, tuple[float, float, float]]:
+    """Prefill and decode of `rows` x `tokens`, every weight on the device (decode
     replayed from CUDA graphs there): the fastest of three prefills after one that
-    compiles, and the median decode step (`_decode_seconds`)."""
+    compiles; a decode step's kernels (`_decode_kernels`) on CUDA, its median wall
+    time (`_decode_seconds`, no kernels or gaps) on the CPU."""
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     ex = Executor(DummySource(cfg), Policy(rows, 1), dtype, device)
     try:
-        batch = PaddedBatch(cfg, [[5] * tokens] * rows, steps + 4, pad_id=1)
+        batch = PaddedBatch(cfg, [[5] * tokens] * rows, 2 * steps + 4, pad_id=1)
         ex.start(batch)
         times = []
         for _ in range(4):
@@ -152,7 +180,10 @@ def _full_width_seconds(
             ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, tokens))
             _sync(device)
             times.append(time.perf_counter() - began)
-        return min(times[1:]), _decode_seconds(ex, batch, tokens, steps)
+        step = _decode_seconds(ex, batch, tokens, steps)
+        if device.type == "cuda":
+            return min(times[1:]), _decode_kernels(ex, batch, tokens + steps + 2, steps)
+        return min(times[1:]), (step, 0.0, 0.0)
     finally:
         ex.close()
 
@@ -169,13 +200,14 @@ def elementwise(hw: HardwareProfile, device: torch.device) -> dict[str, dict[str
     matmuls and attention (as `hw` rates them), from the difference of a 4- and a
     2-layer model: in prefill per token and hidden unit (norms, activations, position
     encodings, residuals, the KV's store: `prefill_elementwise_s`), in a decode step a
-    layer and micro-batch (the same kernels at a few rows, where their launches and
-    the gaps between them set their time: `decode_elementwise_s`)."""
+    layer and micro-batch (`decode_elementwise_s`: the same kernels at a few rows, and
+    a gap between each two kernels: the GPU's time, which the host's does not enter;
+    W1c's host issue, 9 ms a step, hid behind 13.8 of kernels and 1.4 of gaps)."""
     rows, tokens = ELEMENTWISE_SHAPE[device.type]
     prefill, decode = {}, {}
     for family in ELEMENTWISE_CONFIGS:
         cfg = _elementwise_config(family, device)
-        (p_lo, d_lo), (p_hi, d_hi) = (
+        (p_lo, (d_lo, n_lo, gap_lo)), (p_hi, (d_hi, n_hi, gap_hi)) = (
             _full_width_seconds(dataclasses.replace(cfg, num_layers=depth), device, rows, tokens)
             for depth in PROBE_DEPTHS
         )
@@ -190,7 +222,8 @@ def elementwise(hw: HardwareProfile, device: torch.device) -> dict[str, dict[str
         cache = rows * tokens * 2 * cfg.num_kv_heads * cfg.head_dim * elt
         kernels = hw.matmul_seconds(None, weights, rows, len(LAYER_MATMULS))
         kernels += hw.attention_seconds(None, cache, 1)
-        decode[family] = max(0.0, (d_hi - d_lo) / layers - kernels)
+        gaps = (n_hi - n_lo) / layers * (gap_lo + gap_hi) / 2
+        decode[family] = max(0.0, (d_hi - d_lo) / layers - kernels + gaps)
     return {"prefill_elementwise_s": prefill, "decode_elementwise_s": decode}
 
 
