@@ -257,6 +257,23 @@ def test_the_off_gpu_kv_chain_is_compute_time_and_favours_fewer_micro_batches():
     )
 
 
+def test_each_disk_home_pays_its_chain_on_the_disk_lane():
+    """Micro-batches with KV rows on disk pay the measured chain (the read's and the
+    write-back's latency) once a layer each, on the disk lane; rows in CPU homes do not."""
+    cfg = cfg_of("opt-30b")
+    w4 = {"weight_compression": INT4, "kv_compression": INT4}
+    chain = dataclasses.replace(PROFILE, disk_kv_s=0.003)
+    on_disk = Policy(8, 2, kv_cache=Placement(0, 0.875, 0.125), **w4)
+    free, paid = (estimate(cfg, on_disk, torch.float16, 512, 32, hw) for hw in (PROFILE, chain))
+    added = paid.lanes_decode_s["disk"] - free.lanes_decode_s["disk"]
+    assert added == pytest.approx(cfg.num_layers * 2 * 0.003)
+    assert paid.decode_step_s > free.decode_step_s
+    in_cpu = Policy(8, 2, kv_cache=Placement(0, 1, 0), **w4)
+    assert estimate(cfg, in_cpu, torch.float16, 512, 32, chain) == estimate(
+        cfg, in_cpu, torch.float16, 512, 32, PROFILE
+    )
+
+
 def test_the_all_reduce_costs_tensor_parallel_plans_time():
     cfg = cfg_of("llama-2-13b")
     policy = Policy(16, 1)
@@ -288,10 +305,11 @@ def test_ranked_plans_differ_in_kind_and_lead_with_the_search_best():
     assert [e.total_tok_s for e in plans] == sorted((e.total_tok_s for e in plans), reverse=True)
 
 
-def test_executor_fixed_costs_are_measured():
-    figures = overheads(torch.device("cpu"), steps=2)
+def test_executor_fixed_costs_are_measured(tmp_path):
+    figures = overheads(torch.device("cpu"), tmp_path, steps=2)
     assert figures["layer_fixed_s"] >= 0 and figures["micro_fixed_s"] >= 0
-    assert figures["offgpu_kv_s"] >= 0
+    assert figures["offgpu_kv_s"] >= 0 and figures["disk_kv_s"] >= 0
+    assert not list(tmp_path.iterdir())  # the disk homes' spill file is gone
     assert 0 < figures["layer_fixed_s"] + figures["micro_fixed_s"] < 1.0
     assert figures["graph_layer_s"] == 0.0  # no CUDA graphs on the CPU
     assert figures["cpu_attention_fixed_s"] == 0.0  # without CUDA all attention is the CPU's

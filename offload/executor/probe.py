@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,12 +117,14 @@ def _decode_kernels(
     return busy / steps, len(spans) / steps, statistics.median(gaps) if gaps else 0.0
 
 
-def _stage_seconds(policy: Policy, device: torch.device, rows: int, steps: int) -> float:
+def _stage_seconds(
+    policy: Policy, device: torch.device, rows: int, steps: int, nvme: Path | None = None
+) -> float:
     """A decode step's wall time a stage (the layers, the embedding and the head), on
-    the narrow model under `policy`."""
+    the narrow model under `policy` (disk homes in `nvme`)."""
     cfg = ModelConfig.from_hf(OVERHEAD_CONFIG, "overhead-probe")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    ex = Executor(DummySource(cfg), policy, dtype, device)
+    ex = Executor(DummySource(cfg), policy, dtype, device, nvme_dir=nvme)
     try:
         batch = PaddedBatch(cfg, [[5] * 8] * rows, 2 + steps + 2, pad_id=1)
         ex.start(batch)
@@ -131,20 +134,22 @@ def _stage_seconds(policy: Policy, device: torch.device, rows: int, steps: int) 
         ex.close()
 
 
-def overheads(device: torch.device, steps: int = 8) -> dict[str, float]:
+def overheads(device: torch.device, nvme: Path, steps: int = 8) -> dict[str, float]:
     """The executor's fixed costs: per stage, per micro-batch of a stage, per layer and
     micro-batch whose KV lives off the GPU and is attended there (its load, store and
-    the handoffs between them), per layer and micro-batch attended on the CPU (the
-    copies of q, k, v and the output, their waits, the call; 0 without CUDA, where all
-    attention is the CPU's), and per stage of a step replayed from CUDA graphs (0
-    without CUDA)."""
+    the handoffs between them), the same whose KV lives on disk in `nvme` beyond a CPU
+    home's (the read's and the write-back's latency and their turns through the
+    staging blocks), per layer and micro-batch attended on the CPU (the copies of q, k,
+    v and the output, their waits, the call; 0 without CUDA, where all attention is
+    the CPU's), and per stage of a step replayed from CUDA graphs (0 without CUDA)."""
     streamed = Placement(0.0, 1.0, 0.0)  # every stage crosses: the eager path's work
     one = _stage_seconds(Policy(1, 1, weights=streamed), device, 1, steps)
     four = _stage_seconds(Policy(1, 4, weights=streamed), device, 4, steps)
-    off_gpu_kv = Policy(
-        1, 4, weights=streamed, kv_cache=streamed, kv_compression=Compression(4, 64, False)
-    )
+    int4 = Compression(4, 64, False)
+    off_gpu_kv = Policy(1, 4, weights=streamed, kv_cache=streamed, kv_compression=int4)
     four_kv = _stage_seconds(off_gpu_kv, device, 4, steps)
+    on_disk = Policy(1, 4, weights=streamed, kv_cache=Placement(0, 0, 1), kv_compression=int4)
+    four_disk = _stage_seconds(on_disk, device, 4, steps, nvme)
     on_cpu = Policy(1, 4, weights=streamed, kv_cache=streamed, attention_on_cpu=True)
     four_cpu = _stage_seconds(on_cpu, device, 4, steps) if device.type == "cuda" else four
     stages_per_layer = (OVERHEAD_LAYERS + 2) / OVERHEAD_LAYERS  # KV lives in layers only
@@ -156,6 +161,7 @@ def overheads(device: torch.device, steps: int = 8) -> dict[str, float]:
         "layer_fixed_s": max(0.0, one - micro),
         "micro_fixed_s": micro,
         "offgpu_kv_s": max(0.0, (four_kv - four) / 4 * stages_per_layer),
+        "disk_kv_s": max(0.0, (four_disk - four_kv) / 4 * stages_per_layer),
         "cpu_attention_fixed_s": max(0.0, (four_cpu - four) / 4 * stages_per_layer),
         "graph_layer_s": graph,
     }
@@ -231,7 +237,8 @@ def measure_profile(nvme: Path | None, quick: bool = True) -> HardwareProfile:
     """This machine's profile: the device's rates and the executor's own costs."""
     hw = measure(nvme, quick=quick)
     device = torch.device("cuda" if hw.has_gpu else "cpu")
-    hw = dataclasses.replace(hw, **overheads(device, steps=4 if quick else 8))
+    spill = nvme or Path(tempfile.gettempdir())
+    hw = dataclasses.replace(hw, **overheads(device, spill, steps=4 if quick else 8))
     return dataclasses.replace(hw, **elementwise(hw, device))
 
 

@@ -2,7 +2,8 @@
 
 Lanes per layer (bytes over the profile's measured rates, `policies.hardware`):
     h2d      weights not on the GPU (+ off-GPU KV when attention runs on the GPU)
-    disk     weights on disk (+ disk-resident KV read back)
+    disk     weights on disk (+ disk-resident KV read back, and each disk home's
+             measured chain: its read's and write-back's latency)
     compute  the larger of 2 x tokens x layer parameters / matmul rate and the kernels'
              time: every micro-batch reads the layer's weights as stored, at the rate
              measured for that format (int4 and int8 through the dequantizing matmul),
@@ -116,6 +117,7 @@ def estimate(
     disk = (disk_w + kv_d) / (hw.disk_read_gbps * GB) + rows_disk * write_tok / (
         hw.disk_write_gbps * GB
     )
+    disk += sum(1 for _, _, d in splits if d) * hw.disk_kv_s  # each disk home's chain
     # every micro-batch reads the layer's weights (as stored: compressed when
     # compressed) from GPU memory, whichever tier they came from, and the KV it attends
     # on the GPU (off-GPU rows from the scratch they were loaded into)

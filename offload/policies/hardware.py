@@ -48,6 +48,7 @@ OPTIONAL_FIGURES = (
     "layer_fixed_s",
     "micro_fixed_s",
     "offgpu_kv_s",
+    "disk_kv_s",
     "cpu_attention_fixed_s",
     "graph_layer_s",
     "allreduce_gbps",
@@ -117,6 +118,11 @@ class HardwareProfile:
     micro_fixed_s: float = 0.0
     offgpu_kv_s: float = 0.0
     graph_layer_s: float = 0.0
+    # per layer and micro-batch with KV rows on disk, beyond a CPU home's chain: the
+    # read's and the write-back's latency and their turns (OPT-30B int4, 8 x 2, one row
+    # of each micro-batch on disk: 675 ms a step where the bytes over the disk's
+    # sequential rates took 373, validate_cost_model 021229)
+    disk_kv_s: float = 0.0
     # per layer and micro-batch attended on the CPU: the fixed part of the CPU
     # attention's chain (Llama-3.1-8B, 8 x 8, H100 run validate_cost_model 000155:
     # about 1.3 ms a call beyond the KV bytes over the measured rate)
