@@ -162,7 +162,8 @@ def test_a_measured_profile_keeps_w1c_attention_on_the_gpu():
 
 
 def test_the_decode_matmul_rate_follows_the_micro_batch_rows():
-    """Measured at 16 and at 64 rows; between them a byte's time is linear in the rows."""
+    """Measured at 16 and at 64 rows (a profile without the 32-row figure): between
+    them a byte's time is linear in the rows."""
     hw = dataclasses.replace(
         PROFILE, matmul_gbps={"int4": 1000.0}, matmul_gbps_wide={"int4": 250.0}
     )
@@ -170,6 +171,11 @@ def test_the_decode_matmul_rate_follows_the_micro_batch_rows():
     assert hw.matmul_rate(INT4, 40) == pytest.approx(1 / (0.5 / 1000 + 0.5 / 250))
     assert hw.matmul_rate(INT4, 64) == hw.matmul_rate(INT4, 512) == 250.0
     assert hw.matmul_rate(None, 64) == PROFILE.hbm_gbps  # not measured: HBM's rate
+    # measured at the kernel's middle tile too: each row count at its tile's rate
+    tiles = dataclasses.replace(hw, matmul_gbps_mid={"int4": 400.0})
+    assert [tiles.matmul_rate(INT4, m) for m in (16, 17, 32, 33, 64, 96)] == [
+        1000.0, 400.0, 400.0, 250.0, 250.0, 250.0
+    ]  # fmt: skip
     cfg = cfg_of("llama-3.1-8b")
     for rows, slower in ((16, False), (48, True)):
         policy = Policy(rows, 1, weight_compression=INT4, kv_compression=INT4)

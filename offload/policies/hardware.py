@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 GB = 1e9
 # the rows of x at which the decode matmul rates are measured (`matmul_gbps`,
-# `matmul_gbps_wide`)
-DECODE_ROWS, WIDE_DECODE_ROWS = 16, 64
+# `matmul_gbps_mid`, `matmul_gbps_wide`): the row tiles of the dequantizing kernel
+# (`qmatmul.ROW_TILES`), each of which runs every row count up to it at its own rate
+DECODE_ROWS, MID_DECODE_ROWS, WIDE_DECODE_ROWS = 16, 32, 64
 # what the profile's figures depend on (relative to the package): the code they time,
 # and how they are measured (a figure measured another way is measured again)
 VERSIONED_SOURCES = (
@@ -98,7 +99,11 @@ class HardwareProfile:
     matmul_gbps: dict[str, float] = field(default_factory=dict)
     # the same at WIDE_DECODE_ROWS (the kernel's 64-row tiles: Llama-3.1-8B int4 at 48
     # rows took 15.5 ms a step against 7.9 predicted from the 16-row rate, run 001205)
+    # and at MID_DECODE_ROWS (its 32-row tiles: at 24 rows Llama-3.1-8B's int4 matmuls
+    # read 940 GB/s where a rate interpolated between 16 and 64 rows said 1557, H100,
+    # decode_step 023330)
     matmul_gbps_wide: dict[str, float] = field(default_factory=dict)
+    matmul_gbps_mid: dict[str, float] = field(default_factory=dict)
     prefill_format_tflops: dict[str, float] = field(default_factory=dict)
     dequant_gbps: dict[str, float] = field(default_factory=dict)
     # decode attention on the GPU: the cache bytes (as stored) it reads a second
@@ -164,13 +169,18 @@ class HardwareProfile:
 
     def matmul_rate(self, compression: Compression | None, rows: int = DECODE_ROWS) -> float:
         """GB/s of stored weight bytes a decode-shaped matmul of `rows` rows reads in this
-        format: the rate measured at DECODE_ROWS up to there, at WIDE_DECODE_ROWS from
-        there, its time a byte linear in the rows between."""
+        format: the rate measured at the first of DECODE_ROWS, MID_DECODE_ROWS and
+        WIDE_DECODE_ROWS at or above `rows` (the kernel's row tile), WIDE_DECODE_ROWS'
+        from there. A profile without the middle figure: the time a byte linear in the
+        rows between the other two."""
         name = format_name(compression)
         narrow = self.matmul_gbps.get(name, self.hbm_gbps)
         wide = self.matmul_gbps_wide.get(name)
         if wide is None or rows <= DECODE_ROWS:
             return narrow
+        mid = self.matmul_gbps_mid.get(name)
+        if mid is not None:
+            return mid if rows <= MID_DECODE_ROWS else wide
         share = (min(rows, WIDE_DECODE_ROWS) - DECODE_ROWS) / (WIDE_DECODE_ROWS - DECODE_ROWS)
         return 1 / ((1 - share) / narrow + share / wide)
 

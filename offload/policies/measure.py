@@ -32,6 +32,7 @@ from offload.models.decoder import attend
 from offload.policies.hardware import (
     DECODE_ROWS,
     GB,
+    MID_DECODE_ROWS,
     WIDE_DECODE_ROWS,
     HardwareProfile,
     code_version,
@@ -188,6 +189,7 @@ class MatmulRates:
 
     decode_gbps: dict[str, float]  # stored bytes a second, DECODE_ROWS rows
     wide_gbps: dict[str, float]  # the same at WIDE_DECODE_ROWS
+    mid_gbps: dict[str, float]  # and at MID_DECODE_ROWS
     call_s: dict[str, float]  # a decode call's fixed time
     prefill_tflops: dict[str, float]
     dequant_gbps: dict[str, float]
@@ -197,7 +199,7 @@ def _matmul_rates(
     m: int, k: int, n: int, small: int, device: torch.device, dtype: torch.dtype
 ) -> MatmulRates:
     """Per format: the stored weight bytes a [m, k] x [k, n] matmul reads a second at
-    m = decode rows and at WIDE_DECODE_ROWS, beyond a call's fixed time (fitted against
+    m = decode rows, MID_DECODE_ROWS and WIDE_DECODE_ROWS, beyond a call's fixed time (fitted against
     a small x small matrix at m rows); TFLOP/s at prefill rows (dense: cuBLAS at 4096
     rows; compressed: the fused kernel at FUSED_PREFILL_ROWS); and, compressed, the
     stored bytes a second the 4096-row matmul dequantizes (its time beyond cuBLAS's on
@@ -207,10 +209,11 @@ def _matmul_rates(
     decode_x = torch.randn(m, k, device=device, dtype=dtype)
     small_x = decode_x[:, :small].contiguous()
     wide_x = torch.randn(WIDE_DECODE_ROWS, k, device=device, dtype=dtype)
+    mid_x = wide_x[:MID_DECODE_ROWS]
     prefill_rows = 4096 if device.type == "cuda" else 256
     prefill_x = torch.randn(prefill_rows, k, device=device, dtype=dtype)
     fused_x = prefill_x[: min(FUSED_PREFILL_ROWS, prefill_rows // 2)]
-    rates = MatmulRates({}, {}, {}, {}, {})
+    rates = MatmulRates({}, {}, {}, {}, {}, {})
     dense_s = _timed(lambda: F.linear(prefill_x, w), repeat=3)
     for config in FORMATS:
         name = format_name(config)
@@ -221,8 +224,9 @@ def _matmul_rates(
         large_s = kernel_seconds(functools.partial(call, decode_x, stored))
         rate, fixed = fit_call((stored_small.nbytes, small_s), (stored.nbytes, large_s))
         rates.decode_gbps[name], rates.call_s[name] = rate, fixed
-        wide_s = kernel_seconds(functools.partial(call, wide_x, stored))
-        rates.wide_gbps[name] = stored.nbytes / max(wide_s - fixed, 0.5 * wide_s) / GB
+        for figure, x in ((rates.wide_gbps, wide_x), (rates.mid_gbps, mid_x)):
+            seconds = kernel_seconds(functools.partial(call, x, stored))
+            figure[name] = stored.nbytes / max(seconds - fixed, 0.5 * seconds) / GB
         if config is None:
             rates.prefill_tflops[name] = 2 * prefill_rows * k * n / dense_s / 1e12
             continue
@@ -348,6 +352,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
         matmul_gbps=matmuls.decode_gbps,
         matmul_gbps_wide=matmuls.wide_gbps,
+        matmul_gbps_mid=matmuls.mid_gbps,
         matmul_call_s=matmuls.call_s,
         prefill_format_tflops=matmuls.prefill_tflops,
         dequant_gbps=matmuls.dequant_gbps,
