@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from offload.batch import PaddedBatch
 from offload.config import ModelConfig
@@ -93,14 +94,12 @@ def _decode_seconds(ex: Executor, batch: PaddedBatch, start: int, steps: int) ->
 
 def _decode_kernels(
     ex: Executor, batch: PaddedBatch, start: int, steps: int
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """A decode step's GPU time in kernels and the number of kernels, under the torch
     profiler (CUPTI sees the kernels of a graph's replay), after `_decode_seconds`'
     warm-up; and the median gap between consecutive kernels. The step's wall time would
     also hold the host's waits where the host is behind: that is the host lane's, a
     lane of its own in the cost model."""
-    from torch.profiler import ProfilerActivity, profile
-
     ids = torch.ones(batch.size, 1, dtype=torch.long)
     _sync(ex.device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
