@@ -75,6 +75,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _synced_seconds(device: torch.device, fn) -> float:
+    """Wall time of fn(), from an idle device to the end of its work."""
+    _sync(device)
+    began = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - began
+
+
 def _decode_seconds(ex: Executor, batch: PaddedBatch, start: int, steps: int) -> float:
     """The median wall time of `steps` decode steps from slot `start` (after two that
     compile and capture graphs), each step synchronized: one slow step (a page fault, a
@@ -82,13 +91,10 @@ def _decode_seconds(ex: Executor, batch: PaddedBatch, start: int, steps: int) ->
     ids = torch.ones(batch.size, 1, dtype=torch.long)
     ex.forward(ids, ex.step_inputs(batch, start, 1))  # compiles, captures graphs
     ex.forward(ids, ex.step_inputs(batch, start + 1, 1))
-    times = []
-    for t in range(steps):
-        _sync(ex.device)
-        began = time.perf_counter()
-        ex.forward(ids, ex.step_inputs(batch, start + 2 + t, 1))
-        _sync(ex.device)
-        times.append(time.perf_counter() - began)
+    times = [
+        _synced_seconds(ex.device, lambda t=t: ex.forward(ids, ex.step_inputs(batch, start + t, 1)))
+        for t in range(2, steps + 2)
+    ]
     return statistics.median(times)
 
 
@@ -178,13 +184,11 @@ def _full_width_seconds(
     try:
         batch = PaddedBatch(cfg, [[5] * tokens] * rows, 2 * steps + 4, pad_id=1)
         ex.start(batch)
-        times = []
-        for _ in range(4):
-            _sync(device)
-            began = time.perf_counter()
+
+        def prefill() -> None:
             ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, tokens))
-            _sync(device)
-            times.append(time.perf_counter() - began)
+
+        times = [_synced_seconds(device, prefill) for _ in range(4)]
         step = _decode_seconds(ex, batch, tokens, steps)
         if device.type == "cuda":
             return min(times[1:]), _decode_kernels(ex, batch, tokens + steps + 2, steps)
@@ -269,14 +273,14 @@ def _run_depth(
         prompts = [[5 + row % 100] * prompt_len for row in range(policy.block_size)]
         batch = PaddedBatch(cfg, prompts, gen_len + steps + 2, pad_id=1)
         ex.start(batch)
-        for _ in range(2):
-            _sync(device)
-            began = time.perf_counter()
+
+        def prefill() -> None:
             ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, prompt_len))
-            _sync(device)
-            prefill = time.perf_counter() - began
+
+        _synced_seconds(device, prefill)  # compiles what the job's warm-up would
+        seconds = _synced_seconds(device, prefill)
         step = _decode_seconds(ex, batch, prompt_len + gen_len // 2, steps)
-        return prefill, step
+        return seconds, step
     finally:
         ex.close()
 

@@ -199,8 +199,8 @@ def _matmul_rates(
     m: int, k: int, n: int, small: int, device: torch.device, dtype: torch.dtype
 ) -> MatmulRates:
     """Per format: the stored weight bytes a [m, k] x [k, n] matmul reads a second at
-    m = decode rows, MID_DECODE_ROWS and WIDE_DECODE_ROWS, beyond a call's fixed time (fitted against
-    a small x small matrix at m rows); TFLOP/s at prefill rows (dense: cuBLAS at 4096
+    m = decode rows, MID_DECODE_ROWS and WIDE_DECODE_ROWS, beyond a call's fixed time
+    (fitted against a small x small matrix at m rows); TFLOP/s at prefill rows (dense: cuBLAS at 4096
     rows; compressed: the fused kernel at FUSED_PREFILL_ROWS); and, compressed, the
     stored bytes a second the 4096-row matmul dequantizes (its time beyond cuBLAS's on
     the dense weight)."""
