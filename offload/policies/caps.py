@@ -6,6 +6,7 @@ measured peaks are reported against the same numbers. The peak of a tier is
 
     GPU:  plan.gpu_bytes x (1 + GPU_SLACK) + the CUDA context and library workspaces
     CPU:  plan.cpu_bytes + the process's own resident bytes before any plan bytes
+          + HOST_SLACK_BYTES
 
 where the plan (`policies.memory.plan_memory`) counts every buffer the executor
 allocates, from the byte layout in `io.layout`. The baseline (context, process) comes
@@ -29,6 +30,13 @@ from offload.policies.policy import Policy
 # The plan counts every tensor the executor allocates, but not the CUDA caching
 # allocator's block rounding and fragmentation: a GPU peak carries this share on top.
 GPU_SLACK = 0.02
+# Nor does it count what the process's heap grows by as a run goes on: glibc keeps the
+# freed memory of a step's host temporaries (CPU attention's fp32 query, output and
+# split partials, logits) and libraries load on first use. Measured outside the pools
+# with scripts/rss_watch.py on the H100 machine, OPT-30B at prompt 512: +0.14 GB over
+# the profile's baseline with GPU attention (6 x 16, run 031129), +0.64 GB with CPU
+# attention (96 x 1, run 021705, which broke its CPU cap by 0.56 GB without this).
+HOST_SLACK_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,14 @@ def process_rss() -> int:
 def peak_bytes(plan: MemoryPlan, base: Baseline) -> tuple[int, int]:
     """(GPU, CPU) peak of a run of this plan: the one accounting."""
     gpu = int(plan.gpu_bytes * (1 + GPU_SLACK)) + base.gpu_context_bytes
-    return gpu, plan.cpu_bytes + base.process_bytes
+    return gpu, plan.cpu_bytes + base.process_bytes + HOST_SLACK_BYTES
+
+
+def plan_budget(caps: Caps, base: Baseline) -> tuple[float, float]:
+    """(GPU, CPU) plan bytes the caps leave: the inverse of `peak_bytes`."""
+    assert caps.gpu_bytes is not None and caps.cpu_bytes is not None, "a search has both caps"
+    gpu = (caps.gpu_bytes - base.gpu_context_bytes) / (1 + GPU_SLACK)
+    return gpu, caps.cpu_bytes - base.process_bytes - HOST_SLACK_BYTES
 
 
 def device_limits(device: torch.device) -> tuple[int, int]:
@@ -106,7 +121,8 @@ def fit_problem(
     if cpu_limit is not None and cpu > cpu_limit:
         return (
             f"CPU needs {_gb(cpu)} (plan {_gb(plan.cpu_bytes)} + this process "
-            f"{_gb(base.process_bytes)}) but {_gb(cpu_limit)} is available"
+            f"{_gb(base.process_bytes)} + heap growth {_gb(HOST_SLACK_BYTES)}) but "
+            f"{_gb(cpu_limit)} is available"
         )
     return None
 

@@ -3,6 +3,11 @@
 The numbers come from the same layout and cut functions the executor allocates with,
 so a run's ledger matches the plan; `transient` estimates the per-micro-batch working
 tensors (attention bias, MLP intermediate, logits) that the CUDA allocator holds at peak.
+
+A run has two phases. While the weights load (the executor's constructor) only their
+homes and pinned pool exist, beside one stage's load transients (`load_` parts); then
+the KV homes, activations and the rest join and the transients are gone. A tier's peak
+is the larger of the two phases.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from offload.kernels import qmatmul
 from offload.models import decoder
 from offload.policies.policy import Policy
 
+# the parts that exist while the weights load: their homes and the pinned pool
+LOAD_PARTS = ("weights", "weight_staging")
+
 
 @dataclass(frozen=True)
 class MemoryPlan:
@@ -36,12 +44,25 @@ class MemoryPlan:
 
     @classmethod
     def from_detail(cls, detail: dict[str, int]) -> MemoryPlan:
-        """Tier totals of named parts, each named `<what>_<tier>`."""
+        """Tier totals of named parts, each named `<what>_<tier>`: the peak of the load
+        phase (the weights' parts and the `load_` transients) or of the run (every part
+        but the transients), whichever is larger."""
 
         def total(tier: str) -> int:
-            return sum(v for k, v in detail.items() if k.endswith(f"_{tier}"))
+            return max(_phase_bytes(detail, tier, load=True), _phase_bytes(detail, tier, False))
 
         return cls(total("gpu"), total("cpu"), total("disk"), detail)
+
+    def run_bytes(self, tier: str) -> int:
+        """A tier's peak once the weights are placed (the load's transients gone)."""
+        return _phase_bytes(self.detail, tier, load=False)
+
+
+def _phase_bytes(detail: dict[str, int], tier: str, load: bool) -> int:
+    parts = {k.removesuffix(f"_{tier}"): v for k, v in detail.items() if k.endswith(f"_{tier}")}
+    if load:
+        return sum(v for k, v in parts.items() if k.startswith("load_") or k in LOAD_PARTS)
+    return sum(v for k, v in parts.items() if not k.startswith("load_"))
 
 
 def row_splits(placement, sizes: list[int]) -> list[tuple[int, int, int]]:
@@ -75,6 +96,7 @@ def _weight_plan(
     gpu = cpu = disk = slot = staging = 0
     sizes = stage_image_bytes(cfg, dtype, compression)
     cuts = stage_cuts(cfg, dtype, compression, placement)
+    load_cpu, load_gpu = _load_transients(sizes, stage_image_bytes(cfg, dtype), compression)
     if gathered("embed", placement):  # the table stays in CPU memory, its rows cross
         gpu += gathered_gpu_bytes(cfg, dtype)
         cpu += sizes[0]
@@ -93,7 +115,26 @@ def _weight_plan(
         ("weights_disk", disk),
         ("weight_slots_gpu", 2 * slot),
         ("weight_staging_cpu", 2 * staging),
+        ("load_stage_cpu", load_cpu),
+        ("load_stage_gpu", load_gpu),
     )
+
+
+def _load_transients(
+    sizes: tuple[int, ...], full_sizes: tuple[int, ...], compression
+) -> tuple[int, int]:
+    """(CPU, GPU) bytes one stage holds at once while it is placed
+    (`executor.weights.WeightHomes`), the largest stage's: its pageable host image, and
+    the stage as the source gives it with its compressed copy, on the CPU (a checkpoint)
+    or on the GPU (dummy weights are drawn there). Both are counted whichever the
+    source is: the plan does not know it, and neither phase's peak is usually set by
+    this."""
+
+    extra = 1 if compression is not None else 0  # the compressed copy beside the source
+    held = [(size, full + extra * size) for size, full in zip(sizes, full_sizes, strict=True)]
+    cpu = max((size + source for size, source in held), default=0)
+    gpu = max((source for _, source in held), default=0)
+    return cpu, gpu
 
 
 def kv_plan(

@@ -19,7 +19,7 @@ from offload.config import ModelConfig
 from offload.errors import UserError
 from offload.io.layout import stage_image_bytes
 from offload.kernels.formats import Compression
-from offload.policies.caps import GPU_SLACK, Baseline, Caps, fit_problem
+from offload.policies.caps import Baseline, Caps, fit_problem, plan_budget
 from offload.policies.cost import Estimate, estimate
 from offload.policies.hardware import HardwareProfile
 from offload.policies.memory import plan_memory
@@ -38,11 +38,6 @@ def _fits(est: Estimate, caps: Caps, hw: HardwareProfile) -> bool:
     return fit_problem(est.memory, caps, Baseline.from_profile(hw)) is None
 
 
-def _plan_gpu_budget(caps: Caps, hw: HardwareProfile) -> float:
-    """Plan bytes the GPU cap leaves: the inverse of `caps.peak_bytes`."""
-    return (caps.gpu_bytes - hw.gpu_context_bytes) / (1 + GPU_SLACK)
-
-
 def _kv_placement(
     cfg, base: Policy, dtype, prompt_len, gen_len, hw: HardwareProfile, caps: Caps
 ) -> Placement | None:
@@ -50,8 +45,9 @@ def _kv_placement(
     probe = plan_memory(cfg, _with(base, kv=Placement(0.0, 1.0, 0.0)), dtype, prompt_len, gen_len)
     kv_total = max(probe.detail["kv_cpu"], 1)
     scratch = probe.detail["kv_scratch_gpu"]  # only where some rows are off the GPU
-    gpu_left = _plan_gpu_budget(caps, hw) - (probe.gpu_bytes - probe.detail["kv_gpu"])
-    cpu_left = caps.cpu_bytes - hw.process_base_bytes - (probe.cpu_bytes - probe.detail["kv_cpu"])
+    gpu_budget, cpu_budget = plan_budget(caps, Baseline.from_profile(hw))
+    gpu_left = gpu_budget - (probe.run_bytes("gpu") - probe.detail["kv_gpu"])
+    cpu_left = cpu_budget - (probe.run_bytes("cpu") - probe.detail["kv_cpu"])
     if gpu_left + scratch >= kv_total:  # all on the GPU, which needs no scratch
         return Placement(1.0, 0.0, 0.0)
     gpu = min(1.0, max(0.0, gpu_left / kv_total))
@@ -96,7 +92,7 @@ def _weight_options(
         if gpu * total > caps.gpu_bytes:
             break
         rest = 1.0 - gpu
-        cpu_room = max(0.0, (caps.cpu_bytes - hw.process_base_bytes) / total)
+        cpu_room = max(0.0, plan_budget(caps, Baseline.from_profile(hw))[1] / total)
         shares = (
             {rest}
             if not caps.nvme
