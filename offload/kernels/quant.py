@@ -57,6 +57,8 @@ def _grouped(t: torch.Tensor, group: int) -> torch.Tensor:
 # a tensor past this many elements is quantized a slice of rows at a time: the fp32
 # working copies then stay one slice (BLOOM's 250880 x 14336 head drew 61 GB at once)
 QUANT_SLICE_ELEMENTS = 1 << 26
+# its working set at most: the slice in fp32 and two fp32 intermediates of `_quantize`
+QUANT_WORK_BYTES = 3 * 4 * QUANT_SLICE_ELEMENTS
 
 
 def quantize(t: torch.Tensor, config: Compression) -> QTensor:
@@ -67,12 +69,20 @@ def quantize(t: torch.Tensor, config: Compression) -> QTensor:
     if t.dim() < 2 or t.numel() <= QUANT_SLICE_ELEMENTS:
         return _quantize(t, config)
     rows = max(1, QUANT_SLICE_ELEMENTS // (t.numel() // t.shape[0]))
-    parts = [_quantize(t[start : start + rows], config) for start in range(0, t.shape[0], rows)]
-    minimum = None if config.symmetric else torch.cat([p.minimum for p in parts])
-    codes = torch.cat([p.codes for p in parts])
-    return QTensor(
-        codes, torch.cat([p.scale for p in parts]), minimum, tuple(t.shape), t.dtype, config
-    )
+    # each slice is written into the whole outputs, which are made once: parts and their
+    # concatenation side by side held the codes twice (BLOOM's head: 2 GB more on the GPU)
+    first = _quantize(t[:rows], config)
+    out = [
+        None if p is None else p.new_empty((t.shape[0], *p.shape[1:]))
+        for p in (first.codes, first.scale, first.minimum)
+    ]
+    for start in range(0, t.shape[0], rows):
+        part = first if start == 0 else _quantize(t[start : start + rows], config)
+        for whole, piece in zip(out, (part.codes, part.scale, part.minimum), strict=True):
+            if whole is not None:
+                whole[start : start + piece.shape[0]] = piece
+    codes, scale, minimum = out
+    return QTensor(codes, scale, minimum, tuple(t.shape), t.dtype, config)
 
 
 def _quantize(t: torch.Tensor, config: Compression) -> QTensor:

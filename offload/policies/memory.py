@@ -27,7 +27,7 @@ from offload.io.layout import (
     stage_image_bytes,
 )
 from offload.io.pinned import align_up
-from offload.kernels import qmatmul
+from offload.kernels import qmatmul, quant
 from offload.models import decoder
 from offload.policies.policy import Policy
 
@@ -125,13 +125,15 @@ def _load_transients(
 ) -> tuple[int, int]:
     """(CPU, GPU) bytes one stage holds at once while it is placed
     (`executor.weights.WeightHomes`), the largest stage's: its pageable host image, and
-    the stage as the source gives it with its compressed copy, on the CPU (a checkpoint)
-    or on the GPU (dummy weights are drawn there). Both are counted whichever the
-    source is: the plan does not know it, and neither phase's peak is usually set by
-    this."""
-
-    extra = 1 if compression is not None else 0  # the compressed copy beside the source
-    held = [(size, full + extra * size) for size, full in zip(sizes, full_sizes, strict=True)]
+    the stage as the source gives it with its compressed copy and the quantizer's working
+    set, on the CPU (a checkpoint) or on the GPU (dummy weights are drawn there). Both
+    are counted whichever the source is: the plan does not know it, and neither phase's
+    peak is usually set by this."""
+    compressing = compression is not None
+    held = [
+        (size, full + (size + quant.QUANT_WORK_BYTES if compressing else 0))
+        for size, full in zip(sizes, full_sizes, strict=True)
+    ]
     cpu = max((size + source for size, source in held), default=0)
     gpu = max((source for _, source in held), default=0)
     return cpu, gpu
