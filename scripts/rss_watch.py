@@ -124,7 +124,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = args.out / f"rss_watch_{args.name}_{stamp}.json"
-    path.write_text(json.dumps(res, indent=1))
+    path.write_text(json.dumps(res, separators=(",", ":")))  # hundreds of breakdowns
     last = max(res["breakdowns"], key=lambda b: b["rss"], default={})
     print(
         f"peak RSS {res['peak_rss'] / 1e9:.2f} GB; breakdown at {last.get('rss', 0) / 1e9:.2f} GB:"

@@ -120,11 +120,6 @@ class Executor(LaneReports):  # implements runner.Runner
             policy.weight_compression,
             progress,
         )
-        if device.type == "cuda":
-            # the load's transients (drawn and quantized stages) leave cached blocks of
-            # their own sizes that the run's tensors do not fit: a 3-layer OPT-30B kept
-            # 9.56 GB reserved for 6.69 GB allocated (scripts/memory_truth.py)
-            torch.cuda.empty_cache()
         self.fetcher = WeightFetcher(
             self.homes, self.lanes, device, self.pool, self.reader, self.ledger
         )
