@@ -27,6 +27,7 @@ import psutil
 POOL_BYTES = 1 << 30  # an anonymous mapping this large is one of the executor's pools
 STEP_BYTES = 256 << 20  # a new breakdown each time the peak grows by this much
 EVERY_S = 10.0  # and one at least this often
+SMALL_BYTES = 16 << 20  # mappings below this are summed into one entry
 
 
 def smaps_breakdown(pid: int) -> dict[str, int]:
@@ -53,6 +54,13 @@ def smaps_breakdown(pid: int) -> dict[str, int]:
                     kind = os.path.basename(name)
                 out[kind] += rss
     return dict(out)
+
+
+def _fold_small(parts: dict[str, int]) -> dict[str, int]:
+    """Mappings under SMALL_BYTES summed into one entry (dozens of libraries a breakdown)."""
+    out = {k: v for k, v in parts.items() if v >= SMALL_BYTES}
+    small = sum(v for v in parts.values() if v < SMALL_BYTES)
+    return out | ({"others < 16 MB each": small} if small else {})
 
 
 def tree_rss(proc: psutil.Process) -> tuple[int, list[psutil.Process]]:
@@ -97,6 +105,7 @@ def watch(cmd: list[str], every_s: float) -> dict:
             except (FileNotFoundError, ProcessLookupError, psutil.NoSuchProcess):
                 parts = {}
             if parts:
+                parts = _fold_small(parts)
                 breakdowns.append({"t_s": round(now, 3), "rss": total, "pid": target.pid, **parts})
                 last_breakdown, last_t = max(last_breakdown, total), now
         time.sleep(every_s)
