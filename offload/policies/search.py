@@ -89,13 +89,13 @@ def _weight_options(
     allows; the rest all in CPU RAM, or (with a disk) as much CPU as the cap leaves for
     weights alone / for half of it, the remainder on disk."""
     total = sum(stage_image_bytes(cfg, dtype, compression))
+    cpu_room = max(0.0, plan_budget(caps, Baseline.from_profile(hw))[1] / total)
     out = []
     for step in range(WEIGHT_STEPS + 1):
         gpu = step / WEIGHT_STEPS
         if gpu * total > caps.gpu_bytes:
             break
         rest = 1.0 - gpu
-        cpu_room = max(0.0, plan_budget(caps, Baseline.from_profile(hw))[1] / total)
         shares = (
             {rest}
             if not caps.nvme
