@@ -110,6 +110,57 @@ def test_cpu_attention_pays_its_fixed_cost_a_micro_batch():
     )
 
 
+def test_the_weight_copy_beside_the_cpu_attention_runs_at_the_shared_rate():
+    """With attention on the CPU the weight copy and the attention both read DRAM: the
+    copy runs at the rate measured beside the attention while the first micro-batch's
+    attention runs, then at its own (W1u's trace: 0.93 GB a layer in 18.4-19.3 ms, 17.5
+    at the alone rate). Unmeasured (0), the alone rate; GPU attention never pays it."""
+    cfg = cfg_of("opt-30b")
+    branches = set()
+    for on_gpu in (0.25, 0.9):  # the copy outlasting the attention, and not
+        policy = Policy(
+            88,
+            1,
+            weights=Placement(on_gpu, 1 - on_gpu, 0),
+            kv_cache=Placement(0, 1, 0),
+            attention_on_cpu=True,
+        )
+        branches |= _check_the_shared_copy_rate(cfg, policy)
+    assert branches == {True, False}
+
+
+def _check_the_shared_copy_rate(cfg, policy) -> set[bool]:
+    """Checks the h2d lane of `policy` against the shared rate's formula at two shared
+    rates; whether the copy outlasted the attention at each."""
+    off_w, _, ends, _ = _layer_bytes(cfg, policy, torch.float16)
+    alone = estimate(cfg, policy, torch.float16, 512, 32, PROFILE)
+    assert alone.lanes_decode_s["h2d"] == pytest.approx(
+        (cfg.num_layers * off_w + ends) / (PROFILE.h2d_gbps * GB)
+    )
+    attention_s = alone.lanes_decode_s["cpu_attn"] / cfg.num_layers  # one micro-batch
+    seen = set()
+    for shared_gbps in (PROFILE.h2d_gbps / 2, PROFILE.h2d_gbps / 20):
+        hw = dataclasses.replace(PROFILE, h2d_under_cpu_attention_gbps=shared_gbps)
+        shared = shared_gbps * GB
+        outlasts = off_w > shared * attention_s
+        if outlasts:  # the rest at the alone rate
+            layer = attention_s + (off_w - shared * attention_s) / (PROFILE.h2d_gbps * GB)
+        else:
+            layer = off_w / shared
+        contended = estimate(cfg, policy, torch.float16, 512, 32, hw)
+        assert contended.lanes_decode_s["h2d"] == pytest.approx(
+            cfg.num_layers * layer + ends / (PROFILE.h2d_gbps * GB)
+        )
+        # the step grows only where the copy comes to outlast the attention
+        assert (contended.decode_step_s > alone.decode_step_s) == outlasts
+        seen.add(outlasts)
+    on_gpu = dataclasses.replace(policy, attention_on_cpu=False)
+    assert estimate(cfg, on_gpu, torch.float16, 512, 32, hw).decode_step_s == (
+        estimate(cfg, on_gpu, torch.float16, 512, 32, PROFILE).decode_step_s
+    )
+    return seen
+
+
 def test_the_host_issue_after_each_cpu_attention_is_serial_with_compute():
     """Attended on the CPU, each micro-batch's rest of a layer is issued only after its
     attention: micro_fixed_s a micro-batch is added to the layer, not hidden beside its

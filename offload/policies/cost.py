@@ -2,6 +2,8 @@
 
 Lanes per layer (bytes over the profile's measured rates, `policies.hardware`):
     h2d      weights not on the GPU (+ off-GPU KV when attention runs on the GPU)
+             (with attention on the CPU the weight copy shares DRAM with it: the rate
+             measured beside it while the first micro-batch's attention runs)
     disk     weights on disk (+ disk-resident KV read back, and each disk home's
              measured chain: its read's and write-back's latency)
     compute  the larger of 2 x tokens x layer parameters / matmul rate and the kernels'
@@ -145,6 +147,8 @@ def estimate(
         cpu_attn = (kv_c + kv_d) / (cpu_attention_gbps * GB) + micro * hw.cpu_attention_fixed_s
     if cpu_attn:
         per_micro = cpu_attn / micro
+        # the weight copy reads DRAM beside the first micro-batch's attention
+        h2d = _copy_beside_attention_s(off_w, per_micro, hw)
         # the host cannot run ahead across a CPU attention (it computes it, then issues
         # the rest of the micro-batch's layer): the GPU idles for that issue each micro-
         # batch. OPT-30B int4, 16 x 1, 2 rows' KV attended on the CPU (H100 run 233323):
@@ -242,6 +246,19 @@ def _prefill_matmul_s(
         chunks += [rows % MLP_CHUNK_ROWS] if rows % MLP_CHUNK_ROWS else []
         total += calls(1 - mlp / params, [rows]) + calls(mlp / params, chunks)
     return total
+
+
+def _copy_beside_attention_s(nbytes: float, attention_s: float, hw: HardwareProfile) -> float:
+    """Seconds to copy nbytes host -> GPU while the CPU attention reads DRAM during the
+    first attention_s of them: at the rate measured beside it while it runs, then at
+    the copy's own. W1u (OPT-30B, 88 x 1, H100 machine): 0.93 GB a layer in 18.4-19.3 ms
+    beside 13-16 ms of attention; 17.5 ms at the alone rate, which predicted the step 4%
+    short (trace of 2026-11-25)."""
+    alone = hw.h2d_gbps * GB
+    shared = (hw.h2d_under_cpu_attention_gbps or hw.h2d_gbps) * GB
+    if nbytes <= shared * attention_s:
+        return nbytes / shared
+    return attention_s + (nbytes - shared * attention_s) / alone
 
 
 def _host_s(policy: Policy, hw: HardwareProfile, micro: int, tp: int, decode: bool = True) -> float:

@@ -54,6 +54,7 @@ OPTIONAL_FIGURES = (
     "graph_layer_s",
     "allreduce_gbps",
     "allreduce_latency_s",
+    "h2d_under_cpu_attention_gbps",
     "prefill_attention_tflops",
     "prefill_elementwise_s",
     "matmul_call_s",
@@ -86,6 +87,11 @@ class HardwareProfile:
     # the same over a compressed (int4-g64) cache, counting its K/V at the compute dtype
     cpu_quant_attention_gbps: float
     dram_gbps: float
+    # pinned host -> GPU copies while the CPU attention reads DRAM beside them: the
+    # weight stream of a CPU-attention policy. W1u (OPT-30B, 88 x 1) copied 0.93 GB a
+    # layer in 18.4-19.3 ms (48-50 GB/s) where the copy alone ran at 53 (H100 machine,
+    # 2026-11-25); 0: not measured (the alone rate is used)
+    h2d_under_cpu_attention_gbps: float = 0.0
     gpu_context_bytes: int = 0  # CUDA context and library workspaces, measured
     process_base_bytes: int = 0  # host RSS of a loaded engine before any weights
     measured_at: str = ""

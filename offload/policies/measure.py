@@ -14,6 +14,7 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,23 +114,10 @@ def disk_rates(directory: Path, nbytes: int) -> tuple[float, float]:
     return read, write
 
 
-def _cpu_attention_rate(
-    dtype: torch.dtype,
-    host: torch.Tensor | None = None,
-    gpu=None,
-    h2d_gbps: float = 0.0,
-    compressed: bool = False,
-) -> float:
-    """GB/s of KV that the executor's CPU attention (`decoder.attend`: the C kernel, else
-    torch SDPA) reads at a decode shape;
-    `compressed`: its attention over an int4-g64 cache (`kv_attention_cpu.decode_attention_cpu`),
-    counting the K/V it attends at the dtype's size.
-
-    Given a pinned `host` buffer, a `gpu` one and their measured copy rate, host -> GPU
-    copies run all the while,
-    as the executor's weight stream does during its CPU attention: both read DRAM, and
-    the contended rate is the one the executor gets (OPT-30B on the H100 machine: 67
-    GB/s alone, 47-50 inside the executor)."""
+def _cpu_attention_call(dtype: torch.dtype, compressed: bool) -> tuple[Callable[[], object], int]:
+    """The executor's CPU attention (`decoder.attend`: the C kernel, else torch SDPA) at a
+    decode shape, warmed up, and the K/V bytes a call reads at the dtype's size;
+    `compressed`: its attention over an int4-g64 cache (`kv_attention_cpu.decode_attention_cpu`)."""
     rows, heads, slots, dim = 16, 32, 1024, 128
     k = torch.randn(rows, heads, slots, dim).to(dtype)
     v = torch.randn_like(k)
@@ -141,12 +129,30 @@ def _cpu_attention_rate(
         cache.write(k, v, 0)
         attention = functools.partial(decode_attention_cpu, q, cache, bias, slots)
     attention()  # warm up
+    return attention, 2 * k.numel() * k.element_size()
+
+
+def _cpu_attention_rate(
+    dtype: torch.dtype,
+    host: torch.Tensor | None = None,
+    gpu=None,
+    h2d_gbps: float = 0.0,
+    compressed: bool = False,
+) -> float:
+    """GB/s of KV that the executor's CPU attention reads (`_cpu_attention_call`).
+
+    Given a pinned `host` buffer, a `gpu` one and their measured copy rate, host -> GPU
+    copies run all the while,
+    as the executor's weight stream does during its CPU attention: both read DRAM, and
+    the contended rate is the one the executor gets (OPT-30B on the H100 machine: 67
+    GB/s alone, 47-50 inside the executor)."""
+    attention, nbytes = _cpu_attention_call(dtype, compressed)
     if host is not None:
         # queue enough copies to outlast the timing; no host thread waits on them (a
         # spinning waiter would take a core from SDPA's threads, which the executor's
         # copies never do)
         side = torch.cuda.Stream()
-        expected = 3 * 2 * k.numel() * k.element_size() / (20 * GB)  # >= SDPA's time
+        expected = 3 * nbytes / (20 * GB)  # >= SDPA's time
         with torch.cuda.stream(side):
             for _ in range(int(expected * h2d_gbps * GB / host.numel()) + 2):
                 gpu.copy_(host, non_blocking=True)
@@ -156,7 +162,26 @@ def _cpu_attention_rate(
     seconds = time.perf_counter() - started
     if host is not None:
         side.synchronize()
-    return 3 * 2 * k.numel() * k.element_size() / seconds / GB
+    return 3 * nbytes / seconds / GB
+
+
+def _h2d_rate_under_cpu_attention(host: torch.Tensor, gpu: torch.Tensor, h2d_gbps: float) -> float:
+    """GB/s of pinned host -> GPU copies while the CPU attention (fp16, `_cpu_attention_call`)
+    runs beside them without pause, as a CPU-attention policy's weight stream does: both
+    read DRAM. W1u's layer (0.93 GB of weights beside 1.3 GB of KV) copied at 48-50 GB/s
+    where the copy alone ran at 53 (H100 machine, 2026-11-25)."""
+    attention, _ = _cpu_attention_call(torch.float16, compressed=False)
+    copies = max(2, int(0.2 * h2d_gbps * GB / host.numel()))  # about 0.2 s of copies
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        first.record()
+        for _ in range(copies):
+            gpu.copy_(host, non_blocking=True)
+        last.record()
+    while not last.query():  # the attention outlasts the copies
+        attention()
+    return copies * host.numel() / (first.elapsed_time(last) / 1e3) / GB
 
 
 def _matmul_tflops(m: int, k: int, n: int, device: torch.device, dtype: torch.dtype) -> float:
@@ -294,6 +319,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         h2d, d2h = copy_rate(host, gpu), copy_rate(gpu, host)
         cpu_attn = _cpu_attention_rate(torch.float16, host, gpu, h2d)
         cpu_quant_attn = _cpu_attention_rate(torch.float16, host, gpu, h2d, compressed=True)
+        h2d_under_attention = _h2d_rate_under_cpu_attention(host, gpu, h2d)
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
         def both() -> None:
@@ -322,6 +348,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         h2d = d2h = bidir = pageable = hbm = dram / 2
         cpu_attn = _cpu_attention_rate(torch.float32)
         cpu_quant_attn = _cpu_attention_rate(torch.float32, compressed=True)
+        h2d_under_attention = 0.0  # no copy lane beside the CPU's own attention
         prefill = decode = _matmul_tflops(1024, 2048, 2048, torch.device("cpu"), torch.float32)
         cpu = torch.device("cpu")
         matmuls = _matmul_rates(DECODE_ROWS, 1024, 2048, 256, cpu, torch.float32)
@@ -347,6 +374,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         cpu_attention_gbps=cpu_attn,
         cpu_quant_attention_gbps=cpu_quant_attn,
         dram_gbps=dram,
+        h2d_under_cpu_attention_gbps=h2d_under_attention,
         gpu_context_bytes=int(context),
         process_base_bytes=psutil.Process().memory_info().rss,
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
