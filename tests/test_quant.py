@@ -148,3 +148,19 @@ def test_rows_of_a_quantized_table_are_its_dequantized_rows(bits):
     assert got.shape == (2, 4, 96)
     assert torch.equal(got, fake_quantize(table, config)[ids])
     assert torch.equal(embedding(ids, table, torch.device("cpu")), table[ids])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [None, 4])
+def test_rows_of_a_host_table_cross_once_each_and_land_in_place(bits):
+    """A table in host memory (the executor's gathered embedding) sends each distinct
+    row once and spreads it on the GPU: the same rows as gathered in place."""
+    table = torch.randn(50, 96, dtype=torch.float16)
+    ids = torch.tensor([[3, 0, 49, 3], [7, 7, 1, 22], [3, 3, 3, 3]])
+    cuda = torch.device("cuda")
+    if bits is None:
+        got, want = embedding(ids, table, cuda), table[ids]
+    else:
+        stored = quantize(table, Compression(bits=bits, group_size=32))
+        got, want = embedding(ids, stored, cuda), dequantize(stored)[ids]
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), want)

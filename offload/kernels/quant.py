@@ -125,17 +125,25 @@ def embedding(
 ) -> torch.Tensor:
     """Rows `ids` of a table [V, K] on `device`, gathered where the table lives: a
     quantized table's rows cross as stored (codes and group parameters, 3.56x less than
-    fp16 at int4-g64) and are dequantized on `device`."""
+    fp16 at int4-g64) and are dequantized on `device`. From a table in another memory
+    each distinct row crosses once: a prefill's prompts repeat their tokens (W1u's
+    88 x 512 prompt tokens crossed as 646 MB of rows, 174 ms of a 4.8 s prefill on the
+    H100 machine, for under 256 distinct ids)."""
+    home = table.device if isinstance(table, torch.Tensor) else table.codes.device
+    at, spread = ids.to(home), None
+    if home.type != torch.device(device).type:
+        at, spread = torch.unique(at, return_inverse=True)
     if isinstance(table, torch.Tensor):
-        return torch.nn.functional.embedding(ids.to(table.device), table).to(device)
-    at = ids.to(table.codes.device)
+        rows = torch.nn.functional.embedding(at, table).to(device)
+    else:
 
-    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t[at].to(device)
+        def part(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[at].to(device)
 
-    codes, scale, minimum = rows(table.codes), rows(table.scale), rows(table.minimum)
-    shape = (*ids.shape, table.shape[-1])
-    return dequantize(QTensor(codes, scale, minimum, shape, table.dtype, table.config))
+        codes, scale, minimum = part(table.codes), part(table.scale), part(table.minimum)
+        shape = (*at.shape, table.shape[-1])
+        rows = dequantize(QTensor(codes, scale, minimum, shape, table.dtype, table.config))
+    return rows if spread is None else rows[spread.to(device)]
 
 
 def fake_quantize(t: torch.Tensor, config: Compression) -> torch.Tensor:
