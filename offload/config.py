@@ -93,6 +93,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     checkpoint_dtype: str = "float32"
+    # a tensor-parallel rank's shard: the whole model's vocabulary, which its logits are
+    # gathered to (`parallel.comm.gather_vocab`); 0 where vocab_size is the whole
+    gathered_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -165,7 +168,10 @@ class ModelConfig:
 
     def fingerprint(self) -> str:
         """A short stable hash of the architecture, for caches and stores."""
-        text = json.dumps(asdict(self), sort_keys=True, default=str)
+        facts = asdict(self)
+        if not facts["gathered_vocab_size"]:  # the fingerprints of stores built before it
+            del facts["gathered_vocab_size"]
+        text = json.dumps(facts, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     # -- construction -----------------------------------------------------------------

@@ -94,7 +94,9 @@ class DecodeLoop:
         runner.start(batch)
         started = time.perf_counter()
         step = runner.step_inputs(batch, 0, batch.prompt_len)
-        logits = runner.forward(batch.prompt_ids, step)
+        # popped when sampled, so a step's logits are not held through the next step's
+        # layers (`memory.activation_plan`)
+        logits = [runner.forward(batch.prompt_ids, step)]
         stats.prefill_seconds += self._sync_elapsed(started)
         stats.prompt_tokens += sum(len(s.prompt_ids) for s in seqs)
         stats.batches += 1
@@ -102,13 +104,13 @@ class DecodeLoop:
         self._phase("decode")
         for t in range(steps):
             next_ids = sample_rows(
-                logits, [s.sampler for s in seqs], [s.prompt_ids + s.generated for s in seqs]
+                logits.pop(), [s.sampler for s in seqs], [s.prompt_ids + s.generated for s in seqs]
             )
             self._append(seqs, next_ids.tolist())
             if all(s.finish_reason for s in seqs) or t == steps - 1:
                 break
             step = runner.step_inputs(batch, batch.prompt_len + t, 1)
-            logits = runner.forward(next_ids[:, None], step)
+            logits.append(runner.forward(next_ids[:, None], step))
         stats.decode_seconds += self._sync_elapsed(started)
 
     def _append(self, seqs: list[_Sequence], next_ids: list[int]) -> None:

@@ -96,6 +96,7 @@ class RankShard:
             num_kv_heads=self.kv_heads.stop - self.kv_heads.start,
             intermediate_size=self.mlp.stop - self.mlp.start,
             vocab_size=self.vocab.stop - self.vocab.start,
+            gathered_vocab_size=cfg.vocab_size,
         )
 
     # -- slicing one stage ----------------------------------------------------------------

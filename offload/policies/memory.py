@@ -177,14 +177,28 @@ def activation_plan(
         gpu_rows += g
         cpu_bytes += align_up(c * row_bytes) if c else 0
     mb = max(sizes)
-    # last-position logits (fp32) of every micro-batch, held until their cat, and the cat
-    transient = batch * cfg.vocab_size * 4 * 2
-    transient += _layer_transient(cfg, mb * prompt_len) * elt
+    # a step holds its transients in one stage at a time: a prefill layer's working set
+    # (the larger phase: decode's is one token a sequence), or at the head every micro-
+    # batch's last-position logits (fp32), their cat, and the logits of the micro-batch
+    # at hand in the compute dtype before their conversion. Summed, the two counted 2.1
+    # GB never held at once on Llama-3.1-70B at 2048 sequences (validate_cost_model
+    # 034609: peak 18.5 GB against 24.0 planned). The caller drops a step's logits once
+    # sampled (`decode_loop`), so none are held through the next step's layers. A
+    # tensor-parallel rank then gathers its slice to the whole vocabulary: every rank's
+    # slice and their cat, beside its own.
+    layer = _layer_transient(cfg, mb * prompt_len) * elt
     if policy.weight_compression is not None and mb * prompt_len >= qmatmul.DENSE_ROWS:
-        transient += qmatmul.DENSE_SLICE_BYTES  # prefill's dequantized slice of a matrix
-    # the step's attention bias [B, 1|heads, T, S], built once for the whole block
+        layer += qmatmul.DENSE_SLICE_BYTES  # prefill's dequantized slice of a matrix
+    head = batch * cfg.vocab_size * 4 * 2 + mb * cfg.vocab_size * elt
+    if cfg.gathered_vocab_size:
+        head = max(head, batch * (2 * cfg.gathered_vocab_size + cfg.vocab_size) * 4)
+    # the step's attention bias [B, 1|heads, T, S] and RoPE's cos and sin [B, T, D],
+    # built once for the whole block (`batch.PaddedBatch.step_inputs`)
     heads = cfg.num_heads if cfg.family == "bloom" else 1
-    transient += batch * heads * prompt_len * max_slots * elt
+    step = batch * heads * prompt_len * max_slots * elt
+    if cfg.family == "llama":
+        step += 2 * batch * prompt_len * cfg.head_dim * elt
+    transient = max(layer, head) + step
     return {
         "act_gpu": gpu_rows * row_bytes * 2,
         "act_cpu": cpu_bytes,
