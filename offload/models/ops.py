@@ -73,7 +73,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos, sin = cos[:, None], sin[:, None]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    # x * cos + rotated * sin, the same roundings, holding two x-sized temporaries (four
+    # out of place: a prefill's largest layer working set, `memory._layer_transient`)
+    rotated *= sin
+    out = x * cos
+    out += rotated
+    return out
 
 
 def attention_bias(

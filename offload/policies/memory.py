@@ -222,7 +222,8 @@ def _graph_bytes(cfg: ModelConfig, policy: Policy, sizes: list[int]) -> int:
 def _layer_transient(cfg: ModelConfig, tokens: int, prefill: bool = True) -> int:
     """Elements a layer holds at its peak over `tokens` new rows, besides its input and
     output (counted as activations); counted from `decoder`'s own code:
-    attention half: norm output + the fused qkv + RoPE's temporaries of q (3 x hidden)
+    attention half: norm output + the fused qkv + RoPE's (q roped, and beside it the
+    rotated k and its result: 3 x hidden at most; `ops.apply_rope`)
     or SDPA's output and its reshape, and in prefill with grouped-query heads K and V
     expanded to every query head (`decoder.attend`); MLP half: attention output and
     projection at full size, plus one `MLP_CHUNK_ROWS` slice of the MLP (its input,
