@@ -305,35 +305,45 @@ def test_a_job_after_the_warm_up_compiles_no_kernel(tiny_checkpoints, tmp_path):
 def test_a_steps_gpu_transients_are_a_layers_or_the_logits_as_planned():
     """A step holds a prefill layer's working set or, at the head, every micro-batch's
     logits and their cat, not both (`memory.activation_plan`): here the two are near
-    equal, so a plan that summed them would be near twice the peak. Prefill and two
-    decode steps as the decode loop runs them (a step's logits dropped once sampled)."""
+    equal, so a plan that summed them would be near twice what the step holds. Prefill
+    and two decode steps as the decode loop runs them (a step's logits dropped once
+    sampled); the whole run within the plan as the cap check counts it."""
     import dataclasses
 
     from offload.batch import PaddedBatch
     from offload.config import ModelConfig
     from offload.executor.executor import Executor
     from offload.models.weights import DummySource
+    from offload.policies.caps import GPU_SLACK
     from offload.policies.memory import plan_memory
 
     cfg = ModelConfig("logits", "llama", 128256, 256, 2, 4, 4, 64, 512, 2048, 1e-5)
     cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     policy = Policy(gpu_batch_size=256, num_gpu_batches=2)
     prompt_len, new_tokens = 640, 3
-    plan = plan_memory(cfg, policy, torch.float16, prompt_len, new_tokens).detail
+    plan = plan_memory(cfg, policy, torch.float16, prompt_len, new_tokens)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    empty = torch.cuda.memory_allocated()
     ex = Executor(DummySource(cfg), policy, torch.float16, torch.device("cuda"), cuda_graphs=False)
     prompts = [[5 + row % 97] * prompt_len for row in range(policy.block_size)]
     batch = PaddedBatch(cfg, prompts, new_tokens, pad_id=0)
     ex.start(batch)
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    started = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     logits = [ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, prompt_len))]
     for t in range(new_tokens - 1):
         ids = logits.pop().argmax(-1)[:, None]
         logits.append(ex.forward(ids, ex.step_inputs(batch, prompt_len + t, 1)))
     torch.cuda.synchronize()
-    held = torch.cuda.max_memory_allocated() - before
+    peak = torch.cuda.max_memory_allocated()
     ex.close()
-    planned = plan["transient_gpu"] + plan["act_gpu"]
-    assert held <= planned, f"{held / 1e6:.0f} MB held, {planned / 1e6:.0f} MB planned"
-    assert held >= 0.8 * planned, f"{held / 1e6:.0f} MB held, {planned / 1e6:.0f} MB planned"
+    step, whole = peak - started, peak - empty
+    planned = plan.detail["transient_gpu"] + plan.detail["act_gpu"]
+    report = f"step {step / 1e6:.0f} MB (planned {planned / 1e6:.0f}), run {whole / 1e6:.0f} MB"
+    report += f" (planned {plan.gpu_bytes / 1e6:.0f} + {GPU_SLACK:.0%})"
+    assert whole <= plan.gpu_bytes * (1 + GPU_SLACK), report
+    # the small tensors no term names (ids, positions, the attention's log-sum-exp: 33
+    # MB of 1381 on the H100 machine) are what the cap's slack is for
+    assert 0.8 * planned <= step <= planned + GPU_SLACK * plan.gpu_bytes, report

@@ -171,10 +171,10 @@ def activation_plan(
     elt = torch.empty((), dtype=dtype).element_size()
     row_bytes = prompt_len * cfg.hidden_size * elt
     sizes = micro_batch_sizes(policy, batch)
-    gpu_rows = cpu_bytes = 0
+    gpu_rows = cpu_bytes = widest = 0
     for size in sizes:
         g, c, _ = policy.activations.split(size)
-        gpu_rows += g
+        gpu_rows, widest = gpu_rows + g, max(widest, g)
         cpu_bytes += align_up(c * row_bytes) if c else 0
     mb = max(sizes)
     # a step holds its transients in one stage at a time: a prefill layer's working set
@@ -200,7 +200,9 @@ def activation_plan(
         step += 2 * batch * prompt_len * cfg.head_dim * elt
     transient = max(layer, head) + step
     return {
-        "act_gpu": gpu_rows * row_bytes * 2,
+        # every micro-batch's hidden states, and the output of the one in its layer
+        # (the executor replaces each micro-batch's input with its output)
+        "act_gpu": (gpu_rows + widest) * row_bytes,
         "act_cpu": cpu_bytes,
         "transient_gpu": transient,
         "decode_graphs_gpu": _graph_bytes(cfg, policy, sizes) * elt,
