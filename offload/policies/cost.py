@@ -252,8 +252,8 @@ def _copy_beside_attention_s(nbytes: float, attention_s: float, hw: HardwareProf
     """Seconds to copy nbytes host -> GPU while the CPU attention reads DRAM during the
     first attention_s of them: at the rate measured beside it while it runs, then at
     the copy's own. W1u (OPT-30B, 88 x 1, H100 machine): 0.93 GB a layer in 18.4-19.3 ms
-    beside 13-16 ms of attention; 17.5 ms at the alone rate, which predicted the step 4%
-    short (trace of 2026-11-25)."""
+    beside 13-16 ms of attention, 17.5 ms at the alone rate (trace of 2026-11-25); with
+    this term the step is predicted 0.960 s where the bench measured 1.023."""
     alone = hw.h2d_gbps * GB
     shared = (hw.h2d_under_cpu_attention_gbps or hw.h2d_gbps) * GB
     if nbytes <= shared * attention_s:
