@@ -123,6 +123,11 @@ class ModelConfig:
         return {"llama": "silu", "bloom": "gelu_tanh", "opt": "relu"}[self.family]
 
     @property
+    def rotary(self) -> bool:
+        """Rotary position embeddings (the Llama family); the others add positions or ALiBi."""
+        return self.family == "llama"
+
+    @property
     def gated_mlp(self) -> bool:
         return self.family == "llama"
 

@@ -148,7 +148,7 @@ class PlainRunner:
         if self.cfg.tie_word_embeddings:
             self.embed_w["tok.weight"] = self.head_w["lm_head.weight"]
         self.load_seconds = time.perf_counter() - started
-        self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.family == "llama" else None
+        self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.rotary else None
         self._cache: list[LayerKV] = []
 
     kv_pool_bytes = 0

@@ -34,29 +34,24 @@ from offload.sampling import SamplingParams, sample
 
 GB = 1e9
 INT4 = Compression(4, 64, False)
+
+
+def _int4(batch: int, micro: int, weights: Placement, kv: Placement) -> Policy:
+    """A policy with int4 weights and int4 KV."""
+    return Policy(
+        batch, micro, weights=weights, kv_cache=kv, weight_compression=INT4, kv_compression=INT4
+    )
+
+
 CASES = {
     # the BLOOM run of issue 18: int4 weights streamed from CPU, int4 KV mostly in CPU
     "bloom int4 W+KV, 16 seqs, KV cpu": (
         "bloom",
-        Policy(
-            8,
-            2,
-            weights=Placement(0, 1, 0),
-            kv_cache=Placement(0.25, 0.75, 0),
-            weight_compression=INT4,
-            kv_compression=INT4,
-        ),
+        _int4(8, 2, Placement(0, 1, 0), Placement(0.25, 0.75, 0)),
     ),
     "bloom int4 W+KV, 2 seqs, all cpu": (
         "bloom",
-        Policy(
-            2,
-            1,
-            weights=Placement(0, 1, 0),
-            kv_cache=Placement(0, 1, 0),
-            weight_compression=INT4,
-            kv_compression=INT4,
-        ),
+        _int4(2, 1, Placement(0, 1, 0), Placement(0, 1, 0)),
     ),
     "opt-30b fp16, 48x2 CPU attention": (
         "opt-30b",
@@ -70,27 +65,13 @@ CASES = {
     ),
     "llama-3.1-70b int4 W+KV, 64 seqs on GPU": (
         "llama-3.1-70b",
-        Policy(
-            32,
-            2,
-            weights=Placement(0, 1, 0),
-            kv_cache=Placement(1, 0, 0),
-            weight_compression=INT4,
-            kv_compression=INT4,
-        ),
+        _int4(32, 2, Placement(0, 1, 0), Placement(1, 0, 0)),
     ),
     # the searched plan of validate_cost_model 034609 (prompt 128): peak GPU 18.5 GB
     # against 24.0 planned
     "llama-3.1-70b int4 W+KV, 256x8 searched": (
         "llama-3.1-70b",
-        Policy(
-            256,
-            8,
-            weights=Placement(0.1, 0.9, 0),
-            kv_cache=Placement(0.02490234375, 0.975098, 0),
-            weight_compression=INT4,
-            kv_compression=INT4,
-        ),
+        _int4(256, 8, Placement(0.1, 0.9, 0), Placement(0.02490234375, 0.975098, 0)),
     ),
 }
 

@@ -144,7 +144,7 @@ class Executor(LaneReports):  # implements runner.Runner
             policy.overlap,
             policy.kv_compression,
         )
-        self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.family == "llama" else None
+        self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.rotary else None
         self._micro: list[slice] = []
         self._act_blocks: list[PoolBlock | None] = []
         self.traces: list[StepTrace] = []

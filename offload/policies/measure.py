@@ -133,20 +133,19 @@ def _cpu_attention_call(dtype: torch.dtype, compressed: bool) -> tuple[Callable[
 
 
 def _cpu_attention_rate(
-    dtype: torch.dtype,
+    call: tuple[Callable[[], object], int],
     host: torch.Tensor | None = None,
     gpu=None,
     h2d_gbps: float = 0.0,
-    compressed: bool = False,
 ) -> float:
-    """GB/s of KV that the executor's CPU attention reads (`_cpu_attention_call`).
+    """GB/s of KV that the executor's CPU attention reads (`call`: `_cpu_attention_call`'s).
 
     Given a pinned `host` buffer, a `gpu` one and their measured copy rate, host -> GPU
     copies run all the while,
     as the executor's weight stream does during its CPU attention: both read DRAM, and
     the contended rate is the one the executor gets (OPT-30B on the H100 machine: 67
     GB/s alone, 47-50 inside the executor)."""
-    attention, nbytes = _cpu_attention_call(dtype, compressed)
+    attention, nbytes = call
     if host is not None:
         # queue enough copies to outlast the timing; no host thread waits on them (a
         # spinning waiter would take a core from SDPA's threads, which the executor's
@@ -165,12 +164,13 @@ def _cpu_attention_rate(
     return 3 * nbytes / seconds / GB
 
 
-def _h2d_rate_under_cpu_attention(host: torch.Tensor, gpu: torch.Tensor, h2d_gbps: float) -> float:
-    """GB/s of pinned host -> GPU copies while the CPU attention (fp16, `_cpu_attention_call`)
+def _h2d_rate_under_cpu_attention(
+    attention: Callable[[], object], host: torch.Tensor, gpu: torch.Tensor, h2d_gbps: float
+) -> float:
+    """GB/s of pinned host -> GPU copies while the CPU attention (`_cpu_attention_call`'s)
     runs beside them without pause, as a CPU-attention policy's weight stream does: both
     read DRAM. W1u's layer (0.93 GB of weights beside 1.3 GB of KV) copied at 48-50 GB/s
     where the copy alone ran at 53 (H100 machine, 2026-11-25)."""
-    attention, _ = _cpu_attention_call(torch.float16, compressed=False)
     copies = max(2, int(0.2 * h2d_gbps * GB / host.numel()))  # about 0.2 s of copies
     first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     side = torch.cuda.Stream()
@@ -317,9 +317,12 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         gpu = torch.empty(size, dtype=torch.uint8, device=dev)
         gpu2 = torch.empty(size, dtype=torch.uint8, device=dev)
         h2d, d2h = copy_rate(host, gpu), copy_rate(gpu, host)
-        cpu_attn = _cpu_attention_rate(torch.float16, host, gpu, h2d)
-        cpu_quant_attn = _cpu_attention_rate(torch.float16, host, gpu, h2d, compressed=True)
-        h2d_under_attention = _h2d_rate_under_cpu_attention(host, gpu, h2d)
+        dense_attention = _cpu_attention_call(torch.float16, compressed=False)
+        cpu_attn = _cpu_attention_rate(dense_attention, host, gpu, h2d)
+        quant_attention = _cpu_attention_call(torch.float16, compressed=True)
+        cpu_quant_attn = _cpu_attention_rate(quant_attention, host, gpu, h2d)
+        h2d_under_attention = _h2d_rate_under_cpu_attention(dense_attention[0], host, gpu, h2d)
+        del dense_attention, quant_attention
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
         def both() -> None:
@@ -346,8 +349,8 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         context = total - free - torch.cuda.memory_reserved(dev)
     else:
         h2d = d2h = bidir = pageable = hbm = dram / 2
-        cpu_attn = _cpu_attention_rate(torch.float32)
-        cpu_quant_attn = _cpu_attention_rate(torch.float32, compressed=True)
+        cpu_attn = _cpu_attention_rate(_cpu_attention_call(torch.float32, compressed=False))
+        cpu_quant_attn = _cpu_attention_rate(_cpu_attention_call(torch.float32, compressed=True))
         h2d_under_attention = 0.0  # no copy lane beside the CPU's own attention
         prefill = decode = _matmul_tflops(1024, 2048, 2048, torch.device("cpu"), torch.float32)
         cpu = torch.device("cpu")

@@ -196,7 +196,7 @@ def activation_plan(
     # built once for the whole block (`batch.PaddedBatch.step_inputs`)
     heads = cfg.num_heads if cfg.family == "bloom" else 1
     step = batch * heads * prompt_len * max_slots * elt
-    if cfg.family == "llama":
+    if cfg.rotary:
         step += 2 * batch * prompt_len * cfg.head_dim * elt
     transient = max(layer, head) + step
     return {
@@ -231,7 +231,7 @@ def _layer_transient(cfg: ModelConfig, tokens: int, prefill: bool = True) -> int
     projection at full size, plus one `MLP_CHUNK_ROWS` slice of the MLP (its input,
     norm, intermediate and activation, output)."""
     hidden, qkv = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    attn_half = tokens * (qkv + (4 if cfg.family == "llama" else 3) * hidden)
+    attn_half = tokens * (qkv + (4 if cfg.rotary else 3) * hidden)
     if prefill and cfg.num_kv_heads != cfg.num_heads:
         attn_half += 2 * tokens * cfg.num_heads * cfg.head_dim
     intermediate = (2 if cfg.gated_mlp else 1) * cfg.intermediate_size
