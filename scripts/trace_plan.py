@@ -110,6 +110,9 @@ def main() -> None:
             began = time.perf_counter()
             summary["kernels"][label] = kernel_times(run, args.layers)
             print(f"{label} under the profiler: {time.perf_counter() - began:.3f} s")
+    steps_ms = [round(step.seconds * 1e3, 1) for step in ex.traces[1:]]
+    summary["decode_steps_ms"] = steps_ms
+    print(f"decode steps {steps_ms} ms (the first compiles)")
     print(f"first prefill {first_prefill_s:.3f} s (kernels compiled in it)")
     (args.out / f"trace_{args.model}_{args.layers}l_summary.json").write_text(
         json.dumps(summary, indent=1)

@@ -33,7 +33,7 @@ from offload.batch import PaddedBatch
 from offload.config import ModelConfig
 from offload.executor.graphs import DecodeGraphs
 from offload.executor.kv import KVManager
-from offload.executor.lanes import Lanes, Tracer, busy_seconds
+from offload.executor.lanes import SWITCH_INTERVAL_S, Lanes, Tracer, busy_seconds
 from offload.executor.weights import WeightFetcher, WeightHomes
 from offload.io.pinned import PinnedPool, PoolBlock
 from offload.io.reader import ExtentReader
@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 
 # the warm-up block's shortest prompt: a multiple of 16, as Triton specializes integers
 WARM_PROMPT = 16
-SWITCH_INTERVAL_S = 0.00025  # the GIL's, while an executor runs (see __init__)
 
 
 @dataclass
@@ -86,10 +85,7 @@ class Executor(LaneReports):  # implements runner.Runner
         parallel: a tensor-parallel rank's collectives (`decoder.Parallel`); None is one
         device."""
         self.parallel = parallel
-        # worker threads (KV stores into their homes, disk reads) need the GIL for a few
-        # short spans; at Python's default 5 ms switch interval each waited that long
-        # behind the launching host thread, and a few-KB store took 5-14 ms, holding back
-        # the next stores and loads (H100 trace of a 4-layer BLOOM decode step)
+        # the GIL's switch interval while the executor runs (`lanes.SWITCH_INTERVAL_S`)
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.cfg: ModelConfig = source.config
@@ -228,7 +224,8 @@ class Executor(LaneReports):  # implements runner.Runner
             weights = self.fetcher.get(stage)
             if self.policy.overlap:
                 if 0 < stage < num_stages - 1:  # this layer's KV, then the next weights
-                    self.kv.load_layer(stage - 1, step.cache_start)
+                    copy_follows = not self.homes.images[stage + 1].resident
+                    self.kv.load_layer(stage - 1, step.cache_start, copy_follows)
                 self.fetcher.fetch(stage + 1)
             for k, rows in enumerate(self._micro):
                 if stage == 0:
@@ -307,7 +304,7 @@ class Executor(LaneReports):  # implements runner.Runner
             graph.begin(token_ids[rows], step)
         for layer in range(self.cfg.num_layers):
             if self.policy.overlap:  # the layer's off-GPU KV loads, ahead of its attentions
-                self.kv.load_layer(layer, steps[0].cache_start)
+                self.kv.load_layer(layer, steps[0].cache_start, copy_follows=False)
             for k, (graph, step) in enumerate(zip(graphs, steps, strict=True)):
                 q, k_new, v_new = graph.qkv(layer)
                 context = self.kv.attention(layer, k, q, k_new, v_new, step.bias, step.cache_start)

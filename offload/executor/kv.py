@@ -287,14 +287,21 @@ class KVManager:
             self.transfer.staging_read(blk, loaded)
         return loaded
 
-    def load_layer(self, layer: int, start: int) -> None:
-        """Before the next stage's weight copy is issued: issue the loads of this
-        layer's compressed off-GPU homes (attention on the GPU), each into its micro-
-        batch's scratch, after that scratch's reader in the layer before. They share
-        the weights' copy stream (`Lanes`), so they run before the next layer's copy
+    def load_layer(self, layer: int, start: int, copy_follows: bool) -> None:
+        """Issue the loads of this layer's compressed off-GPU homes (attention on the
+        GPU), each into its micro-batch's scratch, after that scratch's reader in the
+        layer before.
+
+        copy_follows: the next stage's weight copy is issued next. The loads share the
+        weights' copy stream (`Lanes`), so each one issued here runs before that copy
         and never behind it. Loaded one micro-batch ahead on a stream of their own, the
         copy engine drained the whole queued weight copy (25 ms) first, then the loads:
-        a BLOOM-176B layer took both, one after the other (H100 run 193922).
+        a BLOOM-176B layer took both, one after the other (H100 run 193922). So with a
+        copy to follow the host waits here for each disk read; without one, a block
+        whose read is still running loads at its attention instead, and the micro-
+        batches before it go on computing meanwhile (OPT-30B, int4 weights on the GPU,
+        a disk row in each of 2 micro-batches: the host waited for the second's read
+        before it issued the first's layer, H100 trace 20261125-0609).
         Of the layer's blocks with disk rows, the first `disk_buffers` only: each later
         one is read into the staging block of one before it in this layer, which its
         attention still updates and writes back (they load at their attention)."""
@@ -308,7 +315,16 @@ class KVManager:
                 continue
             if d and on_disk > self.disk_buffers:
                 continue
+            if d and not copy_follows:
+                self.prefetch(layer, mb, start)  # (if not read ahead yet)
+                if not self._read_done(layer, mb):
+                    continue
             self._quant_loaded[(layer, mb)] = self._load_quant(layer, mb, start)
+
+    def _read_done(self, layer: int, mb: int) -> bool:
+        """Whether the disk read ahead of (layer, mb) has landed in its staging block."""
+        future = self._pending[layer, mb][1]
+        return future is None or future.done()
 
     def _cpu_attention(
         self, blk: KVBlock, mb: int, q, k_new, v_new, bias, start: int, end: int
