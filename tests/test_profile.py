@@ -14,10 +14,11 @@ import torch
 from offload.cli.plan import main as plan_main
 from offload.executor.probe import elementwise, overheads, probe_plan
 from offload.kernels.formats import Compression
+from offload.kernels.kv_cache import kv_row_bytes
 from offload.policies.caps import Caps
 from offload.policies.cost import _layer_bytes, estimate
 from offload.policies.hardware import HardwareProfile, code_version, load_profile, save_profile
-from offload.policies.measure import fit_call
+from offload.policies.measure import fit_call, kv_disk_read_rate
 from offload.policies.policy import Placement, Policy
 from offload.policies.search import ranked, search
 from tests.test_policies import GB, PROFILE, cfg_of
@@ -329,6 +330,52 @@ def test_each_disk_home_pays_its_chain_on_the_disk_lane():
     assert estimate(cfg, in_cpu, torch.float16, 512, 32, chain) == estimate(
         cfg, in_cpu, torch.float16, 512, 32, PROFILE
     )
+
+
+def test_disk_kv_homes_are_read_at_their_own_rate_and_disk_weights_at_the_streams():
+    """KV homes on disk cross at the rate measured for whole-home reads beside the host
+    thread; weights on disk keep the sequential rate; 0 (not measured) falls back to it."""
+    cfg = cfg_of("opt-30b")
+    w4 = {"weight_compression": INT4, "kv_compression": INT4}
+    on_disk = Policy(8, 2, kv_cache=Placement(0, 0.875, 0.125), **w4)
+    assert PROFILE.disk_kv_read_gbps == 0.0
+    slow = dataclasses.replace(PROFILE, disk_kv_read_gbps=PROFILE.disk_read_gbps / 2)
+    same = dataclasses.replace(PROFILE, disk_kv_read_gbps=PROFILE.disk_read_gbps)
+    base, paid, unchanged = (
+        estimate(cfg, on_disk, torch.float16, 512, 32, hw) for hw in (PROFILE, slow, same)
+    )
+    assert unchanged == base
+    # the lane is linear in 1 / rate: its KV term is the homes' bytes a step (2 rows,
+    # one a micro-batch, at the generation's mean context) over the rate
+    third = dataclasses.replace(PROFILE, disk_kv_read_gbps=PROFILE.disk_read_gbps / 3)
+    lane = [
+        estimate(cfg, on_disk, torch.float16, 512, 32, hw).lanes_decode_s["disk"]
+        for hw in (PROFILE, slow, third)
+    ]
+    slots = 512 + 32
+    kv_tok = kv_row_bytes(cfg.num_kv_heads, cfg.head_dim, slots, torch.float16, INT4) / slots
+    kv_bytes = cfg.num_layers * 2 * (512 + 16) * kv_tok
+    at_rate = kv_bytes / (PROFILE.disk_read_gbps * GB)
+    assert lane[1] - lane[0] == pytest.approx(at_rate)
+    assert lane[2] - lane[0] == pytest.approx(2 * at_rate)
+    assert paid.decode_step_s > base.decode_step_s
+    weights_on_disk = Policy(8, 2, weights=Placement(0.5, 0.3, 0.2))
+    assert estimate(cfg, weights_on_disk, torch.float16, 512, 32, slow) == estimate(
+        cfg, weights_on_disk, torch.float16, 512, 32, PROFILE
+    )
+
+
+def test_the_kv_disk_read_rate_is_measured_through_the_spill_file(tmp_path):
+    """The profile's measurement runs the executor's read path (a spill file in the
+    given directory, removed after) beside a busy host thread, and restores the GIL's
+    switch interval."""
+    import sys
+
+    before = sys.getswitchinterval()
+    rate = kv_disk_read_rate(tmp_path, homes=2)
+    assert 0.01 < rate < 1e4  # GB/s
+    assert sys.getswitchinterval() == before
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_all_reduce_costs_tensor_parallel_plans_time():

@@ -116,9 +116,10 @@ def estimate(
     h2d = off_w / (hw.h2d_gbps * GB)
     if not policy.attention_on_cpu:  # CPU homes cross whole (all slots), disk pages as read
         h2d += (rows_cpu * slots * kv_tok + kv_d) / (hw.h2d_gbps * GB)
-    disk = (disk_w + kv_d) / (hw.disk_read_gbps * GB) + rows_disk * write_tok / (
-        hw.disk_write_gbps * GB
+    disk = disk_w / (hw.disk_read_gbps * GB) + kv_d / (
+        (hw.disk_kv_read_gbps or hw.disk_read_gbps) * GB
     )
+    disk += rows_disk * write_tok / (hw.disk_write_gbps * GB)
     disk += sum(1 for _, _, d in splits if d) * hw.disk_kv_s  # each disk home's chain
     # every micro-batch reads the layer's weights (as stored: compressed when
     # compressed) from GPU memory, whichever tier they came from, and the KV it attends

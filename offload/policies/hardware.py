@@ -55,6 +55,7 @@ OPTIONAL_FIGURES = (
     "allreduce_gbps",
     "allreduce_latency_s",
     "h2d_under_cpu_attention_gbps",
+    "disk_kv_read_gbps",
     "prefill_attention_tflops",
     "prefill_elementwise_s",
     "matmul_call_s",
@@ -134,6 +135,11 @@ class HardwareProfile:
     # of each micro-batch on disk: 675 ms a step where the bytes over the disk's
     # sequential rates took 373, validate_cost_model 021229)
     disk_kv_s: float = 0.0
+    # disk KV homes read whole, one after another, beside the launching host thread
+    # (`measure.kv_disk_read_rate`): OPT-30B int4, 8 x 2, read 4.4 MB homes in 2.6-2.9
+    # ms where the profile's 16 MiB sequential reads measured 2.7 GB/s (H100 machine,
+    # 2026-11-25); 0: not measured (disk_read_gbps is used)
+    disk_kv_read_gbps: float = 0.0
     # per layer and micro-batch attended on the CPU: the fixed part of the CPU
     # attention's chain (Llama-3.1-8B, 8 x 8, H100 run validate_cost_model 000155:
     # about 1.3 ms a call beyond the KV bytes over the measured rate)

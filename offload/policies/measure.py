@@ -9,12 +9,15 @@ executor's own fixed costs are measured above this layer (`executor.probe`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
+import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +25,10 @@ import psutil
 import torch
 import torch.nn.functional as F
 
+from offload.executor.lanes import SWITCH_INTERVAL_S
 from offload.io.direct import open_direct
+from offload.io.pinned import PinnedPool
+from offload.io.spill import SpillFile
 from offload.kernels.formats import Compression
 from offload.kernels.kv_attention import decode_attention
 from offload.kernels.kv_attention_cpu import decode_attention_cpu
@@ -112,6 +118,49 @@ def disk_rates(directory: Path, nbytes: int) -> tuple[float, float]:
     finally:
         os.unlink(name)
     return read, write
+
+
+def _spin(spinning: threading.Event) -> None:
+    count = 0
+    while spinning.is_set():
+        count += 1
+
+
+@contextlib.contextmanager
+def beside_busy_host() -> Iterator[None]:
+    """While the body runs, a Python thread holds the GIL as the executor's launching
+    host thread does, at the executor's switch interval."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    spinning = threading.Event()
+    spinning.set()
+    thread = threading.Thread(target=_spin, args=(spinning,), daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        spinning.clear()
+        thread.join()
+        sys.setswitchinterval(previous)
+
+
+def kv_disk_read_rate(directory: Path, homes: int = 8) -> float:
+    """GB/s of disk KV home reads as the executor does them: `SpillFile.transfer` of one
+    whole home after another, beside a busy host thread (`beside_busy_host`). The slope
+    between 4 MiB and 32 MiB homes: a read's fixed part belongs to the profile's
+    `disk_kv_s`, measured on the executor's own chain."""
+    small, large = 4 * 2**20, 32 * 2**20
+    with PinnedPool(large) as pool, SpillFile(directory, large * homes) as spill:
+        buf = pool.alloc(large).tensor
+        spill.transfer([(i * large, buf) for i in range(homes)], write=True)
+        points = []
+        with beside_busy_host():
+            for size in (small, large):
+                started = time.perf_counter()
+                for i in range(homes):
+                    spill.transfer([(i * large, buf[:size])], write=False)
+                points.append((size * homes, time.perf_counter() - started))
+    return fit_call(*points)[0]
 
 
 def _cpu_attention_call(dtype: torch.dtype, compressed: bool) -> tuple[Callable[[], object], int]:
@@ -309,6 +358,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
     size = 2**26 if quick else 2**29
     disk_dir = nvme or Path(tempfile.gettempdir())
     disk_read, disk_write = disk_rates(disk_dir, min(size * 2, 2**30))
+    disk_kv_read = kv_disk_read_rate(disk_dir)
     dram = copy_rate(torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)) * 2
     if torch.cuda.is_available():
         dev = torch.device("cuda")
@@ -371,6 +421,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         pageable_h2d_gbps=pageable,
         disk_read_gbps=disk_read,
         disk_write_gbps=disk_write,
+        disk_kv_read_gbps=disk_kv_read,
         prefill_tflops=prefill,
         decode_tflops=decode,
         hbm_gbps=hbm,
