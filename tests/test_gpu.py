@@ -231,6 +231,44 @@ def test_cuda_compressed_kv_in_cpu_and_disk_homes(case, tiny_checkpoints, tmp_pa
         assert all(run == want for run in runs), f"{case} under {name} differs"
 
 
+def test_a_disk_read_still_running_loads_at_its_attention(tiny_checkpoints, tmp_path, monkeypatch):
+    """Weights all on the GPU (no weight copy follows a layer's KV loads): a micro-batch
+    whose disk read has not landed is not waited for ahead of the layer but loads at its
+    attention (`KVManager.load_layer`). Reads slowed so that some do not land in time:
+    the same tokens as with reads at full speed."""
+    import time
+
+    from offload.executor.kv import KVManager
+    from offload.io.spill import SpillFile
+    from tests.test_executor import KV4, KV_PARAMS, KV_POLICIES, PROMPTS, _with
+
+    directory, _ = tiny_checkpoints["llama-gqa"]
+    policy = _with(KV_POLICIES["kv-cpu-disk-device-attention"], kv_compression=KV4)
+
+    def generate() -> list[list[int]]:
+        with LLM(
+            str(directory), device="cuda", dtype="float32", policy=policy, nvme=tmp_path
+        ) as llm:
+            return [o.token_ids for o in llm.generate(PROMPTS, KV_PARAMS)]
+
+    want = generate()
+    landed: list[bool] = []
+    read_done, read_all = KVManager._read_done, SpillFile._read_all
+
+    def slow_read(self, offset, view):
+        time.sleep(0.01)
+        read_all(self, offset, view)
+
+    def recorded(self, layer, mb):
+        landed.append(read_done(self, layer, mb))
+        return landed[-1]
+
+    monkeypatch.setattr(SpillFile, "_read_all", slow_read)
+    monkeypatch.setattr(KVManager, "_read_done", recorded)
+    assert generate() == want
+    assert not all(landed), "no read was still running when its layer's loads were issued"
+
+
 def test_masked_grouped_query_prefill_attention_holds_no_scores():
     """SDPA's own GQA path falls back to the math backend under a mask and holds fp32
     scores [B, H, T, S] (28.5 GB under a 10 GB cap in an H100 run); `decoder.attend`

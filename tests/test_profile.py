@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -369,8 +370,6 @@ def test_the_kv_disk_read_rate_is_measured_through_the_spill_file(tmp_path):
     """The profile's measurement runs the executor's read path (a spill file in the
     given directory, removed after) beside a busy host thread, and restores the GIL's
     switch interval."""
-    import sys
-
     before = sys.getswitchinterval()
     rate = kv_disk_read_rate(tmp_path, homes=2)
     assert 0.01 < rate < 1e4  # GB/s
