@@ -33,10 +33,11 @@ from offload.batch import PaddedBatch
 from offload.config import ModelConfig
 from offload.executor.graphs import DecodeGraphs
 from offload.executor.kv import KVManager
-from offload.executor.lanes import SWITCH_INTERVAL_S, Lanes, Tracer, busy_seconds
+from offload.executor.lanes import Lanes, Tracer, busy_seconds
 from offload.executor.weights import WeightFetcher, WeightHomes
 from offload.io.pinned import PinnedPool, PoolBlock
 from offload.io.reader import ExtentReader
+from offload.io.spill import SWITCH_INTERVAL_S
 from offload.io.store import ensure_store
 from offload.io.tiers import MemoryLedger, Tier
 from offload.kernels import qmatmul
@@ -85,7 +86,7 @@ class Executor(LaneReports):  # implements runner.Runner
         parallel: a tensor-parallel rank's collectives (`decoder.Parallel`); None is one
         device."""
         self.parallel = parallel
-        # the GIL's switch interval while the executor runs (`lanes.SWITCH_INTERVAL_S`)
+        # the GIL's switch interval while the executor runs (`spill.SWITCH_INTERVAL_S`)
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.cfg: ModelConfig = source.config

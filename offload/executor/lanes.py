@@ -21,12 +21,6 @@ import torch
 LANES = ("compute", "h2d", "h2d_kv", "d2h", "disk", "cpu_attn", "cpu_copy", "host_wait")
 # lanes that share one physical link: their union is the link's busy time
 LINKS = {"pcie_h2d": ("h2d", "h2d_kv")}
-# the GIL's switch interval while an executor runs. Worker threads (KV stores into
-# their homes, disk reads and write-backs) need the GIL for a few short spans; at
-# Python's default 5 ms each waited that long behind the launching host thread, and a
-# few-KB store took 5-14 ms, holding back the next stores and loads (H100 trace of a
-# 4-layer BLOOM decode step)
-SWITCH_INTERVAL_S = 0.00025
 
 
 @dataclass

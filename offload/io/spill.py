@@ -26,6 +26,12 @@ from offload.io.pinned import ALIGN, align_up
 # disk_pattern.py --busy-host`, 2026-11-25); the weight store's reader moves 8 MiB too
 THREADS = 8
 CHUNK_BYTES = 8 * 2**20
+# the GIL's switch interval while an executor runs (it sets it). Worker threads (KV
+# stores into their homes, these disk reads and write-backs) need the GIL for a few
+# short spans; at Python's default 5 ms each waited that long behind the launching host
+# thread, and a few-KB store took 5-14 ms, holding back the next stores and loads (H100
+# trace of a 4-layer BLOOM decode step)
+SWITCH_INTERVAL_S = 0.00025
 
 
 class SpillFile:

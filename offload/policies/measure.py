@@ -25,10 +25,9 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from offload.executor.lanes import SWITCH_INTERVAL_S
 from offload.io.direct import open_direct
 from offload.io.pinned import PinnedPool
-from offload.io.spill import SpillFile
+from offload.io.spill import SWITCH_INTERVAL_S, SpillFile
 from offload.kernels.formats import Compression
 from offload.kernels.kv_attention import decode_attention
 from offload.kernels.kv_attention_cpu import decode_attention_cpu
