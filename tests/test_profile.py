@@ -7,13 +7,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from offload.cli.plan import main as plan_main
-from offload.executor.probe import elementwise, overheads, probe_plan
+from offload.executor.probe import _turns, elementwise, overheads, probe_plan
 from offload.kernels.formats import Compression
 from offload.kernels.kv_cache import kv_row_bytes
 from offload.policies.caps import Caps
@@ -436,6 +438,25 @@ def test_probe_extrapolates_from_two_depths(tiny_checkpoints):
     assert probe.prefill_s > 0 and probe.decode_step_s > 0
     assert probe.total_tok_s == pytest.approx(4 * 4 / (probe.prefill_s + 3 * probe.decode_step_s))
     assert probe.seconds_spent >= probe.prefill_s
+
+
+def test_the_probes_cuts_take_turns_so_a_drift_falls_on_both():
+    """A machine that slows during the probe (each run 1 ms slower than the last): the
+    two cuts are timed in turns, so their medians differ by the layers' cost plus one
+    turn's drift. Timed one cut after the other they would differ by 7 ms here."""
+    calls = []
+
+    def run(ex, batch) -> None:
+        time.sleep(ex.cost + len(calls) * 1e-3)
+        calls.append(ex.name)
+
+    cuts = [
+        (SimpleNamespace(name=name, cost=cost, kv=SimpleNamespace(settle=lambda: None)), None)
+        for name, cost in (("shallow", 2e-3), ("deep", 4e-3))
+    ]
+    shallow, deep = _turns(torch.device("cpu"), cuts, [run] * 5)
+    assert calls == ["shallow", "deep"] * 5
+    assert deep - shallow == pytest.approx(3e-3, abs=1e-3)
 
 
 def test_plan_verify_probes_and_keeps_the_measured_best(tmp_path, tiny_checkpoints, capsys):

@@ -17,6 +17,7 @@ Two uses:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import statistics
 import tempfile
@@ -51,6 +52,9 @@ OVERHEAD_CONFIG = {
     "vocab_size": 512,
 }
 PROBE_DEPTHS = (2, 4)  # layers of a plan probe's two runs
+# a plan probe's timed prefills a cut (a 70B-class plan's 4-layer prefill takes seconds)
+# and decode steps a cut (milliseconds each: their spread is what the probe multiplies)
+PREFILL_TURNS, DECODE_TURNS = 3, 9
 # the layers a prefill's non-matmul time is measured on, one a model family (their
 # norms, activations, position encodings and residuals differ: Llama-3.1-8B's cost 9x
 # OPT's a token and hidden unit on the H100 machine, validate_cost_model 000155):
@@ -255,7 +259,7 @@ class Probe:
     seconds_spent: float  # what probing this plan cost, loading included
 
 
-def _run_depth(
+def _run_depths(
     cfg: ModelConfig,
     policy: Policy,
     dtype: torch.dtype,
@@ -264,25 +268,60 @@ def _run_depth(
     gen_len: int,
     nvme: Path | None,
     steps: int,
-) -> tuple[float, float]:
-    """(prefill s, decode step s) of the plan on `cfg` (already cut to a few layers):
-    the second of two prefills (the first compiles what the job's warm-up would), and
-    decode at the middle of the generation, where the cost model averages the context."""
-    ex = Executor(DummySource(cfg), policy, dtype, device, nvme_dir=nvme)
-    try:
-        prompts = [[5 + row % 100] * prompt_len for row in range(policy.block_size)]
-        batch = PaddedBatch(cfg, prompts, gen_len + steps + 2, pad_id=1)
-        ex.start(batch)
+) -> list[tuple[float, float]]:
+    """(prefill s, decode step s) of the plan on cfg cut to each of PROBE_DEPTHS layers.
 
-        def prefill() -> None:
+    Both cuts are loaded side by side and timed in turns, so a drift of the machine's
+    speed during the probe (clocks, the host) falls on both alike: the probe takes
+    their difference a layer and multiplies it by the model's layers. Run one after the
+    other, a W1c plan's 4-layer step drifted between 1.73 and 2.20 ms, and the probe
+    read 0.115 ms a layer at gen 256 against 0.295 at gen 32 (H100, 2026-11-25).
+    Untimed first: a prefill (it compiles what the job's warm-up would) and two decode
+    steps (they compile and capture graphs). Timed: the median of PREFILL_TURNS turns of
+    the prefill, and of `steps` turns of decode steps at the middle of the generation,
+    where the cost model averages the context."""
+    cuts: list[tuple[Executor, PaddedBatch]] = []
+    try:
+        for depth in PROBE_DEPTHS:
+            cut = dataclasses.replace(cfg, num_layers=depth)
+            ex = Executor(DummySource(cut), policy, dtype, device, nvme_dir=nvme)
+            prompts = [[5 + row % 100] * prompt_len for row in range(policy.block_size)]
+            cuts.append((ex, PaddedBatch(cut, prompts, gen_len + steps + 2, pad_id=1)))
+        ids = torch.ones(policy.block_size, 1, dtype=torch.long)
+        middle = prompt_len + gen_len // 2
+
+        def prefill(ex: Executor, batch: PaddedBatch) -> None:
             ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, prompt_len))
 
-        _synced_seconds(device, prefill)  # compiles what the job's warm-up would
-        seconds = _synced_seconds(device, prefill)
-        step = _decode_seconds(ex, batch, prompt_len + gen_len // 2, steps)
-        return seconds, step
+        def decode(ex: Executor, batch: PaddedBatch, t: int) -> None:
+            ex.forward(ids, ex.step_inputs(batch, middle + t, 1))
+
+        for ex, batch in cuts:
+            ex.start(batch)
+            _synced_seconds(device, functools.partial(prefill, ex, batch))
+            ex.kv.settle()
+        prefills = _turns(device, cuts, [prefill] * PREFILL_TURNS)
+        for ex, batch in cuts:
+            decode(ex, batch, 0)
+            decode(ex, batch, 1)
+            _sync(device)
+            ex.kv.settle()  # no transfer thread's CUDA call inside the other's capture
+        steps_at = [functools.partial(decode, t=t) for t in range(2, steps + 2)]
+        return list(zip(prefills, _turns(device, cuts, steps_at), strict=True))
     finally:
-        ex.close()
+        for ex, _ in cuts:
+            ex.close()
+
+
+def _turns(device: torch.device, cuts, runs: list) -> list[float]:
+    """Per cut, the median synchronized time of run(ex, batch) over `runs`, the cuts
+    taking turns at each."""
+    times: list[list[float]] = [[] for _ in cuts]
+    for run in runs:
+        for seconds, (ex, batch) in zip(times, cuts, strict=True):
+            seconds.append(_synced_seconds(device, functools.partial(run, ex, batch)))
+            ex.kv.settle()
+    return [statistics.median(seconds) for seconds in times]
 
 
 def probe_plan(
@@ -293,24 +332,13 @@ def probe_plan(
     prompt_len: int,
     gen_len: int,
     nvme: Path | None = None,
-    steps: int = 5,
+    steps: int = DECODE_TURNS,
 ) -> Probe:
     """Run the plan at its shapes on PROBE_DEPTHS layers and extrapolate to cfg's."""
     began = time.perf_counter()
-    runs = [
-        _run_depth(
-            dataclasses.replace(cfg, num_layers=depth),
-            policy,
-            dtype,
-            device,
-            prompt_len,
-            gen_len,
-            nvme,
-            steps,
-        )
-        for depth in PROBE_DEPTHS
-    ]
-    (p_lo, d_lo), (p_hi, d_hi) = runs
+    (p_lo, d_lo), (p_hi, d_hi) = _run_depths(
+        cfg, policy, dtype, device, prompt_len, gen_len, nvme, steps
+    )
     shallow, deep = PROBE_DEPTHS
     layers = deep - shallow
 
