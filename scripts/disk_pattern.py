@@ -49,12 +49,17 @@ def _reads(file: spill.SpillFile, bufs: list[torch.Tensor], homes: int, home: in
     return times
 
 
+def _write_back(file: spill.SpillFile, page: torch.Tensor, i: int, home: int) -> None:
+    """Home i's page write-back: half of `page` at its K region, half at its V region."""
+    span = page.numel() // 2
+    file.transfer([(i * home, page[:span]), (i * home + _half(home), page[span:])], write=True)
+
+
 def _writes(file: spill.SpillFile, page: torch.Tensor, homes: int, home: int) -> list[float]:
     times = []
-    span = page.numel() // 2
     for i in range(homes):
         started = time.perf_counter()
-        file.transfer([(i * home, page[:span]), (i * home + _half(home), page[span:])], write=True)
+        _write_back(file, page, i, home)
         times.append(time.perf_counter() - started)
     return times
 
@@ -67,7 +72,6 @@ def _together(
     read_done = [threading.Event() for _ in range(homes)]
     written = [threading.Event() for _ in range(homes)]
     read_times: list[float] = []
-    span = page.numel() // 2
 
     def reader() -> None:
         for i in range(homes):
@@ -81,7 +85,7 @@ def _together(
     def writer() -> None:
         for i in range(homes):
             read_done[i].wait()
-            file.transfer([(i * home, page[:span]), (i * home + _half(home), page[span:])], True)
+            _write_back(file, page, i, home)
             written[i].set()
 
     started = time.perf_counter()

@@ -281,11 +281,11 @@ def _run_depths(
     the prefill, and of `steps` turns of decode steps at the middle of the generation,
     where the cost model averages the context."""
     cuts: list[tuple[Executor, PaddedBatch]] = []
+    prompts = [[5 + row % 100] * prompt_len for row in range(policy.block_size)]
     try:
         for depth in PROBE_DEPTHS:
             cut = dataclasses.replace(cfg, num_layers=depth)
             ex = Executor(DummySource(cut), policy, dtype, device, nvme_dir=nvme)
-            prompts = [[5 + row % 100] * prompt_len for row in range(policy.block_size)]
             cuts.append((ex, PaddedBatch(cut, prompts, gen_len + steps + 2, pad_id=1)))
         ids = torch.ones(policy.block_size, 1, dtype=torch.long)
         middle = prompt_len + gen_len // 2
