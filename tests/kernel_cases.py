@@ -20,6 +20,7 @@ from offload.kernels.formats import Compression
 from offload.kernels.kv_attention import decode_attention
 from offload.kernels.kv_cache import QuantKV
 from offload.kernels.kv_quantize import quantize_groups_reference
+from offload.kernels.norm import norm, norm_reference
 from offload.kernels.qmatmul import DENSE_ROWS, Tiles, _dense_slices, qlinear
 from offload.kernels.quant import dequantize, quantize
 
@@ -184,8 +185,62 @@ def kv_write_failures(
     return failures
 
 
+# (rows, width): one row, a width not a power of two, more rows than a warp
+NORM_SHAPES = [(1, 64), (3, 200), (37, 96)]
+
+
+def norm_failures(device: str, dtypes: list[torch.dtype], shapes=NORM_SHAPES) -> list[str]:
+    """The norm kernel against float64 LayerNorm / RMSNorm over the same inputs: within
+    twice the reference's error at the dtype (plus a floor of the dtype's half ulp at
+    the output's size), with and without a residual; the sum written back into x is
+    the reference's bit for bit."""
+    failures = []
+    gen = torch.Generator().manual_seed(7)
+    for dtype, (rows, width), kind in itertools.product(dtypes, shapes, ("layer", "rms")):
+        for with_residual, with_bias in itertools.product((False, True), repeat=2):
+            if with_bias and kind == "rms":
+                continue
+            x = (torch.randn(rows, width, generator=gen) * 3 + 1).to(dtype)
+            residual = torch.randn(rows, width, generator=gen).to(dtype)
+            weight = (torch.rand(width, generator=gen) + 0.5).to(dtype)
+            bias = torch.randn(width, generator=gen).to(dtype) if with_bias else None
+            ref_x = x.clone()
+            expected = norm_reference(
+                ref_x, weight, bias, kind, 1e-5, residual if with_residual else None
+            )
+            summed = ref_x.double()
+            if kind == "rms":
+                truth = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5)
+                truth = truth * weight.double()
+            else:
+                truth = F.layer_norm(
+                    summed, (width,), weight.double(), None if bias is None else bias.double(), 1e-5
+                )
+            ours_x = x.to(device)
+            ours = norm(
+                ours_x,
+                weight.to(device),
+                None if bias is None else bias.to(device),
+                kind,
+                1e-5,
+                residual.to(device) if with_residual else None,
+            )
+            ref_err = (expected.double() - truth).abs().max().item()
+            our_err = (ours.cpu().double() - truth).abs().max().item()
+            bound = 2 * ref_err + torch.finfo(dtype).eps * truth.abs().max().item() / 2
+            name = f"{kind} {dtype} {rows}x{width} residual={with_residual} bias={with_bias}"
+            if ours.shape != x.shape or ours.dtype != dtype or not our_err <= bound:
+                failures.append(f"{name}: error {our_err:.3g} > bound {bound:.3g}")
+            if not torch.equal(ours_x.cpu(), ref_x):
+                failures.append(f"{name}: the residual's sum written back differs")
+    return failures
+
+
 if __name__ == "__main__":  # the interpreter tests' subprocess
     kind, bits, symmetric = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "sym"
     cases = {"qlinear": qlinear_failures, "attention": attention_failures}
+    if kind == "norm":
+        print(json.dumps(norm_failures("cpu", [torch.float32, torch.float16])))
+        sys.exit()
     cases = {**cases, "kv-write": kv_write_failures}[kind]
     print(json.dumps(cases(bits, symmetric, "cpu", [torch.float32, torch.float16])))

@@ -105,6 +105,14 @@ def test_kv_cache_quantizing_kernel_compiled_is_bit_exact(bits, symmetric):
     assert kv_write_failures(bits, symmetric, "cuda", dtypes) == []
 
 
+def test_norm_kernel_compiled_matches_layer_and_rms_norm():
+    from tests.kernel_cases import NORM_SHAPES, norm_failures
+
+    shapes = [*NORM_SHAPES, (12, 7168), (300, 8192), (2, 14336)]
+    dtypes = [torch.float16, torch.bfloat16, torch.float32]
+    assert norm_failures("cuda", dtypes, shapes) == []
+
+
 def test_launcher_keys_compiled_kernels_by_alignment():
     """The same shapes with an unaligned x (a view one element in) after an aligned one:
     the kernel compiled for 16-byte-aligned pointers must not be reused for it."""

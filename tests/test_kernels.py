@@ -52,6 +52,10 @@ def test_kv_cache_quantizing_kernel_is_bit_exact_interpreted(bits, symmetric):
     assert _interpreted("tests.kernel_cases", "kv-write", str(bits), symmetric) == []
 
 
+def test_norm_kernel_matches_layer_and_rms_norm_interpreted():
+    assert _interpreted("tests.kernel_cases", "norm", "0", "asym") == []
+
+
 def test_the_launcher_takes_triton_s_path_only_while_a_launch_hook_is_installed():
     """The Tritons the project allows hold launch hooks in a chain that is never None:
     with none in it the Launcher's direct launches run (they did not, on every Triton

@@ -37,6 +37,7 @@ from offload.kernels.cpu_attention import decode_attention_dense
 from offload.kernels.formats import Compression
 from offload.kernels.kv_attention import decode_attention
 from offload.kernels.kv_cache import QuantKV
+from offload.kernels.norm import norm
 from offload.kernels.qmatmul import qlinear
 from offload.kernels.quant import QTensor, embedding
 from offload.models import ops
@@ -145,12 +146,16 @@ def embed(
     if cfg.family == "opt":
         x = x + F.embedding(positions.clamp(min=0) + OPT_POSITION_OFFSET, w["pos.weight"])
     if cfg.family == "bloom":
-        x = ops.norm(x, w["embed_norm.weight"], w["embed_norm.bias"], "layer", cfg.norm_eps)
+        x = norm(x, w["embed_norm.weight"], w["embed_norm.bias"], "layer", cfg.norm_eps)
     return x
 
 
-def _norm(cfg: ModelConfig, w: Weights, prefix: str, x: torch.Tensor) -> torch.Tensor:
-    return ops.norm(x, w[f"{prefix}.weight"], w.get(f"{prefix}.bias"), cfg.norm_kind, cfg.norm_eps)
+def _norm(
+    cfg: ModelConfig, w: Weights, prefix: str, x: torch.Tensor, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The norm `prefix` of x; residual, if given, is first added into x in place."""
+    weight, bias = w[f"{prefix}.weight"], w.get(f"{prefix}.bias")
+    return norm(x, weight, bias, cfg.norm_kind, cfg.norm_eps, residual)
 
 
 def attn_in(cfg: ModelConfig, w: Weights, x: torch.Tensor, step: StepInputs):
@@ -230,24 +235,32 @@ def attn_out_and_mlp(
     x = _linear(w, "o", context)
     if parallel is not None:
         x = parallel.reduce(x)
-    x += residual
     if not cfg.do_layer_norm_before:
-        x = _norm(cfg, w, "attn_norm", x)
+        x = _norm(cfg, w, "attn_norm", x, residual)
+        residual = None  # added by the norm
     rows = x.reshape(-1, x.shape[-1])
+    res = None if residual is None else residual.reshape(-1, x.shape[-1])
     if rows.shape[0] <= MLP_CHUNK_ROWS:
-        return _mlp(cfg, w, rows, parallel).view_as(x)
+        return _mlp(cfg, w, rows, parallel, res).view_as(x)
     out = torch.empty_like(rows)
     for start in range(0, rows.shape[0], MLP_CHUNK_ROWS):
         part = slice(start, start + MLP_CHUNK_ROWS)
-        out[part] = _mlp(cfg, w, rows[part], parallel)
+        out[part] = _mlp(cfg, w, rows[part], parallel, None if res is None else res[part])
     return out.view_as(x)
 
 
 def _mlp(
-    cfg: ModelConfig, w: Weights, x: torch.Tensor, parallel: Parallel | None = None
+    cfg: ModelConfig,
+    w: Weights,
+    x: torch.Tensor,
+    parallel: Parallel | None = None,
+    attn_residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The MLP with its residual (and OPT's post-norm) over token rows x [N, hidden]."""
-    h = _norm(cfg, w, "mlp_norm", x) if cfg.do_layer_norm_before else x
+    """The MLP with its residual (and OPT's post-norm) over token rows x [N, hidden].
+
+    attn_residual (pre-norm models): the attention block's residual, not yet added to
+    x; the norm adds it into x in place, in the same kernel (`kernels.norm`)."""
+    h = _norm(cfg, w, "mlp_norm", x, attn_residual) if cfg.do_layer_norm_before else x
     residual = h if cfg.residual_from_norm else x
     act = ops.mlp_activation(_linear(w, "mlp_in", h), cfg.activation, cfg.gated_mlp)
     out = _linear(w, "mlp_out", act)

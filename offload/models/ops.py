@@ -15,14 +15,6 @@ import torch.nn.functional as F
 from offload.config import ModelConfig, alibi_slopes
 
 
-def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float):
-    if kind == "rms":
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        normed = x.float() * torch.rsqrt(variance + eps)
-        return weight * normed.to(x.dtype)
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-
-
 def mlp_activation(x: torch.Tensor, kind: str, gated: bool) -> torch.Tensor:
     """Apply the MLP nonlinearity; a gated input holds [gate | up] along the last dim.
 
