@@ -53,4 +53,11 @@ class PaddedBatch:
         positions = key_pos[:, cache_start:end]
         bias = ops.attention_bias(self.cfg, key_valid, key_pos, positions, cache_start, dtype)
         rope = ops.rope_cos_sin(inv_freq, positions, dtype) if inv_freq is not None else None
-        return StepInputs(positions=positions, bias=bias, cache_start=cache_start, rope=rope)
+        window = self.cfg.sliding_window
+        causal = (
+            cache_start == 0
+            and bool(self.key_valid[:, :end].all())
+            and self.cfg.family != "bloom"  # ALiBi
+            and (window is None or window >= end)
+        )
+        return StepInputs(positions, bias, cache_start, rope, causal)

@@ -312,6 +312,37 @@ def test_masked_grouped_query_prefill_attention_holds_no_scores():
     torch.testing.assert_close(out[rows].float(), want, atol=2e-3, rtol=2e-3)
 
 
+def test_causal_prefill_attention_reads_grouped_heads_in_place():
+    """A prefill without padding (`StepInputs.causal`) runs SDPA's causal kernel without
+    the bias: grouped-query K/V are read in place, not expanded to every query head,
+    and the values are the masked path's."""
+    from offload.models.decoder import attend
+
+    batch, heads, kv_heads, tokens, dim = 16, 32, 8, 512, 128
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(batch, heads, tokens, dim, device="cuda", dtype=torch.float16, generator=gen)
+    k, v = (
+        torch.randn(batch, kv_heads, tokens, dim, device="cuda", dtype=torch.float16, generator=gen)
+        for _ in range(2)
+    )
+    causal = torch.full((tokens, tokens), float("-inf"), device="cuda").triu(1)
+    bias = causal.to(torch.float16).expand(batch, 1, tokens, tokens).contiguous()
+
+    def held(flag: bool) -> tuple[torch.Tensor, int]:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out = attend(q, k, v, bias, causal=flag)
+        torch.cuda.synchronize()
+        return out, torch.cuda.max_memory_allocated() - before
+
+    out, extra = held(True)
+    masked, masked_extra = held(False)
+    expanded = 2 * batch * heads * tokens * dim * 2  # K and V at every query head
+    assert extra + expanded // 2 <= masked_extra, (extra, masked_extra, expanded)
+    torch.testing.assert_close(out, masked, atol=2e-3, rtol=2e-3)
+
+
 def test_a_job_after_the_warm_up_compiles_no_kernel(tiny_checkpoints, tmp_path):
     """Where decode replays graphs, the load's warm-up compiles every kernel a job of
     another prompt length and budget runs: none compiles in the job's prefill or its

@@ -25,6 +25,27 @@ def test_logits_match_transformers(case, tiny_checkpoints):
     assert_prefill_logits_match(llm, model, PROMPTS, case)
 
 
+# prompts of one length: no padding
+EQUAL = [[5, 6, 7, 8, 9, 10, 11], [30, 31, 32, 33, 34, 35, 36], [300, 1, 2, 250, 3, 4, 5]]
+
+
+@pytest.mark.parametrize("case", list(tiny_models.CASES))
+def test_unpadded_prefill_runs_causal_and_matches_transformers(case, tiny_checkpoints):
+    """Without padding the prefill step is flagged causal (but for ALiBi, and a sliding
+    window shorter than the prompts), and attention runs SDPA's causal kernel without
+    the bias: the logits still match transformers'."""
+    from offload.batch import PaddedBatch
+
+    directory, model = tiny_checkpoints[case]
+    llm = LLM(str(directory), device="cpu", dtype="float32")
+    batch = PaddedBatch(llm.config, EQUAL, max_new_tokens=4, pad_id=0)
+    expected = not case.startswith("bloom") and case != "mistral-window"  # window 6 < 7
+    assert llm.runner.step_inputs(batch, 0, batch.prompt_len).causal == expected
+    padded = PaddedBatch(llm.config, PROMPTS, max_new_tokens=4, pad_id=0)
+    assert not llm.runner.step_inputs(padded, 0, padded.prompt_len).causal
+    assert_prefill_logits_match(llm, model, EQUAL, case)
+
+
 @pytest.mark.parametrize("case", ["llama-gqa", "bloom", "opt-350m-like"])
 def test_mlp_in_row_slices_matches_transformers(case, tiny_checkpoints, monkeypatch):
     """Prefill runs the MLP in slices of MLP_CHUNK_ROWS token rows; with slices of 5

@@ -121,6 +121,27 @@ def test_predicted_memory_matches_what_the_executor_allocates(policy, tiny_check
         assert kv_cpu == d["kv_cpu"] + d["kv_staging_cpu"] + d["act_cpu"]
 
 
+def test_a_compressed_prefill_dequantizes_whole_matrices_where_the_layer_s_largest_fits():
+    """OPT-30B's largest matrix (7168 x 28672, 392 MiB in fp16) is dequantized whole, so
+    every prefill matmul is one cuBLAS call; BLOOM's (1.5 GiB) in 128 MiB slices. The
+    memory plan holds the same scratch beside a prefill layer's working set."""
+    from offload.kernels import qmatmul
+    from offload.models.decoder import dense_scratch_bytes
+
+    opt, bloom = (ModelConfig.from_hf(PRESETS[name], name) for name in ("opt-30b", "bloom"))
+    assert dense_scratch_bytes(opt, 2) == 7168 * 28672 * 2
+    assert dense_scratch_bytes(bloom, 2) == qmatmul.DENSE_SLICE_BYTES
+    int4 = Compression(4, 64)
+    plain = Policy(12, 1, weights=Placement(1, 0, 0), kv_cache=Placement(1, 0, 0))
+    packed = dataclasses.replace(plain, weight_compression=int4)
+    for cfg in (opt, bloom):
+        transient = [
+            plan_memory(cfg, p, torch.float16, 512, 32).detail["transient_gpu"]
+            for p in (plain, packed)
+        ]
+        assert transient[1] - transient[0] == dense_scratch_bytes(cfg, 2)
+
+
 def test_plan_json_round_trips_into_offload_run(tiny_checkpoints, tmp_path, capsys):
     directory, _ = tiny_checkpoints["llama-gqa"]
     profile = tmp_path / "hw.json"

@@ -21,6 +21,7 @@ row-parallel matmul (`offload.parallel`, docs/parallel.md).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -318,7 +319,9 @@ class Executor(LaneReports):  # implements runner.Runner
         x = self._load_act(k, x_home)
         with self.lanes.on("compute", f"L{layer} mb{k} qkv"):
             q, k_new, v_new, residual = decoder.attn_in(self.cfg, w, x, step)
-        context = self.kv.attention(layer, k, q, k_new, v_new, step.bias, step.cache_start)
+        context = self.kv.attention(
+            layer, k, q, k_new, v_new, step.bias, step.cache_start, step.causal
+        )
         del q, k_new, v_new  # [B, T, 3 x hidden] in prefill: not held through the MLP
         with self.lanes.on("compute", f"L{layer} mb{k} mlp"):
             # with `parallel`: an all-reduce after the output projection and the MLP
@@ -380,4 +383,6 @@ class Executor(LaneReports):  # implements runner.Runner
 
 def _slice_step(step: StepInputs, rows: slice) -> StepInputs:
     rope = None if step.rope is None else (step.rope[0][rows], step.rope[1][rows])
-    return StepInputs(step.positions[rows], step.bias[rows], step.cache_start, rope)
+    return dataclasses.replace(
+        step, positions=step.positions[rows], bias=step.bias[rows], rope=rope
+    )

@@ -197,25 +197,27 @@ class KVManager:
         v_new: torch.Tensor,
         bias: torch.Tensor,
         start: int,
+        causal: bool = False,
     ) -> torch.Tensor:
-        """Attention of micro-batch `mb` at `layer`; stores the new K/V in their homes."""
+        """Attention of micro-batch `mb` at `layer`; stores the new K/V in their homes
+        (causal: `decoder.attend`'s)."""
         blk = self.blocks[layer][mb]
         g, c, d = blk.rows
         end = start + q.shape[2]
         outs = []
         if g:
             assert blk.gpu is not None
-            outs.append(blk.gpu.attention(q[:g], k_new[:g], v_new[:g], bias[:g], start))
+            outs.append(blk.gpu.attention(q[:g], k_new[:g], v_new[:g], bias[:g], start, causal))
         if c + d:
             off = slice(g, g + c + d)
             if self.compression is not None:
                 outs.append(
                     self._quant_attention(
-                        layer, blk, mb, q[off], k_new[off], v_new[off], bias[off], start
+                        layer, blk, mb, q[off], k_new[off], v_new[off], bias[off], start, causal
                     )
                 )
             elif start == 0:
-                outs.append(decoder.attend(q[off], k_new[off], v_new[off], bias[off]))
+                outs.append(decoder.attend(q[off], k_new[off], v_new[off], bias[off], causal))
                 self.transfer.store(blk, mb, k_new[off], v_new[off], start, end)
             elif self.attention_on_cpu:
                 outs.append(
@@ -236,7 +238,7 @@ class KVManager:
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
     def _quant_attention(
-        self, layer: int, blk: KVBlock, mb: int, q, k_new, v_new, bias, start: int
+        self, layer: int, blk: KVBlock, mb: int, q, k_new, v_new, bias, start: int, causal=False
     ) -> torch.Tensor:
         """Attention of the off-GPU rows of a compressed cache; stores their new entries."""
         end = start + k_new.shape[2]
@@ -251,7 +253,7 @@ class KVManager:
             else:
                 loaded = self._load_quant(layer, mb, start)
             self.lanes.wait("compute", loaded)
-        out = decoder.quant_attention(scratch, q, k_new, v_new, bias, start)
+        out = decoder.quant_attention(scratch, q, k_new, v_new, bias, start, causal)
         packed = [
             scratch.rows(first, last).pack(start, end)
             for first, last in ((0, c), (c, c + d))

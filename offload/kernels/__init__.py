@@ -9,6 +9,8 @@
 - `kv_cache.py`: the compressed KV cache (`QuantKV`), its layout and byte sizes;
   `kv_quantize.py`: quantizing its completed token groups; `kv_attention.py`: decode
   attention over it; `kv_attention_cpu.py`: the same on the CPU.
+- `norm.py`: LayerNorm and RMSNorm a row in one kernel, the residual add before them
+  fused.
 - `cpu_attention.py`: decode attention on the CPU in C (fp16/bf16/fp32 and compressed
   caches; the source is `cpu_attention_c.py`), built once per machine by `native.py`
   (the system's C compiler, cached; the torch paths where it cannot be built).

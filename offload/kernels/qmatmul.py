@@ -10,9 +10,10 @@ few hundred rows of x; the W read dominates, so tiles are wide in N) and mid-siz
 
 Prefill shapes (`DENSE_ROWS` rows or more) are compute-bound, and there the fused kernel
 reached 364 TFLOP/s at int4 against cuBLAS fp16's 751 on the H100 machine (profile run
-154500). So they dequantize W into an fp16 scratch a slice of rows at a time
-(`DENSE_SLICE_BYTES` at most: the memory plan counts it) and multiply each slice with
-cuBLAS into its columns of the output. The dequantization reads 0.5-1 and writes 2 bytes
+154500). So they dequantize W into an fp16 scratch and multiply it with cuBLAS: the
+whole matrix at once where the layer's largest fits `DENSE_WHOLE_BYTES`, else a slice
+of rows at a time (`DENSE_SLICE_BYTES`) into its columns of the output
+(`dense_scratch_bytes`: the memory plan counts it). The dequantization reads 0.5-1 and writes 2 bytes
 a weight, about 1.5 ms for BLOOM-176B's largest matrix against 9 ms of its 4096-row
 matmul; the break-even is near 640 rows, where the fused kernel's time equals the
 dequantization's plus cuBLAS's.
@@ -63,17 +64,34 @@ class Tiles(NamedTuple):
 
 # rows of x from which a matmul dequantizes W and multiplies with cuBLAS (module doc)
 DENSE_ROWS = 1024
-# the most bytes of dequantized W held at once (a slice of its rows)
+# The dequantized W a prefill matmul holds at once (`dense_scratch_bytes`): a layer
+# whose largest matrix dequantizes to DENSE_WHOLE_BYTES or less takes every matrix
+# whole, so one cuBLAS call writes the contiguous output with the bias in its epilogue.
+# A larger layer's matrices go in slices of DENSE_SLICE_BYTES. A slice's columns of the
+# output are a strided view, which torch first fills with the bias (a copy) for cuBLAS
+# to add to: about 20 copies a layer, 0.64 of W1c's 13.1 ms prefill layer (H100).
 DENSE_SLICE_BYTES = 128 << 20
+DENSE_WHOLE_BYTES = 512 << 20
+
+
+def dense_scratch_bytes(largest: int) -> int:
+    """Bytes of W a prefill matmul dequantizes at once in a layer whose largest matrix
+    is `largest` bytes dequantized."""
+    return largest if largest <= DENSE_WHOLE_BYTES else DENSE_SLICE_BYTES
 
 
 def qlinear(
-    x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, tiles: Tiles | None = None
+    x: torch.Tensor,
+    w: QTensor,
+    bias: torch.Tensor | None = None,
+    tiles: Tiles | None = None,
+    scratch_bytes: int = DENSE_SLICE_BYTES,
 ) -> torch.Tensor:
     """x [..., K] (fp16/bf16/fp32) times the quantized W [N, K]; returns [..., N] in x's dtype.
 
     tiles overrides `_tiles` and always runs the fused kernel (the kernel benchmark's
-    sweeps)."""
+    sweeps); scratch_bytes: the most of W dequantized at once from DENSE_ROWS rows
+    (`dense_scratch_bytes`)."""
     if not use_kernel(x):
         return qlinear_reference(x, w, bias)
     n, k = w.shape
@@ -83,7 +101,7 @@ def qlinear(
     m = rows.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if tiles is None and m >= DENSE_ROWS:
-        _dense_slices(rows, w, bias, out)
+        _dense_slices(rows, w, bias, out, scratch_bytes)
         return out.view(*x.shape[:-1], n)
     cfg = w.config
     t = tiles or _tiles(m, n, k, cfg.group_size, x.device)
@@ -143,12 +161,12 @@ def _dense_slices(
     out: torch.Tensor,
     slice_bytes: int = DENSE_SLICE_BYTES,
 ) -> None:
-    """out = rows @ dequantize(W)^T (+ bias), W dequantized slice_bytes at a time
-    into a scratch and multiplied by cuBLAS into its columns of out (a strided view:
-    cuBLAS writes it in place)."""
+    """out = rows @ dequantize(W)^T (+ bias), W dequantized into a scratch of at most
+    slice_bytes (whole where it fits) and multiplied by cuBLAS into its columns of out."""
     n, k = w.shape
     cfg = w.config
-    step = max(32, slice_bytes // (k * rows.element_size()) // 32 * 32)
+    step = slice_bytes // (k * rows.element_size())
+    step = n if step >= n else max(32, step // 32 * 32)
     scratch = torch.empty((min(step, n), k), dtype=rows.dtype, device=rows.device)
     block_k = _block_k(k, cfg.group_size, 256)
     minimum = w.minimum if w.minimum is not None else w.scale

@@ -8,6 +8,7 @@ logits, so the engine samples from the full logits on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ class RankRunner:
         if step.bias.shape[1] == 1:
             return step
         bias = step.bias[:, self.parallel.shard.heads].contiguous()
-        return StepInputs(step.positions, bias, step.cache_start, step.rope)
+        return dataclasses.replace(step, bias=bias)
 
     def forward(
         self, token_ids: torch.Tensor, step: StepInputs, last_only: bool = True

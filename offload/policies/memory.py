@@ -188,7 +188,7 @@ def activation_plan(
     # slice and their cat, beside its own.
     layer = _layer_transient(cfg, mb * prompt_len) * elt
     if policy.weight_compression is not None and mb * prompt_len >= qmatmul.DENSE_ROWS:
-        layer += qmatmul.DENSE_SLICE_BYTES  # prefill's dequantized slice of a matrix
+        layer += decoder.dense_scratch_bytes(cfg, elt)  # prefill's dequantized W
     head = batch * cfg.vocab_size * 4 * 2 + mb * cfg.vocab_size * elt
     if cfg.gathered_vocab_size:
         head = max(head, batch * (2 * cfg.gathered_vocab_size + cfg.vocab_size) * 4)
