@@ -55,8 +55,7 @@ class PaddedBatch:
         rope = ops.rope_cos_sin(inv_freq, positions, dtype) if inv_freq is not None else None
         window = self.cfg.sliding_window
         causal = (
-            cache_start == 0
-            and bool(self.key_valid[:, :end].all())
+            bool(self.key_valid[:, :end].all())
             and self.cfg.family != "bloom"  # ALiBi
             and (window is None or window >= end)
         )

@@ -232,7 +232,9 @@ class KVManager:
                 n = c + d
                 sk[:n, :, start:end] = k_new[off]
                 sv[:n, :, start:end] = v_new[off]
-                outs.append(decoder.attend(q[off], sk[:n, :, :end], sv[:n, :, :end], bias[off]))
+                outs.append(
+                    decoder.attend(q[off], sk[:n, :, :end], sv[:n, :, :end], bias[off], causal)
+                )
                 self._scratch_free[blk.slot] = self.lanes.record("compute")
                 self.transfer.store(blk, mb, k_new[off], v_new[off], start, end)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

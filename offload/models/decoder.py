@@ -86,9 +86,9 @@ class StepInputs:
     positions [B, T] are the new tokens' positions; bias [B, 1|heads, T, S] the additive
     attention bias over S cache slots; the new tokens' K/V go to slots
     cache_start .. cache_start + T - 1. rope holds (cos, sin) [B, T, D] or None.
-    causal: the bias is the plain causal mask of a prefill from slot 0 (no padding, no
-    ALiBi, no sliding window inside it), so prefill attention can run SDPA's causal
-    flash kernel without it (`attend`).
+    causal: the bias is the plain causal mask (no padding, no ALiBi, no sliding window
+    inside the context): a prefill from slot 0, or a decode step, can run SDPA's flash
+    kernel without it (`attend`).
     """
 
     positions: torch.Tensor
@@ -207,17 +207,20 @@ def attend(
     """Scaled dot-product attention of q [B,H,T,D] over keys/values [B,Hkv,S,D].
 
     Returns [B, T, H*D]. Grouped-query heads share KV heads. causal (`StepInputs`): the
-    bias is the plain causal mask; where the keys are the T new tokens, SDPA then runs
-    its causal flash kernel without the bias (half the scores, grouped-query heads
-    read in place). With a bias, the memory-efficient kernel computes every score: 0.80
-    ms a layer against the matmuls' 9.9 for W1c's prefill (12 x 512 tokens, H100).
+    bias is the plain causal mask. Then SDPA runs its flash kernel without the bias,
+    with grouped-query heads read in place:
+    - where the keys are the T new tokens (a prefill), causally: half the scores. With
+      a bias, the memory-efficient kernel computes every score: 0.80 ms a layer against
+      the matmuls' 9.9 for W1c's prefill (12 x 512 tokens, H100);
+    - for one new token on the GPU (a decode step), over every slot.
     """
     batch, heads, num_new, dim = q.shape
     kv_heads = keys.shape[1]
-    if causal and num_new > 1 and keys.shape[2] == num_new:
+    fresh = num_new > 1 and keys.shape[2] == num_new
+    if causal and (fresh or (num_new == 1 and q.is_cuda)):
         with sdpa_kernel(SDPA_BACKENDS):
             out = F.scaled_dot_product_attention(
-                q, keys, values, is_causal=True, enable_gqa=kv_heads != heads
+                q, keys, values, is_causal=fresh, enable_gqa=kv_heads != heads
             )
         return out.transpose(1, 2).reshape(batch, num_new, heads * dim)
     if num_new == 1 and q.device.type == "cpu":
