@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -39,6 +41,29 @@ def test_cuda_fp32_logits_match_transformers(case, tiny_checkpoints):
     directory, model = tiny_checkpoints[case]
     llm = LLM(str(directory), device="cuda", dtype="float32")
     assert_prefill_logits_match(llm, model, PROMPTS, case)
+
+
+@pytest.mark.parametrize("case", ["llama-gqa", "opt"])
+def test_unpadded_steps_through_flash_give_the_masked_logits(case, tiny_checkpoints, monkeypatch):
+    """Prompts of one length: the prefill and every decode step are flagged causal and
+    attend through SDPA's flash kernel without the bias (fp16 on CUDA); the same steps
+    with the flag cleared take the masked kernels and give the same logits."""
+    from offload.batch import PaddedBatch
+    from tests.tiny_models import decode_logits
+
+    directory, _ = tiny_checkpoints[case]
+    prompts = [[5, 6, 7, 8, 9, 10], [30, 31, 32, 33, 34, 35], [7, 7, 7, 7, 7, 7]]
+    llm = LLM(str(directory), device="cuda", dtype="float16")
+    batch = PaddedBatch(llm.config, prompts, max_new_tokens=8, pad_id=0)
+    assert llm.runner.step_inputs(batch, 6, 1).causal
+    flash = decode_logits(llm, prompts, steps=8)
+    step_inputs = PaddedBatch.step_inputs
+
+    def masked(self, *args, **kwargs):
+        return dataclasses.replace(step_inputs(self, *args, **kwargs), causal=False)
+
+    monkeypatch.setattr(PaddedBatch, "step_inputs", masked)
+    torch.testing.assert_close(flash, decode_logits(llm, prompts, steps=8), atol=2e-2, rtol=2e-2)
 
 
 def test_cuda_greedy_matches_cpu(tiny_checkpoints):
@@ -385,7 +410,6 @@ def test_a_steps_gpu_transients_are_a_layers_or_the_logits_as_planned():
     equal, so a plan that summed them would be near twice what the step holds. Prefill
     and two decode steps as the decode loop runs them (a step's logits dropped once
     sampled); the whole run within the plan as the cap check counts it."""
-    import dataclasses
 
     from offload.batch import PaddedBatch
     from offload.config import ModelConfig
