@@ -46,6 +46,25 @@ def test_unpadded_prefill_runs_causal_and_matches_transformers(case, tiny_checkp
     assert_prefill_logits_match(llm, model, EQUAL, case)
 
 
+@pytest.mark.parametrize("case", ["llama-gqa", "bloom", "mistral-window", "opt"])
+def test_a_decode_steps_bias_is_the_one_built_for_its_slot(case, tiny_checkpoints):
+    """A decode step's bias is a prefix of the last slot's, built once for the block:
+    at every slot of a padded batch (ALiBi's included) it is what `attention_bias`
+    builds for that slot alone."""
+    from offload.batch import PaddedBatch
+    from offload.models import ops
+
+    directory, _ = tiny_checkpoints[case]
+    cfg = LLM(str(directory), device="cpu", dtype="float32").config
+    batch = PaddedBatch(cfg, PROMPTS, max_new_tokens=6, pad_id=0)
+    cpu = torch.device("cpu")
+    for slot in range(batch.prompt_len, batch.max_slots):
+        step = batch.step_inputs(slot, 1, torch.float32, cpu, None)
+        valid, pos = batch.key_valid[:, : slot + 1], batch.key_pos[:, : slot + 1]
+        fresh = ops.attention_bias(cfg, valid, pos, pos[:, slot:], slot, torch.float32)
+        assert torch.equal(step.bias, fresh), f"{case}: slot {slot}"
+
+
 @pytest.mark.parametrize("case", ["llama-gqa", "bloom", "opt-350m-like"])
 def test_mlp_in_row_slices_matches_transformers(case, tiny_checkpoints, monkeypatch):
     """Prefill runs the MLP in slices of MLP_CHUNK_ROWS token rows; with slices of 5
