@@ -29,8 +29,10 @@ from offload.policies.policy import Placement, Policy
 # sets the block (the 7.2 GB that the tied table freed on BLOOM-176B hold 40 sequences,
 # between the old grid's 32 and 48, which does not fit: run 222029; OPT-30B fp16 at
 # 24 GB, whose 96 x 1 no longer fits once the host heap is counted, predicts 88 x 1 at
-# 90.5 tok/s where the old grid's best was 48 x 2 at 69.8, on run 021705's profile)
-BATCH_SIZES = (1, 2, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96)
+# 90.5 tok/s where the old grid's best was 48 x 2 at 69.8, on run 021705's profile;
+# W1c, OPT-30B int4 W + KV all on the GPU at 24 GB: 14 sequences fit where 16 do not)
+BATCH_SIZES = (1, 2, 4, 5, 6, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32, 40, 48, 56, 64, 72)
+BATCH_SIZES += (80, 88, 96)
 BATCH_SIZES += (112, 128, 160, 192, 224, 256)
 NUM_BATCHES = (1, 2, 4, 6, 8, 12, 16)
 WEIGHT_STEPS = 20
