@@ -302,14 +302,10 @@ def test_a_disk_read_still_running_loads_at_its_attention(tiny_checkpoints, tmp_
     assert not all(landed), "no read was still running when its layer's loads were issued"
 
 
-def test_masked_grouped_query_prefill_attention_holds_no_scores():
-    """SDPA's own GQA path falls back to the math backend under a mask and holds fp32
-    scores [B, H, T, S] (28.5 GB under a 10 GB cap in an H100 run); `decoder.attend`
-    expands K/V instead, which `policies.memory` counts. Same values as grouping."""
-    from offload.models.decoder import attend
-
-    batch, heads, kv_heads, tokens, dim = 64, 32, 8, 512, 128
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def _grouped_prefill(batch: int, seed: int):
+    """q [B, 32, 512, 128] and K/V of 8 heads in fp16, and the causal bias [B, 1, T, T]."""
+    heads, kv_heads, tokens, dim = 32, 8, 512, 128
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(batch, heads, tokens, dim, device="cuda", dtype=torch.float16, generator=gen)
     k, v = (
         torch.randn(batch, kv_heads, tokens, dim, device="cuda", dtype=torch.float16, generator=gen)
@@ -317,12 +313,28 @@ def test_masked_grouped_query_prefill_attention_holds_no_scores():
     )
     causal = torch.full((tokens, tokens), float("-inf"), device="cuda").triu(1)
     bias = causal.to(torch.float16).expand(batch, 1, tokens, tokens).contiguous()
+    return q, k, v, bias
+
+
+def _held(fn) -> tuple[torch.Tensor, int]:
+    """fn()'s result and the device bytes it held at its peak beyond what it returns to."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    out = attend(q, k, v, bias)
+    out = fn()
     torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - before
+    return out, torch.cuda.max_memory_allocated() - before
+
+
+def test_masked_grouped_query_prefill_attention_holds_no_scores():
+    """SDPA's own GQA path falls back to the math backend under a mask and holds fp32
+    scores [B, H, T, S] (28.5 GB under a 10 GB cap in an H100 run); `decoder.attend`
+    expands K/V instead, which `policies.memory` counts. Same values as grouping."""
+    from offload.models.decoder import attend
+
+    q, k, v, bias = _grouped_prefill(64, seed=0)
+    batch, heads, tokens, dim = q.shape
+    out, extra = _held(lambda: attend(q, k, v, bias))
     scores = batch * heads * tokens * tokens * 4
     expanded = 2 * batch * heads * tokens * dim * 2
     bound = expanded + 2 * out.numel() * out.element_size() + (64 << 20)  # + out's reshape
@@ -343,26 +355,10 @@ def test_causal_prefill_attention_reads_grouped_heads_in_place():
     and the values are the masked path's."""
     from offload.models.decoder import attend
 
-    batch, heads, kv_heads, tokens, dim = 16, 32, 8, 512, 128
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    q = torch.randn(batch, heads, tokens, dim, device="cuda", dtype=torch.float16, generator=gen)
-    k, v = (
-        torch.randn(batch, kv_heads, tokens, dim, device="cuda", dtype=torch.float16, generator=gen)
-        for _ in range(2)
-    )
-    causal = torch.full((tokens, tokens), float("-inf"), device="cuda").triu(1)
-    bias = causal.to(torch.float16).expand(batch, 1, tokens, tokens).contiguous()
-
-    def held(flag: bool) -> tuple[torch.Tensor, int]:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        out = attend(q, k, v, bias, causal=flag)
-        torch.cuda.synchronize()
-        return out, torch.cuda.max_memory_allocated() - before
-
-    out, extra = held(True)
-    masked, masked_extra = held(False)
+    q, k, v, bias = _grouped_prefill(16, seed=1)
+    batch, heads, tokens, dim = q.shape
+    out, extra = _held(lambda: attend(q, k, v, bias, causal=True))
+    masked, masked_extra = _held(lambda: attend(q, k, v, bias))
     expanded = 2 * batch * heads * tokens * dim * 2  # K and V at every query head
     assert extra + expanded // 2 <= masked_extra, (extra, masked_extra, expanded)
     torch.testing.assert_close(out, masked, atol=2e-3, rtol=2e-3)
