@@ -425,7 +425,10 @@ def test_executor_fixed_costs_are_measured(tmp_path):
     # (bounds on the units, s a token and hidden unit and s a layer, not on the speed: a
     # loaded 2-core machine measured 3.7e-6 for Llama's prefill)
     assert all(1e-12 < figure < 1e-4 for figure in per_unit.values()), per_unit
-    assert all(1e-6 < figure < 1.0 for figure in per_layer.values()), per_layer
+    # (a decode layer's figure is a difference of two timings, clamped at 0: on a loaded
+    # 2-core machine OPT's came out 0.0 once, beside a concurrent test run)
+    assert all(0.0 <= figure < 1.0 for figure in per_layer.values()), per_layer
+    assert max(per_layer.values()) > 1e-6, per_layer
 
 
 def test_probe_extrapolates_from_two_depths(tiny_checkpoints):
