@@ -240,7 +240,16 @@ class KVManager:
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
     def _quant_attention(
-        self, layer: int, blk: KVBlock, mb: int, q, k_new, v_new, bias, start: int, causal=False
+        self,
+        layer: int,
+        blk: KVBlock,
+        mb: int,
+        q,
+        k_new,
+        v_new,
+        bias,
+        start: int,
+        causal: bool = False,
     ) -> torch.Tensor:
         """Attention of the off-GPU rows of a compressed cache; stores their new entries."""
         end = start + k_new.shape[2]
