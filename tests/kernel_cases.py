@@ -43,9 +43,11 @@ def qlinear_failures(
 ) -> list[str]:
     failures = []
     gen = torch.Generator().manual_seed(bits * 10 + symmetric)
+    # (bias, ReLU in the epilogue)
+    epilogues = ((False, False), (True, False), (True, True))
     for dtype in dtypes:
         for rows, n, k, group in shapes:
-            for with_bias, tiles in itertools.product((False, True), QLINEAR_TILES):
+            for (with_bias, relu), tiles in itertools.product(epilogues, QLINEAR_TILES):
                 if tiles is not None and rows >= DENSE_ROWS:
                     continue  # (the fused kernel's tiles: the shapes above; slow interpreted)
                 w = torch.randn(n, k, generator=gen)
@@ -57,12 +59,15 @@ def qlinear_failures(
                 truth = F.linear(
                     x.double(), weight.double(), bias.double() if bias is not None else None
                 )
-                results = {str(tiles): qlinear(x, q, bias, tiles)}
+                torch_out = F.linear(x, weight, bias)
+                if relu:
+                    truth, torch_out = truth.relu(), torch_out.relu()
+                results = {str(tiles): qlinear(x, q, bias, tiles, relu=relu)}
                 if tiles is None and rows >= DENSE_ROWS:  # prefill's path in several slices
                     sliced = torch.empty_like(results["None"])
-                    _dense_slices(x, q, bias, sliced, slice_bytes=32 * k * x.element_size())
+                    _dense_slices(x, q, bias, sliced, 32 * k * x.element_size(), relu)
                     results["dense slices of 32 rows"] = sliced
-                torch_err = (F.linear(x, weight, bias).double() - truth).abs().max().item()
+                torch_err = (torch_out.double() - truth).abs().max().item()
                 scale = truth.abs().max().item()
                 bound = 2 * torch_err + 1e-6 * scale
                 for how, ours in results.items():
@@ -70,7 +75,8 @@ def qlinear_failures(
                     if ours.shape != truth.shape or ours.dtype != dtype or not our_err <= bound:
                         failures.append(
                             f"bits={bits} sym={symmetric} {dtype} {rows}x{n}x{k} g{group} "
-                            f"bias={with_bias} {how}: error {our_err:.3g} > bound {bound:.3g}"
+                            f"bias={with_bias} relu={relu} {how}: error {our_err:.3g} > "
+                            f"bound {bound:.3g}"
                         )
     return failures
 

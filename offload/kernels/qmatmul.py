@@ -41,8 +41,32 @@ else:
     from offload.kernels.dequant import dequant, dequant_bytes, dequant_nibbles
 
 
-def qlinear_reference(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, dequantize(w).to(x.dtype), bias)
+def qlinear_reference(
+    x: torch.Tensor, w: QTensor, bias: torch.Tensor | None, relu: bool = False
+) -> torch.Tensor:
+    out = F.linear(x, dequantize(w).to(x.dtype), bias)
+    return F.relu_(out) if relu else out
+
+
+def dense_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    relu: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias), then ReLU if relu: with a bias, both in the
+    matmul's epilogue (cuBLASLt's, through `torch._addmm_activation`, where the output
+    is contiguous), not a pass of their own over the output. out: where to write
+    (a view into a larger output is allowed)."""
+    if out is None:
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    if bias is None:
+        torch.mm(x, weight.t(), out=out)
+        return F.relu_(out) if relu else out
+    if relu:
+        return torch._addmm_activation(bias, x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
 
 
 class Tiles(NamedTuple):
@@ -86,14 +110,16 @@ def qlinear(
     bias: torch.Tensor | None = None,
     tiles: Tiles | None = None,
     scratch_bytes: int = DENSE_SLICE_BYTES,
+    relu: bool = False,
 ) -> torch.Tensor:
     """x [..., K] (fp16/bf16/fp32) times the quantized W [N, K]; returns [..., N] in x's dtype.
+    relu: the output goes through ReLU in the same kernel (the matmul's epilogue).
 
     tiles overrides `_tiles` and always runs the fused kernel (the kernel benchmark's
     sweeps); scratch_bytes: the most of W dequantized at once from DENSE_ROWS rows
     (`dense_scratch_bytes`)."""
     if not use_kernel(x):
-        return qlinear_reference(x, w, bias)
+        return qlinear_reference(x, w, bias, relu)
     n, k = w.shape
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
@@ -101,7 +127,7 @@ def qlinear(
     m = rows.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if tiles is None and m >= DENSE_ROWS:
-        _dense_slices(rows, w, bias, out, scratch_bytes)
+        _dense_slices(rows, w, bias, out, scratch_bytes, relu)
         return out.view(*x.shape[:-1], n)
     cfg = w.config
     t = tiles or _tiles(m, n, k, cfg.group_size, x.device)
@@ -132,6 +158,7 @@ def qlinear(
         cfg.group_size,
         cfg.symmetric,
         bias is not None,
+        relu,
         "ieee" if x.dtype == torch.float32 else "tf32",
         t.block_m,
         t.block_n,
@@ -160,9 +187,11 @@ def _dense_slices(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     slice_bytes: int = DENSE_SLICE_BYTES,
+    relu: bool = False,
 ) -> None:
-    """out = rows @ dequantize(W)^T (+ bias), W dequantized into a scratch of at most
-    slice_bytes (whole where it fits) and multiplied by cuBLAS into its columns of out."""
+    """out = rows @ dequantize(W)^T (+ bias) (then ReLU), W dequantized into a scratch of
+    at most slice_bytes (whole where it fits) and multiplied by cuBLAS into its columns
+    of out."""
     n, k = w.shape
     cfg = w.config
     step = slice_bytes // (k * rows.element_size())
@@ -188,10 +217,10 @@ def _dense_slices(
             DEQUANT_ROWS,
             block_k,
         )
-        if bias is None:
-            torch.mm(rows, dense.t(), out=out[:, start:stop])
-        else:
-            torch.addmm(bias[start:stop], rows, dense.t(), out=out[:, start:stop])
+        part = None if bias is None else bias[start:stop]
+        dense_linear(rows, dense, part, relu and step >= n, out[:, start:stop])
+    if relu and step < n:  # a slice's columns are a strided view: no epilogue for them
+        F.relu_(out)
 
 
 DEQUANT_ROWS = 32  # W rows a dequantizing program writes
@@ -247,6 +276,7 @@ if triton is not None:
         GROUP: tl.constexpr,
         SYMMETRIC: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        RELU: tl.constexpr,
         PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -342,14 +372,18 @@ if triton is not None:
                     )
                     s += 1
                 tl.atomic_xchg(count_ptr + tile, 0)
-                _store(out_ptr, offsets, total, bias_ptr, rn, n_ok, mask, HAS_BIAS)
+                _store(out_ptr, offsets, total, bias_ptr, rn, n_ok, mask, HAS_BIAS, RELU)
         else:
-            _store(out_ptr, offsets, acc, bias_ptr, rn, n_ok, mask, HAS_BIAS)
+            _store(out_ptr, offsets, acc, bias_ptr, rn, n_ok, mask, HAS_BIAS, RELU)
 
     @triton.jit
-    def _store(out_ptr, offsets, acc, bias_ptr, rn, n_ok, mask, HAS_BIAS: tl.constexpr):
+    def _store(
+        out_ptr, offsets, acc, bias_ptr, rn, n_ok, mask, HAS_BIAS: tl.constexpr, RELU: tl.constexpr
+    ):
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if RELU:
+            acc = tl.maximum(acc, 0.0)
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     _launch = Launcher(_qmatmul_kernel)

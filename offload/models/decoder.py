@@ -50,10 +50,17 @@ from offload.models import ops
 Weights = dict[str, torch.Tensor | QTensor]
 
 
-def _linear(cfg: ModelConfig, w: Weights, name: str, x: torch.Tensor) -> torch.Tensor:
+def _linear(
+    cfg: ModelConfig, w: Weights, name: str, x: torch.Tensor, relu: bool = False
+) -> torch.Tensor:
+    """x's rows through the named matrix (and bias); relu: then ReLU, in the matmul's
+    epilogue (x [N, hidden])."""
     weight, bias = w[f"{name}.weight"], w.get(f"{name}.bias")
     if isinstance(weight, QTensor):
-        return qlinear(x, weight, bias, scratch_bytes=dense_scratch_bytes(cfg, x.element_size()))
+        scratch = dense_scratch_bytes(cfg, x.element_size())
+        return qlinear(x, weight, bias, scratch_bytes=scratch, relu=relu)
+    if relu:
+        return qmatmul.dense_linear(x, weight, bias, relu=True)
     return F.linear(x, weight, bias)
 
 
@@ -297,7 +304,10 @@ def _mlp(
     x; the norm adds it into x in place, in the same kernel (`kernels.norm`)."""
     h = _norm(cfg, w, "mlp_norm", x, attn_residual) if cfg.do_layer_norm_before else x
     residual = h if cfg.residual_from_norm else x
-    act = ops.mlp_activation(_linear(cfg, w, "mlp_in", h), cfg.activation, cfg.gated_mlp)
+    if cfg.activation == "relu" and not cfg.gated_mlp:
+        act = _linear(cfg, w, "mlp_in", h, relu=True)
+    else:
+        act = ops.mlp_activation(_linear(cfg, w, "mlp_in", h), cfg.activation, cfg.gated_mlp)
     out = _linear(cfg, w, "mlp_out", act)
     if parallel is not None:
         out = parallel.reduce(out)

@@ -17,6 +17,7 @@ from offload.config import ModelConfig, alibi_slopes
 
 def mlp_activation(x: torch.Tensor, kind: str, gated: bool) -> torch.Tensor:
     """Apply the MLP nonlinearity; a gated input holds [gate | up] along the last dim.
+    (ReLU runs in the matmul's epilogue: `decoder._mlp`.)
 
     x is a temporary the caller no longer needs (it may be overwritten)."""
     if gated:
@@ -24,8 +25,6 @@ def mlp_activation(x: torch.Tensor, kind: str, gated: bool) -> torch.Tensor:
         return F.silu(gate).mul_(up)
     if kind == "gelu_tanh":
         return F.gelu(x, approximate="tanh")
-    if kind == "relu":
-        return F.relu_(x)  # x is the fresh projection output: no copy
     raise AssertionError(f"unknown activation {kind}")
 
 
