@@ -43,11 +43,16 @@ def qlinear_failures(
 ) -> list[str]:
     failures = []
     gen = torch.Generator().manual_seed(bits * 10 + symmetric)
-    # (bias, ReLU in the epilogue)
-    epilogues = ((False, False), (True, False), (True, True))
+    # the epilogue's (bias, ReLU, residual)
+    epilogues = (
+        (False, False, False),
+        (True, False, False),
+        (True, True, False),
+        (True, False, True),
+    )
     for dtype in dtypes:
         for rows, n, k, group in shapes:
-            for (with_bias, relu), tiles in itertools.product(epilogues, QLINEAR_TILES):
+            for (with_bias, relu, add), tiles in itertools.product(epilogues, QLINEAR_TILES):
                 if tiles is not None and rows >= DENSE_ROWS:
                     continue  # (the fused kernel's tiles: the shapes above; slow interpreted)
                 w = torch.randn(n, k, generator=gen)
@@ -62,10 +67,16 @@ def qlinear_failures(
                 torch_out = F.linear(x, weight, bias)
                 if relu:
                     truth, torch_out = truth.relu(), torch_out.relu()
-                results = {str(tiles): qlinear(x, q, bias, tiles, relu=relu)}
+                residual = None
+                if add:
+                    residual = torch.randn(rows, n, generator=gen).to(dtype).to(device)
+                    truth, torch_out = truth + residual.double(), torch_out + residual
+                results = {str(tiles): qlinear(x, q, bias, tiles, relu=relu, residual=residual)}
                 if tiles is None and rows >= DENSE_ROWS:  # prefill's path in several slices
                     sliced = torch.empty_like(results["None"])
                     _dense_slices(x, q, bias, sliced, 32 * k * x.element_size(), relu)
+                    if add:
+                        sliced += residual
                     results["dense slices of 32 rows"] = sliced
                 torch_err = (torch_out.double() - truth).abs().max().item()
                 scale = truth.abs().max().item()
@@ -75,7 +86,7 @@ def qlinear_failures(
                     if ours.shape != truth.shape or ours.dtype != dtype or not our_err <= bound:
                         failures.append(
                             f"bits={bits} sym={symmetric} {dtype} {rows}x{n}x{k} g{group} "
-                            f"bias={with_bias} relu={relu} {how}: error {our_err:.3g} > "
+                            f"bias={with_bias} relu={relu} residual={add} {how}: error {our_err:.3g} > "
                             f"bound {bound:.3g}"
                         )
     return failures

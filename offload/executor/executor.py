@@ -310,8 +310,9 @@ class Executor(LaneReports):  # implements runner.Runner
             for k, (graph, step) in enumerate(zip(graphs, steps, strict=True)):
                 q, k_new, v_new = graph.qkv(layer)
                 context = self.kv.attention(
-                    layer, k, q, k_new, v_new, step.bias, step.cache_start, step.causal
-                )
+                    layer, k, q, k_new, v_new, step.bias, step.cache_start, step.causal,
+                    out=graph.ctx,
+                )  # fmt: skip
                 graph.after_attention(layer, context)
                 self._prefetch_kv_after(layer, k, step.cache_start)
         return torch.cat([graph.logits() for graph in graphs], dim=0)

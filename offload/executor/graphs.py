@@ -87,8 +87,10 @@ class DecodeGraphs:
         return q, k, v
 
     def after_attention(self, layer: int, context: torch.Tensor) -> None:
-        """Layer's attention output in; its MLP and the next layer's QKV (or the head)."""
-        self.ctx.copy_(context)
+        """Layer's attention output in (the attention may have written it into `ctx`
+        already); its MLP and the next layer's QKV (or the head)."""
+        if context.data_ptr() != self.ctx.data_ptr():
+            self.ctx.copy_(context)
         self.graphs[layer + 1].replay()
 
     def logits(self) -> torch.Tensor:

@@ -198,16 +198,22 @@ class KVManager:
         bias: torch.Tensor,
         start: int,
         causal: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of micro-batch `mb` at `layer`; stores the new K/V in their homes
-        (causal: `decoder.attend`'s)."""
+        (causal: `decoder.attend`'s). out: where the caller will want the context (the
+        decode graphs' buffer); the attention writes it there when all of the rows'
+        KV is on the GPU and compressed, else the caller copies what is returned."""
         blk = self.blocks[layer][mb]
         g, c, d = blk.rows
         end = start + q.shape[2]
         outs = []
         if g:
             assert blk.gpu is not None
-            outs.append(blk.gpu.attention(q[:g], k_new[:g], v_new[:g], bias[:g], start, causal))
+            whole = None if c + d else out
+            outs.append(
+                blk.gpu.attention(q[:g], k_new[:g], v_new[:g], bias[:g], start, causal, whole)
+            )
         if c + d:
             off = slice(g, g + c + d)
             if self.compression is not None:

@@ -77,8 +77,10 @@ def decode_attention(
     stages: int = STAGES,
     tile_groups: int = 1,
     fused_merge: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one new token per sequence over the compressed cache; [B, 1, H x D].
+    """Attention of one new token per sequence over the compressed cache; [B, 1, H x D]
+    (into out, contiguous, where given: the decode graphs' input buffer).
 
     q [B, H, 1, D]; bias [B, 1 | H, 1, >= end] additive (padding, ALiBi). The new token's
     own K/V must already be written. split_groups (token groups a program; None: sized
@@ -86,7 +88,8 @@ def decode_attention(
     groups a loop step) and fused_merge (the last split of a row merges, no second
     kernel): the kernel benchmark's sweep."""
     if not use_kernel(q):
-        return decode_attention_cpu(q, cache, bias, end)
+        context = decode_attention_cpu(q, cache, bias, end)
+        return context if out is None else out.copy_(context)
     batch, heads, _, dim = q.shape
     # the kernel steps over channels by 1 and over the cache's tensors by their shapes
     assert q.shape[2] == 1 and q.stride(3) == 1, "one query a sequence, contiguous channels"
@@ -105,7 +108,9 @@ def decode_attention(
     part_acc = torch.empty((batch, heads, splits, block_d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((2, batch, heads, splits), dtype=torch.float32, device=q.device)
     per_head = bias.shape[1] > 1
-    out = torch.empty((batch, 1, heads * dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((batch, 1, heads * dim), dtype=q.dtype, device=q.device)
+    assert out.shape == (batch, 1, heads * dim) and out.is_contiguous()
     counts = arrival_counters("attention", q.device, batch * kv_heads) if fused_merge else part_ml
     _launch_split(
         (batch, kv_heads, splits), warps,

@@ -42,10 +42,18 @@ else:
 
 
 def qlinear_reference(
-    x: torch.Tensor, w: QTensor, bias: torch.Tensor | None, relu: bool = False
+    x: torch.Tensor,
+    w: QTensor,
+    bias: torch.Tensor | None,
+    relu: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     out = F.linear(x, dequantize(w).to(x.dtype), bias)
-    return F.relu_(out) if relu else out
+    if relu:
+        F.relu_(out)
+    if residual is not None:
+        out += residual.view_as(out)
+    return out
 
 
 def dense_linear(
@@ -111,15 +119,18 @@ def qlinear(
     tiles: Tiles | None = None,
     scratch_bytes: int = DENSE_SLICE_BYTES,
     relu: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] (fp16/bf16/fp32) times the quantized W [N, K]; returns [..., N] in x's dtype.
-    relu: the output goes through ReLU in the same kernel (the matmul's epilogue).
+    relu: the output goes through ReLU; residual (x's rows by N, contiguous): added
+    after; both in the fused kernel's epilogue (rounded once there; prefill's dense
+    path adds the residual after rounding).
 
     tiles overrides `_tiles` and always runs the fused kernel (the kernel benchmark's
     sweeps); scratch_bytes: the most of W dequantized at once from DENSE_ROWS rows
     (`dense_scratch_bytes`)."""
     if not use_kernel(x):
-        return qlinear_reference(x, w, bias, relu)
+        return qlinear_reference(x, w, bias, relu, residual)
     n, k = w.shape
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
@@ -128,7 +139,11 @@ def qlinear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if tiles is None and m >= DENSE_ROWS:
         _dense_slices(rows, w, bias, out, scratch_bytes, relu)
+        if residual is not None:
+            out += residual.view_as(out)
         return out.view(*x.shape[:-1], n)
+    if residual is not None:
+        assert residual.is_contiguous() and residual.numel() == m * n
     cfg = w.config
     t = tiles or _tiles(m, n, k, cfg.group_size, x.device)
     block_k = _block_k(k, cfg.group_size, t.max_k)
@@ -147,6 +162,7 @@ def qlinear(
         w.scale,
         w.minimum if w.minimum is not None else w.scale,
         bias if bias is not None else out,
+        residual if residual is not None else out,
         out,
         partial,
         counts,
@@ -159,6 +175,7 @@ def qlinear(
         cfg.symmetric,
         bias is not None,
         relu,
+        residual is not None,
         "ieee" if x.dtype == torch.float32 else "tf32",
         t.block_m,
         t.block_n,
@@ -265,6 +282,7 @@ if triton is not None:
         scale_ptr,
         min_ptr,
         bias_ptr,
+        res_ptr,
         out_ptr,
         partial_ptr,
         count_ptr,
@@ -277,6 +295,7 @@ if triton is not None:
         SYMMETRIC: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         RELU: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
         PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -372,18 +391,28 @@ if triton is not None:
                     )
                     s += 1
                 tl.atomic_xchg(count_ptr + tile, 0)
-                _store(out_ptr, offsets, total, bias_ptr, rn, n_ok, mask, HAS_BIAS, RELU)
+                _store(
+                    out_ptr, offsets, total, bias_ptr, res_ptr, rn, n_ok, mask, HAS_BIAS, RELU,
+                    HAS_RESIDUAL,
+                )  # fmt: skip
         else:
-            _store(out_ptr, offsets, acc, bias_ptr, rn, n_ok, mask, HAS_BIAS, RELU)
+            _store(
+                out_ptr, offsets, acc, bias_ptr, res_ptr, rn, n_ok, mask, HAS_BIAS, RELU,
+                HAS_RESIDUAL,
+            )  # fmt: skip
 
     @triton.jit
     def _store(
-        out_ptr, offsets, acc, bias_ptr, rn, n_ok, mask, HAS_BIAS: tl.constexpr, RELU: tl.constexpr
-    ):
+        out_ptr, offsets, acc, bias_ptr, res_ptr, rn, n_ok, mask,
+        HAS_BIAS: tl.constexpr, RELU: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    ):  # fmt: skip
+        """The epilogue: bias, ReLU, residual (in float32), then one rounding."""
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if RELU:
             acc = tl.maximum(acc, 0.0)
+        if HAS_RESIDUAL:
+            acc += tl.load(res_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     _launch = Launcher(_qmatmul_kernel)

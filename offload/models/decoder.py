@@ -51,17 +51,24 @@ Weights = dict[str, torch.Tensor | QTensor]
 
 
 def _linear(
-    cfg: ModelConfig, w: Weights, name: str, x: torch.Tensor, relu: bool = False
+    cfg: ModelConfig,
+    w: Weights,
+    name: str,
+    x: torch.Tensor,
+    relu: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x's rows through the named matrix (and bias); relu: then ReLU, in the matmul's
-    epilogue (x [N, hidden])."""
+    """x's rows through the named matrix (and bias); relu: then ReLU; residual (x's rows
+    by the output width): then added. A compressed matrix's fused kernel does both in
+    its epilogue, a dense one's matmul the ReLU (x [N, hidden])."""
     weight, bias = w[f"{name}.weight"], w.get(f"{name}.bias")
     if isinstance(weight, QTensor):
         scratch = dense_scratch_bytes(cfg, x.element_size())
-        return qlinear(x, weight, bias, scratch_bytes=scratch, relu=relu)
-    if relu:
-        return qmatmul.dense_linear(x, weight, bias, relu=True)
-    return F.linear(x, weight, bias)
+        return qlinear(x, weight, bias, scratch_bytes=scratch, relu=relu, residual=residual)
+    out = qmatmul.dense_linear(x, weight, bias, relu) if relu else F.linear(x, weight, bias)
+    if residual is not None:
+        out += residual
+    return out
 
 
 @functools.cache
@@ -308,10 +315,11 @@ def _mlp(
         act = _linear(cfg, w, "mlp_in", h, relu=True)
     else:
         act = ops.mlp_activation(_linear(cfg, w, "mlp_in", h), cfg.activation, cfg.gated_mlp)
-    out = _linear(cfg, w, "mlp_out", act)
-    if parallel is not None:
-        out = parallel.reduce(out)
-    out += residual
+    if parallel is None:
+        out = _linear(cfg, w, "mlp_out", act, residual=residual)
+    else:  # the residual joins the ranks' summed outputs
+        out = parallel.reduce(_linear(cfg, w, "mlp_out", act))
+        out += residual
     if not cfg.do_layer_norm_before:
         out = _norm(cfg, w, "mlp_norm", out)
     return out
@@ -364,12 +372,14 @@ class LayerKV:
         bias: torch.Tensor,
         start: int,
         causal: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store the new entries k, v at slots start.. and attend q over the cache
-        (a compressed one: `quant_attention`); causal as `attend`'s."""
+        (a compressed one: `quant_attention`); causal as `attend`'s. out: a buffer the
+        decode attention over a compressed cache writes into (others return their own)."""
         end = start + k.shape[2]
         if self.quant is not None:
-            return quant_attention(self.quant, q, k, v, bias, start, causal)
+            return quant_attention(self.quant, q, k, v, bias, start, causal, out)
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return attend(q, self.k[:, :, :end], self.v[:, :, :end], bias, causal)
@@ -383,15 +393,17 @@ def quant_attention(
     bias,
     start: int,
     causal: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store k, v in the compressed cache at slots start.. and attend q: a prefill
-    (start 0) over its fresh entries at full precision, a decode step over the cache."""
+    (start 0) over its fresh entries at full precision, a decode step over the cache
+    (into out where given)."""
     cache.write(k, v, start)
     if start == 0:
         return attend(q, k, v, bias, causal)
     end = start + k.shape[2]
     if q.shape[2] == 1:
-        return decode_attention(q, cache, bias, end)
+        return decode_attention(q, cache, bias, end, out=out)
     return attend(q, *cache.dequantized(end), bias)
 
 
