@@ -132,7 +132,8 @@ def test_a_compressed_prefill_dequantizes_whole_matrices_where_the_layer_s_large
     assert dense_scratch_bytes(opt, 2) == 7168 * 28672 * 2
     assert dense_scratch_bytes(bloom, 2) == qmatmul.DENSE_SLICE_BYTES
     int4 = Compression(4, 64)
-    plain = Policy(12, 1, weights=Placement(1, 0, 0), kv_cache=Placement(1, 0, 0))
+    # 4 x 512 rows: the dense path (DENSE_ROWS), the MLP in one slice either way
+    plain = Policy(4, 1, weights=Placement(1, 0, 0), kv_cache=Placement(1, 0, 0))
     packed = dataclasses.replace(plain, weight_compression=int4)
     for cfg in (opt, bloom):
         transient = [
@@ -140,6 +141,28 @@ def test_a_compressed_prefill_dequantizes_whole_matrices_where_the_layer_s_large
             for p in (plain, packed)
         ]
         assert transient[1] - transient[0] == dense_scratch_bytes(cfg, 2)
+
+
+def test_a_compressed_mlp_takes_up_to_mlp_whole_rows_at_once_and_the_plan_counts_it():
+    """A compressed layer's prefill dequantizes the MLP's weights every call, so its rows
+    go in one slice up to MLP_WHOLE_ROWS; an uncompressed one's in MLP_CHUNK_ROWS slices.
+    The plan's MLP working set follows: for OPT-30B at 14 x 512 rows (ReLU in the
+    epilogue) the projection, norm, intermediate and output, 7168 x (3 x 7168 + 28672)
+    elements, against 2 x 7168 x 7168 + 4096 x (2 x 7168 + 28672) in slices (and
+    there the attention's half is the larger)."""
+    from offload.models.decoder import MLP_CHUNK_ROWS, MLP_WHOLE_ROWS, mlp_chunks
+    from offload.policies.memory import _layer_transient
+
+    assert mlp_chunks(7168, compressed=True) == [7168]
+    assert mlp_chunks(7168, compressed=False) == [MLP_CHUNK_ROWS, 7168 - MLP_CHUNK_ROWS]
+    assert mlp_chunks(MLP_WHOLE_ROWS + 1, True) == [4096, 4096, 1]
+    assert mlp_chunks(100, False) == [100]
+    opt = ModelConfig.from_hf(PRESETS["opt-30b"], "opt-30b")
+    h, i = 7168, 28672
+    assert _layer_transient(opt, 7168, compressed=True) == 7168 * (3 * h + i)
+    sliced = 2 * 7168 * h + 4096 * (2 * h + i)
+    attention = 7168 * (3 * h + 3 * h)  # the fused QKV, norm, SDPA's output and its reshape
+    assert _layer_transient(opt, 7168, compressed=False) == max(sliced, attention)
 
 
 def test_plan_json_round_trips_into_offload_run(tiny_checkpoints, tmp_path, capsys):

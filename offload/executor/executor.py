@@ -328,7 +328,9 @@ class Executor(LaneReports):  # implements runner.Runner
         del q, k_new, v_new  # [B, T, 3 x hidden] in prefill: not held through the MLP
         with self.lanes.on("compute", f"L{layer} mb{k} mlp"):
             # with `parallel`: an all-reduce after the output projection and the MLP
-            out = decoder.attn_out_and_mlp(self.cfg, w, context, residual, self.parallel)
+            x = decoder.attn_out(self.cfg, w, context, self.parallel)
+            del context  # not held through the MLP (`memory._layer_transient`)
+            out = decoder.mlp_block(self.cfg, w, x, residual, self.parallel)
         self._prefetch_kv_after(layer, k, step.cache_start)
         return self._store_act(k, out)
 

@@ -39,7 +39,7 @@ from offload.config import ModelConfig
 from offload.io.layout import gathered, stage_cuts, stage_image_bytes
 from offload.kernels.kv_cache import kv_row_bytes
 from offload.kernels.qmatmul import DENSE_ROWS
-from offload.models.decoder import LAYER_MATMULS, MLP_CHUNK_ROWS
+from offload.models.decoder import LAYER_MATMULS, mlp_chunks
 from offload.policies.caps import Baseline, peak_bytes
 from offload.policies.hardware import GB, HardwareProfile
 from offload.policies.memory import MemoryPlan, micro_batch_sizes, plan_memory, row_splits
@@ -217,7 +217,7 @@ def _prefill_matmul_s(
 ) -> float:
     """A layer's prefill matmuls, micro-batch by micro-batch of `sizes` sequences, as the
     executor calls them: the attention's over the micro-batch's rows, the MLP's in
-    chunks of `decoder.MLP_CHUNK_ROWS`. A compressed weight multiplies in the fused
+    `decoder.mlp_chunks`. A compressed weight multiplies in the fused
     kernel below `qmatmul.DENSE_ROWS` rows; from there each call dequantizes the
     weight into a scratch and cuBLAS multiplies at the dense rate (`kernels.qmatmul`).
     OPT-175B int4 at 8 x 5 x 512 on the H100 machine: 98 ms of cuBLAS and 13 ms of
@@ -243,8 +243,7 @@ def _prefill_matmul_s(
     total = 0.0
     for size in sizes:
         rows = size * prompt_len
-        chunks = [MLP_CHUNK_ROWS] * (rows // MLP_CHUNK_ROWS)
-        chunks += [rows % MLP_CHUNK_ROWS] if rows % MLP_CHUNK_ROWS else []
+        chunks = mlp_chunks(rows, compression is not None)
         total += calls(1 - mlp / params, [rows]) + calls(mlp / params, chunks)
     return total
 

@@ -186,7 +186,8 @@ def activation_plan(
     # sampled (`decode_loop`), so none are held through the next step's layers. A
     # tensor-parallel rank then gathers its slice to the whole vocabulary: every rank's
     # slice and their cat, beside its own.
-    layer = _layer_transient(cfg, mb * prompt_len) * elt
+    compressed = policy.weight_compression is not None
+    layer = _layer_transient(cfg, mb * prompt_len, compressed=compressed) * elt
     if policy.weight_compression is not None and mb * prompt_len >= qmatmul.DENSE_ROWS:
         layer += decoder.dense_scratch_bytes(cfg, elt)  # prefill's dequantized W
     head = batch * cfg.vocab_size * 4 * 2 + mb * cfg.vocab_size * elt
@@ -218,25 +219,38 @@ def _graph_bytes(cfg: ModelConfig, policy: Policy, sizes: list[int]) -> int:
         return 0
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     per_row = cfg.num_layers * (2 * qkv + cfg.hidden_size) + 2 * cfg.vocab_size
-    return sum(rows * per_row + _layer_transient(cfg, rows, prefill=False) for rows in sizes)
+    return sum(
+        rows * per_row + _layer_transient(cfg, rows, prefill=False, compressed=False)
+        for rows in sizes
+    )
 
 
-def _layer_transient(cfg: ModelConfig, tokens: int, prefill: bool = True) -> int:
+def _layer_transient(
+    cfg: ModelConfig, tokens: int, prefill: bool = True, compressed: bool = False
+) -> int:
     """Elements a layer holds at its peak over `tokens` new rows, besides its input and
     output (counted as activations); counted from `decoder`'s own code:
     attention half: norm output + the fused qkv + RoPE's (q roped, and beside it the
     rotated k and its result: 3 x hidden at most; `ops.apply_rope`)
     or SDPA's output and its reshape, and in prefill with grouped-query heads K and V
-    expanded to every query head (`decoder.attend`); MLP half: attention output and
-    projection at full size, plus one `MLP_CHUNK_ROWS` slice of the MLP (its input,
-    norm, intermediate and activation, output)."""
+    expanded to every query head (`decoder.attend`); MLP half (the executor drops the
+    attention's output after the projection): the projection at full size, and beside
+    it the output where the rows go in slices (`decoder.mlp_chunks`; compressed: the
+    layer's weights are), plus one slice's norm, activation and output. The activation
+    holds the intermediate once where ReLU runs in the matmul's epilogue, twice for
+    GELU (its input and output), three times gated (the gate and up projection, then
+    the SiLU beside them)."""
     hidden, qkv = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     attn_half = tokens * (qkv + (4 if cfg.rotary else 3) * hidden)
     if prefill and cfg.num_kv_heads != cfg.num_heads:
         attn_half += 2 * tokens * cfg.num_heads * cfg.head_dim
-    intermediate = (2 if cfg.gated_mlp else 1) * cfg.intermediate_size
-    chunk = min(tokens, decoder.MLP_CHUNK_ROWS)
-    mlp_half = 2 * tokens * hidden + chunk * (2 * hidden + 2 * intermediate)
+    if cfg.gated_mlp:
+        act = 3 * cfg.intermediate_size
+    else:
+        act = (1 if cfg.activation == "relu" else 2) * cfg.intermediate_size
+    chunks = decoder.mlp_chunks(tokens, compressed)
+    mlp_half = (1 if len(chunks) == 1 else 2) * tokens * hidden
+    mlp_half += max(chunks) * (2 * hidden + act)
     return max(attn_half, mlp_half)
 
 
