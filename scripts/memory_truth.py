@@ -63,11 +63,15 @@ CASES = {
             attention_on_cpu=True,
         ),
     ),
-    # W1c's plan (bench_throughput 011706: 12 sequences) and the batch a cap of 24 GB
-    # just misses
+    # W1c's plans (bench_throughput 011706: 12 sequences; 085614: 14) and the batch a
+    # cap of 24 GB just misses
     "opt-30b int4 W+KV, 12x1 on GPU": (
         "opt-30b",
         _int4(12, 1, Placement(1, 0, 0), Placement(1, 0, 0)),
+    ),
+    "opt-30b int4 W+KV, 14x1 on GPU": (
+        "opt-30b",
+        _int4(14, 1, Placement(1, 0, 0), Placement(1, 0, 0)),
     ),
     "opt-30b int4 W+KV, 16x1 on GPU": (
         "opt-30b",
