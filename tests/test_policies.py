@@ -319,7 +319,7 @@ def test_kv_goes_wholly_on_the_gpu_when_it_fits_there_without_a_scratch(kv_compr
     """Rows off the GPU need a scratch on it; a cache that fits on the GPU only without
     that scratch is placed there whole (it was split once, measured 142 against 214
     tok/s), and one a byte too large is split."""
-    from offload.policies.caps import GPU_SLACK
+    from offload.policies.caps import GPU_SLACK, GPU_WORKSPACE_BYTES
     from offload.policies.search import _kv_placement
 
     cfg = cfg_of("llama-3.1-8b")
@@ -330,7 +330,8 @@ def test_kv_goes_wholly_on_the_gpu_when_it_fits_there_without_a_scratch(kv_compr
     ).detail["kv_scratch_gpu"]
     assert scratch > 0
     for extra, whole in ((scratch // 2, True), (-on_gpu.detail["kv_gpu"] // 10, False)):
-        gpu_cap = (on_gpu.run_bytes("gpu") + extra) * (1 + GPU_SLACK) + PROFILE.gpu_context_bytes
+        fixed = PROFILE.gpu_context_bytes + GPU_WORKSPACE_BYTES
+        gpu_cap = (on_gpu.run_bytes("gpu") + extra) * (1 + GPU_SLACK) + fixed
         caps = Caps(int(gpu_cap), 100 * GB, False)
         placement = _kv_placement(cfg, base, torch.float16, 512, 32, PROFILE, caps)
         assert (placement == Placement(1.0, 0.0, 0.0)) == whole, (extra, placement)
