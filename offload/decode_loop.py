@@ -102,16 +102,47 @@ class DecodeLoop:
         stats.batches += 1
         started = time.perf_counter()
         self._phase("decode")
+        ahead = self._ahead(seqs)
         for t in range(steps):
-            next_ids = sample_rows(
-                logits.pop(), [s.sampler for s in seqs], [s.prompt_ids + s.generated for s in seqs]
-            )
+            last = t == steps - 1
+            if ahead:
+                next_ids = self._issue_ahead(runner, batch, logits, t, last)
+            else:
+                next_ids = sample_rows(
+                    logits.pop(),
+                    [s.sampler for s in seqs],
+                    [s.prompt_ids + s.generated for s in seqs],
+                )
             self._append(seqs, next_ids.tolist())
-            if all(s.finish_reason for s in seqs) or t == steps - 1:
-                break
-            step = runner.step_inputs(batch, batch.prompt_len + t, 1)
-            logits.append(runner.forward(next_ids[:, None], step))
+            if all(s.finish_reason for s in seqs) or last:
+                break  # (ahead: a step already issued for nobody is left to finish)
+            if not ahead:
+                step = runner.step_inputs(batch, batch.prompt_len + t, 1)
+                logits.append(runner.forward(next_ids[:, None], step))
         stats.decode_seconds += self._sync_elapsed(started)
+
+    def _ahead(self, seqs: list[_Sequence]) -> bool:
+        """Whether step t + 1 is issued from the GPU's tokens before the host reads them
+        (`_issue_ahead`): on a GPU, where every row is plain greedy."""
+        return self.device.type == "cuda" and all(s.params.plain_greedy for s in seqs)
+
+    def _issue_ahead(
+        self, runner: Runner, batch: PaddedBatch, logits: list, t: int, last: bool
+    ) -> torch.Tensor:
+        """Every row greedy with nothing that reads the history: step t's tokens are the
+        logits' argmax on the GPU, which feeds step t + 1 there, issued before the host
+        reads them (a runner that can returns as soon as the step is issued), so the
+        host's bookkeeping of step t overlaps the GPU's step t + 1 and the GPU does not
+        wait between steps for the host. The tokens of step t, on the CPU."""
+        ids = logits.pop().argmax(dim=-1)
+        host = ids.to("cpu", non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        if not last:
+            step = runner.step_inputs(batch, batch.prompt_len + t, 1)
+            logits.append(runner.forward(ids[:, None], step, wait=False))
+        copied.synchronize()
+        return host
 
     def _append(self, seqs: list[_Sequence], next_ids: list[int]) -> None:
         for seq, token in zip(seqs, next_ids, strict=True):

@@ -51,9 +51,15 @@ class Runner(Protocol):
         """Positions, mask and rotary tables of a step, on the runner's device."""
 
     def forward(
-        self, token_ids: torch.Tensor, step: StepInputs, last_only: bool = True
+        self,
+        token_ids: torch.Tensor,
+        step: StepInputs,
+        last_only: bool = True,
+        wait: bool = True,
     ) -> torch.Tensor:
-        """New tokens [B, T] through the stack: fp32 logits [B, V] (or [B, T, V])."""
+        """New tokens [B, T] through the stack: fp32 logits [B, V] (or [B, T, V]).
+        wait=False: the call may return once the step is issued, its logits ready in
+        stream order (a runner may wait anyway)."""
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -186,9 +192,14 @@ class PlainRunner:
 
     @torch.inference_mode()
     def forward(
-        self, token_ids: torch.Tensor, step: StepInputs, last_only: bool = True
+        self,
+        token_ids: torch.Tensor,
+        step: StepInputs,
+        last_only: bool = True,
+        wait: bool = True,
     ) -> torch.Tensor:
-        """Run new tokens [B, T] through the stack; fp32 logits [B, V] (or [B, T, V])."""
+        """Run new tokens [B, T] through the stack; fp32 logits [B, V] (or [B, T, V]).
+        (Stream-ordered where wait is False: no synchronize either way.)"""
         x = decoder.embed(self.cfg, self.embed_w, token_ids.to(self.device), step.positions)
         for weights, kv in zip(self.layer_w, self._cache, strict=True):
             x = decoder.layer_forward(self.cfg, weights, x, step, kv)

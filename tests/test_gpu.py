@@ -444,3 +444,34 @@ def test_a_steps_gpu_transients_are_a_layers_or_the_logits_as_planned():
     # the small tensors no term names (ids, positions, the attention's log-sum-exp: 33
     # MB of 1381 on the H100 machine) are what the cap's slack is for
     assert 0.8 * planned <= step <= planned + GPU_SLACK * plan.gpu_bytes, report
+
+
+def test_greedy_steps_issued_ahead_give_the_waited_for_tokens(tiny_checkpoints, monkeypatch):
+    """Plain greedy rows on a GPU: each decode step is issued from the GPU's argmax before
+    the host reads the tokens, and the executor returns without waiting (all on the GPU,
+    graphs). The tokens are those of the loop that waits for every step, with a stop
+    token that ends some rows early too; and the decode steps did not wait."""
+    from offload.decode_loop import DecodeLoop
+    from offload.sampling import SamplingParams
+    from tests.test_executor import PROMPTS as MANY
+
+    directory, _ = tiny_checkpoints["llama-gqa"]
+    policy = Policy(gpu_batch_size=8, num_gpu_batches=1)
+
+    def generate(params: SamplingParams, ahead: bool) -> tuple[list[list[int]], int]:
+        with monkeypatch.context() as patch:
+            if not ahead:
+                patch.setattr(DecodeLoop, "_ahead", lambda self, seqs: False)
+            with LLM(str(directory), device="cuda", dtype="float16", policy=policy) as llm:
+                sync, count = llm.runner._sync, [0]
+                llm.runner._sync = lambda: (count.__setitem__(0, count[0] + 1), sync())
+                return [o.token_ids for o in llm.generate(MANY, params)], count[0]
+
+    plain = SamplingParams(max_new_tokens=8)
+    waited, waits = generate(plain, ahead=False)
+    stop = SamplingParams(max_new_tokens=8, stop_token_ids=[waited[0][2]])
+    for params in (plain, stop):
+        tokens, ahead_waits = generate(params, ahead=True)
+        assert tokens == generate(params, ahead=False)[0], params
+        assert ahead_waits < waits, (ahead_waits, waits)
+    assert len(generate(stop, ahead=True)[0][0]) == 3  # the stop token ended row 0

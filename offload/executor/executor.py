@@ -205,9 +205,18 @@ class Executor(LaneReports):  # implements runner.Runner
 
     @torch.inference_mode()
     def forward(
-        self, token_ids: torch.Tensor, step: StepInputs, last_only: bool = True
+        self,
+        token_ids: torch.Tensor,
+        step: StepInputs,
+        last_only: bool = True,
+        wait: bool = True,
     ) -> torch.Tensor:
-        """All stages for all micro-batches; fp32 logits [B, V] (or [B, T, V])."""
+        """All stages for all micro-batches; fp32 logits [B, V] (or [B, T, V]).
+
+        wait=False: a decode step replayed from the graphs with every KV row on the GPU
+        returns once issued (no host buffer or transfer thread takes part in it), so the
+        caller can issue the next step while this one runs (`decode_loop`); every other
+        step waits for the GPU, as all do with wait=True."""
         self.tracer.spans.clear()
         self.tracer.begin(self.device.type == "cuda")
         started = time.perf_counter()
@@ -216,7 +225,8 @@ class Executor(LaneReports):  # implements runner.Runner
         graphs = self._decode_graphs(step) if last_only else None
         if graphs is not None:
             out = self._forward_graphs(graphs, token_ids, steps)
-            self._sync()
+            if wait or not self.kv.all_on_gpu:
+                self._sync()
             return out
         num_stages = len(self.homes.images)
         hidden: list = [None] * len(self._micro)

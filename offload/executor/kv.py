@@ -87,6 +87,11 @@ class KVManager:
     def blocks(self) -> list[list[KVBlock]]:
         return self.homes.blocks
 
+    @property
+    def all_on_gpu(self) -> bool:
+        """Every row of the batch's cache lives on the GPU (no transfers take part)."""
+        return all(not (blk.rows[1] or blk.rows[2]) for row in self.blocks for blk in row)
+
     def start(
         self, row_splits: list[tuple[int, int, int]], max_slots: int, act_bytes: list[int]
     ) -> list[PoolBlock | None]:

@@ -41,9 +41,14 @@ class RankRunner:
         return dataclasses.replace(step, bias=bias)
 
     def forward(
-        self, token_ids: torch.Tensor, step: StepInputs, last_only: bool = True
+        self,
+        token_ids: torch.Tensor,
+        step: StepInputs,
+        last_only: bool = True,
+        wait: bool = True,
     ) -> torch.Tensor:
-        """Full fp32 logits [B, V] (or [B, T, V]), the same on every rank."""
+        """Full fp32 logits [B, V] (or [B, T, V]), the same on every rank (it waits: the
+        ranks run eagerly)."""
         return self.parallel.gather_vocab(self.executor.forward(token_ids, step, last_only))
 
     def __getattr__(self, name: str):
