@@ -469,9 +469,10 @@ def test_greedy_steps_issued_ahead_give_the_waited_for_tokens(tiny_checkpoints, 
 
     plain = SamplingParams(max_new_tokens=8)
     waited, waits = generate(plain, ahead=False)
-    stop = SamplingParams(max_new_tokens=8, stop_token_ids=[waited[0][2]])
+    row = next(i for i, ids in enumerate(waited) if len(ids) >= 3)
+    stop = SamplingParams(max_new_tokens=8, stop_token_ids=[waited[row][2]])
     for params in (plain, stop):
         tokens, ahead_waits = generate(params, ahead=True)
         assert tokens == generate(params, ahead=False)[0], params
         assert ahead_waits < waits, (ahead_waits, waits)
-    assert len(generate(stop, ahead=True)[0][0]) == 3  # the stop token ended row 0
+    assert len(tokens[row]) <= 3 and tokens != waited  # the stop token ended a row early
