@@ -303,6 +303,33 @@ def ceilings_part(
 
 
 # -- our engine: plan, then run one block ---------------------------------------------
+def add_probe_args(p: argparse.ArgumentParser) -> None:
+    """The flags of the scripts that probe a policy's steps on a model with dummy
+    weights (scripts/decode_step.py, scripts/decode_ahead_ab.py)."""
+    p.add_argument("--model", default="opt-30b", help="a preset (dummy weights)")
+    p.add_argument("--policy", type=Path, required=True, help="policy JSON (offload-plan's)")
+    p.add_argument("--compress", default="none")
+    p.add_argument("--kv-compress", default="none")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+
+
+def probe_llm(args: argparse.Namespace, gen_len: int):
+    """The engine on `add_probe_args`' model and policy, fp16 dummy weights (loaded and
+    warmed up)."""
+    from offload.engine import LLM
+
+    return LLM(
+        args.model,
+        dummy=True,
+        dtype="float16",
+        compress=args.compress,
+        kv_compress=args.kv_compress,
+        policy=args.policy,
+        gen_len=gen_len,
+    )
+
+
 def write_prompts(path: Path, count: int, length: int) -> None:
     """`count` requests of exactly `length` ASCII characters: `length` tokens under the
     byte tokenizer of dummy presets. Drawn by scripts/make_prompts.py (seed 0), cut."""

@@ -15,33 +15,19 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
+from offload.bench import add_probe_args, probe_llm
 from offload.decode_loop import DecodeLoop
-from offload.engine import LLM
 from offload.sampling import SamplingParams
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="opt-30b", help="a preset (dummy weights)")
-    p.add_argument("--policy", type=Path, required=True, help="policy JSON (offload-plan's)")
-    p.add_argument("--compress", default="none")
-    p.add_argument("--kv-compress", default="none")
-    p.add_argument("--prompt-len", type=int, default=512)
+    add_probe_args(p)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
-    llm = LLM(
-        args.model,
-        dummy=True,
-        dtype="float16",
-        compress=args.compress,
-        kv_compress=args.kv_compress,
-        policy=args.policy,
-        gen_len=args.gen_len,
-    )
+    llm = probe_llm(args, gen_len=args.gen_len)
     rows = llm.runner.policy.block_size
     prompts = [{"prompt_token_ids": [5 + j] * args.prompt_len} for j in range(rows)]
     params = SamplingParams(max_new_tokens=args.gen_len, ignore_eos=True)

@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from offload.batch import PaddedBatch
-from offload.engine import LLM
+from offload.bench import add_probe_args, probe_llm
 
 STEPS = 10
 
@@ -34,23 +33,10 @@ def _median(xs: list[float]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="opt-30b", help="a preset (dummy weights)")
-    p.add_argument("--policy", type=Path, required=True, help="policy JSON (offload-plan's)")
-    p.add_argument("--compress", default="none")
-    p.add_argument("--kv-compress", default="none")
+    add_probe_args(p)
     p.add_argument("--rows", type=int, help="sequences (default: the policy's block)")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
-    llm = LLM(
-        args.model,
-        dummy=True,
-        dtype="float16",
-        compress=args.compress,
-        kv_compress=args.kv_compress,
-        policy=args.policy,
-        gen_len=64,
-    )
+    llm = probe_llm(args, gen_len=64)
     ex = llm.runner
     rows = args.rows or ex.policy.block_size
     prompts = [[5 + j] * args.prompt_len for j in range(rows)]
