@@ -77,6 +77,9 @@ class KVManager:
         self._quant_loaded: dict[tuple[int, int], torch.cuda.Event | None] = {}
         # per GPU scratch (a ring, `KVLayout.scratch_depth`): its last reader's event
         self._scratch_free: list[torch.cuda.Event | None] = []
+        # every row of the batch's cache lives on the GPU: no transfer takes part in a
+        # step (set once a batch by `start`, read every decode step)
+        self.all_on_gpu = True
 
     @property
     def pool(self) -> PinnedPool | None:
@@ -86,11 +89,6 @@ class KVManager:
     @property
     def blocks(self) -> list[list[KVBlock]]:
         return self.homes.blocks
-
-    @property
-    def all_on_gpu(self) -> bool:
-        """Every row of the batch's cache lives on the GPU (no transfers take part)."""
-        return all(not (blk.rows[1] or blk.rows[2]) for row in self.blocks for blk in row)
 
     def start(
         self, row_splits: list[tuple[int, int, int]], max_slots: int, act_bytes: list[int]
@@ -109,6 +107,7 @@ class KVManager:
             for mb, blk in enumerate(row)
             if blk.rows[2]
         ]
+        self.all_on_gpu = all(not (c or d) for _, c, d in row_splits)
         return acts
 
     def settle(self) -> None:
