@@ -18,6 +18,7 @@ peak GPU within +-10%, no cap exceeded.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -25,18 +26,19 @@ from pathlib import Path
 
 import torch
 
-from offload.batch import PaddedBatch
 from offload.cli.common import parse_compression, parse_kv_compression, parse_size
+from offload.decode_loop import DecodeLoop
 from offload.executor.executor import Executor
 from offload.executor.probe import measure_profile
 from offload.kernels.formats import Compression
 from offload.models.resolve import resolve_model
+from offload.outputs import GenerationStats
 from offload.policies.caps import Caps, cuda_context_bytes
 from offload.policies.cost import estimate
 from offload.policies.hardware import HardwareProfile
 from offload.policies.policy import Placement, Policy
 from offload.policies.search import search
-from offload.sampling import SamplingParams, sample
+from offload.sampling import SamplingParams
 
 GB = 1e9
 
@@ -88,6 +90,10 @@ def hand_policies() -> dict[str, Policy]:
 def measure_policy(
     spec, policy: Policy, dtype, device, prompt_len: int, gen_len: int, cuda_graphs: bool = True
 ) -> dict:
+    """One block generated as `offload-run` generates it: the executor warmed up as the
+    engine warms it (`Executor.warm_up`), then the engine's own loop (`DecodeLoop`:
+    greedy, EOS ignored, steps issued ahead where it does that), so the measurement is
+    what a user's job gets."""
     cfg = spec.config
     began = time.perf_counter()
     ex = Executor(spec.open_weights(), policy, dtype, device, cuda_graphs=cuda_graphs)
@@ -99,41 +105,37 @@ def measure_policy(
         prompts = torch.randint(
             10, cfg.vocab_size - 10, (policy.block_size, prompt_len), generator=gen
         ).tolist()
-        batch = PaddedBatch(cfg, prompts, gen_len, pad_id=1)
+        stats = GenerationStats()
+        loop = DecodeLoop(cfg, spec.tokenizer(), set(), stats, lambda phase: None, device)
+
+        def generate(tokens: int) -> None:
+            params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+            loop.run(ex, [(ids, params) for ids in prompts], policy.block_size)
+
+        ex.warm_up()
         if policy.weight_compression is not None or policy.kv_compression is not None:
             # Triton compiles a kernel per shape class it meets (about a second each, once
-            # per process): an untimed prefill and the decode steps that compile and
-            # capture (the first eager, the second captures the graphs), so the timing
-            # is the steady state. Not a whole generation: a 70B-class block's would
-            # not fit one 10-minute GPU call beside the timed one
-            ex.start(batch)
-            logits = ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, prompt_len))
-            for t in range(min(gen_len - 1, 3)):
-                ids = sample(logits, SamplingParams(max_new_tokens=gen_len))
-                logits = ex.forward(ids[:, None], ex.step_inputs(batch, prompt_len + t, 1))
+            # per process): an untimed block of a few tokens at the real shapes, so the
+            # timing is the steady state. Not a whole generation: a 70B-class block's
+            # would not fit one 10-minute GPU call beside the timed one
+            generate(min(gen_len, 4))
             print(f"  warmed up at {time.perf_counter() - began:.1f} s", flush=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        ex.start(batch)
-        greedy = SamplingParams(max_new_tokens=gen_len)
-        started = time.perf_counter()
-        logits = ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, prompt_len))
-        prefill = time.perf_counter() - started
+        before = dataclasses.replace(stats)
+        generate(gen_len)
+        prefill = stats.prefill_seconds - before.prefill_seconds
+        decode = stats.decode_seconds - before.decode_seconds
         print(f"  timed prefill {prefill:.1f} s", flush=True)
-        for t in range(gen_len - 1):
-            ids = sample(logits, greedy)
-            logits = ex.forward(ids[:, None], ex.step_inputs(batch, prompt_len + t, 1))
-        sample(logits, greedy)
-        seconds = time.perf_counter() - started
         peak = 0
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated() + cuda_context_bytes(device)
         return {
-            "total_tok_s": policy.block_size * gen_len / seconds,
+            "total_tok_s": policy.block_size * gen_len / (prefill + decode),
             "prefill_s": prefill,
-            "decode_s": seconds - prefill,
-            "decode_step_s": (seconds - prefill) / max(gen_len - 1, 1),
+            "decode_s": decode,
+            "decode_step_s": decode / max(gen_len - 1, 1),
             "peak_gpu_bytes": peak,
         }
     finally:
