@@ -108,9 +108,9 @@ def measure_policy(
         stats = GenerationStats()
         loop = DecodeLoop(cfg, spec.tokenizer(), set(), stats, lambda phase: None, device)
 
-        def generate(tokens: int) -> None:
+        def generate(runner: Executor, tokens: int) -> None:
             params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-            loop.run(ex, [(ids, params) for ids in prompts], policy.block_size)
+            loop.run(runner, [(ids, params) for ids in prompts], policy.block_size)
 
         ex.warm_up()
         if policy.weight_compression is not None or policy.kv_compression is not None:
@@ -118,13 +118,13 @@ def measure_policy(
             # per process): an untimed block of a few tokens at the real shapes, so the
             # timing is the steady state. Not a whole generation: a 70B-class block's
             # would not fit one 10-minute GPU call beside the timed one
-            generate(min(gen_len, 4))
+            generate(ex, min(gen_len, 4))
             print(f"  warmed up at {time.perf_counter() - began:.1f} s", flush=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         before = dataclasses.replace(stats)
-        generate(gen_len)
+        generate(ex, gen_len)
         prefill = stats.prefill_seconds - before.prefill_seconds
         decode = stats.decode_seconds - before.decode_seconds
         print(f"  timed prefill {prefill:.1f} s", flush=True)
