@@ -20,7 +20,7 @@ from offload.kernels.kv_cache import kv_row_bytes
 from offload.policies.caps import Caps
 from offload.policies.cost import _layer_bytes, estimate
 from offload.policies.hardware import HardwareProfile, code_version, load_profile, save_profile
-from offload.policies.measure import fit_call, kv_disk_read_rate
+from offload.policies.measure import fit_attention, fit_call, kv_disk_read_rate
 from offload.policies.policy import Placement, Policy
 from offload.policies.search import ranked, search
 from tests.test_policies import GB, PROFILE, cfg_of
@@ -246,6 +246,45 @@ def test_a_call_fixed_time_and_rate_are_fitted_from_two_calls():
     assert rate == pytest.approx(2000.0) and fixed == pytest.approx(5e-6)
     # the small call no slower a byte than the large: no fixed time, the large call's rate
     assert fit_call((8e6, 4e-6), (120e6, 80e-6)) == (pytest.approx(1500.0), 0.0)
+
+
+def test_attention_calls_fixed_pair_and_byte_terms_are_fitted_from_three_calls():
+    # 4 us a call, 20 ns a (sequence, KV head), bytes at 2 TB/s: seen at 128 and 1024
+    # pairs of a short context and 1024 of a long one
+    def seconds(pairs: int, nbytes: float) -> float:
+        return 4e-6 + pairs * 20e-9 + nbytes / 2e12
+
+    shapes = [(128, 9e6), (1024, 72e6), (1024, 270e6)]
+    rate, fixed, pair = fit_attention([(p, b, seconds(p, b)) for p, b in shapes])
+    assert rate == pytest.approx(2000.0)
+    assert fixed == pytest.approx(4e-6) and pair == pytest.approx(20e-9)
+    # a pair's time that comes out negative (the many-pair call fast for its bytes) is 0
+    noisy = [(128, 9e6, 9e-6), (1024, 72e6, 30e-6), (1024, 270e6, 130e-6)]
+    assert fit_attention(noisy)[2] == 0.0
+    # the long call no slower than the short: its rate alone
+    flat = [(128, 9e6, 9e-6), (1024, 72e6, 140e-6), (1024, 270e6, 135e-6)]
+    assert fit_attention(flat) == (pytest.approx(270e6 / 135e-6 / 1e9), 0.0, 0.0)
+
+
+def test_a_decode_attention_pays_its_pairs_time_for_every_sequence_and_kv_head():
+    """The pair term counts every sequence attended on the GPU times the KV heads, each
+    layer; with attention on the CPU, only the GPU rows' sequences."""
+    cfg = cfg_of("llama-3.1-8b")
+    pair = {"pair": {"int4": 1e-6}}
+
+    def compute(policy: Policy, **figures) -> float:
+        hw = dataclasses.replace(PROFILE, attention_pair_s=figures.get("pair", {}))
+        return estimate(cfg, policy, torch.float16, 512, 32, hw).lanes_decode_s["compute"]
+
+    gpu = Policy(12, 2, weight_compression=INT4, kv_compression=INT4)
+    added = compute(gpu, **pair) - compute(gpu)
+    assert added == pytest.approx(cfg.num_layers * 24 * cfg.num_kv_heads * 1e-6)
+    half = Policy(
+        12, 2, kv_cache=Placement(0.5, 0.5, 0), attention_on_cpu=True,
+        weight_compression=INT4, kv_compression=INT4,
+    )  # fmt: skip
+    added = compute(half, **pair) - compute(half)
+    assert added == pytest.approx(cfg.num_layers * 12 * cfg.num_kv_heads * 1e-6)
 
 
 def test_a_gpu_resident_decode_step_pays_each_kernel_call_and_the_layers_other_kernels():

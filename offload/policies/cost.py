@@ -10,7 +10,8 @@ Lanes per layer (bytes over the profile's measured rates, `policies.hardware`):
              time: every micro-batch reads the layer's weights as stored, at the rate
              measured for that format (int4 and int8 through the dequantizing matmul),
              and the KV it attends on the GPU at the rate measured for the KV's format,
-             each call with its measured fixed time, and runs the layer's other kernels
+             each call with its measured fixed time (and attention a measured time a
+             sequence and KV head beyond its bytes), and runs the layer's other kernels
              (norms, activations, the KV's write: measured a layer and micro-batch);
              prefill at the format's measured prefill TFLOP/s; plus, under
              tensor parallelism, two all-reduces a layer and micro-batch; plus, for
@@ -126,11 +127,12 @@ def estimate(
     # on the GPU (off-GPU rows from the scratch they were loaded into)
     kv_hbm = kv_g if policy.attention_on_cpu else kv_g + kv_c + kv_d
     gpu_attended = sum(1 for g, _, _ in splits if g) if policy.attention_on_cpu else micro
+    gpu_pairs = (rows_gpu if policy.attention_on_cpu else n_seqs) * cfg.num_kv_heads
     kernels = sum(
         hw.matmul_seconds(policy.weight_compression, layer_w, size, len(LAYER_MATMULS))
         for size in sizes
     )
-    kernels += hw.attention_seconds(policy.kv_compression, kv_hbm, gpu_attended)
+    kernels += hw.attention_seconds(policy.kv_compression, kv_hbm, gpu_attended, gpu_pairs)
     # the layer's other kernels and the gaps between them, a micro-batch
     kernels += micro * hw.decode_elementwise_s.get(cfg.family, 0.0)
     compute = max(2 * n_seqs * params / (hw.decode_tflops * 1e12), kernels)

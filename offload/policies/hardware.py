@@ -60,6 +60,7 @@ OPTIONAL_FIGURES = (
     "prefill_elementwise_s",
     "matmul_call_s",
     "attention_call_s",
+    "attention_pair_s",
     "decode_elementwise_s",
 )
 
@@ -122,6 +123,13 @@ class HardwareProfile:
     # its attention 1.1 TB/s where 32 x 32 heads x 2048 slots read 1.95 (H100, 2026-11-25)
     matmul_call_s: dict[str, float] = field(default_factory=dict)
     attention_call_s: dict[str, float] = field(default_factory=dict)
+    # per format: a decode attention's time a (sequence, KV head) beyond its bytes (the
+    # query's load, the tail's program, the splits' merge, the output's store), fitted
+    # with the two figures above from three calls (`measure._gpu_attention_rates`). At
+    # short contexts it is a large share: W1c's int4 attention (14 x 56 heads, 544
+    # slots) read 1.6 TB/s where 32 x 32 heads x 2048 slots read 2.0 (H100, 2026-11-24
+    # and -25); a profile without it rates every call at the long call's rate
+    attention_pair_s: dict[str, float] = field(default_factory=dict)
     # the executor's host time: per layer of a step, per micro-batch of a layer, per
     # layer and micro-batch whose KV lives off the GPU and is attended there (load,
     # store and their handoffs), and per layer of a step replayed from CUDA graphs
@@ -219,11 +227,14 @@ class HardwareProfile:
         return self.gpu_attention_gbps.get(format_name(compression), self.hbm_gbps)
 
     def attention_seconds(
-        self, compression: Compression | None, nbytes: float, calls: int
+        self, compression: Compression | None, nbytes: float, calls: int, pairs: int
     ) -> float:
-        """GPU seconds of `calls` decode attentions reading `nbytes` of cache in all."""
-        fixed = self.attention_call_s.get(format_name(compression), 0.0)
-        return calls * fixed + nbytes / (self.attention_rate(compression) * GB)
+        """GPU seconds of `calls` decode attentions reading `nbytes` of cache in all, over
+        `pairs` (sequence, KV head) pairs in all."""
+        name = format_name(compression)
+        fixed = calls * self.attention_call_s.get(name, 0.0)
+        fixed += pairs * self.attention_pair_s.get(name, 0.0)
+        return fixed + nbytes / (self.attention_rate(compression) * GB)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

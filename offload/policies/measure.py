@@ -322,17 +322,42 @@ def _prefill_attention_tflops(device: torch.device, dtype: torch.dtype) -> float
     return 4 * rows * t * t * heads * dim / _timed(lambda: attend(q, k, v, bias)) / 1e12
 
 
+# (rows, slots) of the three decode attention calls a profile fits its GPU attention
+# figures to (`fit_attention`), 32 heads of 128 channels each: few and many sequences at
+# a short context, many at a long one. The slots hold a tail (an incomplete group of a
+# compressed cache's, as a decode step's context almost always does)
+ATTENTION_POINTS = ((4, 544), (32, 544), (32, 2080))
+
+
+def fit_attention(
+    points: list[tuple[int, float, float]],
+) -> tuple[float, float, float]:
+    """(GB/s, fixed seconds a call, seconds a (sequence, KV head) pair) of decode
+    attention calls taking fixed + pairs x pair + bytes / rate, from the (pairs, bytes,
+    seconds) of ATTENTION_POINTS' calls: the rate from the two with many pairs (the
+    same pairs, more bytes), the pair's time from the two at the short context (the
+    time beyond their bytes, by pairs), the fixed time from the small call. A term
+    that comes out negative (noise, or none to see) is 0, and the rate is then the
+    long call's alone."""
+    (p_small, b_small, t_small), (p_short, b_short, t_short), (_, b_long, t_long) = points
+    if t_long <= t_short:
+        return b_long / t_long / GB, 0.0, 0.0
+    per_byte = (t_long - t_short) / (b_long - b_short)
+    pair = max(0.0, (t_short - t_small - per_byte * (b_short - b_small)) / (p_short - p_small))
+    fixed = max(0.0, t_small - pair * p_small - per_byte * b_small)
+    return 1 / per_byte / GB, fixed, pair
+
+
 def _gpu_attention_rates(
     device: torch.device, dtype: torch.dtype
-) -> tuple[dict[str, float], dict[str, float]]:
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """Per format: the cache bytes (as stored) decode attention on the GPU reads a
-    second beyond a call's fixed time, and that fixed time (fitted from 32 x 32 heads
-    x 2048 slots and 4 x 32 heads x 512)."""
+    second, a call's fixed time and a (sequence, KV head) pair's (`fit_attention`)."""
     heads, dim = 32, 128
-    rates, call_s = {}, {}
+    rates, call_s, pair_s = {}, {}, {}
     for config in FORMATS:
         points = []
-        for rows, slots in ((4, 512), (32, 2048)):
+        for rows, slots in ATTENTION_POINTS:
             q = torch.randn(rows, heads, 1, dim, device=device, dtype=dtype)
             k = torch.randn(rows, heads, slots, dim, device=device, dtype=dtype)
             v = torch.randn_like(k)
@@ -345,10 +370,10 @@ def _gpu_attention_rates(
                 cache.write(k, v, 0)
                 nbytes = cache.nbytes
                 seconds = kernel_seconds(functools.partial(decode_attention, q, cache, bias, slots))
-            points.append((nbytes, seconds))
+            points.append((rows * heads, nbytes, seconds))
         name = format_name(config)
-        rates[name], call_s[name] = fit_call(*points)
-    return rates, call_s
+        rates[name], call_s[name], pair_s[name] = fit_attention(points)
+    return rates, call_s, pair_s
 
 
 def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
@@ -387,7 +412,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         prefill = _matmul_tflops(4096, 8192, 8192, dev, torch.float16)
         decode = _matmul_tflops(64, 8192, 28672, dev, torch.float16)
         matmuls = _matmul_rates(DECODE_ROWS, 8192, 28672, 4096, dev, torch.float16)
-        attention, attention_call = _gpu_attention_rates(dev, torch.float16)
+        attention, attention_call, attention_pair = _gpu_attention_rates(dev, torch.float16)
         prefill_attention = _prefill_attention_tflops(dev, torch.float16)
         gpu_mem, name = (
             torch.cuda.get_device_properties(dev).total_memory,
@@ -406,7 +431,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         matmuls = _matmul_rates(DECODE_ROWS, 1024, 2048, 256, cpu, torch.float32)
         prefill_attention = _prefill_attention_tflops(cpu, torch.float32)
         # no GPU: decode attention runs on the CPU (cpu_*attention_gbps)
-        attention, attention_call = {}, {}
+        attention, attention_call, attention_pair = {}, {}, {}
         gpu_mem, name = psutil.virtual_memory().total, f"CPU only ({platform.processor() or 'cpu'})"
         context = 0
     return HardwareProfile(
@@ -440,5 +465,6 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         prefill_attention_tflops=prefill_attention,
         gpu_attention_gbps=attention,
         attention_call_s=attention_call,
+        attention_pair_s=attention_pair,
         code_version=code_version(),
     )
