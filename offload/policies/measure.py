@@ -268,48 +268,101 @@ class MatmulRates:
     dequant_gbps: dict[str, float]
 
 
-def _matmul_rates(
-    m: int, k: int, n: int, small: int, device: torch.device, dtype: torch.dtype
-) -> MatmulRates:
-    """Per format: the stored weight bytes a [m, k] x [k, n] matmul reads a second at
-    m = decode rows, MID_DECODE_ROWS and WIDE_DECODE_ROWS, beyond a call's fixed time
-    (fitted against a small x small matrix at m rows); TFLOP/s at prefill rows (dense: cuBLAS at 4096
-    rows; compressed: the fused kernel at FUSED_PREFILL_ROWS); and, compressed, the
-    stored bytes a second the 4096-row matmul dequantizes (its time beyond cuBLAS's on
-    the dense weight)."""
+# (N, K) of the four matmuls of two layers that a profile times at decode rows: a
+# 4096-wide (Llama-3.1-8B's: qkv, out, gate and up, down) and an 8192-wide one (a
+# 70B-class model's), so the fitted rate and call time are those of whole layers,
+# which is what the cost model charges a layer. The fused kernel's rate depends on a
+# matrix's shape, not only its bytes: at 16 rows on the H100, OPT-30B's qkv (21504 x
+# 7168) read 55% of HBM and Llama-2-70B's gate and up (57344 x 8192) 74%
+# (docs/throughput.md), so one large matrix's rate (W1c: 2.19 TB/s) over-rated the
+# layers of OPT-30B (1.69 TB/s in the job, validate_cost_model 20261125-114659)
+LAYER_MATRICES = {
+    "cuda": (
+        ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)),
+        ((10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)),
+    ),
+    "cpu": (
+        ((384, 256), (256, 256), (1024, 256), (256, 512)),
+        ((768, 512), (512, 512), (2048, 512), (512, 1024)),
+    ),
+}
+
+
+def _layer_matrices(
+    shapes: tuple[tuple[int, int], ...], config, device: torch.device, dtype: torch.dtype
+) -> list:
+    """A layer's matrices (N x K), stored in `config`'s format (None: dense)."""
+    out = []
+    for n, k in shapes:
+        w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+        out.append(w if config is None else quantize(w, config))
+        del w
+    return out
+
+
+def _layer_seconds(matrices: list, rows: int, device: torch.device, dtype: torch.dtype) -> float:
+    """The kernel time of a layer's matmuls at `rows` rows, one after another."""
+    call = F.linear if isinstance(matrices[0], torch.Tensor) else qlinear
+    inputs = [torch.randn(rows, w.shape[1], device=device, dtype=dtype) for w in matrices]
+
+    def layer() -> None:
+        for x, w in zip(inputs, matrices, strict=True):
+            call(x, w)
+
+    return kernel_seconds(layer)
+
+
+def _matmul_rates(k: int, n: int, device: torch.device, dtype: torch.dtype) -> MatmulRates:
+    """Per format: the stored weight bytes a layer's decode matmuls read a second at
+    DECODE_ROWS, MID_DECODE_ROWS and WIDE_DECODE_ROWS rows beyond each call's fixed
+    time, fitted from LAYER_MATRICES' two layers (`fit_call` at DECODE_ROWS; the wide
+    layer beyond that fixed time at the others); on one [n, k] matrix, TFLOP/s at
+    prefill rows (dense: cuBLAS at 4096 rows; compressed: the fused kernel at
+    FUSED_PREFILL_ROWS) and, compressed, the stored bytes a second the 4096-row matmul
+    dequantizes (its time beyond cuBLAS's on the dense weight)."""
     w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
-    w_small = w[:small, :small].contiguous()
-    decode_x = torch.randn(m, k, device=device, dtype=dtype)
-    small_x = decode_x[:, :small].contiguous()
-    wide_x = torch.randn(WIDE_DECODE_ROWS, k, device=device, dtype=dtype)
-    mid_x = wide_x[:MID_DECODE_ROWS]
     prefill_rows = 4096 if device.type == "cuda" else 256
     prefill_x = torch.randn(prefill_rows, k, device=device, dtype=dtype)
     fused_x = prefill_x[: min(FUSED_PREFILL_ROWS, prefill_rows // 2)]
     rates = MatmulRates({}, {}, {}, {}, {}, {})
     dense_s = _timed(lambda: F.linear(prefill_x, w), repeat=3)
+    narrow_shapes, wide_shapes = LAYER_MATRICES[device.type]
+    calls = len(narrow_shapes)
     for config in FORMATS:
         name = format_name(config)
-        stored = w if config is None else quantize(w, config)
-        stored_small = w_small if config is None else quantize(w_small, config)
-        call = F.linear if config is None else qlinear
-        small_s = kernel_seconds(functools.partial(call, small_x, stored_small))
-        large_s = kernel_seconds(functools.partial(call, decode_x, stored))
-        rate, fixed = fit_call((stored_small.nbytes, small_s), (stored.nbytes, large_s))
-        rates.decode_gbps[name], rates.call_s[name] = rate, fixed
-        for figure, x in ((rates.wide_gbps, wide_x), (rates.mid_gbps, mid_x)):
-            seconds = kernel_seconds(functools.partial(call, x, stored))
-            figure[name] = stored.nbytes / max(seconds - fixed, 0.5 * seconds) / GB
+        layers = []
+        for shapes in (narrow_shapes, wide_shapes):
+            matrices = _layer_matrices(shapes, config, device, dtype)
+            nbytes = sum(_nbytes(m) for m in matrices)
+            layers.append((matrices, nbytes, _layer_seconds(matrices, DECODE_ROWS, device, dtype)))
+        (_, narrow_bytes, narrow_s), (wide, wide_bytes, wide_s) = layers
+        rate, fixed = fit_call((narrow_bytes, narrow_s), (wide_bytes, wide_s))
+        rates.decode_gbps[name], rates.call_s[name] = rate, fixed / calls
+        for figure, rows in (
+            (rates.wide_gbps, WIDE_DECODE_ROWS),
+            (rates.mid_gbps, MID_DECODE_ROWS),
+        ):
+            seconds = _layer_seconds(wide, rows, device, dtype)
+            figure[name] = wide_bytes / max(seconds - fixed, 0.5 * seconds) / GB
+        del layers, wide
         if config is None:
             rates.prefill_tflops[name] = 2 * prefill_rows * k * n / dense_s / 1e12
             continue
+        stored = quantize(w, config)
         seconds = _timed(lambda s=stored: qlinear(fused_x, s), repeat=3)
         rates.prefill_tflops[name] = 2 * fused_x.shape[0] * k * n / seconds / 1e12
         # noise can make the difference tiny: at least 2% of the matmul
         extra = _timed(lambda s=stored: qlinear(prefill_x, s), repeat=3) - dense_s
         rates.dequant_gbps[name] = stored.nbytes / max(extra, 0.02 * dense_s) / GB
-        del stored, stored_small
+        del stored
     return rates
+
+
+def _nbytes(weight) -> int:
+    """Stored bytes of a dense or quantized matrix."""
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    return weight.nbytes
 
 
 def _prefill_attention_tflops(device: torch.device, dtype: torch.dtype) -> float:
@@ -411,7 +464,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         del host, host2, gpu, gpu2
         prefill = _matmul_tflops(4096, 8192, 8192, dev, torch.float16)
         decode = _matmul_tflops(64, 8192, 28672, dev, torch.float16)
-        matmuls = _matmul_rates(DECODE_ROWS, 8192, 28672, 4096, dev, torch.float16)
+        matmuls = _matmul_rates(8192, 28672, dev, torch.float16)
         attention, attention_call, attention_pair = _gpu_attention_rates(dev, torch.float16)
         prefill_attention = _prefill_attention_tflops(dev, torch.float16)
         gpu_mem, name = (
@@ -428,7 +481,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         h2d_under_attention = 0.0  # no copy lane beside the CPU's own attention
         prefill = decode = _matmul_tflops(1024, 2048, 2048, torch.device("cpu"), torch.float32)
         cpu = torch.device("cpu")
-        matmuls = _matmul_rates(DECODE_ROWS, 1024, 2048, 256, cpu, torch.float32)
+        matmuls = _matmul_rates(1024, 2048, cpu, torch.float32)
         prefill_attention = _prefill_attention_tflops(cpu, torch.float32)
         # no GPU: decode attention runs on the CPU (cpu_*attention_gbps)
         attention, attention_call, attention_pair = {}, {}, {}
