@@ -159,9 +159,10 @@ class HardwareProfile:
     prefill_attention_tflops: float = 0.0
     prefill_elementwise_s: dict[str, float] = field(default_factory=dict)
     # decode, per model family: a layer's GPU time a micro-batch beyond its matmuls and
-    # attention (norms, activations, residuals, the KV's write, the gaps between its
-    # kernels), from a full-width layer replayed from CUDA graphs (`executor.probe`).
-    # W1c: 1.8 ms of such kernels and 1.4 ms of gaps in a 15.2 ms step (H100, 2026-11-25)
+    # attention: the other kernels' (norms, activations, residuals, the KV's write) and
+    # the short gaps between kernels, measured by kernel name on a full-width layer
+    # replayed from CUDA graphs (`executor.probe._decode_kernels`). W1c: 0.7 ms of such
+    # kernels and 0.8 ms of gaps in a 14.3 ms step (H100, 2026-11-25)
     decode_elementwise_s: dict[str, float] = field(default_factory=dict)
     # tensor parallelism: NCCL all-reduce bus bandwidth and latency between this node's
     # GPUs (measured where there are two or more)
