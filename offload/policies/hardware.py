@@ -125,10 +125,10 @@ class HardwareProfile:
     attention_call_s: dict[str, float] = field(default_factory=dict)
     # per format: a decode attention's time a (sequence, KV head) beyond its bytes (the
     # query's load, the tail's program, the splits' merge, the output's store), fitted
-    # with the two figures above from three calls (`measure._gpu_attention_rates`). At
-    # short contexts it is a large share: W1c's int4 attention (14 x 56 heads, 544
-    # slots) read 1.6 TB/s where 32 x 32 heads x 2048 slots read 2.0 (H100, 2026-11-24
-    # and -25); a profile without it rates every call at the long call's rate
+    # with the two figures above from three calls (`measure._gpu_attention_rates`). On
+    # the H100 (call c65, 2026-11-25) dense's is 22 ns and int4's and int8's come out 0:
+    # the fit's calls do not show what W1c's shape costs (its int4 attention, 14 x 56
+    # heads x 544 slots, read about 1.6 TB/s against the fitted 1.92). 0: not measured
     attention_pair_s: dict[str, float] = field(default_factory=dict)
     # the executor's host time: per layer of a step, per micro-batch of a layer, per
     # layer and micro-batch whose KV lives off the GPU and is attended there (load,

@@ -271,11 +271,12 @@ class MatmulRates:
 # (N, K) of the four matmuls of two layers that a profile times at decode rows: a
 # 4096-wide (Llama-3.1-8B's: qkv, out, gate and up, down) and an 8192-wide one (a
 # 70B-class model's), so the fitted rate and call time are those of whole layers,
-# which is what the cost model charges a layer. The fused kernel's rate depends on a
-# matrix's shape, not only its bytes: at 16 rows on the H100, OPT-30B's qkv (21504 x
-# 7168) read 55% of HBM and Llama-2-70B's gate and up (57344 x 8192) 74%
-# (docs/throughput.md), so one large matrix's rate (W1c: 2.19 TB/s) over-rated the
-# layers of OPT-30B (1.69 TB/s in the job, validate_cost_model 20261125-114659)
+# which is what the cost model charges a layer (one 8192 x 28672 matrix stood for
+# every layer before). The fused kernel's rate depends on a matrix's shape, not only
+# its bytes: at 16 rows on the H100, OPT-30B's qkv (21504 x 7168) read 55% of HBM and
+# Llama-2-70B's gate and up (57344 x 8192) 74% (docs/throughput.md). OPT-30B's layer
+# is slower than both of these (about 1.7 TB/s in W1c's job against 2.31 fitted, call
+# c65): a rate by matrix shape is not modeled
 LAYER_MATRICES = {
     "cuda": (
         ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)),
