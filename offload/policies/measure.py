@@ -334,7 +334,7 @@ def _matmul_rates(k: int, n: int, device: torch.device, dtype: torch.dtype) -> M
         layers = []
         for shapes in (narrow_shapes, wide_shapes):
             matrices = _layer_matrices(shapes, config, device, dtype)
-            nbytes = sum(_nbytes(m) for m in matrices)
+            nbytes = sum(m.nbytes for m in matrices)  # (dense or `QTensor`: as stored)
             layers.append((matrices, nbytes, _layer_seconds(matrices, DECODE_ROWS, device, dtype)))
         (_, narrow_bytes, narrow_s), (wide, wide_bytes, wide_s) = layers
         rate, fixed = fit_call((narrow_bytes, narrow_s), (wide_bytes, wide_s))
@@ -357,13 +357,6 @@ def _matmul_rates(k: int, n: int, device: torch.device, dtype: torch.dtype) -> M
         rates.dequant_gbps[name] = stored.nbytes / max(extra, 0.02 * dense_s) / GB
         del stored
     return rates
-
-
-def _nbytes(weight) -> int:
-    """Stored bytes of a dense or quantized matrix."""
-    if isinstance(weight, torch.Tensor):
-        return weight.numel() * weight.element_size()
-    return weight.nbytes
 
 
 def _prefill_attention_tflops(device: torch.device, dtype: torch.dtype) -> float:

@@ -188,7 +188,7 @@ def activation_plan(
     # slice and their cat, beside its own.
     compressed = policy.weight_compression is not None
     layer = _layer_transient(cfg, mb * prompt_len, compressed=compressed) * elt
-    if policy.weight_compression is not None and mb * prompt_len >= qmatmul.DENSE_ROWS:
+    if compressed and mb * prompt_len >= qmatmul.DENSE_ROWS:
         layer += decoder.dense_scratch_bytes(cfg, elt)  # prefill's dequantized W
     head = batch * cfg.vocab_size * 4 * 2 + mb * cfg.vocab_size * elt
     if cfg.gathered_vocab_size:
