@@ -123,12 +123,13 @@ def _attention_shape(model, batch, heads, kv_heads, dim, ctx, bits) -> dict:
     }
 
 
-def bench_attention(dev: torch.device, hbm: float, sweep: bool) -> list[dict]:
+def bench_attention(dev: torch.device, hbm: float, sweep: bool, baseline=None) -> list[dict]:
     """`decode_attention` over int4 / int8 caches (group 64, asymmetric, fp16) and fp16
     SDPA over the same K/V: GB/s of the cache's bytes (and the bias and q) and their
     share of the HBM copy rate. Each variant's largest difference from the default's
     output (a miscompiled variant shows there); the default's from the plain-torch
-    reference (dequantize, SDPA)."""
+    reference (dequantize, SDPA). baseline: an earlier kv_attention module (--baseline),
+    whose `decode_attention` runs last, beside ours in the same process."""
     out = []
     for model, batch, heads, kv_heads, dim, ctx, per_head in ATTENTION_SHAPES:
         k = torch.randn(batch, kv_heads, ctx, dim, device=dev, dtype=torch.float16)
@@ -144,13 +145,17 @@ def bench_attention(dev: torch.device, hbm: float, sweep: bool) -> list[dict]:
             want = decode_attention(q, cache, bias, ctx)
             reference = decode_attention_reference(q, cache, bias, ctx)
             shape = _attention_shape(model, batch, heads, kv_heads, dim, ctx, bits)
-            for variant in ATTENTION_SWEEP if sweep else ATTENTION_SWEEP[:1]:
+            variants = [(v, decode_attention) for v in ATTENTION_SWEEP[: None if sweep else 1]]
+            if baseline is not None:
+                variants.append((ATTENTION_SWEEP[0], baseline.decode_attention))
+            for variant, attend in variants:
                 split_groups, warps, stages, tile_groups, fused_merge = variant
                 if split_groups is not None and split_groups > ctx // cache.group:
                     continue
                 row = {**shape, "split_groups": split_groups, "warps": warps, "stages": stages}
                 row |= {"tile_groups": tile_groups, "fused_merge": fused_merge}
-                call = functools.partial(decode_attention, q, cache, bias, ctx, *variant)
+                row["baseline"] = attend is not decode_attention
+                call = functools.partial(attend, q, cache, bias, ctx, *variant)
                 try:
                     seconds = timed(call)
                 except Exception as exc:  # a variant that does not fit shared memory
@@ -159,7 +164,7 @@ def bench_attention(dev: torch.device, hbm: float, sweep: bool) -> list[dict]:
                     continue
                 got = call()
                 row["max_diff_vs_default"] = (got - want).abs().max().item()
-                if variant == ATTENTION_SWEEP[0]:
+                if variant == ATTENTION_SWEEP[0] and not row["baseline"]:
                     row["max_diff_vs_reference"] = (got - reference).abs().max().item()
                 out.append({**row, **_rates(read, seconds, hbm, dense), "fp16_sdpa_seconds": dense})
                 print(f"{model} B{batch} int{bits} {variant}: {seconds * 1e6:.1f} us", flush=True)
@@ -457,8 +462,9 @@ def main() -> None:
     p.add_argument(
         "--baseline",
         type=Path,
-        help="an earlier qmatmul.py (git show REV:offload/kernels/qmatmul.py > FILE): its "
-        "qlinear runs beside ours in --kernels decode",
+        help="an earlier qmatmul.py or kv_attention.py (git show REV:offload/kernels/"
+        "qmatmul.py > FILE): its qlinear runs beside ours in --kernels decode, its "
+        "decode_attention in --kernels attention",
     )
     args = p.parse_args()
     kernels = args.kernels.split(",")
@@ -466,14 +472,23 @@ def main() -> None:
     cpu_attention = bench_cpu_attention(dram) if "cpu-attention" in kernels else []
     dev = torch.device("cuda")
     hbm = hbm_rate(dev) if set(kernels) - {"cpu-attention"} else 0.0
+    baseline = _module_from(args.baseline) if args.baseline else None
     attention = (
-        bench_attention(dev, hbm, "attention-sweep" in kernels)
+        bench_attention(
+            dev,
+            hbm,
+            "attention-sweep" in kernels,
+            baseline if hasattr(baseline, "decode_attention") else None,
+        )
         if {"attention", "attention-sweep"} & set(kernels)
         else []
     )
     prefill = bench_sweep(dev, PREFILL_SHAPES, PREFILL_TILES, hbm) if "prefill" in kernels else []
-    baseline = _module_from(args.baseline) if args.baseline else None
-    decode = bench_decode(dev, hbm, baseline) if "decode" in kernels else []
+    decode = (
+        bench_decode(dev, hbm, baseline if hasattr(baseline, "qlinear") else None)
+        if "decode" in kernels
+        else []
+    )
     launch = bench_launch(dev) if "launch" in kernels else []
     rows_out = []
     for model, name, n, k in SHAPES if "qlinear" in kernels else []:
@@ -561,6 +576,8 @@ def print_attention(attention: list[dict]) -> None:
     rows = [r for r in attention if "error" not in r]
 
     def variant(r: dict) -> str:
+        if r.get("baseline"):
+            return "before (--baseline)"
         split = "auto" if r["split_groups"] is None else r["split_groups"]
         fused = "/fused" if r["fused_merge"] else ""
         return f"{split}/w{r['warps']}/s{r['stages']}/t{r['tile_groups']}{fused}"
