@@ -102,8 +102,8 @@ def _decode_seconds(ex: Executor, batch: PaddedBatch, start: int, steps: int) ->
     return statistics.median(times)
 
 
-# kernels the cost model times itself in a decode step, by name: the matmuls (ours and
-# cuBLAS's) and the attention (ours and SDPA's); `_decode_kernels` counts the others
+# kernels the cost model times itself, by name: the matmuls (ours and cuBLAS's) and the
+# attention (ours and SDPA's); `_profiled_kernels` separates them from the others
 MODELED_KERNELS = ("_qmatmul_kernel", "gemm", "gemv", "nvjet", "cutlass", "xmma", "attention",
                    "flash", "fmha")  # fmt: skip
 # a gap between two kernels of a step: the GPU waiting on a launch the host has already
@@ -112,29 +112,42 @@ MODELED_KERNELS = ("_qmatmul_kernel", "gemm", "gemv", "nvjet", "cutlass", "xmma"
 STEP_GAP_S = 20e-6
 
 
+def _profiled_kernels(device: torch.device, run) -> tuple[float, float, list[float]]:
+    """One run() under the torch profiler (CUPTI sees the kernels of a graph's replay):
+    the GPU seconds in kernels the cost model times itself (`MODELED_KERNELS`: the
+    matmuls and the attention), in the others (norms, activations, residuals, the KV's
+    write), and the gaps between kernels, each in seconds."""
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        _sync(device)
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    modeled = other = 0.0
+    for e in kernels:
+        seconds = (e.time_range.end - e.time_range.start) / 1e6
+        if any(name in e.name.lower() for name in MODELED_KERNELS):
+            modeled += seconds
+        else:
+            other += seconds
+    return modeled, other, [(b[0] - a[1]) / 1e6 for a, b in itertools.pairwise(spans)]
+
+
 def _decode_kernels(
     ex: Executor, batch: PaddedBatch, start: int, steps: int
 ) -> tuple[float, float]:
-    """A decode step's GPU time in kernels that the cost model does not time itself
-    (`MODELED_KERNELS`: norms, activations, residuals, the KV's write), and in gaps
-    between kernels of STEP_GAP_S or less; under the torch profiler (CUPTI sees the
-    kernels of a graph's replay), after `_decode_seconds`' warm-up."""
+    """A decode step's GPU time in kernels that the cost model does not time itself,
+    and in gaps between kernels of STEP_GAP_S or less (`_profiled_kernels`), after
+    `_decode_seconds`' warm-up."""
     ids = torch.ones(batch.size, 1, dtype=torch.long)
-    _sync(ex.device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+    def run() -> None:
         for t in range(steps):
             ex.forward(ids, ex.step_inputs(batch, start + t, 1))
-        _sync(ex.device)
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0]
-    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    other = sum(
-        e.time_range.end - e.time_range.start
-        for e in kernels
-        if not any(name in e.name.lower() for name in MODELED_KERNELS)
-    )
-    gaps = (b[0] - a[1] for a, b in itertools.pairwise(spans))
-    waited = sum(gap for gap in gaps if 0 < gap <= STEP_GAP_S * 1e6)
-    return other / 1e6 / steps, waited / 1e6 / steps
+
+    _, other, gaps = _profiled_kernels(ex.device, run)
+    waited = sum(gap for gap in gaps if 0 < gap <= STEP_GAP_S)
+    return other / steps, waited / steps
 
 
 def _stage_seconds(
@@ -189,11 +202,13 @@ def overheads(device: torch.device, nvme: Path, steps: int = 8) -> dict[str, flo
 
 def _full_width_seconds(
     cfg: ModelConfig, device: torch.device, rows: int, tokens: int, steps: int = 8
-) -> tuple[float, tuple[float, float]]:
+) -> tuple[tuple[float, float | None], tuple[float, float]]:
     """Prefill and decode of `rows` x `tokens`, every weight on the device (decode
-    replayed from CUDA graphs there): the fastest of three prefills after one that
-    compiles; on CUDA a decode step's unmodeled kernels and gaps (`_decode_kernels`),
-    on the CPU its median wall time (`_decode_seconds`) and no gaps."""
+    replayed from CUDA graphs there). Prefill: the fastest of three after one that
+    compiles, and on CUDA the GPU time of its matmul and attention kernels
+    (`_profiled_kernels`; None on the CPU). Decode: on CUDA a step's unmodeled kernels
+    and gaps (`_decode_kernels`), on the CPU its median wall time (`_decode_seconds`)
+    and no gaps."""
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     ex = Executor(DummySource(cfg), Policy(rows, 1), dtype, device)
     try:
@@ -204,10 +219,12 @@ def _full_width_seconds(
             ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, tokens))
 
         times = [_synced_seconds(device, prefill) for _ in range(4)]
+        modeled = _profiled_kernels(device, prefill)[0] if device.type == "cuda" else None
         step = _decode_seconds(ex, batch, tokens, steps)
         if device.type == "cuda":
-            return min(times[1:]), _decode_kernels(ex, batch, tokens + steps + 2, steps)
-        return min(times[1:]), (step, 0.0)
+            decode = _decode_kernels(ex, batch, tokens + steps + 2, steps)
+            return (min(times[1:]), modeled), decode
+        return (min(times[1:]), modeled), (step, 0.0)
     finally:
         ex.close()
 
@@ -223,8 +240,9 @@ def elementwise(hw: HardwareProfile, device: torch.device) -> dict[str, dict[str
     """Per model family (`ModelConfig.family`), a full-width layer's time beyond its
     matmuls and attention, from the difference of a 4- and a 2-layer model: in prefill
     per token and hidden unit (norms, activations, position encodings, residuals, the
-    KV's store: `prefill_elementwise_s`), the time beyond the matmuls and attention as
-    `hw` rates them; in a decode step a layer and micro-batch (`decode_elementwise_s`):
+    KV's store and the gaps between kernels: `prefill_elementwise_s`), the wall time
+    beyond the matmul and attention kernels' GPU time on CUDA, beyond the matmuls and
+    attention as `hw` rates them on the CPU; in a decode step a layer and micro-batch (`decode_elementwise_s`):
     on CUDA the GPU time of the kernels other than the matmuls and the attention and
     the short gaps between kernels (`_decode_kernels`), so that the figure holds none
     of those kernels' own errors; on the CPU the step's time beyond its matmuls and
@@ -233,15 +251,19 @@ def elementwise(hw: HardwareProfile, device: torch.device) -> dict[str, dict[str
     prefill, decode = {}, {}
     for family in ELEMENTWISE_CONFIGS:
         cfg = _elementwise_config(family, device)
-        (p_lo, (d_lo, gaps_lo)), (p_hi, (d_hi, gaps_hi)) = (
+        ((p_lo, m_lo), (d_lo, gaps_lo)), ((p_hi, m_hi), (d_hi, gaps_hi)) = (
             _full_width_seconds(dataclasses.replace(cfg, num_layers=depth), device, rows, tokens)
             for depth in PROBE_DEPTHS
         )
         layers = PROBE_DEPTHS[1] - PROBE_DEPTHS[0]
-        matmuls = 2 * rows * tokens * cfg.layer_param_count() / (hw.prefill_rate(None) * 1e12)
-        attention = 4 * rows * tokens**2 * cfg.num_heads * cfg.head_dim
-        attention /= hw.prefill_attention_rate() * 1e12
-        residual = max(0.0, (p_hi - p_lo) / layers - matmuls - attention)
+        if m_lo is not None:  # the matmul and attention kernels as they ran
+            residual = max(0.0, (p_hi - m_hi - p_lo + m_lo) / layers)
+        else:
+            params = cfg.layer_param_count()
+            matmuls = 2 * rows * tokens * params / (hw.prefill_rate(None) * 1e12)
+            attention = 4 * rows * tokens**2 * cfg.num_heads * cfg.head_dim
+            attention /= hw.prefill_attention_rate() * 1e12
+            residual = max(0.0, (p_hi - p_lo) / layers - matmuls - attention)
         prefill[family] = residual / (rows * tokens * cfg.hidden_size)
         per_layer = (d_hi - d_lo + gaps_hi - gaps_lo) / layers
         if device.type != "cuda":  # the CPU's step: its matmuls and attention as rated

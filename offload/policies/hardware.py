@@ -154,8 +154,10 @@ class HardwareProfile:
     cpu_attention_fixed_s: float = 0.0
     # prefill: masked attention (the executor's `decoder.attend`) in TFLOP/s of
     # 4 x rows x T x S x heads x head_dim, and a layer's time beyond its matmuls and
-    # attention (norms, activations, residuals, the KV's quantization and store) per
-    # token and hidden unit, per model family (`ModelConfig.family`; `executor.probe`)
+    # attention (norms, activations, residuals, the KV's quantization and store, the
+    # gaps between kernels) per token and hidden unit, per model family
+    # (`ModelConfig.family`): on CUDA the wall time beyond the matmul and attention
+    # kernels' GPU time (`executor.probe.elementwise`)
     prefill_attention_tflops: float = 0.0
     prefill_elementwise_s: dict[str, float] = field(default_factory=dict)
     # decode, per model family: a layer's GPU time a micro-batch beyond its matmuls and
