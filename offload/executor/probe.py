@@ -243,9 +243,9 @@ def elementwise(hw: HardwareProfile, device: torch.device) -> dict[str, dict[str
     KV's store and the gaps between kernels: `prefill_elementwise_s`), the wall time
     beyond the matmul and attention kernels' GPU time on CUDA, beyond the matmuls and
     attention as `hw` rates them on the CPU; in a decode step a layer and micro-batch
-    (`decode_elementwise_s`): on CUDA the GPU time of the kernels other than the matmuls and the attention and
-    the short gaps between kernels (`_decode_kernels`), so that the figure holds none
-    of those kernels' own errors; on the CPU the step's time beyond its matmuls and
+    (`decode_elementwise_s`): on CUDA the GPU time of the kernels other than the
+    matmuls and the attention and the short gaps between kernels (`_decode_kernels`),
+    so that the figure holds none of those kernels' own errors; on the CPU the step's time beyond its matmuls and
     attention as `hw` rates them."""
     rows, tokens = ELEMENTWISE_SHAPE[device.type]
     prefill, decode = {}, {}
