@@ -245,8 +245,8 @@ def elementwise(hw: HardwareProfile, device: torch.device) -> dict[str, dict[str
     attention as `hw` rates them on the CPU; in a decode step a layer and micro-batch
     (`decode_elementwise_s`): on CUDA the GPU time of the kernels other than the
     matmuls and the attention and the short gaps between kernels (`_decode_kernels`),
-    so that the figure holds none of those kernels' own errors; on the CPU the step's time beyond its matmuls and
-    attention as `hw` rates them."""
+    so that the figure holds none of those kernels' own errors; on the CPU the step's
+    time beyond its matmuls and attention as `hw` rates them."""
     rows, tokens = ELEMENTWISE_SHAPE[device.type]
     prefill, decode = {}, {}
     for family in ELEMENTWISE_CONFIGS:
