@@ -36,6 +36,7 @@ from offload.executor.graphs import DecodeGraphs
 from offload.executor.kv import KVManager
 from offload.executor.lanes import Lanes, Tracer, busy_seconds
 from offload.executor.weights import WeightFetcher, WeightHomes
+from offload.io.layout import DISK_BUFFERS
 from offload.io.pinned import PinnedPool, PoolBlock
 from offload.io.reader import ExtentReader
 from offload.io.spill import SWITCH_INTERVAL_S
@@ -81,11 +82,14 @@ class Executor(LaneReports):  # implements runner.Runner
         progress: bool = False,
         cuda_graphs: bool = True,
         parallel: Parallel | None = None,
+        disk_buffers: int = DISK_BUFFERS,
     ) -> None:
         """cuda_graphs: replay decode steps from CUDA graphs where every stage's weights
         are on the GPU (`graphs.DecodeGraphs`); False runs every step eagerly.
         parallel: a tensor-parallel rank's collectives (`decoder.Parallel`); None is one
-        device."""
+        device. disk_buffers: the KV manager's disk staging blocks; the memory plan
+        counts `io.layout.DISK_BUFFERS` (another depth is for measuring one against it,
+        `scripts/disk_depth_ab.py`)."""
         self.parallel = parallel
         # the GIL's switch interval while the executor runs (`spill.SWITCH_INTERVAL_S`)
         self._switch_interval = sys.getswitchinterval()
@@ -141,6 +145,7 @@ class Executor(LaneReports):  # implements runner.Runner
             policy.attention_on_cpu,
             policy.overlap,
             policy.kv_compression,
+            disk_buffers,
         )
         self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.rotary else None
         self._micro: list[slice] = []

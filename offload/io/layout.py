@@ -38,11 +38,15 @@ if TYPE_CHECKING:
     from offload.kernels.formats import Compression
 
 # disk staging blocks: a block's disk home is read into one, attended from it, updated
-# and written back; reads run that many blocks ahead of attention. Two measured best:
-# with four, the reads ahead compete with the write-backs on the critical path (H100
-# machine, int4 cache: 24-28 against 30-33 tok/s; fp16 cache alike; run 184357 of
-# bench_executor.py --disk-buffers 2,4,2,4)
-DISK_BUFFERS = 2
+# and written back; reads run that many blocks ahead of attention. With two, a plan with
+# a disk row in each of 2 micro-batches reads a layer's home into the block its
+# previous layer's write-back still holds, so the read waits for that chain (its
+# unpack and write-back) every layer; with four it reads a layer ahead. H100, full
+# models, 8 x 2, int4 weights, the disk rows' steps (2026-11-25, docs/cost_model.md):
+# OPT-30B int4 KV 513 against 425 ms, Llama-3.1-8B int4 KV 219-228 against 182-207,
+# fp16 KV 187-204 against 157-183. (Two had measured best in run 184357, when a read
+# still waited on the host and went in 1 MiB requests.)
+DISK_BUFFERS = 4
 
 
 def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
