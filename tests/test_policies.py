@@ -15,7 +15,7 @@ from offload.engine import LLM
 from offload.errors import UserError
 from offload.io.tiers import Tier
 from offload.kernels.formats import Compression
-from offload.policies.caps import Caps
+from offload.policies.caps import Baseline, Caps, gpu_phase_peaks, peak_bytes
 from offload.policies.cost import estimate
 from offload.policies.hardware import HardwareProfile
 from offload.policies.memory import plan_memory
@@ -312,6 +312,30 @@ def test_plan_counts_decode_graph_buffers_only_where_graphs_run():
     assert on.decode_graphs and not off.decode_graphs
     assert plan_memory(cfg, on, torch.float16, 64, 8).detail["decode_graphs_gpu"] >= floor
     assert plan_memory(cfg, off, torch.float16, 64, 8).detail["decode_graphs_gpu"] == 0
+
+
+def test_the_gpu_peak_is_the_larger_of_the_load_and_the_run_phases():
+    """`peak_bytes` is the larger phase of `gpu_phase_peaks`: int4 weights quantized on the
+    GPU as they load make the load phase the larger for a plan whose KV lives off the
+    GPU (the run has no room for their transients), while KV on the GPU makes the run
+    the larger; each phase holds the weights, only the run its KV and activations."""
+    cfg = cfg_of("llama-3.1-8b")
+    base = Baseline(gpu_context_bytes=800 << 20, process_bytes=1 << 30)
+    int4 = Compression(4, 64)
+    w4 = {"weight_compression": int4, "kv_compression": int4}
+    off_gpu = Policy(8, 2, kv_cache=Placement(0, 0.875, 0.125), **w4)
+    on_gpu = Policy(48, 1, **w4)
+    peaks = {}
+    for name, policy in (("off", off_gpu), ("on", on_gpu)):
+        plan = plan_memory(cfg, policy, torch.float16, 512, 32)
+        load, run = gpu_phase_peaks(plan, base)
+        assert peak_bytes(plan, base)[0] == max(load, run)
+        assert plan.load_bytes("gpu") == plan.detail["weights_gpu"] + plan.detail["load_stage_gpu"]
+        assert plan.run_bytes("gpu") >= plan.detail["weights_gpu"] + plan.detail["kv_gpu"]
+        peaks[name] = (load, run)
+    assert peaks["off"][0] > peaks["off"][1]
+    assert peaks["on"][1] > peaks["on"][0]
+    assert peaks["off"][0] == peaks["on"][0]  # the same weights load the same way
 
 
 @pytest.mark.parametrize("kv_compression", [None, Compression(4, 64)], ids=["fp16", "int4"])

@@ -92,8 +92,17 @@ def process_rss() -> int:
 
 def peak_bytes(plan: MemoryPlan, base: Baseline) -> tuple[int, int]:
     """(GPU, CPU) peak of a run of this plan: the one accounting."""
-    gpu = int(plan.gpu_bytes * (1 + GPU_SLACK)) + _gpu_fixed(base)
+    gpu = max(gpu_phase_peaks(plan, base))
     return gpu, plan.cpu_bytes + base.process_bytes + HOST_SLACK_BYTES
+
+
+def gpu_phase_peaks(plan: MemoryPlan, base: Baseline) -> tuple[int, int]:
+    """The GPU peak of each phase, (while the weights load, once they are placed): the
+    plan's bytes of the phase, its allocator slack, the context and workspaces."""
+    fixed = _gpu_fixed(base)
+    load = int(plan.load_bytes("gpu") * (1 + GPU_SLACK)) + fixed
+    run = int(plan.run_bytes("gpu") * (1 + GPU_SLACK)) + fixed
+    return load, run
 
 
 def _gpu_fixed(base: Baseline) -> int:

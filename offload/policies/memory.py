@@ -57,6 +57,10 @@ class MemoryPlan:
         """A tier's peak once the weights are placed (the load's transients gone)."""
         return _phase_bytes(self.detail, tier, load=False)
 
+    def load_bytes(self, tier: str) -> int:
+        """A tier's peak while the weights load (their homes and the load's transients)."""
+        return _phase_bytes(self.detail, tier, load=True)
+
 
 def _phase_bytes(detail: dict[str, int], tier: str, load: bool) -> int:
     parts = {k.removesuffix(f"_{tier}"): v for k, v in detail.items() if k.endswith(f"_{tier}")}
