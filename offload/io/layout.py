@@ -42,10 +42,11 @@ if TYPE_CHECKING:
 # a disk row in each of 2 micro-batches reads a layer's home into the block its
 # previous layer's write-back still holds, so the read waits for that chain (its
 # unpack and write-back) every layer; with four it reads a layer ahead. H100, full
-# models, 8 x 2, int4 weights, the disk rows' steps (2026-11-25, docs/cost_model.md):
-# OPT-30B int4 KV 513 against 425 ms, Llama-3.1-8B int4 KV 219-228 against 182-207,
-# fp16 KV 187-204 against 157-183. (Two had measured best in run 184357, when a read
-# still waited on the host and went in 1 MiB requests.)
+# models, 8 x 2, int4 weights, a decode step in same-process pairs, two against four
+# (2026-11-25, docs/cost_model.md): OPT-30B int4 KV 513 / 425 ms, fp16 KV 1069 / 933;
+# Llama-3.1-8B int4 KV 219 / 207, 228 / 182, 178 / 199; fp16 KV 204 / 183, 187 / 157.
+# (Two had measured best in run 184357, when a read still waited on the host and went
+# in 1 MiB requests.)
 DISK_BUFFERS = 4
 
 
