@@ -45,15 +45,13 @@ def main() -> None:
     spec = resolve_model(args.model, dummy=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    folders = {args.out.resolve(), Path(os.environ.get("OUT", args.out)).resolve()}
-    os.chdir(args.nvme)  # the executor spills KV to its working directory by default
     runs: dict[str, list[dict]] = {}
     for _ in range(args.reps):
         for depth in depths:
             for name in names:
                 got = measure_policy(
                     spec, plans[name], dtype, device, args.prompt_len, args.gen_len,
-                    disk_buffers=depth,
+                    disk_buffers=depth, nvme_dir=args.nvme,
                 )  # fmt: skip
                 runs.setdefault(f"{name} depth {depth}", []).append(got)
                 print(
@@ -69,7 +67,7 @@ def main() -> None:
         "runs": runs,
     }
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for folder in folders:
+    for folder in {args.out, Path(os.environ.get("OUT", args.out))}:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"disk_depth_ab_{args.model}_{stamp}.json").write_text(
             json.dumps(result, indent=1)

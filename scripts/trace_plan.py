@@ -7,8 +7,9 @@
 Runs the policy's block (prefill twice, the second warm, then decode steps) on the
 preset cut to `--layers` layers at full width (embedding, head, ring slots and
 per-layer buffers at full size) with the executor's tracer on, prints each lane's busy
-time against the wall time of the warm prefill and of the last decode step, and writes the last decode step's Chrome trace
-(`chrome://tracing` or Perfetto) and a JSON summary to --out.
+time against the wall time of the warm prefill and of the last decode step, and writes
+the last decode step's Chrome trace (`chrome://tracing` or Perfetto) and a JSON summary
+to --out.
 """
 
 from __future__ import annotations

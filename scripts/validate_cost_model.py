@@ -97,11 +97,13 @@ def measure_policy(
     gen_len: int,
     cuda_graphs: bool = True,
     disk_buffers: int = DISK_BUFFERS,
+    nvme_dir: Path | None = None,
 ) -> dict:
     """One block generated as `offload-run` generates it: the executor warmed up as the
     engine warms it (`Executor.warm_up`), then the engine's own loop (`DecodeLoop`:
     greedy, EOS ignored, steps issued ahead where it does that), so the measurement is
-    what a user's job gets. disk_buffers: `Executor`'s.
+    what a user's job gets. disk_buffers, nvme_dir (where KV spills; None: the working
+    directory): `Executor`'s.
 
     Peak GPU memory by phase: while the weights load (the executor's construction) and
     during the timed generation, each with the CUDA context."""
@@ -115,6 +117,7 @@ def measure_policy(
         policy,
         dtype,
         device,
+        nvme_dir=nvme_dir,
         cuda_graphs=cuda_graphs,
         disk_buffers=disk_buffers,
     )
