@@ -1,21 +1,27 @@
-"""The disk-KV staging depth, one depth against another in one process (a diagnostic).
+"""Executor settings of the host side, one against another in one process (a diagnostic).
 
-    python scripts/disk_depth_ab.py --model llama-3.1-8b \
+    python scripts/executor_ab.py --model llama-3.1-8b \
         --policies w4gpu-kv4-cpu-disk-gpuattn-8x2,w4gpu-kv-cpu-disk-gpuattn-8x2 --reps 2
-    python scripts/disk_depth_ab.py --model opt-30b --policies w4gpu-kv4-cpu-disk-gpuattn-8x2
+    python scripts/executor_ab.py --model llama-3.1-8b --depths 4 \
+        --switch-intervals 0.005,0.0002 --policies w4gpu-kv4-cpu-disk-gpuattn-8x2
 
-Each repetition generates one block of each hand policy (`validate_cost_model.py`'s,
-with KV rows on disk) at each depth in turn, through the engine's own loop
-(`validate_cost_model.measure_policy`), so a drift of the machine falls on every depth
-alike. Dummy weights, prompt 512, gen 32; KV spills to --nvme. Prints each run's decode
-step and writes every run to JSON in --out (and $OUT).
+The settings: the disk-KV staging depth (`Executor(disk_buffers=...)`) and the
+interpreter's thread switch interval (`sys.setswitchinterval`: how long a worker
+thread that wants the GIL waits before it asks the holder to drop it). Each repetition
+generates one block of each hand policy (`validate_cost_model.py`'s) at each setting in
+turn, through the engine's own loop (`validate_cost_model.measure_policy`), so a drift
+of the machine falls on every setting alike. Dummy weights, prompt 512, gen 32; KV
+spills to --nvme. Prints each run's decode step and writes every run to JSON in --out
+(and $OUT).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +36,11 @@ def main() -> None:
     p.add_argument("--model", default="llama-3.1-8b", help="a preset (dummy weights)")
     p.add_argument("--policies", default="w4gpu-kv4-cpu-disk-gpuattn-8x2")
     p.add_argument("--depths", default="2,4", help="disk staging blocks, in turn")
+    p.add_argument(
+        "--switch-intervals",
+        default="",
+        help="seconds, in turn (default: the interval the engine sets)",
+    )
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
@@ -39,23 +50,31 @@ def main() -> None:
     plans = hand_policies()
     names = args.policies.split(",")
     for name in names:
-        if name not in plans or not plans[name].kv_cache.disk:
-            p.error(f"--policies: {name!r} is not a hand policy with KV on disk")
-    depths = [int(d) for d in args.depths.split(",")]
+        if name not in plans:
+            p.error(f"--policies: {name!r} is not a hand policy; they are {', '.join(plans)}")
+    try:
+        depths = [int(d) for d in args.depths.split(",")]
+        intervals = [float(s) for s in args.switch_intervals.split(",") if s] or [None]
+    except ValueError as err:
+        p.error(f"--depths / --switch-intervals: {err}; give comma-separated numbers")
     spec = resolve_model(args.model, dummy=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     runs: dict[str, list[dict]] = {}
     for _ in range(args.reps):
-        for depth in depths:
+        for depth, interval in itertools.product(depths, intervals):
             for name in names:
+                label = f"{name} depth {depth}"
+                if interval is not None:
+                    label += f" switch {interval * 1e3:g} ms"
                 got = measure_policy(
                     spec, plans[name], dtype, device, args.prompt_len, args.gen_len,
-                    disk_buffers=depth, nvme_dir=args.nvme,
+                    disk_buffers=depth, nvme_dir=args.nvme, switch_interval=interval,
                 )  # fmt: skip
-                runs.setdefault(f"{name} depth {depth}", []).append(got)
+                got["switch_interval_s"] = sys.getswitchinterval()
+                runs.setdefault(label, []).append(got)
                 print(
-                    f"{name} depth {depth}: step {got['decode_step_s'] * 1e3:.1f} ms, "
+                    f"{label}: step {got['decode_step_s'] * 1e3:.1f} ms, "
                     f"{got['total_tok_s']:.1f} tok/s",
                     flush=True,
                 )
@@ -69,9 +88,7 @@ def main() -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for folder in {args.out, Path(os.environ.get("OUT", args.out))}:
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"disk_depth_ab_{args.model}_{stamp}.json").write_text(
-            json.dumps(result, indent=1)
-        )
+        (folder / f"executor_ab_{args.model}_{stamp}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -85,6 +86,10 @@ def hand_policies() -> dict[str, Policy]:
         "w4gpu-kv4-cpu-disk-gpuattn-8x2": Policy(
             8, 2, kv_cache=Placement(0, 0.875, 0.125), weight_compression=W4, kv_compression=KV4
         ),
+        # its twin with every row's KV in CPU homes: what the disk rows add
+        "w4gpu-kv4-cpu-gpuattn-8x2": Policy(
+            8, 2, kv_cache=cpu_kv, weight_compression=W4, kv_compression=KV4
+        ),
     }
 
 
@@ -98,12 +103,14 @@ def measure_policy(
     cuda_graphs: bool = True,
     disk_buffers: int = DISK_BUFFERS,
     nvme_dir: Path | None = None,
+    switch_interval: float | None = None,
 ) -> dict:
     """One block generated as `offload-run` generates it: the executor warmed up as the
     engine warms it (`Executor.warm_up`), then the engine's own loop (`DecodeLoop`:
     greedy, EOS ignored, steps issued ahead where it does that), so the measurement is
     what a user's job gets. disk_buffers, nvme_dir (where KV spills; None: the working
-    directory): `Executor`'s.
+    directory): `Executor`'s. switch_interval: the interpreter's thread switch interval
+    while the executor runs (None: the one the executor sets, `spill.SWITCH_INTERVAL_S`).
 
     Peak GPU memory by phase: while the weights load (the executor's construction) and
     during the timed generation, each with the CUDA context."""
@@ -121,6 +128,8 @@ def measure_policy(
         cuda_graphs=cuda_graphs,
         disk_buffers=disk_buffers,
     )
+    if switch_interval is not None:  # (the executor puts the process's back at close)
+        sys.setswitchinterval(switch_interval)
     # each phase's time as it ends: a run cut off by the call's limit still tells where
     # its time went (the 70B-class runs of earlier calls returned nothing)
     print(f"  weights placed in {time.perf_counter() - began:.1f} s", flush=True)

@@ -89,7 +89,7 @@ class Executor(LaneReports):  # implements runner.Runner
         parallel: a tensor-parallel rank's collectives (`decoder.Parallel`); None is one
         device. disk_buffers: the KV manager's disk staging blocks; the memory plan
         counts `io.layout.DISK_BUFFERS` (another depth is for measuring one against it,
-        `scripts/disk_depth_ab.py`)."""
+        `scripts/executor_ab.py`)."""
         self.parallel = parallel
         # the GIL's switch interval while the executor runs (`spill.SWITCH_INTERVAL_S`)
         self._switch_interval = sys.getswitchinterval()
