@@ -455,3 +455,13 @@ def test_a_trace_holds_the_last_step_and_the_last_prefill(tiny_checkpoints, tmp_
     assert any(lane == "h2d_kv" for lane, *_ in decode)
     assert not any(lane == "h2d_kv" for lane, *_ in prefill)
     assert len(layer_timeline(prefill)["rows"]) == layers
+
+
+def test_disk_reads_merge_nearby_pieces_and_write_backs_never_do():
+    from offload.executor.kv_transfer import READ_MERGE_GAP, _page_spans
+
+    base = torch.zeros(1 << 20, dtype=torch.uint8)
+    pieces = [base[0:100], base[8192:8300], base[600000:600010]]
+    assert _page_spans(base, pieces) == [(0, 4096), (8192, 12288), (598016, 602112)]
+    # the 4 KiB between the first two come along; the third is too far
+    assert _page_spans(base, pieces, READ_MERGE_GAP) == [(0, 12288), (598016, 602112)]

@@ -298,8 +298,10 @@ class KVManager:
         with self.lanes.blocked(f"kv L{layer} mb{mb} stored, read"):
             _wait_all(blk.stored, disk_future)
         home = blk.disk_quant
-        nbytes = blk.cpu_quant.nbytes if blk.cpu_quant is not None else 0
-        nbytes += home.slot_bytes(start) if home is not None else 0
+        nbytes = 0
+        if self.lanes.tracer.enabled:  # (the bytes are only the trace's)
+            nbytes = blk.cpu_quant.nbytes if blk.cpu_quant is not None else 0
+            nbytes += home.slot_bytes(start) if home is not None else 0
         with self.lanes.on("h2d_kv", f"kv L{layer} mb{mb}", nbytes):
             if blk.cpu_quant is not None:  # whole contiguous tensors (see _load_scratch)
                 scratch.rows(0, c).copy_from(blk.cpu_quant, non_blocking=True)

@@ -130,6 +130,9 @@ class QuantKV:
         assert buffer.numel() >= self.nbytes and buffer.dtype == torch.uint8
         self.k_min: torch.Tensor | None = None
         self.v_min: torch.Tensor | None = None
+        self._views: dict[tuple[int, int], QuantKV] = {}  # `rows`
+        # a slot-major cache's memory, whose pieces `copy_slots_from` moves in one copy
+        self.slot_major_buffer = buffer if slot_major else None
         offset = 0
         shapes = component_shapes(rows, num_kv_heads, head_dim, max_slots, config, dtype)
         for name, (shape, kind) in shapes.items():
@@ -146,10 +149,16 @@ class QuantKV:
         return [(n, getattr(self, n)) for n in COMPONENTS if getattr(self, n) is not None]
 
     def rows(self, start: int, stop: int) -> QuantKV:
-        """A view of sequences start .. stop - 1 (sharing memory)."""
-        view = copy.copy(self)
-        for name, tensor in self._tensors():
-            setattr(view, name, tensor[start:stop])
+        """A view of sequences start .. stop - 1 (sharing memory). Made once for each
+        range: a decode step asks for the same few views of a scratch in every layer
+        and micro-batch."""
+        view = self._views.get((start, stop))
+        if view is None:
+            view = copy.copy(self)
+            view._views = {}
+            for name, tensor in self._tensors():
+                setattr(view, name, tensor[start:stop])
+            self._views[start, stop] = view
         return view
 
     def copy_from(self, other: QuantKV, non_blocking: bool = False) -> None:
@@ -159,12 +168,23 @@ class QuantKV:
 
     def copy_slots_from(self, other: QuantKV, end: int, non_blocking: bool = False) -> None:
         """Copy what holds slots 0 .. end - 1 of a slot-major cache `other` (same
-        format and rows) into this one. Each piece crosses as the contiguous range it
-        is and is reordered where it lands (a strided pinned source would make torch
-        copy synchronously through pageable memory)."""
+        format and rows) into this one. What holds them is a prefix of each of other's
+        tensors; the bytes from the first to the end of the last prefix cross in one
+        copy (the unused slots between come along: a disk row's home is a few hundred
+        KB, and each copy issued costs the host more than that takes to cross), and each
+        piece is reordered where it lands. A strided pinned source would make torch copy
+        synchronously through pageable memory."""
+        memory = other.slot_major_buffer
+        assert memory is not None, "copy_slots_from reads a slot-major cache"
+        pieces = []
         for name, part in self.changed(0, end):
-            source = getattr(other, name).movedim(2, 0)[part]
-            moved = source.to(self.k_tail.device, non_blocking=non_blocking)
+            source = getattr(other, name).movedim(2, 0)[part]  # contiguous: a prefix
+            pieces.append((name, part, source, source.data_ptr() - memory.data_ptr()))
+        span = max(at + s.numel() * s.element_size() for _, _, s, at in pieces)
+        landed = memory[:span].to(self.k_tail.device, non_blocking=non_blocking)
+        for name, part, source, at in pieces:
+            size = source.numel() * source.element_size()
+            moved = landed[at : at + size].view(source.dtype).view(source.shape)
             getattr(self, name)[:, :, part].copy_(moved.movedim(0, 2))
 
     def slot_bytes(self, end: int) -> int:
