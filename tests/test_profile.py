@@ -356,6 +356,22 @@ def test_the_off_gpu_kv_chain_is_compute_time_and_favours_fewer_micro_batches():
     )
 
 
+def test_the_off_gpu_chain_is_the_graph_paths_where_every_weight_stays_on_the_gpu():
+    """Plans whose decode replays graphs (every weight on the GPU) pay the chain
+    measured on that path; plans with streamed weights run eagerly and pay the other."""
+    cfg = cfg_of("opt-30b")
+    w4 = {"weight_compression": INT4, "kv_compression": INT4}
+    resident = Policy(8, 2, kv_cache=Placement(0, 1, 0), **w4)
+    streamed = Policy(8, 2, weights=Placement(0.5, 0.5, 0), kv_cache=Placement(0, 1, 0), **w4)
+    eager_only = dataclasses.replace(PROFILE, offgpu_kv_s=0.001, offgpu_kv_graph_s=0.0)
+    both = dataclasses.replace(eager_only, offgpu_kv_graph_s=0.003)
+    for policy, extra in ((resident, 0.002), (streamed, 0.0)):
+        before = estimate(cfg, policy, torch.float16, 512, 32, eager_only).lanes_decode_s
+        after = estimate(cfg, policy, torch.float16, 512, 32, both).lanes_decode_s
+        added = cfg.num_layers * policy.num_gpu_batches * extra
+        assert after["compute"] == pytest.approx(before["compute"] + added)
+
+
 def test_each_disk_home_pays_its_chain_on_the_disk_lane():
     """Micro-batches with KV rows on disk pay the measured chain (the read's and the
     write-back's latency) once a layer each, on the disk lane; rows in CPU homes do not."""
@@ -455,6 +471,7 @@ def test_executor_fixed_costs_are_measured(tmp_path):
     assert not list(tmp_path.iterdir())  # the disk homes' spill file is gone
     assert 0 < figures["layer_fixed_s"] + figures["micro_fixed_s"] < 1.0
     assert figures["graph_layer_s"] == 0.0  # no CUDA graphs on the CPU
+    assert figures["offgpu_kv_graph_s"] == 0.0
     assert figures["cpu_attention_fixed_s"] == 0.0  # without CUDA all attention is the CPU's
     # a layer beyond its matmuls and attention: with the test profile's GPU rates those
     # are next to nothing on the CPU, so it is the CPU layer's whole time

@@ -143,7 +143,7 @@ def estimate(
         # launches of them) runs between the micro-batch's matmuls, not beside them:
         # BLOOM-176B 2 x 16, H100 run 202027, 36 ms a layer against 20 of matmuls and
         # 16 x 1.1 ms of chain (it was counted on the host lane, the step predicted 2.2 s)
-        compute += micro * hw.offgpu_kv_s
+        compute += micro * _offgpu_chain_s(policy, hw, tp)
     host = _host_s(policy, hw, micro, tp)
     cpu_attn = 0.0
     if policy.attention_on_cpu:
@@ -268,6 +268,14 @@ def _host_s(policy: Policy, hw: HardwareProfile, micro: int, tp: int, decode: bo
     if decode and tp == 1 and hw.has_gpu and policy.decode_graphs and hw.graph_layer_s:
         return micro * hw.graph_layer_s
     return hw.layer_fixed_s + micro * hw.micro_fixed_s
+
+
+def _offgpu_chain_s(policy: Policy, hw: HardwareProfile, tp: int) -> float:
+    """The off-GPU KV's chain a layer and micro-batch (attention on the GPU): measured
+    on the path the step takes, replayed from graphs or eager (`_host_s`'s choice)."""
+    if tp == 1 and hw.has_gpu and policy.decode_graphs and hw.offgpu_kv_graph_s:
+        return hw.offgpu_kv_graph_s
+    return hw.offgpu_kv_s
 
 
 def _allreduce_s(

@@ -49,6 +49,7 @@ OPTIONAL_FIGURES = (
     "layer_fixed_s",
     "micro_fixed_s",
     "offgpu_kv_s",
+    "offgpu_kv_graph_s",
     "disk_kv_s",
     "cpu_attention_fixed_s",
     "graph_layer_s",
@@ -138,6 +139,12 @@ class HardwareProfile:
     micro_fixed_s: float = 0.0
     offgpu_kv_s: float = 0.0
     graph_layer_s: float = 0.0
+    # the off-GPU KV's chain a layer and micro-batch where the work between attentions
+    # replays from CUDA graphs (every weight on the GPU): measured with the weights on
+    # the GPU, where offgpu_kv_s is measured with them streamed. Llama-3.1-8B int4,
+    # 8 x 2, every row's KV in CPU homes (H100, 2026-11-25): 63 ms a step against 28
+    # predicted with offgpu_kv_s's 0.26 ms, about 0.75 ms a layer and micro-batch
+    offgpu_kv_graph_s: float = 0.0
     # per layer and micro-batch with KV rows on disk, beyond a CPU home's chain: the
     # read's and the write-back's latency and their turns (OPT-30B int4, 8 x 2, one row
     # of each micro-batch on disk: 675 ms a step where the bytes over the disk's
