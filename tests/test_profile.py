@@ -370,6 +370,13 @@ def test_the_off_gpu_chain_is_the_graph_paths_where_every_weight_stays_on_the_gp
         after = estimate(cfg, policy, torch.float16, 512, 32, both).lanes_decode_s
         added = cfg.num_layers * policy.num_gpu_batches * extra
         assert after["compute"] == pytest.approx(before["compute"] + added)
+    # a disk home's chain likewise, on the disk lane
+    on_disk = dataclasses.replace(resident, kv_cache=Placement(0, 0.875, 0.125))
+    eager_disk = dataclasses.replace(both, disk_kv_s=0.001, disk_kv_graph_s=0.0)
+    graph_disk = dataclasses.replace(eager_disk, disk_kv_graph_s=0.004)
+    before = estimate(cfg, on_disk, torch.float16, 512, 32, eager_disk).lanes_decode_s
+    after = estimate(cfg, on_disk, torch.float16, 512, 32, graph_disk).lanes_decode_s
+    assert after["disk"] == pytest.approx(before["disk"] + cfg.num_layers * 2 * 0.003)
 
 
 def test_each_disk_home_pays_its_chain_on_the_disk_lane():
@@ -471,7 +478,7 @@ def test_executor_fixed_costs_are_measured(tmp_path):
     assert not list(tmp_path.iterdir())  # the disk homes' spill file is gone
     assert 0 < figures["layer_fixed_s"] + figures["micro_fixed_s"] < 1.0
     assert figures["graph_layer_s"] == 0.0  # no CUDA graphs on the CPU
-    assert figures["offgpu_kv_graph_s"] == 0.0
+    assert figures["offgpu_kv_graph_s"] == figures["disk_kv_graph_s"] == 0.0
     assert figures["cpu_attention_fixed_s"] == 0.0  # without CUDA all attention is the CPU's
     # a layer beyond its matmuls and attention: with the test profile's GPU rates those
     # are next to nothing on the CPU, so it is the CPU layer's whole time

@@ -175,7 +175,7 @@ def overheads(device: torch.device, nvme: Path, steps: int = 8) -> dict[str, flo
     staging blocks), per layer and micro-batch attended on the CPU (the copies of q, k,
     v and the output, their waits, the call; 0 without CUDA, where all attention is
     the CPU's), per stage of a step replayed from CUDA graphs, and the off-GPU KV's
-    chain on that path, the weights on the GPU (both 0 without CUDA)."""
+    and the disk's chains on that path, the weights on the GPU (all 0 without CUDA)."""
     streamed = Placement(0.0, 1.0, 0.0)  # every stage crosses: the eager path's work
     one = _stage_seconds(Policy(1, 1, weights=streamed), device, 1, steps)
     four = _stage_seconds(Policy(1, 4, weights=streamed), device, 4, steps)
@@ -188,20 +188,24 @@ def overheads(device: torch.device, nvme: Path, steps: int = 8) -> dict[str, flo
     four_cpu = _stage_seconds(on_cpu, device, 4, steps) if device.type == "cuda" else four
     stages_per_layer = (OVERHEAD_LAYERS + 2) / OVERHEAD_LAYERS  # KV lives in layers only
     micro = max(0.0, (four - one) / 3)
-    graph = graph_kv = 0.0
+    graph = graph_kv = graph_disk = 0.0
     if device.type == "cuda":
         graph = _stage_seconds(Policy(1, 1), device, 1, steps)
-        # the same chain where the weights stay on the GPU and the work between
-        # attentions replays from graphs: there no weight copy's wait hides it
+        # the same chains where the weights stay on the GPU and the work between
+        # attentions replays from graphs: there no weight copy's wait hides them
         resident = _stage_seconds(Policy(1, 4), device, 4, steps)
         resident_kv = Policy(1, 4, kv_cache=streamed, kv_compression=int4)
         chained = _stage_seconds(resident_kv, device, 4, steps)
+        resident_disk = Policy(1, 4, kv_cache=Placement(0, 0, 1), kv_compression=int4)
+        on_disk_chained = _stage_seconds(resident_disk, device, 4, steps, nvme)
         graph_kv = max(0.0, (chained - resident) / 4 * stages_per_layer)
+        graph_disk = max(0.0, (on_disk_chained - chained) / 4 * stages_per_layer)
     return {
         "layer_fixed_s": max(0.0, one - micro),
         "micro_fixed_s": micro,
         "offgpu_kv_s": max(0.0, (four_kv - four) / 4 * stages_per_layer),
         "offgpu_kv_graph_s": graph_kv,
+        "disk_kv_graph_s": graph_disk,
         "disk_kv_s": max(0.0, (four_disk - four_kv) / 4 * stages_per_layer),
         "cpu_attention_fixed_s": max(0.0, (four_cpu - four) / 4 * stages_per_layer),
         "graph_layer_s": graph,

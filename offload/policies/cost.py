@@ -121,7 +121,8 @@ def estimate(
         (hw.disk_kv_read_gbps or hw.disk_read_gbps) * GB
     )
     disk += rows_disk * write_tok / (hw.disk_write_gbps * GB)
-    disk += sum(1 for _, _, d in splits if d) * hw.disk_kv_s  # each disk home's chain
+    # each disk home's chain, measured on the path the step takes (`_offgpu_chain_s`)
+    disk += sum(1 for _, _, d in splits if d) * _offgpu_chain_s(policy, hw, tp, disk=True)
     # every micro-batch reads the layer's weights (as stored: compressed when
     # compressed) from GPU memory, whichever tier they came from, and the KV it attends
     # on the GPU (off-GPU rows from the scratch they were loaded into)
@@ -270,12 +271,14 @@ def _host_s(policy: Policy, hw: HardwareProfile, micro: int, tp: int, decode: bo
     return hw.layer_fixed_s + micro * hw.micro_fixed_s
 
 
-def _offgpu_chain_s(policy: Policy, hw: HardwareProfile, tp: int) -> float:
-    """The off-GPU KV's chain a layer and micro-batch (attention on the GPU): measured
-    on the path the step takes, replayed from graphs or eager (`_host_s`'s choice)."""
-    if tp == 1 and hw.has_gpu and policy.decode_graphs and hw.offgpu_kv_graph_s:
-        return hw.offgpu_kv_graph_s
-    return hw.offgpu_kv_s
+def _offgpu_chain_s(policy: Policy, hw: HardwareProfile, tp: int, disk: bool = False) -> float:
+    """The off-GPU KV's chain a layer and micro-batch (attention on the GPU), or with
+    `disk` a disk home's beyond it: measured on the path the step takes, replayed from
+    graphs or eager (`_host_s`'s choice)."""
+    graphs = tp == 1 and hw.has_gpu and policy.decode_graphs
+    if disk:  # (0: not measured, as in a profile from before the figure)
+        return hw.disk_kv_graph_s if graphs and hw.disk_kv_graph_s else hw.disk_kv_s
+    return hw.offgpu_kv_graph_s if graphs and hw.offgpu_kv_graph_s else hw.offgpu_kv_s
 
 
 def _allreduce_s(

@@ -51,6 +51,7 @@ OPTIONAL_FIGURES = (
     "offgpu_kv_s",
     "offgpu_kv_graph_s",
     "disk_kv_s",
+    "disk_kv_graph_s",
     "cpu_attention_fixed_s",
     "graph_layer_s",
     "allreduce_gbps",
@@ -150,6 +151,9 @@ class HardwareProfile:
     # of each micro-batch on disk: 675 ms a step where the bytes over the disk's
     # sequential rates took 373, validate_cost_model 021229)
     disk_kv_s: float = 0.0
+    # the same where decode replays graphs (every weight on the GPU), measured with the
+    # weights on the GPU beyond offgpu_kv_graph_s's chain
+    disk_kv_graph_s: float = 0.0
     # disk KV homes read whole, one after another, beside the launching host thread
     # (`measure.kv_disk_read_rate`): OPT-30B int4, 8 x 2, read 4.4 MB homes in 2.6-2.9
     # ms where the profile's 16 MiB sequential reads measured 2.7 GB/s (H100 machine,
