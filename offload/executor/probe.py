@@ -167,7 +167,31 @@ def _stage_seconds(
         ex.close()
 
 
-def overheads(device: torch.device, nvme: Path, steps: int = 8) -> dict[str, float]:
+# rounds of the chain probes (`_chains`); their figures are differences between
+# decode steps of a few ms, and one round each had them change 1.5-4.6x between machine
+# starts where the full models' steps repeated within 2% (H100, calls c86-c89:
+# offgpu_kv_graph_s 0.49 and 0.73 ms, disk_kv_s 0.19-0.88 ms). Three rounds still
+# spread +-25% within one process (0.57-0.95 ms, c90): the narrow probe's own noise
+CHAIN_ROUNDS = 3
+
+
+def _chains(
+    policies: list[Policy], device: torch.device, steps: int, nvme: Path, rounds: int
+) -> list[float]:
+    """A decode step's time a stage of each policy beyond the one before it (4 micro-
+    batches of one row): the median over `rounds` rounds, each running the policies
+    back to back, so a drift of the machine falls on every difference alike."""
+    beyond: list[list[float]] = [[] for _ in policies[1:]]
+    for _ in range(rounds):
+        times = [_stage_seconds(policy, device, 4, steps, nvme) for policy in policies]
+        for into, (before, after) in zip(beyond, itertools.pairwise(times), strict=True):
+            into.append(after - before)
+    return [statistics.median(b) for b in beyond]
+
+
+def overheads(
+    device: torch.device, nvme: Path, steps: int = 8, rounds: int = CHAIN_ROUNDS
+) -> dict[str, float]:
     """The executor's fixed costs: per stage, per micro-batch of a stage, per layer and
     micro-batch whose KV lives off the GPU and is attended there (its load, store and
     the handoffs between them), the same whose KV lives on disk in `nvme` beyond a CPU
@@ -175,38 +199,42 @@ def overheads(device: torch.device, nvme: Path, steps: int = 8) -> dict[str, flo
     staging blocks), per layer and micro-batch attended on the CPU (the copies of q, k,
     v and the output, their waits, the call; 0 without CUDA, where all attention is
     the CPU's), per stage of a step replayed from CUDA graphs, and the off-GPU KV's
-    and the disk's chains on that path, the weights on the GPU (all 0 without CUDA)."""
+    and the disk's chains on that path, the weights on the GPU (all 0 without CUDA).
+    The chains are medians over `rounds` (`_chains`)."""
     streamed = Placement(0.0, 1.0, 0.0)  # every stage crosses: the eager path's work
     one = _stage_seconds(Policy(1, 1, weights=streamed), device, 1, steps)
     four = _stage_seconds(Policy(1, 4, weights=streamed), device, 4, steps)
     int4 = Compression(4, 64, False)
-    off_gpu_kv = Policy(1, 4, weights=streamed, kv_cache=streamed, kv_compression=int4)
-    four_kv = _stage_seconds(off_gpu_kv, device, 4, steps)
-    on_disk = Policy(1, 4, weights=streamed, kv_cache=Placement(0, 0, 1), kv_compression=int4)
-    four_disk = _stage_seconds(on_disk, device, 4, steps, nvme)
     on_cpu = Policy(1, 4, weights=streamed, kv_cache=streamed, attention_on_cpu=True)
     four_cpu = _stage_seconds(on_cpu, device, 4, steps) if device.type == "cuda" else four
     stages_per_layer = (OVERHEAD_LAYERS + 2) / OVERHEAD_LAYERS  # KV lives in layers only
+    per_block = stages_per_layer / 4  # a stage's time over 4 micro-batches, a layer's
+
+    def kv_chains(weights: Placement) -> list[float]:
+        """(off-GPU chain, disk chain beyond it) with the weights in `weights`."""
+        plain = Policy(1, 4, weights=weights)
+        off_gpu = Policy(1, 4, weights=weights, kv_cache=streamed, kv_compression=int4)
+        on_disk = dataclasses.replace(off_gpu, kv_cache=Placement(0, 0, 1))
+        return [
+            max(0.0, t * per_block)
+            for t in _chains([plain, off_gpu, on_disk], device, steps, nvme, rounds)
+        ]
+
+    offgpu, disk = kv_chains(streamed)
     micro = max(0.0, (four - one) / 3)
     graph = graph_kv = graph_disk = 0.0
     if device.type == "cuda":
         graph = _stage_seconds(Policy(1, 1), device, 1, steps)
         # the same chains where the weights stay on the GPU and the work between
         # attentions replays from graphs: there no weight copy's wait hides them
-        resident = _stage_seconds(Policy(1, 4), device, 4, steps)
-        resident_kv = Policy(1, 4, kv_cache=streamed, kv_compression=int4)
-        chained = _stage_seconds(resident_kv, device, 4, steps)
-        resident_disk = Policy(1, 4, kv_cache=Placement(0, 0, 1), kv_compression=int4)
-        on_disk_chained = _stage_seconds(resident_disk, device, 4, steps, nvme)
-        graph_kv = max(0.0, (chained - resident) / 4 * stages_per_layer)
-        graph_disk = max(0.0, (on_disk_chained - chained) / 4 * stages_per_layer)
+        graph_kv, graph_disk = kv_chains(Placement(1.0, 0.0, 0.0))
     return {
         "layer_fixed_s": max(0.0, one - micro),
         "micro_fixed_s": micro,
-        "offgpu_kv_s": max(0.0, (four_kv - four) / 4 * stages_per_layer),
+        "offgpu_kv_s": offgpu,
         "offgpu_kv_graph_s": graph_kv,
+        "disk_kv_s": disk,
         "disk_kv_graph_s": graph_disk,
-        "disk_kv_s": max(0.0, (four_disk - four_kv) / 4 * stages_per_layer),
         "cpu_attention_fixed_s": max(0.0, (four_cpu - four) / 4 * stages_per_layer),
         "graph_layer_s": graph,
     }
@@ -292,7 +320,8 @@ def measure_profile(nvme: Path | None, quick: bool = True) -> HardwareProfile:
     hw = measure(nvme, quick=quick)
     device = torch.device("cuda" if hw.has_gpu else "cpu")
     spill = nvme or Path(tempfile.gettempdir())
-    hw = dataclasses.replace(hw, **overheads(device, spill, steps=4 if quick else 8))
+    rounds = 1 if quick else CHAIN_ROUNDS
+    hw = dataclasses.replace(hw, **overheads(device, spill, 4 if quick else 8, rounds))
     return dataclasses.replace(hw, **elementwise(hw, device))
 
 
