@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import json
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from offload.bench import Results
 from offload.kernels import qmatmul
 from offload.kernels.formats import Compression
 from offload.kernels.kv_attention import decode_attention, decode_attention_reference
@@ -525,10 +524,7 @@ def main() -> None:
         "cpu_threads": torch.get_num_threads(),
         "cpu_attention": cpu_attention,
     }
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for out in {args.out, Path(os.environ.get("OUT", args.out))}:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"bench_kernels_{stamp}.json").write_text(json.dumps(res, indent=1))
+    Results("bench_kernels", res, args.out).save()
     print(f"HBM copy rate {hbm:.0f} GB/s; DRAM copy rate {dram:.0f} GB/s")
     for r in cpu_attention:
         print(

@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 from validate_cost_model import hand_policies, measure_policy
 
+from offload.bench import Results
 from offload.models.resolve import resolve_model
 
 
@@ -85,10 +83,7 @@ def main() -> None:
         "gen_len": args.gen_len,
         "runs": runs,
     }
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for folder in {args.out, Path(os.environ.get("OUT", args.out))}:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"executor_ab_{args.model}_{stamp}.json").write_text(json.dumps(result, indent=1))
+    Results(f"executor_ab_{args.model}", result, args.out).save()
 
 
 if __name__ == "__main__":

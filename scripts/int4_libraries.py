@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from bench_kernels import hbm_rate, timed
 
+from offload.bench import Results
 from offload.kernels.formats import Compression
 from offload.kernels.qmatmul import qlinear, qlinear_reference
 from offload.kernels.quant import QTensor, quantize, unpack_int4
@@ -149,10 +147,7 @@ def main() -> None:
         "group_size": GROUP,
         "runs": runs,
     }
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for folder in {args.out, Path(os.environ.get("OUT", args.out))}:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"int4_libraries_{stamp}.json").write_text(json.dumps(result, indent=1))
+    Results("int4_libraries", result, args.out).save()
     print(f"HBM copy {hbm:.0f} GB/s; us a call (share of HBM; largest difference)")
     labels = ["ours", "tinygemm", "gemlite", "fp16"]
     print(f"{'shape':24s} {'rows':>4s} " + " ".join(f"{v:>22s}" for v in labels))
