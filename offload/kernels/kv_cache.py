@@ -156,6 +156,9 @@ class QuantKV:
         if view is None:
             view = copy.copy(self)
             view._views = {}
+            # a slot-major cache's rows are strided within each slot: no longer one
+            # prefix a tensor (`copy_slots_from` refuses them)
+            view.slot_major_buffer = None
             for name, tensor in self._tensors():
                 setattr(view, name, tensor[start:stop])
             self._views[start, stop] = view
