@@ -182,12 +182,12 @@ class QuantKV:
         pieces = []
         for name, part in self.changed(0, end):
             source = getattr(other, name).movedim(2, 0)[part]  # contiguous: a prefix
-            pieces.append((name, part, source, source.data_ptr() - memory.data_ptr()))
-        span = max(at + s.numel() * s.element_size() for _, _, s, at in pieces)
+            at = source.data_ptr() - memory.data_ptr()
+            pieces.append((name, part, source, at, at + source.numel() * source.element_size()))
+        span = max(stop for *_, stop in pieces)
         landed = memory[:span].to(self.k_tail.device, non_blocking=non_blocking)
-        for name, part, source, at in pieces:
-            size = source.numel() * source.element_size()
-            moved = landed[at : at + size].view(source.dtype).view(source.shape)
+        for name, part, source, at, stop in pieces:
+            moved = landed[at:stop].view(source.dtype).view(source.shape)
             getattr(self, name)[:, :, part].copy_(moved.movedim(0, 2))
 
     def slot_bytes(self, end: int) -> int:
