@@ -150,11 +150,12 @@ def _decode_kernels(
     return other / steps, waited / steps
 
 
-def _stage_seconds(
+def _narrow_executor(
     policy: Policy, device: torch.device, rows: int, steps: int, nvme: Path | None = None
-) -> float:
-    """A decode step's wall time a stage (the layers, the embedding and the head), on
-    the narrow model under `policy` (disk homes in `nvme`)."""
+) -> tuple[Executor, PaddedBatch]:
+    """An executor of the narrow model under `policy` (disk homes in `nvme`), its batch
+    of `rows` started and prefilled, with room for `steps` decode steps after two that
+    compile and capture graphs."""
     cfg = ModelConfig.from_hf(OVERHEAD_CONFIG, "overhead-probe")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     ex = Executor(DummySource(cfg), policy, dtype, device, nvme_dir=nvme)
@@ -162,35 +163,67 @@ def _stage_seconds(
         batch = PaddedBatch(cfg, [[5] * 8] * rows, 2 + steps + 2, pad_id=1)
         ex.start(batch)
         ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, 8))
-        return _decode_seconds(ex, batch, 8, steps) / (cfg.num_layers + 2)
+    except BaseException:
+        ex.close()
+        raise
+    return ex, batch
+
+
+def _stage_seconds(
+    policy: Policy, device: torch.device, rows: int, steps: int, nvme: Path | None = None
+) -> float:
+    """A decode step's wall time a stage (the layers, the embedding and the head), on
+    the narrow model under `policy` (disk homes in `nvme`)."""
+    ex, batch = _narrow_executor(policy, device, rows, steps, nvme)
+    try:
+        return _decode_seconds(ex, batch, 8, steps) / (ex.cfg.num_layers + 2)
     finally:
         ex.close()
 
 
-# rounds of the chain probes (`_chains`); their figures are differences between
-# decode steps of a few ms, and one round each had them change 1.5-4.6x between machine
-# starts where the full models' steps repeated within 2% (H100, calls c86-c89:
-# offgpu_kv_graph_s 0.49 and 0.73 ms, disk_kv_s 0.19-0.88 ms). Three rounds still
-# spread +-25% within one process (0.57-0.95 ms, c90): the narrow probe's own noise
-CHAIN_ROUNDS = 3
+# decode steps of each policy in a chain probe (`_chains`). Its figures are differences
+# between decode steps of a few ms. Timed apart (each policy's median over 8 steps in an
+# executor of its own, the median of three rounds) they spread 9-46% between processes
+# on one machine; paired step by step, 8-30% (H100 call c91, three processes each,
+# `overheads_paired_ab_h100_20261125-1620.json`). What is left is the host's own speed
+# from process to process: the graph replay's fixed cost, timed alike in both, spread
+# 40-45%
+CHAIN_STEPS = 32
 
 
-def _chains(
-    policies: list[Policy], device: torch.device, steps: int, nvme: Path, rounds: int
-) -> list[float]:
+def _chains(policies: list[Policy], device: torch.device, steps: int, nvme: Path) -> list[float]:
     """A decode step's time a stage of each policy beyond the one before it (4 micro-
-    batches of one row): the median over `rounds` rounds, each running the policies
-    back to back, so a drift of the machine falls on every difference alike."""
-    beyond: list[list[float]] = [[] for _ in policies[1:]]
-    for _ in range(rounds):
-        times = [_stage_seconds(policy, device, 4, steps, nvme) for policy in policies]
-        for into, (before, after) in zip(beyond, itertools.pairwise(times), strict=True):
-            into.append(after - before)
-    return [statistics.median(b) for b in beyond]
+    batches of one row). The policies' executors live side by side and take their
+    steps in turn, each synchronized: a step's difference pairs steps taken a few ms
+    apart, so a drift of the machine (clocks, the host's other work) falls on both
+    alike. The median over `steps` such pairs."""
+    executors: list[tuple[Executor, PaddedBatch]] = []
+    try:
+        for policy in policies:
+            executors.append(_narrow_executor(policy, device, 4, steps, nvme))
+        ids = torch.ones(4, 1, dtype=torch.long)
+
+        def step(ex: Executor, batch: PaddedBatch, slot: int) -> float:
+            inputs = ex.step_inputs(batch, slot, 1)
+            return _synced_seconds(device, lambda: ex.forward(ids, inputs))
+
+        for slot in (8, 9):  # compiles, captures graphs
+            for ex, batch in executors:
+                step(ex, batch, slot)
+        beyond: list[list[float]] = [[] for _ in policies[1:]]
+        for slot in range(10, 10 + steps):
+            times = [step(ex, batch, slot) for ex, batch in executors]
+            for into, (before, after) in zip(beyond, itertools.pairwise(times), strict=True):
+                into.append(after - before)
+        stages = executors[0][0].cfg.num_layers + 2
+        return [statistics.median(b) / stages for b in beyond]
+    finally:
+        for ex, _ in executors:
+            ex.close()
 
 
 def overheads(
-    device: torch.device, nvme: Path, steps: int = 8, rounds: int = CHAIN_ROUNDS
+    device: torch.device, nvme: Path, steps: int = 8, chain_steps: int = CHAIN_STEPS
 ) -> dict[str, float]:
     """The executor's fixed costs: per stage, per micro-batch of a stage, per layer and
     micro-batch whose KV lives off the GPU and is attended there (its load, store and
@@ -200,7 +233,7 @@ def overheads(
     v and the output, their waits, the call; 0 without CUDA, where all attention is
     the CPU's), per stage of a step replayed from CUDA graphs, and the off-GPU KV's
     and the disk's chains on that path, the weights on the GPU (all 0 without CUDA).
-    The chains are medians over `rounds` (`_chains`)."""
+    The chains are medians of `chain_steps` paired steps (`_chains`)."""
     streamed = Placement(0.0, 1.0, 0.0)  # every stage crosses: the eager path's work
     one = _stage_seconds(Policy(1, 1, weights=streamed), device, 1, steps)
     four = _stage_seconds(Policy(1, 4, weights=streamed), device, 4, steps)
@@ -217,7 +250,7 @@ def overheads(
         on_disk = dataclasses.replace(off_gpu, kv_cache=Placement(0, 0, 1))
         return [
             max(0.0, t * per_block)
-            for t in _chains([plain, off_gpu, on_disk], device, steps, nvme, rounds)
+            for t in _chains([plain, off_gpu, on_disk], device, chain_steps, nvme)
         ]
 
     offgpu, disk = kv_chains(streamed)
@@ -320,8 +353,8 @@ def measure_profile(nvme: Path | None, quick: bool = True) -> HardwareProfile:
     hw = measure(nvme, quick=quick)
     device = torch.device("cuda" if hw.has_gpu else "cpu")
     spill = nvme or Path(tempfile.gettempdir())
-    rounds = 1 if quick else CHAIN_ROUNDS
-    hw = dataclasses.replace(hw, **overheads(device, spill, 4 if quick else 8, rounds))
+    chain_steps = CHAIN_STEPS // 4 if quick else CHAIN_STEPS
+    hw = dataclasses.replace(hw, **overheads(device, spill, 4 if quick else 8, chain_steps))
     return dataclasses.replace(hw, **elementwise(hw, device))
 
 
