@@ -180,13 +180,36 @@ def _cpu_attention_call(dtype: torch.dtype, compressed: bool) -> tuple[Callable[
     return attention, 2 * k.numel() * k.element_size()
 
 
+# The CPU attention is timed over CPU_TIMED_S of calls after CPU_WARM_S of calls back
+# to back. On the lent H100 machine's 16-core VM the first calls after the host idled
+# ran 7-12x slow and the rate ramped up over about 0.1 s (call c96: 8.7, 27.2, then 107
+# GB/s a round of 3 calls after a 1 s sleep; a quick profile's figure 11.7 GB/s, 85.3
+# measured again in the same process). A profile that held the cold figure (19.7)
+# made the search pick GPU attention for OPT-30B fp16, 42.0 tok/s (bench_throughput
+# 20261125-163936), where the CPU-attention plan measured 61.6 on the same machine start
+CPU_WARM_S = 0.3
+CPU_TIMED_S = 0.2
+
+
+def _run_for(call: Callable[[], object], seconds: float) -> tuple[int, float]:
+    """call() back to back until `seconds` have passed: the calls and the time taken."""
+    calls, started = 0, time.perf_counter()
+    while True:
+        call()
+        calls += 1
+        elapsed = time.perf_counter() - started
+        if elapsed >= seconds:
+            return calls, elapsed
+
+
 def _cpu_attention_rate(
     call: tuple[Callable[[], object], int],
     host: torch.Tensor | None = None,
     gpu=None,
     h2d_gbps: float = 0.0,
 ) -> float:
-    """GB/s of KV that the executor's CPU attention reads (`call`: `_cpu_attention_call`'s).
+    """GB/s of KV that the executor's CPU attention reads (`call`: `_cpu_attention_call`'s),
+    warm (`CPU_WARM_S`), as a policy's steps keep it.
 
     Given a pinned `host` buffer, a `gpu` one and their measured copy rate, host -> GPU
     copies run all the while,
@@ -194,22 +217,21 @@ def _cpu_attention_rate(
     the contended rate is the one the executor gets (OPT-30B on the H100 machine: 67
     GB/s alone, 47-50 inside the executor)."""
     attention, nbytes = call
+    _run_for(attention, CPU_WARM_S)
     if host is not None:
         # queue enough copies to outlast the timing; no host thread waits on them (a
         # spinning waiter would take a core from SDPA's threads, which the executor's
         # copies never do)
         side = torch.cuda.Stream()
-        expected = 3 * nbytes / (20 * GB)  # >= SDPA's time
+        expected = 1.5 * (CPU_TIMED_S + nbytes / (20 * GB))  # >= the timed calls
         with torch.cuda.stream(side):
             for _ in range(int(expected * h2d_gbps * GB / host.numel()) + 2):
                 gpu.copy_(host, non_blocking=True)
-    started = time.perf_counter()
-    for _ in range(3):  # the CPU attention never touches the device: timed directly
-        attention()
-    seconds = time.perf_counter() - started
+    # the CPU attention never touches the device: timed directly
+    calls, seconds = _run_for(attention, CPU_TIMED_S)
     if host is not None:
         side.synchronize()
-    return 3 * nbytes / seconds / GB
+    return calls * nbytes / seconds / GB
 
 
 def _h2d_rate_under_cpu_attention(
@@ -219,6 +241,7 @@ def _h2d_rate_under_cpu_attention(
     runs beside them without pause, as a CPU-attention policy's weight stream does: both
     read DRAM. W1u's layer (0.93 GB of weights beside 1.3 GB of KV) copied at 48-50 GB/s
     where the copy alone ran at 53 (H100 machine, 2026-11-25)."""
+    _run_for(attention, CPU_WARM_S)
     copies = max(2, int(0.2 * h2d_gbps * GB / host.numel()))  # about 0.2 s of copies
     first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     side = torch.cuda.Stream()
