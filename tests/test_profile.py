@@ -20,7 +20,14 @@ from offload.kernels.kv_cache import kv_row_bytes
 from offload.policies.caps import Caps
 from offload.policies.cost import _layer_bytes, estimate
 from offload.policies.hardware import HardwareProfile, code_version, load_profile, save_profile
-from offload.policies.measure import fit_attention, fit_call, kv_disk_read_rate
+from offload.policies.measure import (
+    CPU_ATTENTION_GROUPS,
+    _cpu_attention_call,
+    _cpu_attention_rates,
+    fit_attention,
+    fit_call,
+    kv_disk_read_rate,
+)
 from offload.policies.policy import Placement, Policy
 from offload.policies.search import ranked, search
 from tests.test_policies import GB, PROFILE, cfg_of
@@ -192,6 +199,67 @@ def test_the_host_issue_after_each_cpu_attention_is_serial_with_compute():
     assert estimate(cfg, on_gpu, torch.float16, 512, 32, costly).decode_step_s == (
         estimate(cfg, on_gpu, torch.float16, 512, 32, base_hw).decode_step_s
     )
+
+
+def test_the_cpu_attention_rate_follows_the_query_heads_a_kv_head():
+    """Between measured groups the time a KV byte is linear in the group; past the
+    largest it keeps the last slope; a profile without grouped figures (older, or
+    another machine's) uses the MHA figure for every group."""
+    hw = dataclasses.replace(
+        PROFILE,
+        cpu_attention_gbps=100.0,
+        cpu_attention_grouped_gbps={"4": 50.0, "8": 25.0},
+        cpu_quant_attention_grouped_gbps={"4": 5.0},
+    )
+    assert hw.cpu_attention_rate(1, compressed=False) == 100.0
+    assert hw.cpu_attention_rate(4, compressed=False) == pytest.approx(50.0)
+    assert hw.cpu_attention_rate(2, compressed=False) == pytest.approx(1 / (0.01 + 0.01 / 3))
+    assert hw.cpu_attention_rate(6, compressed=False) == pytest.approx(1 / 0.03)
+    assert hw.cpu_attention_rate(16, compressed=False) == pytest.approx(12.5)
+    # compressed: PROFILE's 10 at one head a KV head, 5 at four, the slope past them
+    assert hw.cpu_attention_rate(8, compressed=True) == pytest.approx(1 / (0.2 + 0.1 * 4 / 3))
+    assert PROFILE.cpu_attention_rate(8, compressed=False) == PROFILE.cpu_attention_gbps
+
+
+def test_a_slow_grouped_cpu_attention_moves_a_gqa_model_to_gpu_attention():
+    """Llama-3.1-8B (4 query heads a KV head) under a 10 GB cap attends on the CPU when
+    the grouped shape reads as fast as the MHA one; measured 16x slower there, the
+    search attends on the GPU, and its CPU lane is priced at the grouped rate. An MHA
+    model's plans do not change."""
+    caps = Caps(10 * GB, 100 * GB, False)
+    fast = dataclasses.replace(PROFILE, cpu_attention_gbps=160.0)
+    slow = dataclasses.replace(fast, cpu_attention_grouped_gbps={"4": 10.0, "8": 5.0})
+    llama = cfg_of("llama-3.1-8b")
+    assert search(llama, torch.float16, 512, 32, fast, caps).policy.attention_on_cpu
+    assert not search(llama, torch.float16, 512, 32, slow, caps).policy.attention_on_cpu
+    on_cpu = Policy(
+        64, 2, weights=Placement(0, 1, 0), kv_cache=Placement(0, 1, 0), attention_on_cpu=True
+    )
+    lanes = [
+        estimate(llama, on_cpu, torch.float16, 512, 32, hw).lanes_decode_s for hw in (fast, slow)
+    ]
+    kv_s = [
+        lane["cpu_attn"] - llama.num_layers * 2 * PROFILE.cpu_attention_fixed_s for lane in lanes
+    ]
+    assert kv_s[1] == pytest.approx(16 * kv_s[0])
+    mha = cfg_of("llama-2-13b")
+    assert search(mha, torch.float16, 512, 32, fast, caps) == search(
+        mha, torch.float16, 512, 32, slow, caps
+    )
+
+
+def test_the_profile_times_the_cpu_attention_at_each_group():
+    """`measure` times the executor's CPU attention (full-precision and compressed
+    caches) at one query head a KV head and at each of CPU_ATTENTION_GROUPS, over the
+    same K/V bytes and work items, and the calls compute grouped attention."""
+    calls = {g: _cpu_attention_call(torch.float32, False, g) for g in (1, *CPU_ATTENTION_GROUPS)}
+    assert len({nbytes for _, nbytes in calls.values()}) == 1
+    out = calls[4][0]()  # [rows, 1, heads x dim]
+    assert out.shape == (64, 1, 32 * 128)
+    one, quant, grouped, quant_grouped = _cpu_attention_rates(torch.float32)
+    assert one > 0 and quant > 0
+    assert set(grouped) == set(quant_grouped) == {str(g) for g in CPU_ATTENTION_GROUPS}
+    assert all(rate > 0 for rate in (*grouped.values(), *quant_grouped.values()))
 
 
 def test_a_measured_profile_keeps_w1c_attention_on_the_gpu():

@@ -17,7 +17,8 @@ Lanes per layer (bytes over the profile's measured rates, `policies.hardware`):
              tensor parallelism, two all-reduces a layer and micro-batch; plus, for
              off-GPU KV attended on the GPU, its measured chain a micro-batch
     cpu_attn off-GPU KV / CPU attention rate (attention_on_cpu; over a compressed cache
-             its K/V at the dtype's size / the rate measured over a compressed cache),
+             its K/V at the dtype's size / the rate measured over a compressed cache;
+             each at the model's query heads a KV head, `cpu_attention_rate`),
              plus a measured fixed cost a micro-batch (its copies, waits and the call)
     d2h      new KV entries stored off the GPU (prefill)
     host     the executor's own time: a fixed cost per layer and per micro-batch of a
@@ -98,14 +99,15 @@ def estimate(
     rows_cpu = sum(c for _, c, _ in splits)
     rows_disk = sum(d for _, _, d in splits)
     kv_tok = full_tok = 2 * cfg.num_kv_heads * cfg.head_dim * elt  # one token, one layer
-    cpu_attention_gbps = hw.cpu_attention_gbps
+    group = cfg.num_heads // cfg.num_kv_heads  # query heads a KV head
+    cpu_attention_gbps = hw.cpu_attention_rate(group, compressed=False)
     # decode: average context over the generation
     slots, ctx = prompt_len + gen_len, prompt_len + gen_len / 2
     write_tok = full_tok  # bytes a decode step writes to a disk row's home
     if policy.kv_compression is not None:  # compressed bytes a token (the GPU reads)
         kv_tok = kv_row_bytes(cfg.num_kv_heads, cfg.head_dim, slots, dtype, policy.kv_compression)
         kv_tok /= slots
-        cpu_attention_gbps = hw.cpu_quant_attention_gbps * kv_tok / full_tok
+        cpu_attention_gbps = hw.cpu_attention_rate(group, compressed=True) * kv_tok / full_tok
         # a disk home's step writes its entry to the full-precision tail and, once a
         # group, the group's codes
         write_tok = full_tok + kv_tok

@@ -14,6 +14,7 @@ figures stale: this machine's cached profile is then measured again.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import platform
@@ -96,6 +97,14 @@ class HardwareProfile:
     # layer in 18.4-19.3 ms (48-50 GB/s) where the copy alone ran at 53 (H100 machine,
     # 2026-11-25); 0: not measured (the alone rate is used)
     h2d_under_cpu_attention_gbps: float = 0.0
+    # the two CPU attention rates above at grouped-query shapes, keyed by the query
+    # heads a KV head ("4", "8"; the figures above are one a KV head): the kernel runs
+    # every query head of a KV head over each block it reads, so its arithmetic a KV
+    # byte grows with the group. Llama-3.1-8B (4 a KV head), 88 x 8: its CPU attention
+    # ran at 43 GB/s at most in the executor where the MHA shape measured 97 (H100,
+    # validate_cost_model 162630); missing: the MHA figure stands for every group
+    cpu_attention_grouped_gbps: dict[str, float] = field(default_factory=dict)
+    cpu_quant_attention_grouped_gbps: dict[str, float] = field(default_factory=dict)
     gpu_context_bytes: int = 0  # CUDA context and library workspaces, measured
     process_base_bytes: int = 0  # host RSS of a loaded engine before any weights
     measured_at: str = ""
@@ -249,6 +258,24 @@ class HardwareProfile:
         fixed = calls * self.attention_call_s.get(name, 0.0)
         fixed += pairs * self.attention_pair_s.get(name, 0.0)
         return fixed + nbytes / (self.attention_rate(compression) * GB)
+
+    def cpu_attention_rate(self, group: int, compressed: bool) -> float:
+        """GB/s of KV (at the compute dtype's size) that the CPU attention reads with
+        `group` query heads a KV head. Between the measured groups the time a byte is
+        linear in the group (the arithmetic a byte is); past the largest it grows with
+        the last two points' slope, and never falls below the largest group's time."""
+        one = self.cpu_quant_attention_gbps if compressed else self.cpu_attention_gbps
+        grouped = (
+            self.cpu_quant_attention_grouped_gbps if compressed else self.cpu_attention_grouped_gbps
+        )
+        points = sorted([(1, 1 / one)] + [(int(g), 1 / rate) for g, rate in grouped.items()])
+        if len(points) == 1 or group <= 1:
+            return one
+        for (g0, t0), (g1, t1) in itertools.pairwise(points):
+            if group <= g1:
+                return 1 / (t0 + (t1 - t0) * (group - g0) / (g1 - g0))
+        (g0, t0), (g1, t1) = points[-2], points[-1]
+        return 1 / max(t1, t1 + (t1 - t0) * (group - g1) / (g1 - g0))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -162,18 +162,28 @@ def kv_disk_read_rate(directory: Path, homes: int = 8) -> float:
     return fit_call(*points)[0]
 
 
-def _cpu_attention_call(dtype: torch.dtype, compressed: bool) -> tuple[Callable[[], object], int]:
+# query heads a KV head at which the CPU attention is timed beside the MHA shape
+# (`HardwareProfile.cpu_attention_grouped_gbps`): Mistral's and Llama-3's 4, Llama-2-70B's 8
+CPU_ATTENTION_GROUPS = (4, 8)
+
+
+def _cpu_attention_call(
+    dtype: torch.dtype, compressed: bool, group: int = 1
+) -> tuple[Callable[[], object], int]:
     """The executor's CPU attention (`decoder.attend`: the C kernel, else torch SDPA) at a
     decode shape, warmed up, and the K/V bytes a call reads at the dtype's size;
-    `compressed`: its attention over an int4-g64 cache (`kv_attention_cpu.decode_attention_cpu`)."""
-    rows, heads, slots, dim = 16, 32, 1024, 128
-    k = torch.randn(rows, heads, slots, dim).to(dtype)
+    `compressed`: its attention over an int4-g64 cache (`kv_attention_cpu.decode_attention_cpu`).
+    group: query heads a KV head. Every group reads the same bytes over the same number
+    of (sequence, KV head) work items: 16 sequences x 32 KV heads, or 64 x 8 grouped."""
+    kv_heads = 32 if group == 1 else 8
+    rows, slots, dim = 16 * 32 // kv_heads, 1024, 128
+    k = torch.randn(rows, kv_heads, slots, dim).to(dtype)
     v = torch.randn_like(k)
-    q = torch.randn(rows, heads, 1, dim).to(dtype)
+    q = torch.randn(rows, kv_heads * group, 1, dim).to(dtype)
     bias = torch.zeros(rows, 1, 1, slots, dtype=dtype)
     attention = functools.partial(attend, q, k, v, bias)
     if compressed:
-        cache = QuantKV(rows, heads, dim, slots, Compression(4, 64), dtype, torch.device("cpu"))
+        cache = QuantKV(rows, kv_heads, dim, slots, Compression(4, 64), dtype, torch.device("cpu"))
         cache.write(k, v, 0)
         attention = functools.partial(decode_attention_cpu, q, cache, bias, slots)
     attention()  # warm up
@@ -232,6 +242,26 @@ def _cpu_attention_rate(
     if host is not None:
         side.synchronize()
     return calls * nbytes / seconds / GB
+
+
+def _cpu_attention_rates(
+    dtype: torch.dtype, host: torch.Tensor | None = None, gpu=None, h2d_gbps: float = 0.0
+) -> tuple[float, float, dict[str, float], dict[str, float]]:
+    """The CPU attention's rates over a full-precision and a compressed cache, one query
+    head a KV head and at each of CPU_ATTENTION_GROUPS (keyed by the group), with
+    copies beside where `host` is given (`_cpu_attention_rate`)."""
+    rates = {}
+    for compressed in (False, True):
+        for group in (1, *CPU_ATTENTION_GROUPS):
+            call = _cpu_attention_call(dtype, compressed, group)
+            rates[compressed, group] = _cpu_attention_rate(call, host, gpu, h2d_gbps)
+            del call
+    return (
+        rates[False, 1],
+        rates[True, 1],
+        {str(g): rates[False, g] for g in CPU_ATTENTION_GROUPS},
+        {str(g): rates[True, g] for g in CPU_ATTENTION_GROUPS},
+    )
 
 
 def _h2d_rate_under_cpu_attention(
@@ -462,11 +492,11 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         gpu2 = torch.empty(size, dtype=torch.uint8, device=dev)
         h2d, d2h = copy_rate(host, gpu), copy_rate(gpu, host)
         dense_attention = _cpu_attention_call(torch.float16, compressed=False)
-        cpu_attn = _cpu_attention_rate(dense_attention, host, gpu, h2d)
-        quant_attention = _cpu_attention_call(torch.float16, compressed=True)
-        cpu_quant_attn = _cpu_attention_rate(quant_attention, host, gpu, h2d)
+        cpu_attn, cpu_quant_attn, grouped, quant_grouped = _cpu_attention_rates(
+            torch.float16, host, gpu, h2d
+        )
         h2d_under_attention = _h2d_rate_under_cpu_attention(dense_attention[0], host, gpu, h2d)
-        del dense_attention, quant_attention
+        del dense_attention
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
         def both() -> None:
@@ -493,8 +523,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         context = total - free - torch.cuda.memory_reserved(dev)
     else:
         h2d = d2h = bidir = pageable = hbm = dram / 2
-        cpu_attn = _cpu_attention_rate(_cpu_attention_call(torch.float32, compressed=False))
-        cpu_quant_attn = _cpu_attention_rate(_cpu_attention_call(torch.float32, compressed=True))
+        cpu_attn, cpu_quant_attn, grouped, quant_grouped = _cpu_attention_rates(torch.float32)
         h2d_under_attention = 0.0  # no copy lane beside the CPU's own attention
         prefill = decode = _matmul_tflops(1024, 2048, 2048, torch.device("cpu"), torch.float32)
         cpu = torch.device("cpu")
@@ -521,6 +550,8 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         hbm_gbps=hbm,
         cpu_attention_gbps=cpu_attn,
         cpu_quant_attention_gbps=cpu_quant_attn,
+        cpu_attention_grouped_gbps=grouped,
+        cpu_quant_attention_grouped_gbps=quant_grouped,
         dram_gbps=dram,
         h2d_under_cpu_attention_gbps=h2d_under_attention,
         gpu_context_bytes=int(context),
