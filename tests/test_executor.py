@@ -103,6 +103,38 @@ def test_policy_gives_the_plain_tokens(case, policy_name, tiny_checkpoints, refe
     assert not list(tmp_path.glob("spill-*")), "spill file left behind"
 
 
+def test_the_cpu_attends_a_micro_batch_while_the_next_one_begins(
+    tiny_checkpoints, tmp_path, monkeypatch
+):
+    """Attention on the CPU at decode: micro-batch k + 1's projections (and its query's
+    copy out) are issued before the CPU attends k, so the GPU computes them meanwhile
+    (`Executor._one_behind`); prefill, and GPU attention, keep one micro-batch at a time.
+    The tokens stay the plain run's (`test_policy_gives_the_plain_tokens`)."""
+    from offload.executor.kv import KVManager
+    from offload.models import decoder
+
+    order: list[tuple[str, int]] = []
+    attn_in, attend_on_cpu = decoder.attn_in, KVManager._attend_on_cpu
+    monkeypatch.setattr(
+        decoder, "attn_in", lambda cfg, w, x, step: order.append(("qkv", x.shape[1])) or attn_in(cfg, w, x, step)
+    )  # fmt: skip
+
+    def attending(self, blk, mb, *args):
+        order.append(("cpu", mb))
+        return attend_on_cpu(self, blk, mb, *args)
+
+    monkeypatch.setattr(KVManager, "_attend_on_cpu", attending)
+    directory, _ = tiny_checkpoints["llama-gqa"]
+    policy = POLICIES["kv-cpu-cpu-attention"]  # 4 micro-batches, every row on the CPU
+    with LLM(str(directory), device="cpu", dtype="float32", policy=policy, nvme=tmp_path) as llm:
+        llm.generate(PROMPTS[:8], SamplingParams(max_new_tokens=2))
+        layers = llm.runner.cfg.num_layers
+    decode = order[order.index(("qkv", 1)) :]  # the one decode step's layers
+    assert [kind for kind, _ in decode[:6]] == ["qkv", "qkv", "cpu", "qkv", "cpu", "qkv"]
+    assert [mb for kind, mb in decode if kind == "cpu"] == [0, 1, 2, 3] * layers
+    assert all(width > 1 for kind, width in order[: order.index(("qkv", 1))] if kind == "qkv")
+
+
 def test_five_reruns_are_identical(tiny_checkpoints, tmp_path):
     directory, _ = tiny_checkpoints["llama-gqa"]
     policy = POLICIES["overlap-everything-split"]

@@ -262,6 +262,28 @@ def test_the_profile_times_the_cpu_attention_at_each_group():
     assert all(rate > 0 for rate in (*grouped.values(), *quant_grouped.values()))
 
 
+def test_the_next_micro_batchs_compute_hides_behind_the_cpu_attention():
+    """Attended on the CPU, micro-batch k + 1's GPU work runs while the CPU attends k
+    (`Executor._one_behind`): where each micro-batch's attention outlasts its compute,
+    more compute lengthens the layer by the last micro-batch's share only; where the
+    compute is the longer, by all of it."""
+    cfg = cfg_of("llama-3.1-8b")
+    policy = Policy(
+        64, 8, weights=Placement(0, 1, 0), kv_cache=Placement(0, 1, 0), attention_on_cpu=True
+    )
+    for extra, hidden in ((1e-4, True), (0.05, False)):
+        more = dataclasses.replace(PROFILE, decode_elementwise_s={"llama": extra})
+        base, paid = (estimate(cfg, policy, torch.float16, 512, 32, hw) for hw in (PROFILE, more))
+        grown = (paid.decode_step_s - base.decode_step_s) / cfg.num_layers
+        per_micro = base.lanes_decode_s["cpu_attn"] / cfg.num_layers / 8
+        s0, s1 = (e.lanes_decode_s["compute"] / cfg.num_layers / 8 for e in (base, paid))
+        assert (s1 < per_micro) == hidden and s0 < per_micro
+        if hidden:  # the last micro-batch's share only
+            assert grown == pytest.approx(s1 - s0)
+        else:  # every micro-batch after the first waits for its compute
+            assert grown == pytest.approx(8 * s1 - 7 * per_micro - s0)
+
+
 def test_a_measured_profile_keeps_w1c_attention_on_the_gpu():
     """H100 run 233323's own profile (its C kernel attends an int4 cache on the CPU at
     172 GB/s of fp16-sized K/V): the search put 2 of 16 sequences' KV in CPU memory and

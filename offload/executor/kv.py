@@ -29,7 +29,9 @@ the prefetches in flight and when each GPU scratch is free again.
 from __future__ import annotations
 
 import bisect
+import functools
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -203,15 +205,21 @@ class KVManager:
         start: int,
         causal: bool = False,
         out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> Callable[[], torch.Tensor]:
         """Attention of micro-batch `mb` at `layer`; stores the new K/V in their homes
         (causal: `decoder.attend`'s). out: where the caller will want the context (the
         decode graphs' buffer); the attention writes it there when all of the rows'
-        KV is on the GPU and compressed, else the caller copies what is returned."""
+        KV is on the GPU and compressed, else the caller copies what is returned.
+
+        Returns the call that gives the context. Everything on the GPU is issued here;
+        rows attended on the CPU (`attention_on_cpu`, decode) have their query and new
+        K/V copied out here and are attended in the call, on the host thread: a caller
+        issues the next micro-batch's work in between (`Executor._layers`), so the GPU
+        computes it while the CPU attends this one."""
         blk = self.blocks[layer][mb]
         g, c, d = blk.rows
         end = start + q.shape[2]
-        outs = []
+        outs: list[torch.Tensor | Callable[[], torch.Tensor]] = []
         if g:
             assert blk.gpu is not None
             whole = None if c + d else out
@@ -247,7 +255,12 @@ class KVManager:
                 )
                 self._scratch_free[blk.slot] = self.lanes.record("compute")
                 self.transfer.store(blk, mb, k_new[off], v_new[off], start, end)
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+        def context() -> torch.Tensor:
+            done = [part() if callable(part) else part for part in outs]
+            return done[0] if len(done) == 1 else torch.cat(done, dim=0)
+
+        return context
 
     def _quant_attention(
         self,
@@ -260,8 +273,9 @@ class KVManager:
         bias,
         start: int,
         causal: bool = False,
-    ) -> torch.Tensor:
-        """Attention of the off-GPU rows of a compressed cache; stores their new entries."""
+    ) -> torch.Tensor | Callable[[], torch.Tensor]:
+        """Attention of the off-GPU rows of a compressed cache; stores their new entries.
+        Attended on the CPU: the call that attends them (`_cpu_attention`)."""
         end = start + k_new.shape[2]
         if start and self.attention_on_cpu:
             return self._cpu_attention(blk, mb, q, k_new, v_new, bias, start, end)
@@ -353,16 +367,25 @@ class KVManager:
 
     def _cpu_attention(
         self, blk: KVBlock, mb: int, q, k_new, v_new, bias, start: int, end: int
-    ) -> torch.Tensor:
-        _, c, d = blk.rows
-        with self.lanes.blocked(f"kv mb{mb} stored"):
-            _wait_future(blk.stored)
+    ) -> Callable[[], torch.Tensor]:
+        """Issues the copy of the query and new K/V to the host; returns the call that
+        attends them there (after the copy and the block's last store) and sends the
+        context back to the GPU."""
         cpu = torch.device("cpu")
         ready = self.lanes.record("compute")
         self.lanes.wait("d2h", ready)
         with self.lanes.on("d2h", f"q/kv to cpu mb{mb}", 3 * q.numel() * self.elt):
-            q_h, k_h, v_h, bias_h = (t.to(cpu, non_blocking=True) for t in (q, k_new, v_new, bias))
-        self.lanes.host_wait(self.lanes.record("d2h"))
+            on_host = [t.to(cpu, non_blocking=True) for t in (q, k_new, v_new, bias)]
+        copied = self.lanes.record("d2h")
+        return functools.partial(self._attend_on_cpu, blk, mb, *on_host, copied, start, end)
+
+    def _attend_on_cpu(
+        self, blk: KVBlock, mb: int, q_h, k_h, v_h, bias_h, copied, start: int, end: int
+    ) -> torch.Tensor:
+        _, c, d = blk.rows
+        with self.lanes.blocked(f"kv mb{mb} stored"):
+            _wait_future(blk.stored)
+        self.lanes.host_wait(copied)
         started = time.perf_counter()
         outs = []
         if blk.cpu_quant is not None:

@@ -27,8 +27,10 @@ Lanes per layer (bytes over the profile's measured rates, `policies.hardware`):
 How the executor overlaps them (measured on OPT-30B, docs/executor.md): with attention
 on the GPU a layer takes its busiest lane; with attention on the CPU the first micro-
 batch's output waits for the layer's weight copy, so a layer takes
-max(weights, one micro-batch's attention) + the other micro-batches' attention, its
-compute, and the host's issue of each micro-batch's work after its attention.
+max(weights, one micro-batch's attention) + the other micro-batches' attention (each at
+least its share of the compute, which runs beside the next one's attention), the last
+micro-batch's compute, and the host's issue of each micro-batch's work after its
+attention.
 """
 
 from __future__ import annotations
@@ -158,8 +160,12 @@ def estimate(
         # the host cannot run ahead across a CPU attention (it computes it, then issues
         # the rest of the micro-batch's layer): the GPU idles for that issue each micro-
         # batch. OPT-30B int4, 16 x 1, 2 rows' KV attended on the CPU (H100 run 233323):
-        # 68 ms a step against 38 predicted without this term, 62 with it
-        layer = max(h2d, per_micro, disk) + per_micro * (micro - 1) + compute
+        # 68 ms a step against 38 predicted without this term, 62 with it. The next
+        # micro-batch's GPU work runs while the CPU attends one (`Executor._one_behind`):
+        # a micro-batch after the first takes the longer of its attention and its share
+        # of the compute, and the last one's compute follows its attention
+        share = compute / micro
+        layer = max(h2d, per_micro, disk) + (micro - 1) * max(per_micro, share) + share
         layer = max(layer + micro * hw.micro_fixed_s, host)
     else:
         layer = max(h2d, disk, compute, host)
