@@ -376,6 +376,10 @@ class KVManager:
         self.lanes.wait("d2h", ready)
         with self.lanes.on("d2h", f"q/kv to cpu mb{mb}", 3 * q.numel() * self.elt):
             on_host = [t.to(cpu, non_blocking=True) for t in (q, k_new, v_new, bias)]
+        for source in (q, k_new, v_new, bias):
+            # the host goes on without waiting for the copy: the allocator must not
+            # give the sources' memory to the next micro-batch's work meanwhile
+            self.lanes.keep(source, "d2h")
         copied = self.lanes.record("d2h")
         return functools.partial(self._attend_on_cpu, blk, mb, *on_host, copied, start, end)
 
