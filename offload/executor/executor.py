@@ -43,7 +43,7 @@ from offload.io.reader import ExtentReader
 from offload.io.spill import SWITCH_INTERVAL_S
 from offload.io.store import ensure_store
 from offload.io.tiers import MemoryLedger, Tier
-from offload.kernels import qmatmul
+from offload.kernels import cpu_attention, qmatmul
 from offload.models import decoder, ops
 from offload.models.decoder import Parallel, StepInputs, Weights
 from offload.models.weights import WeightSource
@@ -168,10 +168,18 @@ class Executor(LaneReports):  # implements runner.Runner
         cold Triton cache's compiles and the first capture would otherwise take most of a
         short job (W1c, one block: prefill 4.9 s against 1.0 warm, decode 65 against 17.6
         ms a step; docs/throughput.md). Where weights stream, a step takes a weight pass
-        and a warm-up would cost more than it saves. Returns its seconds (0 when skipped)."""
-        if not (self.cuda_graphs and self.policy.decode_graphs) or self.tracer.enabled:
-            return 0.0  # (a traced run replays no graphs)
+        and a warm-up would cost more than it saves. Returns its seconds (0 when skipped).
+
+        A policy that attends on the CPU has the CPU attention's C kernel built here
+        first (once a machine, cached): on a fresh H100 machine the build took most of
+        the 11.6 s first decode step of a traced run (c99)."""
         started = time.perf_counter()
+        if self.policy.attention_on_cpu:
+            cpu_attention.available(compressed=self.policy.kv_compression is not None)
+        if not (self.cuda_graphs and self.policy.decode_graphs) or self.tracer.enabled:
+            seconds = time.perf_counter() - started  # (a traced run replays no graphs)
+            self.load_seconds += seconds
+            return seconds
         rows = self.policy.block_size
         # prefill's matmuls take the dense path (qmatmul.DENSE_ROWS) as the job's will:
         # a micro-batch of the warm-up's prompts has that many rows (W1c: 12 x 96)

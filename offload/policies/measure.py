@@ -168,17 +168,24 @@ CPU_ATTENTION_GROUPS = (4, 8)
 
 
 def _cpu_attention_call(
-    dtype: torch.dtype, compressed: bool, group: int = 1
+    dtype: torch.dtype, compressed: bool, group: int = 1, home: PinnedPool | None = None
 ) -> tuple[Callable[[], object], int]:
     """The executor's CPU attention (`decoder.attend`: the C kernel, else torch SDPA) at a
     decode shape, warmed up, and the K/V bytes a call reads at the dtype's size;
     `compressed`: its attention over an int4-g64 cache (`kv_attention_cpu.decode_attention_cpu`).
     group: query heads a KV head. Every group reads the same bytes over the same number
-    of (sequence, KV head) work items: 16 sequences x 32 KV heads, or 64 x 8 grouped."""
+    of (sequence, KV head) work items: 16 sequences x 32 KV heads, or 64 x 8 grouped.
+    home: a pool whose memory holds a full-precision cache, as the executor's CPU homes
+    are held (pinned where CUDA exists); the caller frees the pool's blocks."""
     kv_heads = 32 if group == 1 else 8
     rows, slots, dim = 16 * 32 // kv_heads, 1024, 128
     k = torch.randn(rows, kv_heads, slots, dim).to(dtype)
     v = torch.randn_like(k)
+    if home is not None and not compressed:
+        kv = home.alloc(2 * k.numel() * k.element_size()).view(dtype, (2, *k.shape))
+        kv[0].copy_(k)
+        kv[1].copy_(v)
+        k, v = kv[0], kv[1]
     q = torch.randn(rows, kv_heads * group, 1, dim).to(dtype)
     bias = torch.zeros(rows, 1, 1, slots, dtype=dtype)
     attention = functools.partial(attend, q, k, v, bias)
@@ -251,11 +258,13 @@ def _cpu_attention_rates(
     head a KV head and at each of CPU_ATTENTION_GROUPS (keyed by the group), with
     copies beside where `host` is given (`_cpu_attention_rate`)."""
     rates = {}
+    cache_bytes = 2 * 16 * 32 * 1024 * 128 * torch.empty((), dtype=dtype).element_size()
     for compressed in (False, True):
         for group in (1, *CPU_ATTENTION_GROUPS):
-            call = _cpu_attention_call(dtype, compressed, group)
-            rates[compressed, group] = _cpu_attention_rate(call, host, gpu, h2d_gbps)
-            del call
+            with PinnedPool(cache_bytes) as home:
+                call = _cpu_attention_call(dtype, compressed, group, home)
+                rates[compressed, group] = _cpu_attention_rate(call, host, gpu, h2d_gbps)
+                del call
     return (
         rates[False, 1],
         rates[True, 1],
