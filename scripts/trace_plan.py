@@ -46,6 +46,13 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--nvme", type=Path, help="fast-disk directory (policies with disk tiers)")
     p.add_argument(
+        "--untraced-steps",
+        type=int,
+        default=0,
+        help="then time this many decode steps with the tracer off (what the trace's own "
+        "events and spans cost the step)",
+    )
+    p.add_argument(
         "--kernels",
         action="store_true",
         help="then run the block again under torch.profiler and print the GPU time a "
@@ -66,7 +73,7 @@ def main() -> None:
     ex = Executor(DummySource(cfg), policy, dtype, device, nvme_dir=args.nvme, trace=True)
     load_s = time.perf_counter() - began
     prompts = [[5 + row % 100] * args.prompt_len for row in range(policy.block_size)]
-    batch = PaddedBatch(cfg, prompts, args.steps + 1, pad_id=1)
+    batch = PaddedBatch(cfg, prompts, args.steps + args.untraced_steps + 1, pad_id=1)
     ex.start(batch)
     began = time.perf_counter()
     ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, args.prompt_len))
@@ -119,6 +126,15 @@ def main() -> None:
             print(f"{label} under the profiler: {time.perf_counter() - began:.3f} s")
     steps_ms = [round(step.seconds * 1e3, 1) for step in ex.traces[2:]]
     summary["decode_steps_ms"] = steps_ms
+    if args.untraced_steps:
+        ex.tracer.enabled = False
+        untraced = []
+        for t in range(args.untraced_steps):
+            began = time.perf_counter()
+            ex.forward(ids, ex.step_inputs(batch, args.prompt_len + args.steps + t, 1))
+            untraced.append(round((time.perf_counter() - began) * 1e3, 1))
+        summary["untraced_decode_steps_ms"] = untraced
+        print(f"untraced decode steps {untraced} ms")
     print(f"decode steps {steps_ms} ms (the first compiles)")
     print(f"first prefill {first_prefill_s:.3f} s (kernels compiled in it)")
     print(f"warm prefill {warm_prefill_s:.3f} s")
