@@ -17,6 +17,7 @@ from offload.cli.plan import main as plan_main
 from offload.executor.probe import _turns, elementwise, overheads, probe_plan
 from offload.kernels.formats import Compression
 from offload.kernels.kv_cache import kv_row_bytes
+from offload.policies import measure
 from offload.policies.caps import Caps
 from offload.policies.cost import _layer_bytes, estimate
 from offload.policies.hardware import HardwareProfile, code_version, load_profile, save_profile
@@ -248,18 +249,47 @@ def test_a_slow_grouped_cpu_attention_moves_a_gqa_model_to_gpu_attention():
     )
 
 
-def test_the_profile_times_the_cpu_attention_at_each_group():
+def test_the_profile_times_the_cpu_attention_at_each_group(monkeypatch):
     """`measure` times the executor's CPU attention (full-precision and compressed
     caches) at one query head a KV head and at each of CPU_ATTENTION_GROUPS, over the
-    same K/V bytes and work items, and the calls compute grouped attention."""
+    same (sequence, KV head) pairs at two context lengths, and fits a rate and a time a
+    pair for each; the calls compute grouped attention."""
     calls = {g: _cpu_attention_call(torch.float32, False, g) for g in (1, *CPU_ATTENTION_GROUPS)}
     assert len({nbytes for _, nbytes in calls.values()}) == 1
     out = calls[4][0]()  # [rows, 1, heads x dim]
     assert out.shape == (64, 1, 32 * 128)
-    one, quant, grouped, quant_grouped = _cpu_attention_rates(torch.float32)
-    assert one > 0 and quant > 0
-    assert set(grouped) == set(quant_grouped) == {str(g) for g in CPU_ATTENTION_GROUPS}
-    assert all(rate > 0 for rate in (*grouped.values(), *quant_grouped.values()))
+    short = _cpu_attention_call(torch.float32, False, 4, slots=256)
+    assert short[1] * 4 == calls[4][1]
+    monkeypatch.setattr(measure, "CPU_ATTENTION_PAIRS", 64)  # (a quicker profile)
+    rates = _cpu_attention_rates(torch.float32)
+    groups = {str(g) for g in (1, *CPU_ATTENTION_GROUPS)}
+    for figures in (rates.gbps, rates.quant_gbps):
+        assert set(figures) == groups and all(rate > 0 for rate in figures.values())
+    for figures in (rates.pair_s, rates.quant_pair_s):
+        assert set(figures) == groups and all(0 <= s < 1e-3 for s in figures.values())
+
+
+def test_the_cpu_attention_pays_its_time_a_sequence_and_kv_head():
+    """Each (sequence, KV head) attended on the CPU costs the profile's time a pair at
+    the model's group beyond its bytes (Llama-3.1-8B's 88 x 8 x 528 slots read 57.6 GB/s
+    where the profile's 64 x 8 x 1024 read 80.5, H100 c103); GPU attention never pays it."""
+    cfg = cfg_of("llama-3.1-8b")
+    paid_hw = dataclasses.replace(PROFILE, cpu_attention_pair_s={"1": 1e-6, "8": 5e-6})
+    assert paid_hw.cpu_attention_pair(4, compressed=False) == pytest.approx(1e-6 + 4e-6 * 3 / 7)
+    assert paid_hw.cpu_attention_pair(16, compressed=False) == pytest.approx(5e-6 + 4e-6 * 8 / 7)
+    assert paid_hw.cpu_attention_pair(4, compressed=True) == 0.0  # not measured
+    on_cpu = Policy(
+        64, 2, weights=Placement(0, 1, 0), kv_cache=Placement(0, 1, 0), attention_on_cpu=True
+    )
+    base, paid = (estimate(cfg, on_cpu, torch.float16, 512, 32, hw) for hw in (PROFILE, paid_hw))
+    pairs = 128 * cfg.num_kv_heads
+    assert paid.lanes_decode_s["cpu_attn"] - base.lanes_decode_s["cpu_attn"] == pytest.approx(
+        cfg.num_layers * pairs * paid_hw.cpu_attention_pair(4, compressed=False)
+    )
+    on_gpu = dataclasses.replace(on_cpu, attention_on_cpu=False)
+    assert estimate(cfg, on_gpu, torch.float16, 512, 32, paid_hw).decode_step_s == (
+        estimate(cfg, on_gpu, torch.float16, 512, 32, PROFILE).decode_step_s
+    )
 
 
 def test_the_next_micro_batchs_compute_hides_behind_the_cpu_attention():

@@ -18,8 +18,9 @@ Lanes per layer (bytes over the profile's measured rates, `policies.hardware`):
              off-GPU KV attended on the GPU, its measured chain a micro-batch
     cpu_attn off-GPU KV / CPU attention rate (attention_on_cpu; over a compressed cache
              its K/V at the dtype's size / the rate measured over a compressed cache;
-             each at the model's query heads a KV head, `cpu_attention_rate`),
-             plus a measured fixed cost a micro-batch (its copies, waits and the call)
+             each at the model's query heads a KV head, `cpu_attention_rate`), plus a
+             measured time a (sequence, KV head) (`cpu_attention_pair`) and a
+             measured fixed cost a micro-batch (its copies, waits and the call)
     d2h      new KV entries stored off the GPU (prefill)
     host     the executor's own time: a fixed cost per layer and per micro-batch of a
              layer (launches, Python, stream waits), measured by `executor.probe`; a
@@ -152,7 +153,10 @@ def estimate(
     host = _host_s(policy, hw, micro, tp)
     cpu_attn = 0.0
     if policy.attention_on_cpu:
-        cpu_attn = (kv_c + kv_d) / (cpu_attention_gbps * GB) + micro * hw.cpu_attention_fixed_s
+        off_pairs = (rows_cpu + rows_disk) * cfg.num_kv_heads
+        pair_s = hw.cpu_attention_pair(group, compressed=policy.kv_compression is not None)
+        cpu_attn = (kv_c + kv_d) / (cpu_attention_gbps * GB) + off_pairs * pair_s
+        cpu_attn += micro * hw.cpu_attention_fixed_s
     if cpu_attn:
         per_micro = cpu_attn / micro
         # the weight copy reads DRAM beside the first micro-batch's attention

@@ -65,6 +65,8 @@ OPTIONAL_FIGURES = (
     "attention_call_s",
     "attention_pair_s",
     "decode_elementwise_s",
+    "cpu_attention_pair_s",
+    "cpu_quant_attention_pair_s",
 )
 
 
@@ -105,6 +107,14 @@ class HardwareProfile:
     # validate_cost_model 162630); missing: the MHA figure stands for every group
     cpu_attention_grouped_gbps: dict[str, float] = field(default_factory=dict)
     cpu_quant_attention_grouped_gbps: dict[str, float] = field(default_factory=dict)
+    # per group ("1", "4", "8"): the CPU attention's time a (sequence, KV head) beyond
+    # its bytes at the rates above (each work item's query load, softmax, output and
+    # last partial block), fitted with the rate from 1024 and 256 slots
+    # (`measure._cpu_attention_rates`). Llama-3.1-8B's executor attended 88 x 8 KV heads
+    # x 528 slots at 57.6 GB/s where 64 x 8 x 1024 read 80.5 (H100, c103): about 2.8 us
+    # a pair beyond 140 GB/s. Missing or 0: not measured
+    cpu_attention_pair_s: dict[str, float] = field(default_factory=dict)
+    cpu_quant_attention_pair_s: dict[str, float] = field(default_factory=dict)
     gpu_context_bytes: int = 0  # CUDA context and library workspaces, measured
     process_base_bytes: int = 0  # host RSS of a loaded engine before any weights
     measured_at: str = ""
@@ -268,14 +278,17 @@ class HardwareProfile:
         grouped = (
             self.cpu_quant_attention_grouped_gbps if compressed else self.cpu_attention_grouped_gbps
         )
-        points = sorted([(1, 1 / one)] + [(int(g), 1 / rate) for g, rate in grouped.items()])
-        if len(points) == 1 or group <= 1:
-            return one
-        for (g0, t0), (g1, t1) in itertools.pairwise(points):
-            if group <= g1:
-                return 1 / (t0 + (t1 - t0) * (group - g0) / (g1 - g0))
-        (g0, t0), (g1, t1) = points[-2], points[-1]
-        return 1 / max(t1, t1 + (t1 - t0) * (group - g1) / (g1 - g0))
+        points = {1: 1 / one} | {int(g): 1 / rate for g, rate in grouped.items()}
+        return 1 / _linear_in_group(points, group)
+
+    def cpu_attention_pair(self, group: int, compressed: bool) -> float:
+        """Seconds of the CPU attention a (sequence, KV head) beyond its bytes, with
+        `group` query heads a KV head (`cpu_attention_pair_s`), linear in the group as
+        `cpu_attention_rate`'s time a byte; 0 where not measured."""
+        pairs = self.cpu_quant_attention_pair_s if compressed else self.cpu_attention_pair_s
+        if not pairs:
+            return 0.0
+        return _linear_in_group({int(g): s for g, s in pairs.items()}, group)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -292,6 +305,20 @@ class HardwareProfile:
             raise UserError(
                 f"hardware profile {path} is not valid ({exc}); run offload-profile again"
             ) from None
+
+
+def _linear_in_group(points: dict[int, float], group: int) -> float:
+    """A figure measured at a few groups (query heads a KV head), at `group`: linear
+    between the measured groups, the smallest's below them, and past the largest the
+    last two points' slope, never below the largest's figure."""
+    known = sorted(points.items())
+    if group <= known[0][0] or len(known) == 1:
+        return known[0][1] if group <= known[0][0] else known[-1][1]
+    for (g0, y0), (g1, y1) in itertools.pairwise(known):
+        if group <= g1:
+            return y0 + (y1 - y0) * (group - g0) / (g1 - g0)
+    (g0, y0), (g1, y1) = known[-2], known[-1]
+    return max(y1, y1 + (y1 - y0) * (group - g1) / (g1 - g0))
 
 
 @functools.cache

@@ -165,10 +165,18 @@ def kv_disk_read_rate(directory: Path, homes: int = 8) -> float:
 # query heads a KV head at which the CPU attention is timed beside the MHA shape
 # (`HardwareProfile.cpu_attention_grouped_gbps`): Mistral's and Llama-3's 4, Llama-2-70B's 8
 CPU_ATTENTION_GROUPS = (4, 8)
+# (sequence, KV head) pairs of each timed call, and the two context lengths from which
+# a rate and a time a pair are fitted (`HardwareProfile.cpu_attention_pair_s`)
+CPU_ATTENTION_PAIRS = 512
+CPU_ATTENTION_SLOTS = (256, 1024)
 
 
 def _cpu_attention_call(
-    dtype: torch.dtype, compressed: bool, group: int = 1, home: PinnedPool | None = None
+    dtype: torch.dtype,
+    compressed: bool,
+    group: int = 1,
+    home: PinnedPool | None = None,
+    slots: int = 1024,
 ) -> tuple[Callable[[], object], int]:
     """The executor's CPU attention (`decoder.attend`: the C kernel, else torch SDPA) at a
     decode shape, warmed up, and the K/V bytes a call reads at the dtype's size;
@@ -178,7 +186,7 @@ def _cpu_attention_call(
     home: a pool whose memory holds a full-precision cache, as the executor's CPU homes
     are held (pinned where CUDA exists); the caller frees the pool's blocks."""
     kv_heads = 32 if group == 1 else 8
-    rows, slots, dim = 16 * 32 // kv_heads, 1024, 128
+    rows, dim = CPU_ATTENTION_PAIRS // kv_heads, 128
     k = torch.randn(rows, kv_heads, slots, dim).to(dtype)
     v = torch.randn_like(k)
     if home is not None and not compressed:
@@ -251,26 +259,41 @@ def _cpu_attention_rate(
     return calls * nbytes / seconds / GB
 
 
+@dataclass(frozen=True)
+class CpuAttentionRates:
+    """The CPU attention's figures per group (query heads a KV head, "1" and each of
+    CPU_ATTENTION_GROUPS): GB/s of K/V at the dtype's size and seconds a (sequence, KV
+    head) beyond them, over a full-precision and over a compressed cache."""
+
+    gbps: dict[str, float]
+    pair_s: dict[str, float]
+    quant_gbps: dict[str, float]
+    quant_pair_s: dict[str, float]
+
+
 def _cpu_attention_rates(
     dtype: torch.dtype, host: torch.Tensor | None = None, gpu=None, h2d_gbps: float = 0.0
-) -> tuple[float, float, dict[str, float], dict[str, float]]:
-    """The CPU attention's rates over a full-precision and a compressed cache, one query
-    head a KV head and at each of CPU_ATTENTION_GROUPS (keyed by the group), with
-    copies beside where `host` is given (`_cpu_attention_rate`)."""
-    rates = {}
-    cache_bytes = 2 * 16 * 32 * 1024 * 128 * torch.empty((), dtype=dtype).element_size()
+) -> CpuAttentionRates:
+    """The CPU attention timed at each group over CPU_ATTENTION_SLOTS' two context
+    lengths (the same pairs, 4x the bytes), with copies beside where `host` is given
+    (`_cpu_attention_rate`); a rate and a time a pair fitted from the two (`fit_call`)."""
+    figures: dict[bool, tuple[dict[str, float], dict[str, float]]] = {}
+    cache_bytes = 2 * CPU_ATTENTION_PAIRS * max(CPU_ATTENTION_SLOTS) * 128
+    cache_bytes *= torch.empty((), dtype=dtype).element_size()
     for compressed in (False, True):
+        gbps, pair_s = {}, {}
         for group in (1, *CPU_ATTENTION_GROUPS):
-            with PinnedPool(cache_bytes) as home:
-                call = _cpu_attention_call(dtype, compressed, group, home)
-                rates[compressed, group] = _cpu_attention_rate(call, host, gpu, h2d_gbps)
-                del call
-    return (
-        rates[False, 1],
-        rates[True, 1],
-        {str(g): rates[False, g] for g in CPU_ATTENTION_GROUPS},
-        {str(g): rates[True, g] for g in CPU_ATTENTION_GROUPS},
-    )
+            points = []
+            for slots in CPU_ATTENTION_SLOTS:
+                with PinnedPool(cache_bytes) as home:
+                    call = _cpu_attention_call(dtype, compressed, group, home, slots)
+                    rate = _cpu_attention_rate(call, host, gpu, h2d_gbps)
+                    points.append((call[1], call[1] / (rate * GB)))
+                    del call
+            gbps[str(group)], fixed = fit_call(*points)
+            pair_s[str(group)] = fixed / CPU_ATTENTION_PAIRS
+        figures[compressed] = gbps, pair_s
+    return CpuAttentionRates(*figures[False], *figures[True])
 
 
 def _h2d_rate_under_cpu_attention(
@@ -501,9 +524,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         gpu2 = torch.empty(size, dtype=torch.uint8, device=dev)
         h2d, d2h = copy_rate(host, gpu), copy_rate(gpu, host)
         dense_attention = _cpu_attention_call(torch.float16, compressed=False)
-        cpu_attn, cpu_quant_attn, grouped, quant_grouped = _cpu_attention_rates(
-            torch.float16, host, gpu, h2d
-        )
+        cpu_attention = _cpu_attention_rates(torch.float16, host, gpu, h2d)
         h2d_under_attention = _h2d_rate_under_cpu_attention(dense_attention[0], host, gpu, h2d)
         del dense_attention
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
@@ -532,7 +553,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         context = total - free - torch.cuda.memory_reserved(dev)
     else:
         h2d = d2h = bidir = pageable = hbm = dram / 2
-        cpu_attn, cpu_quant_attn, grouped, quant_grouped = _cpu_attention_rates(torch.float32)
+        cpu_attention = _cpu_attention_rates(torch.float32)
         h2d_under_attention = 0.0  # no copy lane beside the CPU's own attention
         prefill = decode = _matmul_tflops(1024, 2048, 2048, torch.device("cpu"), torch.float32)
         cpu = torch.device("cpu")
@@ -542,6 +563,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         attention, attention_call, attention_pair = {}, {}, {}
         gpu_mem, name = psutil.virtual_memory().total, f"CPU only ({platform.processor() or 'cpu'})"
         context = 0
+    grouped = [str(g) for g in CPU_ATTENTION_GROUPS]
     return HardwareProfile(
         device_name=name,
         has_gpu=torch.cuda.is_available(),
@@ -557,10 +579,12 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         prefill_tflops=prefill,
         decode_tflops=decode,
         hbm_gbps=hbm,
-        cpu_attention_gbps=cpu_attn,
-        cpu_quant_attention_gbps=cpu_quant_attn,
-        cpu_attention_grouped_gbps=grouped,
-        cpu_quant_attention_grouped_gbps=quant_grouped,
+        cpu_attention_gbps=cpu_attention.gbps["1"],
+        cpu_quant_attention_gbps=cpu_attention.quant_gbps["1"],
+        cpu_attention_grouped_gbps={g: cpu_attention.gbps[str(g)] for g in grouped},
+        cpu_quant_attention_grouped_gbps={g: cpu_attention.quant_gbps[str(g)] for g in grouped},
+        cpu_attention_pair_s=cpu_attention.pair_s,
+        cpu_quant_attention_pair_s=cpu_attention.quant_pair_s,
         dram_gbps=dram,
         h2d_under_cpu_attention_gbps=h2d_under_attention,
         gpu_context_bytes=int(context),
