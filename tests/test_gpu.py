@@ -11,7 +11,7 @@ from offload.engine import LLM
 from offload.io.pinned import PinnedPool
 from offload.io.reader import ExtentReader
 from offload.io.store import WeightStore, write_stage_file
-from offload.policies.policy import Policy
+from offload.policies.policy import Placement, Policy
 from offload.runner import PlainRunner
 from tests.test_executor import FAMILIES
 from tests.tiny_models import assert_prefill_logits_match
@@ -195,8 +195,10 @@ def test_split_k_qlinear_replays_in_a_cuda_graph():
 @pytest.mark.parametrize("case", FAMILIES)
 def test_cuda_graph_decode_gives_the_eager_tokens(case, tiny_checkpoints, tmp_path):
     """Decode steps replayed from CUDA graphs give exactly the eager steps' tokens: all on
-    the GPU with several micro-batches, one, and int4 weights with an int4 cache; then a
-    smaller batch (the graphs are captured again for its sizes)."""
+    the GPU with several micro-batches, one, int4 weights with an int4 cache, and the KV
+    in CPU homes attended on the CPU (graphs replayed one micro-batch behind,
+    `Executor._one_behind`); then a smaller batch (the graphs are captured again for its
+    sizes)."""
     from tests.test_executor import INT4, KV4, KV_PARAMS, PROMPTS, _with
 
     directory, _ = tiny_checkpoints[case]
@@ -205,6 +207,9 @@ def test_cuda_graph_decode_gives_the_eager_tokens(case, tiny_checkpoints, tmp_pa
         "one-micro-batch": Policy(gpu_batch_size=8, num_gpu_batches=1),
         "int4-weights-and-kv": _with(
             Policy(gpu_batch_size=2, num_gpu_batches=4), weight_compression=INT4, kv_compression=KV4
+        ),
+        "kv-cpu-cpu-attention": Policy(
+            gpu_batch_size=2, num_gpu_batches=4, kv_cache=Placement(0, 1, 0), attention_on_cpu=True
         ),
     }
     for name, policy in policies.items():
