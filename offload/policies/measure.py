@@ -175,7 +175,7 @@ def _cpu_attention_call(
     dtype: torch.dtype,
     compressed: bool,
     group: int = 1,
-    home: PinnedPool | None = None,
+    home: torch.Tensor | None = None,
     slots: int = 1024,
 ) -> tuple[Callable[[], object], int]:
     """The executor's CPU attention (`decoder.attend`: the C kernel, else torch SDPA) at a
@@ -183,14 +183,14 @@ def _cpu_attention_call(
     `compressed`: its attention over an int4-g64 cache (`kv_attention_cpu.decode_attention_cpu`).
     group: query heads a KV head. Every group reads the same bytes over the same number
     of (sequence, KV head) work items: 16 sequences x 32 KV heads, or 64 x 8 grouped.
-    home: a pool whose memory holds a full-precision cache, as the executor's CPU homes
-    are held (pinned where CUDA exists); the caller frees the pool's blocks."""
+    home: pool memory (uint8) that holds a full-precision cache, as the executor's CPU
+    homes are held (pinned where CUDA exists)."""
     kv_heads = 32 if group == 1 else 8
     rows, dim = CPU_ATTENTION_PAIRS // kv_heads, 128
     k = torch.randn(rows, kv_heads, slots, dim).to(dtype)
     v = torch.randn_like(k)
     if home is not None and not compressed:
-        kv = home.alloc(2 * k.numel() * k.element_size()).view(dtype, (2, *k.shape))
+        kv = home[: 2 * k.numel() * k.element_size()].view(dtype).view(2, *k.shape)
         kv[0].copy_(k)
         kv[1].copy_(v)
         k, v = kv[0], kv[1]
@@ -280,19 +280,19 @@ def _cpu_attention_rates(
     figures: dict[bool, tuple[dict[str, float], dict[str, float]]] = {}
     cache_bytes = 2 * CPU_ATTENTION_PAIRS * max(CPU_ATTENTION_SLOTS) * 128
     cache_bytes *= torch.empty((), dtype=dtype).element_size()
-    for compressed in (False, True):
-        gbps, pair_s = {}, {}
-        for group in (1, *CPU_ATTENTION_GROUPS):
-            points = []
-            for slots in CPU_ATTENTION_SLOTS:
-                with PinnedPool(cache_bytes) as home:
-                    call = _cpu_attention_call(dtype, compressed, group, home, slots)
+    with PinnedPool(cache_bytes) as pool:  # registered once, each call's cache in it
+        for compressed in (False, True):
+            gbps, pair_s = {}, {}
+            for group in (1, *CPU_ATTENTION_GROUPS):
+                points = []
+                for slots in CPU_ATTENTION_SLOTS:
+                    call = _cpu_attention_call(dtype, compressed, group, pool.buffer, slots)
                     rate = _cpu_attention_rate(call, host, gpu, h2d_gbps)
                     points.append((call[1], call[1] / (rate * GB)))
                     del call
-            gbps[str(group)], fixed = fit_call(*points)
-            pair_s[str(group)] = fixed / CPU_ATTENTION_PAIRS
-        figures[compressed] = gbps, pair_s
+                gbps[str(group)], fixed = fit_call(*points)
+                pair_s[str(group)] = fixed / CPU_ATTENTION_PAIRS
+            figures[compressed] = gbps, pair_s
     return CpuAttentionRates(*figures[False], *figures[True])
 
 
