@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import platform
 import shutil
@@ -31,6 +32,8 @@ from pathlib import Path
 import xxhash
 
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+
+log = logging.getLogger(__name__)
 
 
 def enabled() -> bool:
@@ -84,6 +87,7 @@ def load_library(name: str, source: str) -> ctypes.CDLL | None:
 
 def _build(compiler: str, flags: tuple[str, ...], source: str, path: Path) -> bool:
     path.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building %s for this CPU (once; cached in %s)", path.stem, path.parent)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         c_file, built = Path(scratch) / "kernel.c", Path(scratch) / path.name
         c_file.write_text(source)
