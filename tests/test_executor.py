@@ -6,6 +6,7 @@ pinned pool is plain host memory and a temporary directory is the disk.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -103,13 +104,15 @@ def test_policy_gives_the_plain_tokens(case, policy_name, tiny_checkpoints, refe
     assert not list(tmp_path.glob("spill-*")), "spill file left behind"
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 def test_the_cpu_attends_a_micro_batch_while_the_next_one_begins(
-    tiny_checkpoints, tmp_path, monkeypatch
+    tiny_checkpoints, tmp_path, monkeypatch, overlap
 ):
     """Attention on the CPU at decode: micro-batch k + 1's projections (and its query's
     copy out) are issued before the CPU attends k, so the GPU computes them meanwhile
-    (`Executor._one_behind`); prefill, and GPU attention, keep one micro-batch at a time.
-    The tokens stay the plain run's (`test_policy_gives_the_plain_tokens`)."""
+    (`Executor._one_behind`); prefill, and GPU attention, keep one micro-batch at a time,
+    and so does the serial reference schedule (overlap off). The tokens stay the plain
+    run's (`test_policy_gives_the_plain_tokens`)."""
     from offload.executor.kv import KVManager
     from offload.models import decoder
 
@@ -125,12 +128,14 @@ def test_the_cpu_attends_a_micro_batch_while_the_next_one_begins(
 
     monkeypatch.setattr(KVManager, "_attend_on_cpu", attending)
     directory, _ = tiny_checkpoints["llama-gqa"]
-    policy = POLICIES["kv-cpu-cpu-attention"]  # 4 micro-batches, every row on the CPU
+    # 4 micro-batches, every row on the CPU
+    policy = dataclasses.replace(POLICIES["kv-cpu-cpu-attention"], overlap=overlap)
     with LLM(str(directory), device="cpu", dtype="float32", policy=policy, nvme=tmp_path) as llm:
         llm.generate(PROMPTS[:8], SamplingParams(max_new_tokens=2))
         layers = llm.runner.cfg.num_layers
     decode = order[order.index(("qkv", 1)) :]  # the one decode step's layers
-    assert [kind for kind, _ in decode[:6]] == ["qkv", "qkv", "cpu", "qkv", "cpu", "qkv"]
+    expected = ["qkv", "qkv", "cpu", "qkv", "cpu", "qkv"] if overlap else ["qkv", "cpu"] * 3
+    assert [kind for kind, _ in decode[:6]] == expected
     assert [mb for kind, mb in decode if kind == "cpu"] == [0, 1, 2, 3] * layers
     assert all(width > 1 for kind, width in order[: order.index(("qkv", 1))] if kind == "qkv")
 

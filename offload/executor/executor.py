@@ -382,8 +382,10 @@ class Executor(LaneReports):  # implements runner.Runner
         fp16, 88 x 8 (H100 trace c98): a layer took 40-43 ms, each micro-batch's 3.3 ms
         of CPU attention waiting for its 1.5 ms of projections, copies and MLP. Elsewhere
         each micro-batch ends before the next begins: a prefill's q, K and V ([B, T, 3 x
-        hidden]) are not held beside the next micro-batch's."""
-        lag = 1 if self.policy.attention_on_cpu and step.positions.shape[1] == 1 else 0
+        hidden]) are not held beside the next micro-batch's; and so does the serial
+        reference schedule (`overlap=False`)."""
+        decode = step.positions.shape[1] == 1 and step.cache_start > 0
+        lag = 1 if self.policy.overlap and self.policy.attention_on_cpu and decode else 0
         pending: list = []
         for k in range(len(self._micro)):
             pending.append((k, begin(k)))
