@@ -27,6 +27,7 @@ from offload.policies.measure import (
     _cpu_attention_rates,
     fit_attention,
     fit_call,
+    fit_cpu_attention,
     kv_disk_read_rate,
 )
 from offload.policies.policy import Placement, Policy
@@ -366,6 +367,50 @@ def test_a_call_fixed_time_and_rate_are_fitted_from_two_calls():
     assert rate == pytest.approx(2000.0) and fixed == pytest.approx(5e-6)
     # the small call no slower a byte than the large: no fixed time, the large call's rate
     assert fit_call((8e6, 4e-6), (120e6, 80e-6)) == (pytest.approx(1500.0), 0.0)
+
+
+def test_an_implausible_cpu_attention_fit_falls_back_to_the_long_calls_rate():
+    """A fit whose time a call explains most of the long call's time is the two timings'
+    noise: 3.0 and 3.3 ms for 67 and 268 MB would fit 670 GB/s. The long call's rate
+    stands, with no time a pair. A fixed share like the executor shapes' (43%, H100 c103:
+    140 GB/s and 2.8 us a pair) is kept."""
+    short, long = (67e6, 3.0e-3), (268e6, 3.3e-3)
+    assert fit_call(short, long)[0] > 600
+    assert fit_cpu_attention(short, long) == (pytest.approx(268e6 / 3.3e-3 / GB), 0.0)
+    fixed, rate = 1.4e-3, 140e9
+    rate_gbps, fixed_s = fit_cpu_attention(
+        (67e6, fixed + 67e6 / rate), (268e6, fixed + 268e6 / rate)
+    )
+    assert rate_gbps == pytest.approx(140.0) and fixed_s == pytest.approx(fixed)
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_the_cpu_attention_calls_take_copies_of_their_cache_in_turn(monkeypatch, compressed):
+    """Given pool memory, a timed call's cache is one of as many copies as the memory
+    holds, taken in turn, so no call finds it in the CPU's last-level cache (as the
+    executor's CPU homes never are); every copy holds the same cache."""
+    seen: list[int] = []
+
+    def dense(q, k, v, bias):
+        seen.append(k.data_ptr())
+
+    def quant(q, cache, bias, slots):
+        seen.append(cache.k_codes.data_ptr())
+
+    monkeypatch.setattr(measure, "attend", dense)
+    monkeypatch.setattr(measure, "decode_attention_cpu", quant)
+    monkeypatch.setattr(measure, "CPU_ATTENTION_PAIRS", 64)
+    one = _cpu_attention_call(torch.float32, compressed, 4, slots=256)
+    home = torch.zeros(64 * 2**20, dtype=torch.uint8)
+    call, nbytes = _cpu_attention_call(torch.float32, compressed, 4, home, slots=256)
+    assert nbytes == one[1] == 2 * 64 * 256 * 128 * 4
+    seen.clear()
+    for _ in range(24):
+        call()
+    copies = len(set(seen))
+    assert copies == len(set(seen[:copies])) > 2 and seen[copies:] == seen[:-copies]
+    stride = (seen[1] - seen[0]) if seen[1] > seen[0] else seen[0] - seen[1]
+    assert torch.equal(home[:stride], home[stride : 2 * stride])
 
 
 def test_attention_calls_fixed_pair_and_byte_terms_are_fitted_from_three_calls():

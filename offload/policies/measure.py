@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import logging
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import threading
@@ -26,12 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from offload.io.direct import open_direct
-from offload.io.pinned import PinnedPool
+from offload.io.pinned import PinnedPool, align_up
 from offload.io.spill import SWITCH_INTERVAL_S, SpillFile
 from offload.kernels.formats import Compression
 from offload.kernels.kv_attention import decode_attention
 from offload.kernels.kv_attention_cpu import decode_attention_cpu
-from offload.kernels.kv_cache import QuantKV
+from offload.kernels.kv_cache import QuantKV, kv_buffer_bytes
 from offload.kernels.qmatmul import qlinear
 from offload.kernels.quant import quantize
 from offload.models.decoder import attend
@@ -45,6 +48,9 @@ from offload.policies.hardware import (
     format_name,
 )
 from offload.policies.memory_limit import node_memory_limit
+
+log = logging.getLogger(__name__)
+_CPU = torch.device("cpu")
 
 # the formats whose matmul and attention rates a profile holds
 FORMATS = (None, Compression(8, 64, False), Compression(4, 64, False))
@@ -169,6 +175,16 @@ CPU_ATTENTION_GROUPS = (4, 8)
 # a rate and a time a pair are fitted (`HardwareProfile.cpu_attention_pair_s`)
 CPU_ATTENTION_PAIRS = 512
 CPU_ATTENTION_SLOTS = (256, 1024)
+# bytes of caches that the calls of one shape take in turn, so no call finds its cache in
+# the CPU's last-level cache, as the executor's CPU homes never are (a step reads each
+# once): the short shape's cache is 67 MB at fp16 (18 MB int4), within the L3 of a
+# large server CPU, where the long one's 268 MB is not
+CPU_ATTENTION_SWEEP_BYTES = 256 * 2**20
+# the most of the long call's time a fitted time a pair may explain: beyond it the two
+# calls' noise made the fit, not a cost (3.0 and 3.3 ms would fit 670 GB/s and 5.7 us a
+# pair), and the long call's own rate stands. Llama-3.1-8B's executor shapes fitted 43%
+# (H100 c103: 140 GB/s and 2.8 us a pair)
+CPU_PAIR_MAX_SHARE = 2 / 3
 
 
 def _cpu_attention_call(
@@ -183,26 +199,42 @@ def _cpu_attention_call(
     `compressed`: its attention over an int4-g64 cache (`kv_attention_cpu.decode_attention_cpu`).
     group: query heads a KV head. Every group reads the same bytes over the same number
     of (sequence, KV head) work items: 16 sequences x 32 KV heads, or 64 x 8 grouped.
-    home: pool memory (uint8) that holds a full-precision cache, as the executor's CPU
-    homes are held (pinned where CUDA exists)."""
+    home: pool memory (uint8) for the cache, as the executor's CPU homes are held
+    (pinned where CUDA exists): it holds as many copies of the cache as fit, and the
+    calls take them in turn (`CPU_ATTENTION_SWEEP_BYTES`)."""
     kv_heads = 32 if group == 1 else 8
     rows, dim = CPU_ATTENTION_PAIRS // kv_heads, 128
     k = torch.randn(rows, kv_heads, slots, dim).to(dtype)
     v = torch.randn_like(k)
-    if home is not None and not compressed:
-        kv = home[: 2 * k.numel() * k.element_size()].view(dtype).view(2, *k.shape)
-        kv[0].copy_(k)
-        kv[1].copy_(v)
-        k, v = kv[0], kv[1]
+    nbytes = 2 * k.numel() * k.element_size()
     q = torch.randn(rows, kv_heads * group, 1, dim).to(dtype)
     bias = torch.zeros(rows, 1, 1, slots, dtype=dtype)
-    attention = functools.partial(attend, q, k, v, bias)
+    config = Compression(4, 64)
+    size = kv_buffer_bytes(rows, kv_heads, dim, slots, dtype, config) if compressed else nbytes
+    stride = align_up(size)
+    copies = 1 if home is None else max(1, home.numel() // stride)
+    memory = [None if home is None else home[i * stride : i * stride + size] for i in range(copies)]
     if compressed:
-        cache = QuantKV(rows, kv_heads, dim, slots, Compression(4, 64), dtype, torch.device("cpu"))
-        cache.write(k, v, 0)
-        attention = functools.partial(decode_attention_cpu, q, cache, bias, slots)
+        caches = [QuantKV(rows, kv_heads, dim, slots, config, dtype, _CPU, m) for m in memory]
+        caches[0].write(k, v, 0)
+        calls = [functools.partial(decode_attention_cpu, q, c, bias, slots) for c in caches]
+    elif home is None:
+        calls = [functools.partial(attend, q, k, v, bias)]
+    else:
+        first = memory[0].view(dtype).view(2, *k.shape)
+        first[0].copy_(k)
+        first[1].copy_(v)
+        kv = [m.view(dtype).view(2, *k.shape) for m in memory]
+        calls = [functools.partial(attend, q, pair[0], pair[1], bias) for pair in kv]
+    for m in memory[1:]:  # the same cache in every copy
+        m.copy_(memory[0])
+    turns = itertools.cycle(calls)
+
+    def attention() -> object:
+        return next(turns)()
+
     attention()  # warm up
-    return attention, 2 * k.numel() * k.element_size()
+    return attention, nbytes
 
 
 # The CPU attention is timed over CPU_TIMED_S of calls after CPU_WARM_S of calls back
@@ -211,9 +243,13 @@ def _cpu_attention_call(
 # GB/s a round of 3 calls after a 1 s sleep; a quick profile's figure 11.7 GB/s, 85.3
 # measured again in the same process). A profile that held the cold figure (19.7)
 # made the search pick GPU attention for OPT-30B fp16, 42.0 tok/s (bench_throughput
-# 20261125-163936), where the CPU-attention plan measured 61.6 on the same machine start
+# 20261125-163936), where the CPU-attention plan measured 61.6 on the same machine start.
+# A shape's two lengths are timed in turn, CPU_ROUNDS rounds of CPU_TIMED_S / CPU_ROUNDS
+# each, and the median taken: the fit is a difference of the two, and a drift of the
+# host's speed between them would be read as a cost
 CPU_WARM_S = 0.3
 CPU_TIMED_S = 0.2
+CPU_ROUNDS = 3
 
 
 def _run_for(call: Callable[[], object], seconds: float) -> tuple[int, float]:
@@ -227,36 +263,42 @@ def _run_for(call: Callable[[], object], seconds: float) -> tuple[int, float]:
             return calls, elapsed
 
 
-def _cpu_attention_rate(
-    call: tuple[Callable[[], object], int],
+def _cpu_attention_seconds(
+    calls: list[tuple[Callable[[], object], int]],
     host: torch.Tensor | None = None,
     gpu=None,
     h2d_gbps: float = 0.0,
-) -> float:
-    """GB/s of KV that the executor's CPU attention reads (`call`: `_cpu_attention_call`'s),
-    warm (`CPU_WARM_S`), as a policy's steps keep it.
+) -> list[float]:
+    """Seconds a call of each of `calls` (`_cpu_attention_call`'s), warm (`CPU_WARM_S`), as
+    a policy's steps keep it: the calls timed in turn over CPU_ROUNDS rounds, the
+    median of each.
 
     Given a pinned `host` buffer, a `gpu` one and their measured copy rate, host -> GPU
     copies run all the while,
     as the executor's weight stream does during its CPU attention: both read DRAM, and
     the contended rate is the one the executor gets (OPT-30B on the H100 machine: 67
     GB/s alone, 47-50 inside the executor)."""
-    attention, nbytes = call
-    _run_for(attention, CPU_WARM_S)
+    for attention, _ in calls:
+        _run_for(attention, CPU_WARM_S / len(calls))
     if host is not None:
         # queue enough copies to outlast the timing; no host thread waits on them (a
         # spinning waiter would take a core from SDPA's threads, which the executor's
         # copies never do)
         side = torch.cuda.Stream()
-        expected = 1.5 * (CPU_TIMED_S + nbytes / (20 * GB))  # >= the timed calls
+        overrun = CPU_ROUNDS * sum(nbytes for _, nbytes in calls) / (20 * GB)  # a call a turn
+        expected = 1.5 * (len(calls) * CPU_TIMED_S + overrun)  # >= the timed calls
         with torch.cuda.stream(side):
             for _ in range(int(expected * h2d_gbps * GB / host.numel()) + 2):
                 gpu.copy_(host, non_blocking=True)
     # the CPU attention never touches the device: timed directly
-    calls, seconds = _run_for(attention, CPU_TIMED_S)
+    seconds: list[list[float]] = [[] for _ in calls]
+    for _ in range(CPU_ROUNDS):
+        for (attention, _), times in zip(calls, seconds, strict=True):
+            count, elapsed = _run_for(attention, CPU_TIMED_S / CPU_ROUNDS)
+            times.append(elapsed / count)
     if host is not None:
         side.synchronize()
-    return calls * nbytes / seconds / GB
+    return [statistics.median(times) for times in seconds]
 
 
 @dataclass(frozen=True)
@@ -271,27 +313,45 @@ class CpuAttentionRates:
     quant_pair_s: dict[str, float]
 
 
+def fit_cpu_attention(short: tuple[float, float], long: tuple[float, float]) -> tuple[float, float]:
+    """(GB/s, seconds a call beyond its bytes) from the (bytes, seconds) of a shape's two
+    lengths (`fit_call`); where the fitted fixed time is more than CPU_PAIR_MAX_SHARE of
+    the long call's, the long call's rate and none."""
+    rate, fixed = fit_call(short, long)
+    if fixed > CPU_PAIR_MAX_SHARE * long[1]:
+        log.warning(
+            "CPU attention: %.2f and %.2f ms for 4x the bytes fit %.0f GB/s and %.2f ms a "
+            "call, implausible; taking the long call's rate",
+            short[1] * 1e3, long[1] * 1e3, rate, fixed * 1e3,
+        )  # fmt: skip
+        return long[0] / long[1] / GB, 0.0
+    return rate, fixed
+
+
 def _cpu_attention_rates(
     dtype: torch.dtype, host: torch.Tensor | None = None, gpu=None, h2d_gbps: float = 0.0
 ) -> CpuAttentionRates:
     """The CPU attention timed at each group over CPU_ATTENTION_SLOTS' two context
-    lengths (the same pairs, 4x the bytes), with copies beside where `host` is given
-    (`_cpu_attention_rate`); a rate and a time a pair fitted from the two (`fit_call`)."""
+    lengths (the same pairs, 4x the bytes), in turn, with copies beside where `host` is
+    given (`_cpu_attention_seconds`); a rate and a time a pair fitted from the two
+    (`fit_cpu_attention`). Each length's caches fill half of one pool."""
     figures: dict[bool, tuple[dict[str, float], dict[str, float]]] = {}
-    cache_bytes = 2 * CPU_ATTENTION_PAIRS * max(CPU_ATTENTION_SLOTS) * 128
-    cache_bytes *= torch.empty((), dtype=dtype).element_size()
-    with PinnedPool(cache_bytes) as pool:  # registered once, each call's cache in it
+    elt = dtype.itemsize
+    half = 2 * CPU_ATTENTION_PAIRS * max(CPU_ATTENTION_SLOTS) * 128 * elt
+    half = align_up(max(half, CPU_ATTENTION_SWEEP_BYTES))
+    with PinnedPool(2 * half) as pool:  # registered once, each call's caches in it
         for compressed in (False, True):
             gbps, pair_s = {}, {}
             for group in (1, *CPU_ATTENTION_GROUPS):
-                points = []
-                for slots in CPU_ATTENTION_SLOTS:
-                    call = _cpu_attention_call(dtype, compressed, group, pool.buffer, slots)
-                    rate = _cpu_attention_rate(call, host, gpu, h2d_gbps)
-                    points.append((call[1], call[1] / (rate * GB)))
-                    del call
-                gbps[str(group)], fixed = fit_call(*points)
+                calls = [
+                    _cpu_attention_call(dtype, compressed, group, pool.buffer[i * half :][:half], n)
+                    for i, n in enumerate(CPU_ATTENTION_SLOTS)
+                ]
+                seconds = _cpu_attention_seconds(calls, host, gpu, h2d_gbps)
+                points = [(nbytes, s) for (_, nbytes), s in zip(calls, seconds, strict=True)]
+                gbps[str(group)], fixed = fit_cpu_attention(*points)
                 pair_s[str(group)] = fixed / CPU_ATTENTION_PAIRS
+                del calls
             figures[compressed] = gbps, pair_s
     return CpuAttentionRates(*figures[False], *figures[True])
 
