@@ -205,7 +205,7 @@ class Executor(LaneReports):  # implements runner.Runner
         assert batch.size <= self.policy.block_size, "batch larger than the policy's block"
         self._micro = [slice(s, min(s + size, batch.size)) for s in range(0, batch.size, size)]
         splits = row_splits(self.policy.kv_cache, [m.stop - m.start for m in self._micro])
-        elt = torch.empty((), dtype=self.dtype).element_size()
+        elt = self.dtype.itemsize
         act_bytes = []
         self._act_rows = []
         for m in self._micro:

@@ -76,7 +76,7 @@ class KVHomes:
         self.ledger, self.spill_dir = ledger, spill_dir
         self.attention_on_cpu, self.compression = attention_on_cpu, compression
         self.disk_buffers = disk_buffers
-        self.elt = torch.empty((), dtype=dtype).element_size()
+        self.elt = dtype.itemsize
         self.pool: PinnedPool | None = None  # sized per batch in start()
         self.spill: SpillFile | None = None
         self.max_slots = 0

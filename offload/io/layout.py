@@ -51,7 +51,7 @@ DISK_BUFFERS = 4
 
 
 def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    count = torch.empty((), dtype=dtype).element_size()
+    count = dtype.itemsize
     for dim in shape:
         count *= dim
     return count
@@ -139,16 +139,17 @@ def gathered(key: str, placement) -> bool:
     return key == "embed" and placement.gpu < 1
 
 
+@functools.lru_cache(maxsize=4096)  # (the search asks for each candidate's, twice)
 def stage_cuts(
     cfg: ModelConfig, dtype: torch.dtype, compression: Compression | None, placement
-) -> list[tuple[int, int]]:
+) -> tuple[tuple[int, int], ...]:
     """(gpu_end, cpu_end) of every stage under a placement: the one rule for planner and
     executor."""
     sizes = stage_image_bytes(cfg, dtype, compression)
-    return [
+    return tuple(
         (0, size) if whole_in_cpu(cfg, key, placement) else stage_cut(size, placement)
         for key, size in zip(stage_keys(cfg), sizes, strict=True)
-    ]
+    )
 
 
 def gathered_gpu_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -202,7 +203,7 @@ class KVLayout:
     def row_bytes(self) -> int:
         """One sequence's fp16 K (or V) for one layer."""
         cfg = self.cfg
-        elt = torch.empty((), dtype=self.dtype).element_size()
+        elt = self.dtype.itemsize
         return cfg.num_kv_heads * self.max_slots * cfg.head_dim * elt
 
     def quant_bytes(self, rows: int) -> int:

@@ -47,7 +47,7 @@ class PoolBlock:
         count = 1
         for dim in shape:
             count *= dim
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        nbytes = count * dtype.itemsize
         assert nbytes <= self.nbytes, f"view of {nbytes} B in a block of {self.nbytes} B"
         return self.tensor[:nbytes].view(dtype).view(shape)
 

@@ -26,6 +26,7 @@ full-precision K/V; decode reads the compressed cache through
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import torch
@@ -66,7 +67,7 @@ def component_shapes(
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def kv_row_bytes(
@@ -77,6 +78,7 @@ def kv_row_bytes(
     return sum(_nbytes(*spec) for spec in shapes.values())
 
 
+@functools.lru_cache(maxsize=8192)  # (the search sizes every candidate's homes)
 def kv_buffer_bytes(
     rows: int,
     num_kv_heads: int,

@@ -207,9 +207,7 @@ def allreduce_bus_gbps(
     2 (n - 1) / n of the buffer crosses each link per all-reduce)."""
     size = dist.get_world_size(group)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    buffer = torch.ones(
-        nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype, device=device
-    )
+    buffer = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
     dist.all_reduce(buffer, group=group)  # warm-up: connections, buffers
     if device.type == "cuda":
         torch.cuda.synchronize(device)

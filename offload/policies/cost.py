@@ -94,7 +94,7 @@ def estimate(
     tp: int = 1,
 ) -> Estimate:
     """tp: tensor-parallel ranks; cfg is then one rank's shard (`parallel.shard`)."""
-    elt = torch.empty((), dtype=dtype).element_size()
+    elt = dtype.itemsize
     n_seqs = batch or policy.block_size
     sizes = micro_batch_sizes(policy, n_seqs)
     splits = row_splits(policy.kv_cache, sizes)

@@ -47,26 +47,38 @@ class MemoryPlan:
         """Tier totals of named parts, each named `<what>_<tier>`: the peak of the load
         phase (the weights' parts and the `load_` transients) or of the run (every part
         but the transients), whichever is larger."""
+        phases = _phase_totals(detail)
 
         def total(tier: str) -> int:
-            return max(_phase_bytes(detail, tier, load=True), _phase_bytes(detail, tier, False))
+            return max(phases.get((tier, True), 0), phases.get((tier, False), 0))
 
         return cls(total("gpu"), total("cpu"), total("disk"), detail)
 
+    @functools.cached_property
+    def _phases(self) -> dict[tuple[str, bool], int]:
+        return _phase_totals(self.detail)
+
     def run_bytes(self, tier: str) -> int:
         """A tier's peak once the weights are placed (the load's transients gone)."""
-        return _phase_bytes(self.detail, tier, load=False)
+        return self._phases.get((tier, False), 0)
 
     def load_bytes(self, tier: str) -> int:
         """A tier's peak while the weights load (their homes and the load's transients)."""
-        return _phase_bytes(self.detail, tier, load=True)
+        return self._phases.get((tier, True), 0)
 
 
-def _phase_bytes(detail: dict[str, int], tier: str, load: bool) -> int:
-    parts = {k.removesuffix(f"_{tier}"): v for k, v in detail.items() if k.endswith(f"_{tier}")}
-    if load:
-        return sum(v for k, v in parts.items() if k.startswith("load_") or k in LOAD_PARTS)
-    return sum(v for k, v in parts.items() if not k.startswith("load_"))
+def _phase_totals(detail: dict[str, int]) -> dict[tuple[str, bool], int]:
+    """Bytes of each (tier, load phase?) over the named parts, in one pass (the search
+    totals every candidate's plan)."""
+    totals: dict[tuple[str, bool], int] = {}
+    for key, nbytes in detail.items():
+        part, _, tier = key.rpartition("_")
+        transient = part.startswith("load_")
+        if transient or part in LOAD_PARTS:
+            totals[tier, True] = totals.get((tier, True), 0) + nbytes
+        if not transient:
+            totals[tier, False] = totals.get((tier, False), 0) + nbytes
+    return totals
 
 
 def row_splits(placement, sizes: list[int]) -> list[tuple[int, int, int]]:
@@ -172,7 +184,7 @@ def activation_plan(
     prompt_len: int,
     max_slots: int,
 ) -> dict[str, int]:
-    elt = torch.empty((), dtype=dtype).element_size()
+    elt = dtype.itemsize
     row_bytes = prompt_len * cfg.hidden_size * elt
     sizes = micro_batch_sizes(policy, batch)
     gpu_rows = cpu_bytes = widest = 0

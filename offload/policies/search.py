@@ -55,6 +55,8 @@ def _kv_placement(
     cpu_left = cpu_budget - (probe.run_bytes("cpu") - probe.detail["kv_cpu"])
     if gpu_left + scratch >= kv_total:  # all on the GPU, which needs no scratch
         return Placement(1.0, 0.0, 0.0)
+    if gpu_left < 0 or cpu_left < 0:  # over a cap before any KV is placed: none fits
+        return None
     gpu = min(1.0, max(0.0, gpu_left / kv_total))
     cpu = min(1.0 - gpu, max(0.0, cpu_left / kv_total))
     disk_ok = caps.nvme
