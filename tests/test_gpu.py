@@ -197,8 +197,8 @@ def test_cuda_graph_decode_gives_the_eager_tokens(case, tiny_checkpoints, tmp_pa
     """Decode steps replayed from CUDA graphs give exactly the eager steps' tokens: all on
     the GPU with several micro-batches, one, int4 weights with an int4 cache, and the KV
     in CPU homes attended on the CPU (graphs replayed one micro-batch behind,
-    `Executor._one_behind`); then a smaller batch (the graphs are captured again for its
-    sizes)."""
+    `Executor._one_behind`): full precision, half the rows on the GPU, and an int4 cache;
+    then a smaller batch (the graphs are captured again for its sizes)."""
     from tests.test_executor import INT4, KV4, KV_PARAMS, PROMPTS, _with
 
     directory, _ = tiny_checkpoints[case]
@@ -210,6 +210,22 @@ def test_cuda_graph_decode_gives_the_eager_tokens(case, tiny_checkpoints, tmp_pa
         ),
         "kv-cpu-cpu-attention": Policy(
             gpu_batch_size=2, num_gpu_batches=4, kv_cache=Placement(0, 1, 0), attention_on_cpu=True
+        ),
+        # a micro-batch's GPU rows joined with its rows attended on the CPU
+        "kv-split-cpu-attention": Policy(
+            gpu_batch_size=2,
+            num_gpu_batches=4,
+            kv_cache=Placement(0.5, 0.5, 0),
+            attention_on_cpu=True,
+        ),
+        "int4-kv-cpu-cpu-attention": _with(
+            Policy(
+                gpu_batch_size=2,
+                num_gpu_batches=4,
+                kv_cache=Placement(0, 1, 0),
+                attention_on_cpu=True,
+            ),
+            kv_compression=KV4,
         ),
     }
     for name, policy in policies.items():
