@@ -55,6 +55,15 @@ def parse_compression(text: str | None, flag: str = "--compress") -> tuple[Compr
         raise UserError(f"{flag} {text}: {exc}") from None
 
 
+def compression_text(compression: Compression | None) -> str:
+    """A format as --compress writes it (`parse_compression`'s inverse): none, int4,
+    int8-g128-sym, ..."""
+    if compression is None:
+        return "none"
+    group = "" if compression.group_size == 64 else f"-g{compression.group_size}"
+    return f"int{compression.bits}{group}{'-sym' if compression.symmetric else ''}"
+
+
 def parse_kv_compression(text: str | None) -> tuple[Compression | None, ...]:
     """--kv-compress: as --compress, with the group counted in tokens (16 to 128)."""
     formats = parse_compression(text, "--kv-compress")

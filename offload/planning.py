@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from offload.args import EngineArgs
 from offload.config import ModelConfig
+from offload.errors import UserError
 from offload.front import ModelFront
 from offload.policies.caps import Baseline, Caps, check_block_fits, check_weights_fit
 from offload.policies.policy import Policy
@@ -55,6 +56,8 @@ def plan_run(
     gen_len = gen_len or front.get_default_sampling_params().max_tokens or PLAN_GEN_LEN
     if args.policy is not None:
         policy = Policy.from_file(args.policy)
+    if policy is None and not args.wants_search:
+        _refuse_compression_without_a_plan(args)
     if policy is None and args.wants_search:
         policy = _search(front, args, cfg, prompt_len, gen_len)
     if tensor_parallel and policy is None:
@@ -70,6 +73,20 @@ def plan_run(
         )
     batch_size = policy.block_size if policy else args.batch_size
     return Plan(policy, caps, baseline, batch_size, prompt_len, gen_len)
+
+
+def _refuse_compression_without_a_plan(args: EngineArgs) -> None:
+    """--compress and --kv-compress choose the formats of a plan's policy: with no caps,
+    no --nvme and no --policy the model runs whole on one device, uncompressed, and the
+    flags would be ignored."""
+    flags = [f"--{name} {value}" for name, value in
+             (("compress", args.compress), ("kv-compress", args.kv_compress)) if value != "none"]  # fmt: skip
+    if flags:
+        raise UserError(
+            f"{' and '.join(flags)} take effect through a memory plan, and this run has none "
+            "(the model runs whole on one device): add --gpu-mem, --cpu-mem or --nvme, or a "
+            "--policy with the formats"
+        )
 
 
 def _search(

@@ -48,6 +48,25 @@ class MemorySink:
         return [{k: v for k, v in row.items() if k != "_index"} for row in rows]
 
 
+def _changed(header: Any, fingerprint: dict[str, Any]) -> list[str]:
+    """The settings of a job's header that differ from this run's, as a message names
+    them (with both values where they are short). A setting the header lacks was added
+    to the fingerprint after that job began, and is not compared."""
+    if not isinstance(header, dict):
+        return ["header"]
+    changed = []
+    for key, now in fingerprint.items():
+        if key not in header or header[key] == now:
+            continue
+        was = header[key]
+        short = all(isinstance(v, (str, int, float, bool, type(None))) for v in (was, now))
+        if short and len(repr(was)) + len(repr(now)) < 60:
+            changed.append(f"{key} ({was!r} then, {now!r} now)")
+        else:
+            changed.append(key)
+    return sorted(changed)
+
+
 class ResultLog:
     """`<output>.partial`: a header with the job fingerprint, then one result a line."""
 
@@ -72,11 +91,14 @@ class ResultLog:
         if self.partial.exists():
             self._load()
         else:
-            with self.partial.open("w", encoding="utf-8") as f:
-                f.write(json.dumps({"_job": self.fingerprint}) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            self._write_header()
         self._file = self.partial.open("a", encoding="utf-8")
+
+    def _write_header(self) -> None:
+        with self.partial.open("w", encoding="utf-8") as f:
+            f.write(json.dumps({"_job": self.fingerprint}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     def _load(self) -> None:
         with self.partial.open("rb") as f:
@@ -87,12 +109,14 @@ class ResultLog:
             header = json.loads(lines[0])["_job"] if lines else None
         except (json.JSONDecodeError, KeyError, TypeError):
             header = None
-        if header != self.fingerprint:
-            changed = sorted(
-                k for k in self.fingerprint if not header or header.get(k) != self.fingerprint[k]
-            )
+        changed = _changed(header, self.fingerprint)
+        if changed and len(lines) <= 1:  # the job wrote no result: nothing to keep
+            log.info("%s held no results of an earlier job; starting over", self.partial)
+            self._write_header()
+            return
+        if changed:
             raise UserError(
-                f"{self.partial} belongs to a job with a different {', '.join(changed) or 'header'}; "
+                f"{self.partial} belongs to a job with a different {', '.join(changed)}; "
                 "run the same command as before to resume it, or add --restart to start over"
             )
         for line in lines[1:]:

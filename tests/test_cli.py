@@ -143,9 +143,10 @@ def test_prompt_longer_than_context(tiny_checkpoints, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     out.write_text("earlier results\n")
     long_prompt = "y" * (model.config.max_position_embeddings + 5)
-    assert (
-        main(["--model", str(directory), "--prompt", long_prompt, "--output", str(out), "-q"]) == 2
-    )
+    # --restart: the earlier output is kept even where a run would replace it, since the
+    # job is refused before anything is written
+    args = ["--model", str(directory), "--prompt", long_prompt, "--output", str(out), "-q"]
+    assert main([*args, "--restart"]) == 2
     assert "context is 256" in _error_line(capsys)
     assert out.read_text() == "earlier results\n", "an earlier output was lost"
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -111,7 +112,8 @@ def test_changed_input_is_refused_and_restart_starts_over(model_dir, tmp_path, c
     out = tmp_path / "out.jsonl"
     partial = tmp_path / "out.jsonl.partial"
     header = {"_job": {"input_sha256": "something else"}}
-    partial.write_text(json.dumps(header) + "\n")
+    done = {"_index": 0, "id": "r0", "text": " kept", "finish_reason": "length"}
+    partial.write_text(json.dumps(header) + "\n" + json.dumps(done) + "\n")
     args = [
         "--model",
         str(model_dir),
@@ -125,11 +127,84 @@ def test_changed_input_is_refused_and_restart_starts_over(model_dir, tmp_path, c
     ]
     assert main(args) == 2
     assert "--restart" in capsys.readouterr().err
-    assert partial.read_text() == json.dumps(header) + "\n", (
+    assert partial.read_text() == json.dumps(header) + "\n" + json.dumps(done) + "\n", (
         "an unfinished job's results were touched"
     )
     assert main([*args, "--restart"]) == 0
     assert len(_rows(out)) == 30
+
+
+def test_a_finished_jobs_output_is_kept_unless_restart(model_dir, tmp_path, capsys):
+    """Run again after it finished, a job's command is refused before anything loads and
+    its results stay as they are; --restart runs it again."""
+    jobs, out = tmp_path / "jobs.jsonl", tmp_path / "out.jsonl"
+    _write_jobs(jobs, 5)
+    args = ["--model", str(model_dir), "-i", str(jobs), "-o", str(out), "-q", "--max-tokens", "3"]
+    assert main(args) == 0
+    finished = out.read_bytes()
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "already holds a finished job's results; add --restart" in capsys.readouterr().err
+    assert out.read_bytes() == finished
+    assert main([*args, "--restart"]) == 0
+    assert len(_rows(out)) == 5
+
+
+def test_a_job_that_wrote_no_result_does_not_block_the_next_command(model_dir, tmp_path):
+    """A run that stopped before its first result (a full disk, a wrong flag found late)
+    leaves only the partial file's header: the next command starts over whatever its
+    settings, since nothing would be lost."""
+    jobs, out = tmp_path / "jobs.jsonl", tmp_path / "out.jsonl"
+    _write_jobs(jobs, 4)
+    partial = tmp_path / "out.jsonl.partial"
+    partial.write_text(json.dumps({"_job": {"input_sha256": "another", "sampling": {}}}) + "\n")
+    args = ["--model", str(model_dir), "-i", str(jobs), "-o", str(out), "-q", "--max-tokens", "3"]
+    assert main(args) == 0
+    assert [r["id"] for r in _rows(out)] == ["r0", "r1", "r2", "r3"]
+    assert not partial.exists()
+
+
+def test_a_job_resumes_only_in_the_formats_it_began_with(tmp_path):
+    """The formats the plan computes with are part of a job's settings: a job begun with
+    int4 weights is not finished in full precision (every placement gives the same
+    tokens, so the rest of the policy may change). A header from before a setting was
+    recorded is not compared on it."""
+    from offload.cli.run import _fingerprint
+    from offload.engine import EngineArgs
+    from offload.errors import UserError
+    from offload.kernels.formats import Compression
+    from offload.policies.policy import Policy
+    from offload.resultlog import ResultLog
+    from offload.sampling import SamplingParams
+
+    args = SimpleNamespace(skip_invalid=False)
+    engine, params = EngineArgs(model="demo"), SamplingParams()
+    int4 = Policy(weight_compression=Compression(4, 64, False))
+    began = _fingerprint(args, engine, params, "sha", int4)
+    assert (began["compress"], began["kv_compress"]) == ("int4", "none")
+    assert _fingerprint(args, engine, params, "sha", None)["compress"] == "none"
+    out = tmp_path / "out.jsonl"
+    log = ResultLog(out, began, restart=False)
+    log.append([{"_index": 0, "id": "r0", "text": " a", "finish_reason": "length"}])
+    log.close()
+    with pytest.raises(UserError, match=r"compress \('int4' then, 'none' now\)"):
+        ResultLog(out, _fingerprint(args, engine, params, "sha", Policy()), restart=False)
+    older = {k: v for k, v in began.items() if k not in ("compress", "kv_compress")}
+    partial = tmp_path / "out.jsonl.partial"
+    rows = partial.read_text().splitlines()[1:]
+    partial.write_text("\n".join([json.dumps({"_job": older}), *rows]) + "\n")
+    resumed = ResultLog(out, began, restart=False)
+    assert resumed.done(0) and resumed.done_count == 1
+    resumed.close()
+
+
+def test_compression_without_a_memory_plan_is_refused(model_dir, tmp_path, capsys):
+    """--compress chooses a plan's formats; with no caps, --nvme or --policy the model runs
+    whole and uncompressed, so the flag is refused rather than ignored."""
+    args = ["--model", str(model_dir), "--prompt", "hello", "-q", "--compress", "int4"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--compress int4 take effect through a memory plan" in err and "--gpu-mem" in err
 
 
 def _peak_rss_of_job(model_dir, tmp_path, count):

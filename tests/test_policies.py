@@ -195,7 +195,7 @@ def test_plan_json_round_trips_into_offload_run(tiny_checkpoints, tmp_path, caps
     assert set(out["memory"]) >= {"gpu_bytes", "cpu_bytes", "disk_bytes"}
     assert out["memory"]["gpu_bytes"] <= 2_000_000
     policy_file = tmp_path / "policy.json"
-    policy_file.write_text(json.dumps(out["policy"]))
+    policy_file.write_text(json.dumps(out))  # the plan as printed: its "policy" is read
     result = tmp_path / "out.jsonl"
     assert (
         run_main(

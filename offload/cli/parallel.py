@@ -171,7 +171,7 @@ def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
 
     engine = engine_args(args)
     flag_params = sampling_params(args, {})  # sampling flags judged before any long work
-    output = sources.check_output(args.output)
+    output = sources.check_output(args.output, args.restart)
     if topo.dp > 1 and output is None:
         raise UserError("--dp needs --output FILE (the groups' results are merged there)")
     source = sources.open_source(args, output)
@@ -202,8 +202,8 @@ def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
         params = sampling_params(args, llm.default_sampling)
         if topo.is_leader:
             path = data.group_output(output, topo.dp, topo.dp_index) if output else None
-            sink = sources.open_sink(path, _fingerprint(args, engine, params, source.sha256),
-                                     args.restart)  # fmt: skip
+            fingerprint = _fingerprint(args, engine, params, source.sha256, policy)
+            sink = sources.open_sink(path, fingerprint, args.restart)
         done = {i for i in range(source.total) if sink is not None and sink.done(i)}
         done = topo.share(done, tp_only=True)
         sink = sink or _RankSink(done, keep_rows=False)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from offload import jobs
-from offload.args import ENGINE_FIELDS, resolve_device
+from offload.args import ENGINE_FIELDS, compression_text, resolve_device
 from offload.cli import report, sizing, sources
 from offload.cli.common import (
     add_engine_flags,
@@ -88,8 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli("offload-run", lambda: _run(args))
 
 
-def _fingerprint(args: argparse.Namespace, engine, params, input_sha: str) -> dict:
-    """What must match for a job to resume: the input bytes and the generation settings."""
+def _fingerprint(args: argparse.Namespace, engine, params, input_sha: str, policy) -> dict:
+    """What must match for a job to resume: the input bytes and the generation settings,
+    the formats the plan computes with among them (a job's results are never a mix of
+    int4 and full-precision ones; every placement gives the same tokens, so the rest of
+    the policy may change)."""
     return {
         "input_sha256": input_sha,
         "model": engine.model,
@@ -99,21 +102,22 @@ def _fingerprint(args: argparse.Namespace, engine, params, input_sha: str) -> di
         "sampling": params.to_dict(),
         "chat_template": engine.chat_template,
         "skip_invalid": args.skip_invalid,
+        "compress": compression_text(policy.weight_compression if policy else None),
+        "kv_compress": compression_text(policy.kv_compression if policy else None),
     }
 
 
 def _run(args: argparse.Namespace) -> int:
     engine = engine_args(args)
     flag_params = sampling_params(args, {})  # sampling flags judged before any long work
-    output = sources.check_output(args.output)
+    output = sources.check_output(args.output, args.restart)
     source = sources.open_source(args, output)
     front = ModelFront(engine, resolve_device(engine.device))  # config and tokenizer only
     params = sampling_params(args, front.default_sampling)
     shape = sizing.measure(front, source.requests(params), source.from_flags, args.skip_invalid)
     sized = sizing.plan_for_job(front, engine, shape, flag_params.max_tokens, args.skip_invalid)
-    sink = sources.open_sink(
-        output, _fingerprint(args, engine, params, source.sha256), args.restart
-    )
+    fingerprint = _fingerprint(args, engine, params, source.sha256, sized.plan.policy)
+    sink = sources.open_sink(output, fingerprint, args.restart)
     started = time.perf_counter()
     try:
         llm = LLM.from_plan(

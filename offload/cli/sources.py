@@ -31,11 +31,18 @@ class Source:
     spooled: Path | None = None
 
 
-def check_output(output: str | None) -> Path | None:
-    """Fail before any model loading when the output cannot be written."""
+def check_output(output: str | None, restart: bool = False) -> Path | None:
+    """Fail before any model loading when the output cannot be written, or holds a
+    finished job's results that the run would replace (without --restart)."""
     if output in (None, "-"):
         return None
     path = Path(output)
+    partial = path.with_name(path.name + ".partial")
+    if path.is_file() and not partial.exists() and not restart:
+        raise UserError(
+            f"--output {path} already holds a finished job's results; add --restart to run "
+            "the job again and replace them, or give another --output"
+        )
     if path.is_dir():
         raise UserError(f"--output {path} is a directory; give a file path")
     parent = path.parent if str(path.parent) else Path(".")

@@ -124,12 +124,15 @@ class Policy:
 
     @classmethod
     def from_file(cls, path: Path) -> Policy:
+        """A policy's JSON, or `offload-plan --json`'s output (its "policy")."""
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
             raise UserError(f"policy file {path} does not exist") from None
         except json.JSONDecodeError as exc:
             raise UserError(f"policy file {path} is not valid JSON ({exc})") from None
+        if isinstance(data, dict) and isinstance(data.get("policy"), dict):
+            data = data["policy"]  # a plan, as offload-plan --json prints it
         try:
             return cls.from_dict(data)
         except (ValueError, TypeError) as exc:
