@@ -17,7 +17,13 @@ from offload.args import EngineArgs
 from offload.config import ModelConfig
 from offload.errors import UserError
 from offload.front import ModelFront
-from offload.policies.caps import Baseline, Caps, check_block_fits, check_weights_fit
+from offload.policies.caps import (
+    Baseline,
+    Caps,
+    check_block_fits,
+    check_caps_within_machine,
+    check_weights_fit,
+)
 from offload.policies.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -58,11 +64,12 @@ def plan_run(
         policy = Policy.from_file(args.policy)
     if policy is None and not args.wants_search:
         _refuse_compression_without_a_plan(args)
+    caps = Caps(args.gpu_bytes, args.cpu_bytes, nvme=args.nvme is not None)
+    check_caps_within_machine(caps, front.device)
     if policy is None and args.wants_search:
         policy = _search(front, args, cfg, prompt_len, gen_len)
     if tensor_parallel and policy is None:
         policy = Policy(gpu_batch_size=args.batch_size, num_gpu_batches=1)
-    caps = Caps(args.gpu_bytes, args.cpu_bytes, nvme=args.nvme is not None)
     # what the process holds before any weights: the baseline of the one accounting
     baseline = Baseline.measure(front.device)
     if policy is not None:

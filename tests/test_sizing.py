@@ -131,3 +131,26 @@ def test_requests_that_fail_before_generation_do_not_size_the_plan(
     assert errors["ok"] is None
     assert "empty prompt" in errors["empty"] and "chat template" in errors["chat"]
     assert "context is 256" in errors["long"]
+
+
+def test_a_cap_above_the_machine_is_refused_before_the_search(
+    model_dir, tmp_path, capsys, no_load, monkeypatch
+):
+    """A --cpu-mem above what the machine has (its cgroup limit or MemTotal) would be
+    planned for and then not kept: the engine's check holds the smaller. Refused at once,
+    naming both and where the machine's figure came from."""
+    from offload import planning
+    from offload.policies import caps as caps_module
+
+    def searched(*args, **kwargs):
+        raise AssertionError("the search ran for a cap the machine cannot keep")
+
+    monkeypatch.setattr(planning, "_search", searched)
+    monkeypatch.setattr(caps_module, "node_memory_limit", lambda: (8 * 10**9, "MemTotal"))
+    argv = ["--model", str(model_dir), "--device", "cpu", "--prompt", "hi", "-q"]
+    assert main([*argv, "--cpu-mem", "120GB"]) == 2
+    assert _last_error(capsys) == (
+        "offload-run: error: --cpu-mem 120.00 GB is more than this machine has (8.00 GB, "
+        "MemTotal); lower it, or leave it out to plan for this machine's memory"
+    )
+    assert main([*argv, "--cpu-mem", "120GB", "--gpu-mem", "1GB", "--nvme", str(tmp_path)]) == 2

@@ -25,6 +25,7 @@ from offload.config import ModelConfig
 from offload.errors import UserError
 from offload.policies.hardware import HardwareProfile
 from offload.policies.memory import MemoryPlan, plan_memory, weight_plan
+from offload.policies.memory_limit import node_memory_limit
 from offload.policies.policy import Policy
 
 # The plan counts every tensor the executor allocates, but not the CUDA caching
@@ -118,11 +119,32 @@ def plan_budget(caps: Caps, base: Baseline) -> tuple[float, float]:
 
 
 def device_limits(device: torch.device) -> tuple[int, int]:
-    """(GPU, CPU) bytes there are when no cap is given."""
-    cpu = psutil.virtual_memory().total
+    """(GPU, CPU) bytes there are when no cap is given: the GPU's memory, and the node's
+    limit (`node_memory_limit`: the cgroup's where there is one, since MemTotal reads 31
+    GiB at start on the machines whose memory grows to 256 GiB as it is used)."""
+    cpu = node_memory_limit()[0]
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory, cpu
     return cpu, cpu
+
+
+def check_caps_within_machine(caps: Caps, device: torch.device) -> None:
+    """A cap above what the machine has is a promise the search would plan for and the
+    engine could not keep (its fit check holds the smaller): refused before any search.
+    Only the CPU's, and on a GPU the GPU's (on the CPU device the GPU cap is a share of
+    the same memory)."""
+    gpu, cpu = device_limits(device)
+    if caps.cpu_bytes is not None and caps.cpu_bytes > cpu:
+        raise UserError(
+            f"--cpu-mem {_gb(caps.cpu_bytes)} is more than this machine has "
+            f"({_gb(cpu)}, {node_memory_limit()[1]}); lower it, or leave it out to plan for "
+            "this machine's memory"
+        )
+    if device.type == "cuda" and caps.gpu_bytes is not None and caps.gpu_bytes > gpu:
+        raise UserError(
+            f"--gpu-mem {_gb(caps.gpu_bytes)} is more than the GPU has ({_gb(gpu)}); lower "
+            "it, or leave it out to plan for the whole GPU"
+        )
 
 
 def fit_problem(
