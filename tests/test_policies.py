@@ -52,6 +52,19 @@ def cfg_of(name: str) -> ModelConfig:
     return ModelConfig.from_hf(PRESETS[name], name)
 
 
+def test_no_fit_names_the_smallest_fit_and_what_int4_would_need():
+    """When nothing fits, the message gives the smallest plan's peaks in the formats
+    allowed and, where int4 weights and KV would need less, that need and its flags."""
+    cfg, caps, int4 = cfg_of("bloom"), Caps(24 * GB, 22 * GB, True), Compression(4, 64)
+    with pytest.raises(UserError, match="smallest fit needs") as dense:
+        search(cfg, torch.float16, 512, 32, PROFILE, caps)
+    assert "; with --compress int4 --kv-compress int4 it needs" in str(dense.value)
+    with pytest.raises(UserError, match="smallest fit needs") as small:
+        search(cfg, torch.float16, 512, 32, PROFILE, caps, compressions=(int4,), kv_compressions=(int4,))  # fmt: skip
+    assert "--compress int4" not in str(small.value)
+    assert str(dense.value).endswith(str(small.value).split("needs ")[-1])
+
+
 @pytest.mark.parametrize("name", ["opt-30b", "llama-2-13b", "llama-3.1-8b"])
 @pytest.mark.parametrize(
     "gpu_gb, cpu_gb, nvme", [(24, 100, False), (12, 64, True), (40, 200, False)]

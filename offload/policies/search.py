@@ -207,23 +207,38 @@ def ranked(
             best[kind] = est
     if not best:
         smallest = min(compressions, key=lambda c: sum(stage_image_bytes(cfg, dtype, c)))
-        raise UserError(_smallest_fit(cfg, dtype, prompt_len, gen_len, hw, caps, smallest))
+        smallest_kv = min(kv_compressions, key=lambda c: 16 if c is None else c.bits)
+        message = _smallest_fit(cfg, dtype, prompt_len, gen_len, hw, caps, smallest, smallest_kv)
+        int4 = Compression(4, 64, False)  # the smaller formats' fit, where it is smaller
+        need = _smallest_need(cfg, dtype, prompt_len, gen_len, hw, caps, int4, int4)
+        if need not in message:
+            message += f"; with --compress int4 --kv-compress int4 it needs {need}"
+        raise UserError(message)
     return sorted(best.values(), key=lambda e: -e.total_tok_s)[:top]
 
 
-def _smallest_fit(
-    cfg, dtype, prompt_len, gen_len, hw: HardwareProfile, caps: Caps, compression
+def _smallest_need(
+    cfg, dtype, prompt_len, gen_len, hw: HardwareProfile, caps: Caps, compression, kv_compression
 ) -> str:
+    """The peaks of the smallest plan: one sequence, weights and KV on disk (with a
+    disk) or in CPU memory, attention on the CPU, in these formats."""
     on_disk = caps.nvme
     weights = Placement(0.0, 0.0, 1.0) if on_disk else Placement(0.0, 1.0, 0.0)
     kv = Placement(0.0, 0.0, 1.0) if on_disk else Placement(0.0, 1.0, 0.0)
     policy = Policy(
-        1, 1, weights=weights, kv_cache=kv, attention_on_cpu=True, weight_compression=compression
-    )
+        1, 1, weights=weights, kv_cache=kv, attention_on_cpu=True,
+        weight_compression=compression, kv_compression=kv_compression,
+    )  # fmt: skip
     est = estimate(cfg, policy, dtype, prompt_len, gen_len, hw)
-    hint = "" if on_disk else " (less CPU memory with --nvme)"
+    return f"{est.gpu_peak_bytes / 1e9:.1f} GB GPU and {est.cpu_peak_bytes / 1e9:.1f} GB CPU"
+
+
+def _smallest_fit(
+    cfg, dtype, prompt_len, gen_len, hw: HardwareProfile, caps: Caps, compression, kv_compression
+) -> str:
+    need = _smallest_need(cfg, dtype, prompt_len, gen_len, hw, caps, compression, kv_compression)
+    hint = "" if caps.nvme else " (less CPU memory with --nvme)"
     return (
         f"no policy fits --gpu-mem {caps.gpu_bytes / 1e9:.1f} GB and --cpu-mem "
-        f"{caps.cpu_bytes / 1e9:.1f} GB; the smallest fit needs {est.gpu_peak_bytes / 1e9:.1f} GB "
-        f"GPU and {est.cpu_peak_bytes / 1e9:.1f} GB CPU{hint}"
+        f"{caps.cpu_bytes / 1e9:.1f} GB; the smallest fit needs {need}{hint}"
     )
