@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -83,6 +84,8 @@ def _plan(args) -> int:
     args.gen_len = sampling_params(args, {}).max_tokens
     if args.num_prompts is not None and args.num_prompts < 1:
         raise UserError(f"--num-prompts must be positive, got {args.num_prompts}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before any search
+        raise UserError("--plot needs matplotlib: pip install 'offload[plot]' (or matplotlib)")
     model_cfg = cfg = resolve_model(engine.model, dummy=True, revision=engine.revision).config
     cpu_bytes = engine.cpu_bytes
     if args.tp > 1:  # tensor parallelism: the per-rank plan (offload.parallel)
@@ -322,7 +325,9 @@ def _plot(path: Path, cfg, dtype, args, hw, caps: Caps, best: Estimate) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UserError("--plot needs matplotlib (pip install matplotlib)") from None
+        raise UserError(
+            "--plot needs matplotlib: pip install 'offload[plot]' (or matplotlib)"
+        ) from None
     from offload.policies.policy import Policy
     from offload.policies.search import BATCH_SIZES
 

@@ -72,7 +72,7 @@ def report(llm: LLM, stats: JobStats, load_seconds: float, stats_path: Path | No
         atomic_write(stats_path, json.dumps(info, indent=1, default=str))
     s = llm.stats
     print(
-        f"offload-run: {stats.total} requests, {s.generated_tokens} tokens generated in "
+        f"offload-run: {_count(stats.total, 'request')}, {s.generated_tokens} tokens generated in "
         f"{s.seconds:.2f} s ({s.tokens_per_second:.1f} tok/s; prefill {s.prefill_seconds:.2f} s, "
         f"decode {s.decode_seconds:.2f} s); load {load_seconds:.1f} s; peak RSS "
         f"{info['peak_memory']['cpu_rss_bytes'] / 1e9:.2f} GB; "
@@ -90,6 +90,10 @@ def report(llm: LLM, stats: JobStats, load_seconds: float, stats_path: Path | No
         f"{info['peak_memory']['cpu_rss_bytes'] / 1e9:.2f} GB",
         file=sys.stderr,
     )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 class Progress:

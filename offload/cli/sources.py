@@ -102,4 +102,5 @@ def write_results(sink: ResultLog | MemorySink, total: int, to_stdout: bool) -> 
                 print(json.dumps(row, ensure_ascii=False))
                 continue
             text = row["text"] if row["finish_reason"] != "error" else f"error: {row['error']}"
-            print(f"[{row['id']}] {row.get('prompt', '')}\n{text}\n")
+            prompt = row.get("prompt")  # (a chat's row has none)
+            print(f"[{row['id']}] {prompt}\n{text}\n" if prompt else f"[{row['id']}]\n{text}\n")

@@ -197,7 +197,8 @@ def resolve_model(
             if preset is None:
                 raise
             raise UserError(
-                f"{exc}, or pass --dummy to run its preset '{preset}' with random weights"
+                f"{exc}, or pass --dummy (dummy=True in Python) to run its preset "
+                f"'{preset}' with random weights"
             ) from None
     raise UserError(
         f"unknown model {text!r}: not a path, a preset or a hub repo id; presets: "
