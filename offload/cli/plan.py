@@ -33,6 +33,7 @@ GB = 1e9
 FLAGS = (
     "model",
     "revision",
+    "dummy",  # (a plan reads only the config: accepted so a run's flags plan as they are)
     "dtype",
     "gpu_mem",
     "cpu_mem",
