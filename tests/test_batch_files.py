@@ -4,6 +4,7 @@ duplicate ids, exit codes, locks on the output, flags refused before any measure
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -286,3 +287,18 @@ def test_atomic_write_replaces_whole_files(tmp_path):
     atomic_write(path, b'{"a": 2}')
     assert json.loads(path.read_text()) == {"a": 2}
     assert [p.name for p in path.parent.iterdir()] == ["profile.json"]  # no temporary left
+
+
+def test_atomic_write_gives_new_files_the_umask_mode_and_keeps_an_old_ones(tmp_path):
+    """Outputs are the user's files: a new one takes the umask's mode (not the temporary
+    file's private 0600), a replaced one keeps its mode."""
+    old_umask = os.umask(0o022)
+    try:
+        fresh = tmp_path / "out.jsonl"
+        atomic_write(fresh, "{}\n")
+        assert fresh.stat().st_mode & 0o777 == 0o644
+        fresh.chmod(0o640)
+        atomic_write(fresh, "{}\n{}\n")
+        assert fresh.stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(old_umask)

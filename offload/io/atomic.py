@@ -41,6 +41,7 @@ def atomic_writer(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, _file_mode(path))  # (mkstemp's 0600 would leave outputs private)
         with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f
             f.flush()
@@ -50,6 +51,16 @@ def atomic_writer(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def _file_mode(path: Path) -> int:
+    """The mode the file it replaces had, else a new file's under the umask."""
+    try:
+        return path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def atomic_write(path: Path, data: str | bytes) -> None:
