@@ -265,6 +265,8 @@ def test_policy_over_the_cap_is_refused_before_loading(tiny_checkpoints):
 
 
 def test_block_over_the_cap_is_refused_before_generating(tiny_checkpoints):
+    from offload.policies.memory_limit import node_memory_limit
+
     directory, _ = tiny_checkpoints["opt"]
     policy = Policy(gpu_batch_size=4, num_gpu_batches=2, kv_cache=Placement(0, 1, 0))
     with LLM(
@@ -272,7 +274,7 @@ def test_block_over_the_cap_is_refused_before_generating(tiny_checkpoints):
         device="cpu",
         dtype="float32",
         policy=policy,
-        caps=Caps(cpu_bytes=10**12),
+        caps=Caps(cpu_bytes=node_memory_limit()[0]),  # all the machine has
     ) as llm:
         need = llm.runner.ledger.snapshot()
         assert need["cpu"]["used"] == 0  # no CPU weights
