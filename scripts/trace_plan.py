@@ -1,7 +1,7 @@
 """Where a plan's step time goes: the executor's lane trace of a model cut to a few layers.
 
     python scripts/trace_plan.py --model bloom --policy policy.json --layers 4 \
-        --prompt-len 512 --out DIR [--nvme DIR]
+        --prompt-len 512 --out DIR [--nvme DIR] [--cprofile-first]
     python scripts/trace_plan.py --from-trace benchmarks/results/bench_176b_<stamp>_bloom_trace.json
 
 Runs the policy's block (prefill twice, the second warm, then decode steps) on the
@@ -15,8 +15,11 @@ to --out.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import io
 import json
+import pstats
 import time
 from pathlib import Path
 
@@ -53,6 +56,17 @@ def main() -> None:
         "events and spans cost the step)",
     )
     p.add_argument(
+        "--warm-up",
+        action="store_true",
+        help="run the executor's load-time warm-up (Executor.warm_up) before the first prefill",
+    )
+    p.add_argument(
+        "--cprofile-first",
+        action="store_true",
+        help="run the first prefill under cProfile and print where its extra time goes "
+        "(its functions by cumulative time; the text also goes to --out)",
+    )
+    p.add_argument(
         "--kernels",
         action="store_true",
         help="then run the block again under torch.profiler and print the GPU time a "
@@ -71,13 +85,27 @@ def main() -> None:
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     began = time.perf_counter()
     ex = Executor(DummySource(cfg), policy, dtype, device, nvme_dir=args.nvme, trace=True)
+    if args.warm_up:
+        ex.warm_up()
     load_s = time.perf_counter() - began
     prompts = [[5 + row % 100] * args.prompt_len for row in range(policy.block_size)]
     batch = PaddedBatch(cfg, prompts, args.steps + args.untraced_steps + 1, pad_id=1)
     ex.start(batch)
+    profiler = cProfile.Profile() if args.cprofile_first else None
     began = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     ex.forward(batch.prompt_ids, ex.step_inputs(batch, 0, args.prompt_len))
     first_prefill_s = time.perf_counter() - began
+    if profiler is not None:
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"first_prefill_{args.model}_{args.layers}l_cprofile.txt").write_text(
+            text.getvalue()
+        )
+        print(text.getvalue())
     # the same prefill again, warm (its kernels compiled); a traced forward ends by
     # resolving its events, so its time is the GPU's
     began = time.perf_counter()

@@ -421,6 +421,42 @@ def test_a_job_after_the_warm_up_compiles_no_kernel(tiny_checkpoints, tmp_path):
     assert job.names == [], f"compiled in the job: {job.names}"
 
 
+_STREAMED_JOB = """
+import sys
+from offload.engine import LLM
+from offload.kernels.launch import CompileCount
+from offload.policies.policy import Placement, Policy
+from offload.sampling import SamplingParams
+
+policy = Policy(gpu_batch_size=4, num_gpu_batches=2, weights=Placement(0, 1, 0))
+with LLM(sys.argv[1], device="cuda", dtype="float16", policy=policy) as llm:
+    assert not llm.runner._graphs
+    with CompileCount() as job:
+        llm.generate([[5 + i] * 40 for i in range(8)], SamplingParams(max_tokens=4))
+print("compiled in the job:", job.names)
+"""
+
+
+@pytest.mark.parametrize("case", ["llama-gqa", "bloom"])
+def test_a_streamed_plans_first_prefill_compiles_nothing(case, tiny_checkpoints):
+    """Where weights stream (no decode graphs, so no warm-up block), the load still
+    launches the decoder's kernels once (`decoder.warm_kernels`): the job's first prefill
+    loads no Triton kernel and starts no runtime. A process of its own, so nothing an
+    earlier test compiled is in memory (a load from Triton's disk cache counts too)."""
+    import subprocess
+    import sys
+
+    directory, _ = tiny_checkpoints[case]
+    done = subprocess.run(
+        [sys.executable, "-c", _STREAMED_JOB, str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled in the job: []" in done.stdout, done.stdout
+
+
 def test_a_steps_gpu_transients_are_a_layers_or_the_logits_as_planned():
     """A step holds a prefill layer's working set or, at the head, every micro-batch's
     logits and their cat, not both (`memory.activation_plan`): here the two are near

@@ -163,7 +163,7 @@ class Executor(LaneReports):  # implements runner.Runner
     # -- before the job -------------------------------------------------------------------
     def warm_up(self, progress: bool = False) -> float:
         """Compile the kernels and capture the decode graphs at the block's shapes before
-        the job, on a short made-up block (its time counts as loading). Only where decode
+        the job, on a short made-up block (its time counts as loading). The block runs only where decode
         replays graphs (every weight on the GPU): a step there takes milliseconds, and a
         cold Triton cache's compiles and the first capture would otherwise take most of a
         short job (W1c, one block: prefill 4.9 s against 1.0 warm, decode 65 against 17.6
@@ -172,13 +172,21 @@ class Executor(LaneReports):  # implements runner.Runner
 
         A policy that attends on the CPU has the CPU attention's C kernel built here
         first (once a machine, cached): on a fresh H100 machine the build took most of
-        the 11.6 s first decode step of a traced run (c99)."""
+        the 11.6 s first decode step of a traced run (c99).
+
+        Every plan on a GPU first launches the decoder's kernels on a few rows
+        (`decoder.warm_kernels`, no weights read): the Triton runtime's start and the
+        libraries' first launches otherwise fell in a streamed plan's first prefill."""
         started = time.perf_counter()
         if self.policy.attention_on_cpu:
             cpu_attention.available(compressed=self.policy.kv_compression is not None)
+        if self.device.type == "cuda":
+            decoder.warm_kernels(self.cfg, self.dtype, self.device)
         if not (self.cuda_graphs and self.policy.decode_graphs) or self.tracer.enabled:
             seconds = time.perf_counter() - started  # (a traced run replays no graphs)
             self.load_seconds += seconds
+            if progress and seconds > 0.5:
+                log.info("warmed up in %.1f s (kernels loaded)", seconds)
             return seconds
         rows = self.policy.block_size
         # prefill's matmuls take the dense path (qmatmul.DENSE_ROWS) as the job's will:
