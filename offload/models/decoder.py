@@ -371,11 +371,11 @@ def head(cfg: ModelConfig, w: Weights, x: torch.Tensor) -> torch.Tensor:
 def warm_kernels(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
     """Launch, on a few rows at the model's widths, what a process pays for at its first
     prefill whatever the plan: the Triton runtime's start (its driver, the key of its
-    cache: 0.4-0.7 s on the H200 machine, c3), the norm kernel's compile or cache load at
+    cache: 0.4-0.7 s on the H200 machine, c106), the norm kernel's compile or cache load at
     this width, with and without a residual, the plain layer norm's first launch (the
     head's strided last rows take it), cuBLAS's handle and SDPA's flash kernel. No
     weights are read. Without it a streamed plan's first prefill took 1.0-1.2 s more
-    than its warm one (c3, c5)."""
+    than its warm one (c106, c108)."""
     hidden = cfg.hidden_size
     x = torch.zeros(2, hidden, dtype=dtype, device=device)
     weight = torch.ones(hidden, dtype=dtype, device=device)
