@@ -561,6 +561,27 @@ def test_each_disk_home_pays_its_chain_on_the_disk_lane():
     )
 
 
+def test_a_layers_disk_homes_chain_follows_its_compute_and_disk_weights_run_ahead():
+    """Attended on the GPU, a layer's disk homes are read, crossed, attended, stored and
+    written back in a chain with the layer's compute (the H200 trace of c111): the step
+    grows with the compute even where the disk lane is the busiest. Weights read from
+    disk run ahead of the compute: there the disk lane alone bounds the layer."""
+    cfg = cfg_of("opt-30b")
+    w4 = {"weight_compression": INT4, "kv_compression": INT4}
+    kv_on_disk = Policy(8, 2, kv_cache=Placement(0, 0.875, 0.125), **w4)
+    w_on_disk = Policy(8, 2, weights=Placement(0.2, 0.3, 0.5), kv_cache=Placement(0, 1, 0), **w4)
+    slow = dataclasses.replace(PROFILE, disk_kv_s=0.02)  # 20 ms a home: disk the busiest
+    costly = dataclasses.replace(slow, decode_elementwise_s={"opt": 0.001})
+    for policy, follows in ((kv_on_disk, True), (w_on_disk, False)):
+        before, after = (estimate(cfg, policy, torch.float16, 512, 32, hw) for hw in (slow, costly))
+        lanes = before.lanes_decode_s
+        assert lanes["disk"] > max(lanes["compute"], lanes["h2d"], lanes["host"]), policy
+        added = after.lanes_decode_s["compute"] - lanes["compute"]
+        assert added > 0
+        grown = after.decode_step_s - before.decode_step_s
+        assert grown == pytest.approx(added if follows else 0.0, abs=1e-9), policy
+
+
 def test_disk_kv_homes_are_read_at_their_own_rate_and_disk_weights_at_the_streams():
     """KV homes on disk cross at the rate measured for whole-home reads beside the host
     thread; weights on disk keep the sequential rate; 0 (not measured) falls back to it."""
