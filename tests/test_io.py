@@ -226,7 +226,7 @@ def test_truncated_extent_is_an_error(tmp_path):
         _read_all(store, "s", reader, pool)
 
 
-def test_killed_conversion_leaves_no_loadable_store(tmp_path):
+def test_killed_conversion_leaves_no_loadable_store_and_the_next_resumes(tmp_path, caplog):
     cfg = ModelConfig.from_hf(PRESETS["smollm2-135m-instruct"], "smollm2-135m-instruct")
     target = store_dir(tmp_path, cfg, torch.float32)
     partial = target.with_name(target.name + ".partial")
@@ -254,6 +254,74 @@ def test_killed_conversion_leaves_no_loadable_store(tmp_path):
     with pytest.raises(UserError, match="not a complete weight store"):
         WeightStore.open(target, cfg, torch.float32)
     assert not target.exists()
+    # the next build keeps what the killed one synced, and writes the rest
+    kept = {path.name: path.stat().st_mtime_ns for path in partial.glob("layer_*.bin")}
+    with caplog.at_level(logging.INFO, logger="offload.io.store"):
+        store = ensure_store(DummySource(cfg), tmp_path, torch.float32)
+    assert "stages already written" in caplog.text
+    assert store.directory == target and store.whole
+    same = [name for name, ns in kept.items() if (target / name).stat().st_mtime_ns == ns]
+    assert len(same) >= len(kept) - 1  # (the stage being written when killed is redone)
+
+
+class _Killed(Exception):
+    """Stands in for a kill -9 in the middle of a store's build: nothing is cleaned up."""
+
+
+class _CountingSource(DummySource):
+    """DummySource that records each stage it makes, and is killed before the
+    `killed_after` + 1-th."""
+
+    def __init__(self, cfg: ModelConfig, seed: int, killed_after: int | None = None) -> None:
+        super().__init__(cfg, seed=seed)
+        self.made: list[tuple[str, int]] = []
+        self.killed_after = killed_after
+
+    def stage(self, stage, index, dtype, device):
+        if self.killed_after is not None and len(self.made) == self.killed_after:
+            raise _Killed
+        self.made.append((stage, index))
+        return super().stage(stage, index, dtype, device)
+
+
+def test_a_killed_store_build_resumes_from_the_stages_it_wrote(tmp_path, caplog):
+    """A 176B store takes long to write: a build killed half-way keeps the stages it
+    synced, and the next build writes only the rest (making one kept stage again to check
+    the weights are the same), into the same store a build in one go writes."""
+    cfg = tiny_config(num_hidden_layers=6)
+    stages = len(stage_keys(cfg))  # embed, 6 layers, head
+    once = store_mod.convert(DummySource(cfg, seed=3), tmp_path / "once", torch.float16)
+    with pytest.raises(_Killed):
+        store_mod.convert(_CountingSource(cfg, 3, killed_after=4), tmp_path / "two", torch.float16)
+    resumed = _CountingSource(cfg, 3)
+    with caplog.at_level(logging.INFO, logger="offload.io.store"):
+        twice = store_mod.convert(resumed, tmp_path / "two", torch.float16)
+    assert f"4 of {stages} stages already written" in caplog.text
+    assert len(resumed.made) == stages - 4 + 1
+    assert sorted(p.name for p in twice.iterdir()) == sorted(p.name for p in once.iterdir())
+    for path in once.iterdir():
+        assert (twice / path.name).read_bytes() == path.read_bytes(), path.name
+    assert WeightStore.open(twice, cfg, torch.float16).manifest == json.loads(
+        (once / "manifest.json").read_text()
+    )
+
+
+def test_a_killed_build_over_other_weights_of_the_same_model_starts_over(tmp_path, caplog):
+    """Another checkpoint of the same configuration (here another seed) shares the store's
+    directory name: its build keeps none of the killed build's stages."""
+    cfg = tiny_config()
+    with pytest.raises(_Killed):
+        store_mod.convert(_CountingSource(cfg, 3, killed_after=3), tmp_path, torch.float16)
+    other = _CountingSource(cfg, 4)
+    with caplog.at_level(logging.WARNING, logger="offload.io.store"):
+        directory = store_mod.convert(other, tmp_path, torch.float16)
+    assert "differ from the killed build's" in caplog.text
+    assert len(other.made) == 1 + len(stage_keys(cfg))  # the check, then every stage
+    with PinnedPool(2**24) as pool, ExtentReader(threads=2) as reader:
+        from_store = StoreSource(cfg, WeightStore.open(directory, cfg, torch.float16), pool, reader)
+        want = DummySource(cfg, seed=4).stage("layer", 1, torch.float16, CPU)
+        got = from_store.stage("layer", 1, torch.float16, CPU)
+        assert all(torch.equal(want[name], got[name]) for name in want)
 
 
 def test_full_disk_gives_a_clear_error_and_keeps_the_old_store(tmp_path, monkeypatch):

@@ -296,45 +296,57 @@ def convert(
 ) -> Path:
     """Write a store for `source` under nvme_dir (quantized matrices when compression is
     given) holding the stage tails `placement` puts on disk (the whole model without
-    one); returns its directory."""
+    one); returns its directory. A build that was killed resumes: the stages it wrote
+    are kept (`_resumable`), the rest are written."""
     cfg = source.config
     final = store_dir(nvme_dir, cfg, dtype, compression)
     partial = final.with_name(final.name + ".partial")
     need = store_bytes(cfg, dtype, compression, placement)
+    identity = {
+        "format_version": FORMAT_VERSION,
+        "model": cfg.name,
+        "config_hash": cfg.fingerprint(),
+        "dtype": DTYPE_NAMES[dtype],
+        "compression": compression_name(compression),
+        "alignment": ALIGN,
+    }
+    wanted = dict(
+        zip(stage_keys(cfg), store_tails(cfg, dtype, compression, placement), strict=True)
+    )
+    done = _resumable(partial, identity, wanted, source, dtype, compression)
+    written = sum(entry["size"] - entry["tail_start"] for entry in done.values())
     nvme_dir.mkdir(parents=True, exist_ok=True)
-    problem = space_problem(nvme_dir, need)
+    problem = space_problem(nvme_dir, need - written)
     if problem:
         raise UserError(problem)
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    stages_in = zip(stage_keys(cfg), store_tails(cfg, dtype, compression, placement), strict=True)
+    if done:
+        log.info(
+            "resuming the weight store's build in %s: %d of %d stages already written",
+            partial,
+            len(done),
+            len(wanted),
+        )
+    else:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+    stages_in = iter(wanted.items())
     if progress:
         from tqdm import tqdm
 
-        stages_in = tqdm(
-            stages_in, desc="writing weight store", unit="stage", total=len(stage_keys(cfg))
-        )
-    stages = {}
+        stages_in = tqdm(stages_in, desc="writing weight store", unit="stage", total=len(wanted))
+    stages: dict[str, dict] = {}
     try:
         for key, tail_start in stages_in:
-            stage, index = _split_key(key)
-            stored = compress_stage(
-                source.stage(stage, index, dtype, torch.device("cpu")), compression
-            )
-            # the image's tensors only (a tied model's embedding leaves its table to the head)
-            tensors = {t.name: stored[t.name] for t in stage_layout(cfg, key, dtype, compression)}
+            if key in done:
+                stages[key] = done[key]
+                continue
+            tensors = _stored_tensors(source, cfg, key, dtype, compression)
             stages[key] = write_stage_file(partial / _stage_file(key), tensors, tail_start)
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "model": cfg.name,
-            "config_hash": cfg.fingerprint(),
-            "dtype": DTYPE_NAMES[dtype],
-            "compression": compression_name(compression),
-            "alignment": ALIGN,
-            "checksum": "xxh3_64",
-            "stages": stages,
-        }
+            # after the stage's file is synced: a build killed from here on keeps it
+            atomic_write(partial / PROGRESS, json.dumps({"identity": identity, "stages": stages}))
+        manifest = {**identity, "checksum": "xxh3_64", "stages": stages}
         atomic_write(partial / MANIFEST, json.dumps(manifest, indent=1))
+        (partial / PROGRESS).unlink(missing_ok=True)
     except OSError as exc:
         shutil.rmtree(partial, ignore_errors=True)
         if exc.errno == errno.ENOSPC:
@@ -350,6 +362,66 @@ def convert(
     fsync_dir(nvme_dir)
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+PROGRESS = "progress.json"
+
+
+def _stored_tensors(
+    source: WeightSource,
+    cfg: ModelConfig,
+    key: str,
+    dtype: torch.dtype,
+    compression: Compression | None,
+) -> dict[str, torch.Tensor]:
+    """A stage's tensors as the store holds them (quantized where compressed; a tied
+    model's embedding leaves its table to the head)."""
+    stage, index = _split_key(key)
+    stored = compress_stage(source.stage(stage, index, dtype, torch.device("cpu")), compression)
+    return {t.name: stored[t.name] for t in stage_layout(cfg, key, dtype, compression)}
+
+
+def _resumable(
+    partial: Path,
+    identity: dict,
+    wanted: Mapping[str, int],
+    source: WeightSource,
+    dtype: torch.dtype,
+    compression: Compression | None,
+) -> dict[str, dict]:
+    """The stages a killed build of the same store left in `partial` that this build can
+    keep: named in its progress file (written after each stage's file was synced), of the
+    same format, model, dtype and compression, their file whole, and holding at least the
+    tail this build needs. The source is checked against them by one stage's checksums
+    (made again from it): a different checkpoint of the same configuration starts over."""
+    try:
+        left = json.loads((partial / PROGRESS).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(left, dict) or left.get("identity") != identity:
+        return {}
+    done = {}
+    for key, entry in left.get("stages", {}).items():
+        path = partial / _stage_file(key)
+        if (
+            key in wanted
+            and entry["tail_start"] <= wanted[key]
+            and path.is_file()
+            and path.stat().st_size == entry["size"] - entry["tail_start"]
+        ):
+            done[key] = entry
+    if done:
+        key = min(done, key=lambda k: done[k]["size"])  # the cheapest to make again
+        tensors = _stored_tensors(source, source.config, key, dtype, compression)
+        sums = {name: entry["xxh3"] for name, entry in done[key]["tensors"].items()}
+        made = {
+            name: checksum(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
+            for name, t in tensors.items()
+        }
+        if made != sums:
+            log.warning("the weights differ from the killed build's: writing the store again")
+            return {}
+    return done
 
 
 def find_store(
