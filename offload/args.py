@@ -284,3 +284,88 @@ def caps_from_max_memory(
             raise UserError(f"max_memory key {key!r} is not a device; use 0 / 'cuda:0' and 'cpu'")
         parse_size(size, f"max_memory[{key!r}]")
     return gpu, cpu
+
+
+# vLLM's `LLM` constructor arguments that take no effect here at these values
+VLLM_DEFAULTS = {
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "trust_remote_code": False,
+    "enforce_eager": False,
+    "disable_log_stats": True,
+}
+# vLLM's arguments with no counterpart here, and the fix each message names
+VLLM_REFUSED = {
+    "tensor_parallel_size": "tensor parallelism runs as one process a rank: "
+    "offload-run --tp N under torchrun (docs/parallel.md)",
+    "pipeline_parallel_size": "layers stream through one GPU instead: drop it",
+    "trust_remote_code": "no remote code runs; the supported families (Llama, Mistral, "
+    "Qwen2, BLOOM, OPT) load without it: drop it",
+    "enforce_eager": "the policy decides where decode replays CUDA graphs: drop it",
+    "seed": "seed each request instead: SamplingParams(seed=...)",
+    "max_model_len": "each job's plan is sized for its longest prompt and max_tokens, up to "
+    "the model's context: drop it",
+    "tokenizer": "the model's own tokenizer is used: drop it",
+    "tokenizer_mode": "the model's own tokenizer is used: drop it",
+    "skip_tokenizer_init": "the model's own tokenizer is used: drop it",
+    "cpu_offload_gb": "the plan search places weights, cache and activations itself: cap "
+    "the CPU memory with max_memory={'cpu': '100GB'} (and give offload_folder=DIR for disk)",
+    "swap_space": "the plan search places the KV cache itself: cap the CPU memory with "
+    "max_memory={'cpu': '100GB'}",
+}
+
+
+def from_vllm_arguments(
+    kwargs: dict[str, Any], device: torch.device, gpu_mem: str | None
+) -> tuple[dict[str, Any], str | None]:
+    """vLLM's `LLM(...)` arguments as this engine's (`docs/compat.md`): (the EngineArgs
+    keyword arguments, the GPU cap). `max_num_seqs` is the batch size, `quantization`
+    the weights' format (int4, int8, auto), `gpu_memory_utilization` the share of the
+    GPU's memory the run may use; the rest of vLLM's refused with the fix, at their
+    defaults accepted; anything else is a TypeError, as Python's own."""
+    for vllm, ours in (("max_num_seqs", "batch_size"), ("quantization", "compress")):
+        if vllm in kwargs and ours in kwargs:
+            raise UserError(f"give {vllm} or {ours}, not both (they are the same)")
+    out = {}
+    for name, value in kwargs.items():
+        if name in ENGINE_FIELDS:
+            out[name] = value
+        elif name == "max_num_seqs":
+            out["batch_size"] = value
+        elif name == "quantization":
+            if value is not None and str(value) not in ("int4", "int8", "auto"):
+                raise UserError(
+                    f"quantization={value!r} reads a pre-quantized checkpoint, which offload "
+                    "does not; pass quantization='int4' (or 'int8') to quantize the weights "
+                    "group-wise as they load (docs/compression.md)"
+                )
+            out["compress"] = "none" if value is None else str(value)
+        elif name == "gpu_memory_utilization":
+            gpu_mem = _gpu_share(value, device, gpu_mem)
+        elif name in VLLM_DEFAULTS and value == VLLM_DEFAULTS[name]:
+            continue
+        elif name in VLLM_REFUSED:
+            raise UserError(f"LLM({name}={value!r}) is vLLM's: {VLLM_REFUSED[name]}")
+        else:
+            raise TypeError(
+                f"LLM() got an unexpected keyword argument {name!r}; it takes the EngineArgs "
+                "fields, max_memory, offload_folder and policy (docs/compat.md)"
+            )
+    return out, gpu_mem
+
+
+def _gpu_share(share: Any, device: torch.device, gpu_mem: str | None) -> str:
+    """vLLM's gpu_memory_utilization as a GPU cap: that share of the device's memory."""
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise UserError(f"gpu_memory_utilization={share!r} is not a share in (0, 1]; e.g. 0.9")
+    if gpu_mem is not None:
+        raise UserError(
+            "gpu_memory_utilization and a max_memory GPU entry both cap the GPU; give one"
+        )
+    if device.type != "cuda":
+        raise UserError(
+            f"gpu_memory_utilization caps a GPU's memory, and this run has none (device "
+            f"{device}); drop it, or cap the CPU memory with max_memory={{'cpu': '8GB'}}"
+        )
+    total = torch.cuda.get_device_properties(device).total_memory
+    return f"{int(share * total)}B"

@@ -17,7 +17,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from offload.args import EngineArgs, caps_from_max_memory, resolve_device
+from offload.args import EngineArgs, caps_from_max_memory, from_vllm_arguments, resolve_device
 from offload.config import DTYPES, resolve_dtype
 from offload.decode_loop import DecodeLoop
 from offload.errors import UserError
@@ -42,7 +42,9 @@ class LLM:
     """A model ready to generate. `model` is anything `--model` accepts.
 
     Keyword arguments are `EngineArgs` fields (dtype, device, revision, batch_size,
-    chat_template, ...), plus accelerate's `max_memory` ({"cuda:0": "24GB", "cpu":
+    chat_template, ...), vLLM's where they have a meaning here (`args.from_vllm_arguments`:
+    max_num_seqs, quantization, gpu_memory_utilization; the others refused with the fix),
+    plus accelerate's `max_memory` ({"cuda:0": "24GB", "cpu":
     "100GB"}) and `offload_folder` (the weight store and KV spill directory): caps
     without a `policy` run the same plan search as offload-run. `policy` (a `Policy` or
     a JSON path) runs the offloading executor with that placement.
@@ -65,6 +67,7 @@ class LLM:
     ) -> None:
         device = resolve_device(engine_args.get("device", "auto"))
         gpu_mem, cpu_mem = caps_from_max_memory(max_memory, device)
+        engine_args, gpu_mem = from_vllm_arguments(engine_args, device, gpu_mem)
         if caps is not None:  # byte caps given as `Caps`: the same as sizes
             gpu_mem = gpu_mem or (f"{caps.gpu_bytes}B" if caps.gpu_bytes else None)
             cpu_mem = cpu_mem or (f"{caps.cpu_bytes}B" if caps.cpu_bytes else None)

@@ -4,6 +4,7 @@ unchanged apart from the import and the model name, on the built-in demo model."
 from __future__ import annotations
 
 import pytest
+import torch
 
 from offload import LLM, SamplingParams
 from offload.errors import UserError
@@ -113,3 +114,41 @@ def test_max_memory_that_cannot_take_effect_is_an_error():
         LLM("demo", max_memory={"cpu": "8GB"}, profile=None, device="cpu")
     with pytest.raises(UserError, match="not a device"):
         LLM("demo", max_memory={"mps": "8GB"})
+
+
+def test_vllm_constructor_arguments_map_or_are_refused_naming_the_fix():
+    """A vLLM script's `LLM(...)` arguments: those with a meaning here are mapped, those at
+    vLLM's defaults pass, the rest are refused before anything loads, each naming what to
+    do instead (`docs/compat.md`); an argument neither knows is Python's TypeError."""
+    from offload.args import from_vllm_arguments
+
+    cpu = torch.device("cpu")
+    mapped, gpu = from_vllm_arguments(
+        {"max_num_seqs": 3, "quantization": "int4", "dtype": "float32",
+         "tensor_parallel_size": 1, "trust_remote_code": False, "enforce_eager": False},
+        cpu, None,
+    )  # fmt: skip
+    assert mapped == {"batch_size": 3, "compress": "int4", "dtype": "float32"} and gpu is None
+    refused = {
+        "quantization": ("awq", "quantization='int4'"),
+        "gpu_memory_utilization": (0.9, "has none"),
+        "cpu_offload_gb": (4, "max_memory"),
+        "swap_space": (4, "max_memory"),
+        "tensor_parallel_size": (2, "--tp N"),
+        "trust_remote_code": (True, "no remote code"),
+        "enforce_eager": (True, "CUDA graphs"),
+        "seed": (0, r"SamplingParams\(seed"),
+        "max_model_len": (2048, "longest prompt"),
+        "tokenizer": ("other", "own tokenizer"),
+    }
+    for name, (value, fix) in refused.items():
+        with pytest.raises(UserError, match=fix):
+            LLM("demo", device="cpu", **{name: value})
+    with pytest.raises(UserError, match="not a share"):
+        from_vllm_arguments({"gpu_memory_utilization": 1.5}, cpu, None)
+    with pytest.raises(UserError, match="give one"):
+        from_vllm_arguments({"gpu_memory_utilization": 0.5}, cpu, "24GB")
+    with pytest.raises(UserError, match="not both"):
+        LLM("demo", max_num_seqs=4, batch_size=4)
+    with pytest.raises(TypeError, match="download_dir"):
+        LLM("demo", download_dir="/tmp")
