@@ -302,7 +302,6 @@ VLLM_REFUSED = {
     "trust_remote_code": "no remote code runs; the supported families (Llama, Mistral, "
     "Qwen2, BLOOM, OPT) load without it: drop it",
     "enforce_eager": "the policy decides where decode replays CUDA graphs: drop it",
-    "seed": "seed each request instead: SamplingParams(seed=...)",
     "max_model_len": "each job's plan is sized for its longest prompt and max_tokens, up to "
     "the model's context: drop it",
     "tokenizer": "the model's own tokenizer is used: drop it",

@@ -12,6 +12,8 @@ decode ... until every sequence hit EOS, a stop string or its token budget.
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -44,6 +46,8 @@ class LLM:
     Keyword arguments are `EngineArgs` fields (dtype, device, revision, batch_size,
     chat_template, ...), vLLM's where they have a meaning here (`args.from_vllm_arguments`:
     max_num_seqs, quantization, gpu_memory_utilization; the others refused with the fix),
+    vLLM's `seed` (sampled requests without a seed of their own draw one from it, in
+    order, so a script samples the same text again),
     plus accelerate's `max_memory` ({"cuda:0": "24GB", "cpu":
     "100GB"}) and `offload_folder` (the weight store and KV spill directory): caps
     without a `policy` run the same plan search as offload-run. `policy` (a `Policy` or
@@ -63,8 +67,11 @@ class LLM:
         progress: bool = False,
         trace: bool = False,
         parallel: TensorParallel | None = None,
+        seed: int | None = None,
         **engine_args: Any,
     ) -> None:
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise UserError(f"seed={seed!r} is not an integer")
         device = resolve_device(engine_args.get("device", "auto"))
         gpu_mem, cpu_mem = caps_from_max_memory(max_memory, device)
         engine_args, gpu_mem = from_vllm_arguments(engine_args, device, gpu_mem)
@@ -82,6 +89,9 @@ class LLM:
             **engine_args,
         )
         self._build(args, None if as_path else policy, gen_len, progress, trace, parallel)
+        # vLLM's seed: the sampled requests without a seed of their own draw one from it,
+        # in the order they come, so the same script samples the same text again
+        self._seeds = None if seed is None else random.Random(seed)
 
     @classmethod
     def from_engine_args(
@@ -150,6 +160,7 @@ class LLM:
         self.chat_template = front.chat_template
         self.policy, self.caps, self.baseline = plan.policy, plan.caps, plan.baseline
         self.batch_size = plan.batch_size
+        self._seeds: random.Random | None = None  # (`LLM(seed=...)`)
         self.planned_for = (plan.prompt_len, plan.gen_len)  # prompt and new tokens
         self.runner: Runner = self._load(progress, trace)
         self.eos_ids = eos_ids(front)
@@ -269,6 +280,12 @@ class LLM:
                 )
         for _, ids in encoded:
             self.check_prompt(ids)
+        if self._seeds is not None:
+            params = [
+                p if p.greedy or p.seed is not None
+                else dataclasses.replace(p, seed=self._seeds.getrandbits(63))
+                for p in params
+            ]  # fmt: skip
         outs = self.generate_ids([(ids, p) for (_, ids), p in zip(encoded, params, strict=True)])
         for out, (text, _) in zip(outs, encoded, strict=True):
             out.prompt = text

@@ -137,7 +137,6 @@ def test_vllm_constructor_arguments_map_or_are_refused_naming_the_fix():
         "tensor_parallel_size": (2, "--tp N"),
         "trust_remote_code": (True, "no remote code"),
         "enforce_eager": (True, "CUDA graphs"),
-        "seed": (0, r"SamplingParams\(seed"),
         "max_model_len": (2048, "longest prompt"),
         "tokenizer": ("other", "own tokenizer"),
     }
@@ -152,3 +151,29 @@ def test_vllm_constructor_arguments_map_or_are_refused_naming_the_fix():
         LLM("demo", max_num_seqs=4, batch_size=4)
     with pytest.raises(TypeError, match="download_dir"):
         LLM("demo", download_dir="/tmp")
+
+
+def test_an_llms_seed_makes_its_sampled_requests_repeat(tmp_path):
+    """vLLM's `LLM(seed=...)`: sampled requests without a seed of their own draw one from
+    it in order, so the same calls sample the same text again; another seed samples other
+    text; a request's own seed and greedy requests are left as they are."""
+    from tests import tiny_models
+
+    directory, _ = tiny_models.save("llama-gqa", tmp_path / "m")
+    prompts = [[5, 6, 7, 8], [20, 21, 22], [300, 1, 2]]
+    hot = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    def sampled(seed, params=hot):
+        with LLM(str(directory), device="cpu", dtype="float32", seed=seed) as llm:
+            first = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            second = llm.generate([{"prompt_token_ids": prompts[0]}], params)
+        return [o.outputs[0].token_ids for o in (*first, *second)]
+
+    seven = sampled(7)
+    assert sampled(7) == seven
+    assert sampled(8) != seven
+    assert seven[0] != seven[3], "a later call draws new seeds"
+    own = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=3)
+    assert sampled(7, own) == sampled(None, own)
+    with pytest.raises(UserError, match="not an integer"):
+        LLM("demo", seed="7")
