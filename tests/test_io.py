@@ -324,24 +324,34 @@ def test_a_killed_build_over_other_weights_of_the_same_model_starts_over(tmp_pat
         assert all(torch.equal(want[name], got[name]) for name in want)
 
 
-def test_full_disk_gives_a_clear_error_and_keeps_the_old_store(tmp_path, monkeypatch):
+def test_full_disk_gives_a_clear_error_keeps_the_old_store_and_resumes(
+    tmp_path, monkeypatch, caplog
+):
     cfg = tiny_config()
     old = ensure_store(DummySource(cfg, seed=1), tmp_path, torch.float16)
-    calls = [0]
     real_fsync = os.fsync
 
-    def fsync_that_fills(fd):
-        calls[0] += 1
-        if calls[0] > 2:
+    def fsync_that_fills(fd):  # the disk fills as the second layer's file is synced
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("layer_0001.bin"):
             raise OSError(errno.ENOSPC, "No space left on device")
         real_fsync(fd)
 
     monkeypatch.setattr(store_mod.os, "fsync", fsync_that_fills)
-    with pytest.raises(UserError, match="disk full"):
+    with pytest.raises(UserError, match=r"disk full .*2 of 5 stages written.*run again to resume"):
         store_mod.convert(DummySource(cfg, seed=2), tmp_path, torch.float16)
     monkeypatch.undo()
     reopened = WeightStore.open(old.directory, cfg, torch.float16)
     assert reopened.manifest == old.manifest
+    # the stage written is kept (the one cut short is not), and the next build resumes
+    (partial,) = tmp_path.glob("*.partial")
+    assert sorted(p.name for p in partial.glob("*.bin")) == ["embed.bin", "layer_0000.bin"]
+    with caplog.at_level(logging.INFO, logger="offload.io.store"):
+        new = store_mod.convert(DummySource(cfg, seed=2), tmp_path, torch.float16)
+    assert "2 of 5 stages already written" in caplog.text
+    fresh = store_mod.convert(DummySource(cfg, seed=2), tmp_path / "fresh", torch.float16)
+    assert json.loads((new / "manifest.json").read_text()) == json.loads(
+        (fresh / "manifest.json").read_text()
+    )
     assert not list(tmp_path.glob("*.partial"))
 
 

@@ -334,26 +334,36 @@ def convert(
         from tqdm import tqdm
 
         stages_in = tqdm(stages_in, desc="writing weight store", unit="stage", total=len(wanted))
-    stages: dict[str, dict] = {}
+    stages: dict[str, dict] = {}  # the stages written, as the progress file names them
+    writing = None  # the stage whose file is being written
     try:
         for key, tail_start in stages_in:
             if key in done:
                 stages[key] = done[key]
                 continue
             tensors = _stored_tensors(source, cfg, key, dtype, compression)
-            stages[key] = write_stage_file(partial / _stage_file(key), tensors, tail_start)
+            writing = partial / _stage_file(key)
+            entry = write_stage_file(writing, tensors, tail_start)
             # after the stage's file is synced: a build killed from here on keeps it
-            atomic_write(partial / PROGRESS, json.dumps({"identity": identity, "stages": stages}))
+            named = {**stages, key: entry}
+            atomic_write(partial / PROGRESS, json.dumps({"identity": identity, "stages": named}))
+            stages, writing = named, None
         manifest = {**identity, "checksum": "xxh3_64", "stages": stages}
         atomic_write(partial / MANIFEST, json.dumps(manifest, indent=1))
         (partial / PROGRESS).unlink(missing_ok=True)
     except OSError as exc:
-        shutil.rmtree(partial, ignore_errors=True)
         if exc.errno == errno.ENOSPC:
+            # the stages synced are kept: the same command resumes once there is room
+            kept = sum(entry["size"] - entry["tail_start"] for entry in stages.values())
+            if writing is not None:
+                writing.unlink(missing_ok=True)  # the stage cut short
             raise UserError(
-                f"disk full while writing the weight store in {nvme_dir}; free "
-                f"{need / 1e9:.1f} GB or choose another --nvme directory (existing stores are intact)"
+                f"disk full while writing the weight store in {nvme_dir} ({len(stages)} of "
+                f"{len(wanted)} stages written, {kept / 1e9:.1f} GB, kept in {partial.name}); "
+                f"free {(need - kept) / 1e9:.1f} GB and run again to resume, or choose another "
+                "--nvme directory and delete that one (existing stores are intact)"
             ) from None
+        shutil.rmtree(partial, ignore_errors=True)
         raise UserError(f"cannot write the weight store in {nvme_dir}: {exc}") from None
     old = final.with_name(final.name + ".old")
     if final.exists():
