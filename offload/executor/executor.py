@@ -163,12 +163,13 @@ class Executor(LaneReports):  # implements runner.Runner
     # -- before the job -------------------------------------------------------------------
     def warm_up(self, progress: bool = False) -> float:
         """Compile the kernels and capture the decode graphs at the block's shapes before
-        the job, on a short made-up block (its time counts as loading). The block runs only where decode
-        replays graphs (every weight on the GPU): a step there takes milliseconds, and a
-        cold Triton cache's compiles and the first capture would otherwise take most of a
-        short job (W1c, one block: prefill 4.9 s against 1.0 warm, decode 65 against 17.6
-        ms a step; docs/throughput.md). Where weights stream, a step takes a weight pass
-        and a warm-up would cost more than it saves. Returns its seconds (0 when skipped).
+        the job, on a short made-up block (its time counts as loading). The block runs
+        only where decode replays graphs (every weight on the GPU): a step there takes
+        milliseconds, and a cold Triton cache's compiles and the first capture would
+        otherwise take most of a short job (W1c, one block: prefill 4.9 s against 1.0
+        warm, decode 65 against 17.6 ms a step; docs/throughput.md). Where weights
+        stream, a step takes a weight pass and a warm-up block would cost more than it
+        saves. Returns its seconds.
 
         A policy that attends on the CPU has the CPU attention's C kernel built here
         first (once a machine, cached): on a fresh H100 machine the build took most of
