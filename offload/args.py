@@ -24,14 +24,20 @@ _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def parse_size(text: str | int, flag: str = "size") -> int:
-    """Parse "24GB", "24GiB", "512MB", "1.5TB" or a plain byte count into bytes."""
+    """Parse "24GB", "24GiB", "512MB", "1.5TB" or "1000B" into bytes (an int is bytes). A
+    number without a unit is refused (but 0): `--gpu-mem 24` meant 24 GB, not 24 bytes."""
     if isinstance(text, int) and not isinstance(text, bool):
         return text
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise UserError(f"cannot parse size {text!r} ({flag}); write it like 24GB, 24GiB or 512MB")
-    return int(float(match.group(1)) * _UNITS[unit])
+    value = float(match.group(1))
+    if not unit and value:
+        raise UserError(
+            f"size {text!r} ({flag}) has no unit; write {match.group(1)}GB (or GiB, MB, B)"
+        )
+    return int(value * _UNITS[unit])
 
 
 _COMPRESS = re.compile(r"int(4|8)(?:-g(\d+))?(-sym)?")
@@ -112,7 +118,7 @@ PLAN_PROMPT_LEN = 512
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """The engine's options. Sizes are strings like "24GB" (or byte counts)."""
+    """The engine's options. Sizes are strings like "24GB" or "1000B" (a number needs its unit)."""
 
     model: str = field(
         default="",

@@ -177,6 +177,10 @@ def test_flat_format_checks_before_load(tmp_path, capsys, no_load):
             "offload-plan: error: --gpu-mem 0 must be more than 0",
         ),
         (
+            ["offload.cli.run", "--prompt", "x", "--gpu-mem", "24"],
+            "offload-run: error: size '24' (--gpu-mem) has no unit; write 24GB",
+        ),
+        (
             ["offload.cli.run", "--prompt", "x", "--batch-size", "0"],
             "offload-run: error: --batch-size must be",
         ),

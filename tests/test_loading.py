@@ -70,9 +70,14 @@ def test_sizes_parse():
     assert parse_size("24GiB") == 24 * 2**30
     assert parse_size("512MB") == 512 * 10**6
     assert parse_size("1.5 TB") == 1.5e12
+    assert parse_size("1000B") == parse_size(1000) == 1000
     for bad in ("abc", "-5GB", "12 parsecs", ""):
         with pytest.raises(UserError, match="cannot parse size"):
             parse_size(bad)
+    # `--gpu-mem 24` meant 24 GB: a number without a unit is refused, naming the fix
+    with pytest.raises(UserError, match=r"'24' .*has no unit; write 24GB"):
+        parse_size("24", "--gpu-mem")
+    assert parse_size("0") == 0  # (refused by the caps' own check, "must be more than 0")
 
 
 LOAD_SCRIPT = textwrap.dedent(
