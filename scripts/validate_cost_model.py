@@ -2,7 +2,8 @@
 
     python scripts/validate_cost_model.py --model opt-30b --gpu-mem 24GB [--profile FILE]
     python scripts/validate_cost_model.py --model llama-3.1-8b --gpu-mem 10GB
-    python scripts/validate_cost_model.py --model tiny-dir --device cpu --prompt-len 16 --gen-len 4  # smoke
+    python scripts/validate_cost_model.py --model smollm2-135m-instruct --device cpu --gpu-mem 2GB \
+        --prompt-len 16 --gen-len 4 --policies w4gpu-kv4-cpu-disk-gpuattn-8x2 --nvme DIR  # smoke
     python scripts/validate_cost_model.py --model opt-6.7b --gpu-mem 8GB \
         --formats fp16,int4,int4kv --gen-lens 32,256 --time-budget 540   # one call of the matrix
 
@@ -217,6 +218,12 @@ def main() -> None:
         action="store_true",
         help="also run each policy without CUDA graphs (named '<policy> eager')",
     )
+    p.add_argument(
+        "--nvme",
+        type=Path,
+        help="where disk plans spill KV (default: the working directory); give the "
+        "directory the profile's disk figures were measured in (offload-profile --nvme)",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     began = time.perf_counter()
@@ -304,7 +311,10 @@ def _run_one(spec, policy, dtype, device, args, gen_len, graphs, hw, caps, left)
             "policy": policy.to_dict(),
             "skipped": f"time budget: about {need:.0f} s needed, {left:.0f} s left",
         }
-    got = measure_policy(spec, policy, dtype, device, args.prompt_len, gen_len, cuda_graphs=graphs)
+    got = measure_policy(
+        spec, policy, dtype, device, args.prompt_len, gen_len, cuda_graphs=graphs,
+        nvme_dir=args.nvme,
+    )  # fmt: skip
     print(f"measured {got['total_tok_s']:.2f} tok/s, predicted {pred.total_tok_s:.2f}", flush=True)
     # each phase's peak against the plan's for that phase: a plan whose load phase is
     # its larger (int4 weights quantized on the GPU as they load) says nothing through
