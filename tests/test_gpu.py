@@ -533,3 +533,17 @@ def test_greedy_steps_issued_ahead_give_the_waited_for_tokens(tiny_checkpoints, 
         assert tokens == generate(params, ahead=False)[0], params
         assert ahead_waits < waits, (ahead_waits, waits)
     assert len(tokens[row]) <= 3 and tokens != waited  # the stop token ended a row early
+
+
+def test_vllms_gpu_memory_utilization_is_that_share_of_the_gpu_as_a_cap():
+    """vLLM's `LLM(gpu_memory_utilization=0.5)` is a GPU cap of half the device's memory
+    (the plan search's, as a max_memory GPU entry), refused beside one."""
+    from offload.args import from_vllm_arguments, parse_size
+    from offload.errors import UserError
+
+    cuda = torch.device("cuda")
+    total = torch.cuda.get_device_properties(cuda).total_memory
+    rest, gpu_mem = from_vllm_arguments({"gpu_memory_utilization": 0.5}, cuda, None)
+    assert rest == {} and parse_size(gpu_mem) == total // 2
+    with pytest.raises(UserError, match="give one"):
+        from_vllm_arguments({"gpu_memory_utilization": 0.5}, cuda, "24GB")
