@@ -44,14 +44,13 @@ class LLM:
     """A model ready to generate. `model` is anything `--model` accepts.
 
     Keyword arguments are `EngineArgs` fields (dtype, device, revision, batch_size,
-    chat_template, ...), vLLM's where they have a meaning here (`args.from_vllm_arguments`:
-    max_num_seqs, quantization, gpu_memory_utilization; the others refused with the fix),
-    vLLM's `seed` (sampled requests without a seed of their own draw one from it, in
-    order, so a script samples the same text again),
-    plus accelerate's `max_memory` ({"cuda:0": "24GB", "cpu":
-    "100GB"}) and `offload_folder` (the weight store and KV spill directory): caps
-    without a `policy` run the same plan search as offload-run. `policy` (a `Policy` or
-    a JSON path) runs the offloading executor with that placement.
+    chat_template, ...); vLLM's where they have a meaning here (`args.from_vllm_arguments`:
+    max_num_seqs, quantization, gpu_memory_utilization; the others refused with the fix)
+    and its `seed` (sampled requests without a seed of their own draw one from it, in
+    order, so a script samples the same text again); and accelerate's `max_memory`
+    ({"cuda:0": "24GB", "cpu": "100GB"}) and `offload_folder` (the weight store and KV
+    spill directory): caps without a `policy` run the same plan search as offload-run.
+    `policy` (a `Policy` or a JSON path) runs the offloading executor with that placement.
     """
 
     def __init__(

@@ -34,7 +34,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +78,16 @@ SPACE_MARGIN = 64 * 2**20
 
 def checksum(data: memoryview | bytes) -> str:
     return xxhash.xxh3_64_hexdigest(data)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A tensor's bytes as a stage file holds them (and its checksum is taken of)."""
+    return memoryview(tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
+
+
+def _file_bytes(entries: Iterable[dict]) -> int:
+    """Bytes on disk of stage files (each holds its stage from its tail_start)."""
+    return sum(entry["size"] - entry["tail_start"] for entry in entries)
 
 
 def _stage_file(key: str) -> str:
@@ -249,7 +259,7 @@ def write_stage_file(path: Path, weights: dict[str, torch.Tensor], tail_start: i
     offset = 0
     with path.open("wb") as f:
         for name, tensor in weights.items():
-            data = memoryview(tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
+            data = _tensor_bytes(tensor)
             padded = align_up(data.nbytes)
             skip = min(padded, max(0, tail_start - offset))  # bytes before the file begins
             f.write(data[skip:])
@@ -314,7 +324,7 @@ def convert(
         zip(stage_keys(cfg), store_tails(cfg, dtype, compression, placement), strict=True)
     )
     done = _resumable(partial, identity, wanted, source, dtype, compression)
-    written = sum(entry["size"] - entry["tail_start"] for entry in done.values())
+    written = _file_bytes(done.values())
     nvme_dir.mkdir(parents=True, exist_ok=True)
     problem = space_problem(nvme_dir, need - written)
     if problem:
@@ -354,7 +364,7 @@ def convert(
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             # the stages synced are kept: the same command resumes once there is room
-            kept = sum(entry["size"] - entry["tail_start"] for entry in stages.values())
+            kept = _file_bytes(stages.values())
             if writing is not None:
                 writing.unlink(missing_ok=True)  # the stage cut short
             raise UserError(
@@ -424,10 +434,7 @@ def _resumable(
         key = min(done, key=lambda k: done[k]["size"])  # the cheapest to make again
         tensors = _stored_tensors(source, source.config, key, dtype, compression)
         sums = {name: entry["xxh3"] for name, entry in done[key]["tensors"].items()}
-        made = {
-            name: checksum(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
-            for name, t in tensors.items()
-        }
+        made = {name: checksum(_tensor_bytes(t)) for name, t in tensors.items()}
         if made != sums:
             log.warning("the weights differ from the killed build's: writing the store again")
             return {}
