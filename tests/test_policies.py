@@ -353,6 +353,27 @@ def test_the_gpu_peak_is_the_larger_of_the_load_and_the_run_phases():
     assert peaks["off"][0] == peaks["on"][0]  # the same weights load the same way
 
 
+def test_a_stage_stored_uncompressed_loads_without_a_quantizer():
+    """Under weight compression the embedding table is stored as the source gives it, so
+    placing it holds the table once: the load's largest transient is then the head's
+    (its fp16 source, its int4 copy and the quantizer's working set). Llama-3.1-8B int4,
+    H100 c115: the load phase measured 7.94-8.05 GB where the plan counted the 1.05 GB
+    table twice and a quantizer beside it (9.17 GB); now 8.42."""
+    from offload.io.layout import stage_image_bytes, stage_keys
+    from offload.kernels.quant import QUANT_WORK_BYTES
+
+    cfg = cfg_of("llama-3.1-8b")
+    int4 = Compression(4, 64)
+    stored = dict(zip(stage_keys(cfg), stage_image_bytes(cfg, torch.float16, int4), strict=True))
+    full = dict(zip(stage_keys(cfg), stage_image_bytes(cfg, torch.float16), strict=True))
+    assert stored["embed"] == full["embed"] > full["head"] / 2 > stored["head"]
+    plan = plan_memory(cfg, Policy(28, 1, weight_compression=int4), torch.float16, 512, 32)
+    assert plan.detail["load_stage_gpu"] == full["head"] + stored["head"] + QUANT_WORK_BYTES
+    assert plan.detail["load_stage_cpu"] == full["head"] + 2 * stored["head"] + QUANT_WORK_BYTES
+    fp16 = plan_memory(cfg, Policy(28, 1), torch.float16, 512, 32)
+    assert fp16.detail["load_stage_gpu"] == max(full.values())
+
+
 def test_the_load_phase_holds_the_weight_ring_slots_where_they_outgrow_the_stage():
     """The fetcher's ring slots are allocated as the load ends, after the stage being
     placed is freed: a streamed plan's load phase holds the larger of the two (Llama-3.1-8B
