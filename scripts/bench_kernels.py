@@ -18,6 +18,7 @@ import argparse
 import functools
 import importlib.util
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -434,8 +435,21 @@ def bench_cpu_attention(dram: float) -> list[dict]:
 
 
 def _module_from(path: Path):
-    """The module in the file at path (a baseline version of one of ours)."""
-    spec = importlib.util.spec_from_file_location(f"baseline_{path.stem}", path)
+    """The module in the file at path (a baseline version of one of ours). A dequant.py
+    beside it (the register dequantization the kernels import) stands in for ours while
+    it loads, so the baseline runs with its own (`offload.kernels.dequant` after)."""
+    helpers = path.with_name("dequant.py")
+    ours = sys.modules["offload.kernels.dequant"]
+    if helpers.exists() and helpers != path:
+        sys.modules["offload.kernels.dequant"] = _load(helpers, "baseline_dequant")
+    try:
+        return _load(path, f"baseline_{path.stem}")
+    finally:
+        sys.modules["offload.kernels.dequant"] = ours
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -462,8 +476,9 @@ def main() -> None:
         "--baseline",
         type=Path,
         help="an earlier qmatmul.py or kv_attention.py (git show REV:offload/kernels/"
-        "qmatmul.py > FILE): its qlinear runs beside ours in --kernels decode, its "
-        "decode_attention in --kernels attention",
+        "qmatmul.py > DIR/qmatmul.py): its qlinear runs beside ours in --kernels decode, "
+        "its decode_attention in --kernels attention; with an earlier dequant.py in the "
+        "same DIR, it imports that one instead of ours",
     )
     args = p.parse_args()
     kernels = args.kernels.split(",")
