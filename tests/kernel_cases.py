@@ -148,7 +148,13 @@ def attention_failures(
                 exact = cache.dequantized(end, torch.float64)
                 truth = _sdpa(q.double(), *exact, mask.double())
                 torch_err = (_sdpa(q, keys, values, mask).double() - truth).abs().max().item()
-                bound = 2 * torch_err + 1e-6 * truth.abs().max().item()
+                # plus half the dtype's epsilon at the output's size: the kernel rounds the
+                # probabilities to the dtype for their product with V, as flash kernels do,
+                # where torch's CPU SDPA keeps them in float32, so where torch's error is only
+                # its output's rounding, twice it is under one ulp (float16, B2 H6/1 D32 g16,
+                # 17 slots: torch 0.00089, the kernel 0.00185 on outputs up to 3.25, whose
+                # ulp is 0.00195)
+                bound = 2 * torch_err + torch.finfo(dtype).eps * truth.abs().max().item() / 2
                 for variant in [{}, *ATTENTION_VARIANTS] if end == slots else [{}]:
                     ours = decode_attention(q, cache, bias, end, **variant)
                     our_err = (ours.double() - truth).abs().max().item()
@@ -260,4 +266,8 @@ if __name__ == "__main__":  # the interpreter tests' subprocess
         print(json.dumps(norm_failures("cpu", [torch.float32, torch.float16])))
         sys.exit()
     cases = {**cases, "kv-write": kv_write_failures}[kind]
-    print(json.dumps(cases(bits, symmetric, "cpu", [torch.float32, torch.float16])))
+    # float16 only: the kernels' indexing, masks and splits do not depend on the dtype,
+    # the interpreter runs `dequant`'s float32 arithmetic for either (`dequant.FMA16`)
+    # and ignores tl.dot's precision, so a float32 run doubled these tests' CI time for
+    # little; the compiled GPU tests take float32 as well
+    print(json.dumps(cases(bits, symmetric, "cpu", [torch.float16])))

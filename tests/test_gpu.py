@@ -103,7 +103,7 @@ def test_qlinear_kernel_compiled_matches_reference(bits, symmetric):
     from tests.kernel_cases import QLINEAR_SHAPES, qlinear_failures
 
     shapes = [*QLINEAR_SHAPES, (8, 7168, 7168, 64), (512, 4096, 11008, 128), (2100, 384, 512, 64)]
-    dtypes = [torch.float16, torch.bfloat16]
+    dtypes = [torch.float16, torch.bfloat16, torch.float32]
     assert qlinear_failures(bits, symmetric, "cuda", dtypes, shapes) == []
 
 
@@ -117,7 +117,7 @@ def test_quantized_decode_attention_compiled_matches_reference(bits, symmetric):
         (4, 56, 56, 128, 64, 544, 512, False),
         (3, 64, 8, 128, 64, 300, 250, True),
     ]
-    dtypes = [torch.float16, torch.bfloat16]
+    dtypes = [torch.float16, torch.bfloat16, torch.float32]
     assert attention_failures(bits, symmetric, "cuda", dtypes, shapes) == []
 
 
