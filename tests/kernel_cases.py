@@ -153,8 +153,13 @@ def attention_failures(
                 # with V, as flash kernels do, where torch's CPU SDPA keeps them in float32,
                 # so where torch's error is only its output's rounding, twice it is under
                 # one ulp (float16, B2 H6/1 D32 g16, 17 slots: torch 0.00089, the kernel
-                # 0.00185 on outputs up to 3.25, whose ulp is 0.00195)
-                floor = max(1e-6, torch.finfo(dtype).eps / 2)
+                # 0.00185 on outputs up to 3.25, whose ulp is 0.00195). float32 on the
+                # GPU: 4e-6, about 32 ulp. The compiled kernel sums each score's D
+                # products in order, and torch's CPU SDPA in blocks. With the outlier key
+                # channel, the scores reach tens, and the kernel measured 1.0e-6 and
+                # 1.45e-6 of the output's size (H100), where the CPU paths stay under 1e-6.
+                tight = 4e-6 if device == "cuda" else 1e-6
+                floor = max(tight, torch.finfo(dtype).eps / 2)
                 bound = 2 * torch_err + floor * truth.abs().max().item()
                 for variant in [{}, *ATTENTION_VARIANTS] if end == slots else [{}]:
                     ours = decode_attention(q, cache, bias, end, **variant)

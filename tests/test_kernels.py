@@ -75,3 +75,28 @@ def test_the_launcher_takes_triton_s_path_only_while_a_launch_hook_is_installed(
     finally:
         chain.remove(hook)
     assert not hooks_installed()
+
+
+def test_the_matmul_s_tiles_are_cut_to_the_device_s_shared_memory():
+    """float32 x with 128-wide K steps (a 128 group) asked Triton for 272 KiB of shared
+    memory, where an H100 gives a program 227 KiB (GPU suite, this session): the
+    launcher now drops stages, then tile rows, until its count fits; fp16 tiles of the
+    decode buckets are left as they are."""
+    from offload.kernels.formats import Compression
+    from offload.kernels.qmatmul import ROW_TILES, Tiles, _fitted, shared_bytes
+
+    h100 = 232448
+    cfg = Compression(4, 128, False)
+    wide = Tiles(128, 128, 64, 8, 3)
+    assert shared_bytes(wide, 128, 4, cfg) > h100
+    fitted = _fitted(wide, 128, 4, cfg, h100)
+    assert shared_bytes(fitted, 128, 4, cfg) <= h100
+    assert fitted == wide._replace(stages=2)
+    # a group of 1024 in float32 needs smaller tiles as well
+    huge = _fitted(wide, 1024, 4, Compression(4, 1024, False), h100)
+    assert huge.block_m < 128 and shared_bytes(huge, 1024, 4, Compression(4, 1024, False)) <= h100
+    for _, tiles, _ in ROW_TILES:
+        for group in (32, 64, 128):
+            block_k = max(group, min(tiles.max_k, 256))
+            assert _fitted(tiles, block_k, 2, Compression(4, group, False), h100) == tiles
+    assert _fitted(wide, 128, 4, cfg, None) == wide  # the interpreter: no limit

@@ -136,6 +136,20 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def shared_memory_limit(device: torch.device) -> int | None:
+    """The most shared memory a program may use on the device (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _shared_memory_limit(index)
+
+
+@functools.cache
+def _shared_memory_limit(index: int) -> int | None:
+    props = torch.cuda.get_device_properties(index)
+    return getattr(props, "shared_memory_per_block_optin", None)
+
+
 # Arrival counters of kernels whose last program of a group (a split-K tile, a decode
 # attention row's splits) finishes the group's work: one int32 a group, which that
 # program sets back to 0. One buffer per kernel kind and stream: kernels on one stream

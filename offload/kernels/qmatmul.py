@@ -29,7 +29,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from offload.kernels.launch import Launcher, arrival_counters, sm_count, use_kernel
+from offload.kernels.launch import (
+    Launcher,
+    arrival_counters,
+    shared_memory_limit,
+    sm_count,
+    use_kernel,
+)
 from offload.kernels.quant import QTensor, dequantize
 
 try:
@@ -147,6 +153,7 @@ def qlinear(
     cfg = w.config
     t = tiles or _tiles(m, n, k, cfg.group_size, x.device)
     block_k = _block_k(k, cfg.group_size, t.max_k)
+    t = _fitted(t, block_k, x.element_size(), cfg, shared_memory_limit(x.device))
     steps = k // block_k
     split = max(d for d in range(1, min(t.split, steps) + 1) if steps % d == 0)
     grid = (-(-m // t.block_m), -(-n // t.block_n), split)
@@ -262,6 +269,33 @@ def _tiles(m: int, n: int, k: int, group: int, device: torch.device) -> Tiles:
     groups (`_block_k`), so a group longer than the bucket's K step takes its own."""
     tiles, per_sm = next((t, p) for rows, t, p in ROW_TILES if m <= rows)
     return tiles._replace(split=_split(m, n, k, tiles, device, per_sm))
+
+
+def shared_bytes(t: Tiles, block_k: int, element: int, cfg) -> int:
+    """The fused kernel's shared memory, from above: every pipeline stage holds a K step
+    of x, of the codes and of the group parameters, and the dequantized W tile goes
+    through one more buffer on its way to the tensor cores. (Triton allocated 278528
+    bytes for 128 x 128 tiles, K steps of 128 and float32 x; this counts 288256.)"""
+    params = 2 * t.block_n * max(1, block_k // cfg.group_size) * 2
+    stage = t.block_m * block_k * element + t.block_n * block_k * cfg.bits // 8 + params
+    return t.stages * stage + t.block_n * block_k * element
+
+
+def _fitted(t: Tiles, block_k: int, element: int, cfg, limit: int | None) -> Tiles:
+    """t with fewer stages, then smaller tiles in M and N, until its shared memory fits
+    the device's limit (None: no limit, the interpreter). float32 x, or a group longer
+    than the bucket's K step, needs it: 128 x 128 tiles with K steps of 128 over float32
+    asked for 272 KiB where an H100 gives a program 227 KiB."""
+    while limit is not None and shared_bytes(t, block_k, element, cfg) > limit:
+        if t.stages > 2:
+            t = t._replace(stages=t.stages - 1)
+        elif t.block_m > 16:
+            t = t._replace(block_m=t.block_m // 2)
+        elif t.block_n > 16:
+            t = t._replace(block_n=t.block_n // 2)
+        else:
+            break  # the smallest tiles: let Triton say what does not fit
+    return t
 
 
 def _split(m: int, n: int, k: int, tiles: Tiles, device: torch.device, per_sm: int) -> int:
