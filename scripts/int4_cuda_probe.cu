@@ -1,0 +1,219 @@
+// The int4 decode matmul outside Triton: a CUDA prototype for scripts/int4_cuda_probe.py
+// (compiled at run time through torch's NVRTC binding; not part of the package).
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+struct U4 { u32 v[4]; };
+
+__device__ __forceinline__ U4 ld_stream(const void* p) {
+  U4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3]) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ U4 ld_cached(const void* p) {
+  U4 r;
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3]) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ u32 ld_u16(const u16* p) {
+  unsigned short r;
+  asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+  return (u32)r;
+}
+__device__ __forceinline__ u32 nib(u32 a) {  // halves: 1024 + nibble (bits 0-3, 16-19)
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(0x000F000Fu), "r"(0x64006400u));
+  return r;
+}
+__device__ __forceinline__ u32 deq(u32 p, u32 s2, u32 m2) {  // (p - 1024) * s + m, one rounding
+  u32 r;
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(p), "r"(0x64006400u));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(r), "r"(s2), "r"(m2));
+  return r;
+}
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
+  return r;
+}
+__device__ __forceinline__ void mma(float* d, const u32* a, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ u16 to_half(float f) {
+  unsigned short r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+
+// y[M, N] = x[M, K] @ dequantize(W)^T for int4 W, groups of 64, asymmetric: codes
+// [N, K / 2] (low nibble first), scale and minimum [N, K / 64] fp16; x fp16.
+// A warp takes NB blocks of 8 W rows, a block 4 warps, blockIdx.y a range of K steps
+// of 128. Thread (g = lane / 4, c = lane % 4) reads 16 bytes of W row g of each
+// block: codes c * 32 ... c * 32 + 31 of the step. They go to the k slots that thread
+// c holds in 8 mma.m16n8k16 (2c, 2c + 1, 2c + 8, 2c + 9), x's columns permuted the same
+// way (prmt), so neither is stored differently from `QTensor`. DEPTH K steps of W are
+// in flight (a register ring). MODE takes parts out to see what bounds the kernel:
+// 0 all; 1 the W loads only; 2 the W and x loads; 3 the W loads and the
+// dequantization; 4 the loads and the mma on the raw codes (no dequantization).
+template <int MT, int NB, int DEPTH, int MODE>
+__global__ void __launch_bounds__(128) qmm4(
+    const u16* __restrict__ x, const unsigned char* __restrict__ codes,
+    const u16* __restrict__ scale, const u16* __restrict__ minimum,
+    float* __restrict__ partial, u16* __restrict__ out,
+    int M, int N, int K, int steps_per_split)
+{
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int n0 = (blockIdx.x * 4 + warp) * NB * 8;
+  if (n0 >= N) return;
+  const int kb0 = blockIdx.y * steps_per_split;
+  const int kb1 = min(kb0 + steps_per_split, K >> 7);
+  const int groups = K >> 6;
+  const long row_bytes = K >> 1;
+  float acc[MT][NB][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+  const unsigned char* wrow[NB];
+  const u16* srow[NB];
+  const u16* mrow[NB];
+  bool n_ok[NB];
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    n_ok[j] = n0 + j * 8 < N;
+    const int n = n_ok[j] ? n0 + j * 8 + g : n0 + g;
+    wrow[j] = codes + n * row_bytes + c * 16;
+    srow[j] = scale + (long)n * groups + (c >> 1);
+    mrow[j] = minimum + (long)n * groups + (c >> 1);
+  }
+  const u16* xrow[MT][2];
+  bool m_ok[MT][2];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = i * 16 + g + 8 * h;
+      m_ok[i][h] = m < M;
+      xrow[i][h] = x + (long)(m_ok[i][h] ? m : 0) * K + c * 32;
+    }
+  u32 sink = 0;
+  U4 wq[DEPTH][NB];
+  u32 sm[DEPTH][NB];  // scale (low half) and minimum (high half)
+#pragma unroll
+  for (int s = 0; s < DEPTH; ++s) {
+    const int kb = min(kb0 + s, kb1 - 1);
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      wq[s][j] = ld_stream(wrow[j] + kb * 64);
+      sm[s][j] = ld_u16(srow[j] + kb * 2) | (ld_u16(mrow[j] + kb * 2) << 16);
+    }
+  }
+  for (int base = kb0; base < kb1; base += DEPTH) {
+#pragma unroll
+    for (int s = 0; s < DEPTH; ++s) {
+      const int kb = base + s;
+      if (kb >= kb1) break;
+      U4 cur[NB];
+      u32 csm[NB];
+      const int next = min(kb + DEPTH, kb1 - 1);
+#pragma unroll
+      for (int j = 0; j < NB; ++j) {
+        cur[j] = wq[s][j];
+        csm[j] = sm[s][j];
+        wq[s][j] = ld_stream(wrow[j] + next * 64);
+        sm[s][j] = ld_u16(srow[j] + next * 2) | (ld_u16(mrow[j] + next * 2) << 16);
+      }
+      u32 a[MT][8][4];  // x's fragments: [m tile][k16 tile][register]
+      if (MODE != 1 && MODE != 3) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            u32 r[16];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              U4 v;
+              if (m_ok[i][h]) {
+                v = ld_cached(xrow[i][h] + kb * 128 + q * 8);
+              } else {
+                v.v[0] = v.v[1] = v.v[2] = v.v[3] = 0u;
+              }
+#pragma unroll
+              for (int e = 0; e < 4; ++e) r[q * 4 + e] = v.v[e];
+            }
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+              a[i][2 * w][h] = prmt(r[4 * w], r[4 * w + 2], 0x5410);
+              a[i][2 * w][2 + h] = prmt(r[4 * w], r[4 * w + 2], 0x7632);
+              a[i][2 * w + 1][h] = prmt(r[4 * w + 1], r[4 * w + 3], 0x5410);
+              a[i][2 * w + 1][2 + h] = prmt(r[4 * w + 1], r[4 * w + 3], 0x7632);
+            }
+          }
+      }
+      if (MODE == 2) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int t = 0; t < 8; ++t) sink ^= a[i][t][0] ^ a[i][t][1] ^ a[i][t][2] ^ a[i][t][3];
+      }
+#pragma unroll
+      for (int j = 0; j < NB; ++j) {
+        const u32 s2 = prmt(csm[j], 0, 0x1010), m2 = prmt(csm[j], 0, 0x3232);
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const u32 q = cur[j].v[w];
+          if (MODE == 1 || MODE == 2) {
+            sink ^= q ^ s2 ^ m2;
+          } else if (MODE == 3) {
+            sink ^= deq(nib(q), s2, m2) ^ deq(nib(q >> 4), s2, m2) ^ deq(nib(q >> 8), s2, m2)
+                ^ deq(nib(q >> 12), s2, m2);
+          } else {
+            const u32 p0 = MODE == 4 ? q : deq(nib(q), s2, m2);
+            const u32 p1 = MODE == 4 ? s2 : deq(nib(q >> 4), s2, m2);
+            const u32 p2 = MODE == 4 ? m2 : deq(nib(q >> 8), s2, m2);
+            const u32 p3 = MODE == 4 ? q : deq(nib(q >> 12), s2, m2);
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+              mma(acc[i][j], a[i][2 * w], p0, p1);
+              mma(acc[i][j], a[i][2 * w + 1], p2, p3);
+            }
+          }
+        }
+      }
+    }
+  }
+  if (MODE != 0 && MODE != 4) {
+    if (sink == 0x12345u) partial[threadIdx.x] = 1.f;  // keeps the parts taken out live
+    return;
+  }
+  // d0, d1: x row g, W rows 2c and 2c + 1 of the block; d2, d3: x row g + 8
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      if (!n_ok[j]) continue;
+      const int n = n0 + j * 8 + 2 * c;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = i * 16 + g + 8 * h;
+        if (m >= M) continue;
+        if (gridDim.y == 1) {
+          const u32 pair = (u32)to_half(acc[i][j][2 * h]) | ((u32)to_half(acc[i][j][2 * h + 1]) << 16);
+          *(u32*)(out + (long)m * N + n) = pair;
+        } else {
+          float* p = partial + ((long)blockIdx.y * M + m) * N + n;
+          asm volatile("st.global.v2.f32 [%0], {%1, %2};"
+              :: "l"(p), "f"(acc[i][j][2 * h]), "f"(acc[i][j][2 * h + 1]) : "memory");
+        }
+      }
+    }
+}
