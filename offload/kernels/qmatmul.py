@@ -24,11 +24,13 @@ kernel must match; it also runs wherever Triton or CUDA is absent (the CPU tests
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from offload.kernels.formats import Compression
 from offload.kernels.launch import (
     Launcher,
     arrival_counters,
@@ -271,7 +273,7 @@ def _tiles(m: int, n: int, k: int, group: int, device: torch.device) -> Tiles:
     return tiles._replace(split=_split(m, n, k, tiles, device, per_sm))
 
 
-def shared_bytes(t: Tiles, block_k: int, element: int, cfg) -> int:
+def shared_bytes(t: Tiles, block_k: int, element: int, cfg: Compression) -> int:
     """The fused kernel's shared memory, from above: every pipeline stage holds a K step
     of x, of the codes and of the group parameters, and the dequantized W tile goes
     through one more buffer on its way to the tensor cores. (Triton allocated 278528
@@ -281,7 +283,8 @@ def shared_bytes(t: Tiles, block_k: int, element: int, cfg) -> int:
     return t.stages * stage + t.block_n * block_k * element
 
 
-def _fitted(t: Tiles, block_k: int, element: int, cfg, limit: int | None) -> Tiles:
+@functools.cache  # on every call's path: one lookup, not the count
+def _fitted(t: Tiles, block_k: int, element: int, cfg: Compression, limit: int | None) -> Tiles:
     """t with fewer stages, then smaller tiles in M and N, until its shared memory fits
     the device's limit (None: no limit, the interpreter). float32 x, or a group longer
     than the bucket's K step, needs it: 128 x 128 tiles with K steps of 128 over float32
