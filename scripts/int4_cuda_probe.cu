@@ -217,3 +217,171 @@ __global__ void __launch_bounds__(128) qmm4(
       }
     }
 }
+
+// The same with W's K steps brought through shared memory by cp.async: a ring of
+// STAGES steps a warp, STAGES - 1 of them in flight while one is computed. Each thread
+// copies its own 16 bytes of codes and 4 of scales and of minimums (the step's two
+// groups) and reads back only those, so the ring needs no barrier, only the thread's
+// own wait.
+template <int MT, int NB, int STAGES, int MODE>
+__global__ void __launch_bounds__(128) qmm4s(
+    const u16* __restrict__ x, const unsigned char* __restrict__ codes,
+    const u16* __restrict__ scale, const u16* __restrict__ minimum,
+    float* __restrict__ partial, u16* __restrict__ out,
+    int M, int N, int K, int steps_per_split)
+{
+  __shared__ __align__(16) U4 ring_codes[4][STAGES][NB][32];
+  __shared__ __align__(16) u32 ring_params[4][STAGES][NB][2][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int n0 = (blockIdx.x * 4 + warp) * NB * 8;
+  if (n0 >= N) return;
+  const int kb0 = blockIdx.y * steps_per_split;
+  const int kb1 = min(kb0 + steps_per_split, K >> 7);
+  const int groups = K >> 6;
+  const long row_bytes = K >> 1;
+  float acc[MT][NB][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+  const unsigned char* wrow[NB];
+  const u16* srow[NB];
+  const u16* mrow[NB];
+  bool n_ok[NB];
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    n_ok[j] = n0 + j * 8 < N;
+    const int n = n_ok[j] ? n0 + j * 8 + g : n0 + g;
+    wrow[j] = codes + n * row_bytes + c * 16;
+    srow[j] = scale + (long)n * groups;  // the step's two groups: 4 aligned bytes
+    mrow[j] = minimum + (long)n * groups;
+  }
+  const u16* xrow[MT][2];
+  bool m_ok[MT][2];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = i * 16 + g + 8 * h;
+      m_ok[i][h] = m < M;
+      xrow[i][h] = x + (long)(m_ok[i][h] ? m : 0) * K + c * 32;
+    }
+  const u32 half_shift = (c >> 1) * 16;  // this thread's group of the step's two
+  u32 sink = 0;
+  auto issue = [&](int kb, int slot) {
+    if (kb < kb1) {
+#pragma unroll
+      for (int j = 0; j < NB; ++j) {
+        const u32 dst = (u32)__cvta_generic_to_shared(&ring_codes[warp][slot][j][lane]);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(wrow[j] + kb * 64));
+        const u32 ds = (u32)__cvta_generic_to_shared(&ring_params[warp][slot][j][0][lane]);
+        const u32 dm = (u32)__cvta_generic_to_shared(&ring_params[warp][slot][j][1][lane]);
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(ds), "l"(srow[j] + kb * 2));
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dm), "l"(mrow[j] + kb * 2));
+      }
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(kb0 + s, s);
+  int slot = 0;
+  for (int kb = kb0; kb < kb1; ++kb) {
+    issue(kb + STAGES - 1, (slot + STAGES - 1) % STAGES);
+    asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1));
+    U4 cur[NB];
+    u32 s2[NB], m2[NB];
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      cur[j] = ring_codes[warp][slot][j][lane];
+      const u32 sp = ring_params[warp][slot][j][0][lane] >> half_shift;
+      const u32 mp = ring_params[warp][slot][j][1][lane] >> half_shift;
+      s2[j] = prmt(sp, 0, 0x1010);
+      m2[j] = prmt(mp, 0, 0x1010);
+    }
+    slot = slot + 1 == STAGES ? 0 : slot + 1;
+    u32 a[MT][8][4];
+    if (MODE != 1 && MODE != 3) {
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          u32 r[16];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            U4 v;
+            if (m_ok[i][h]) {
+              v = ld_cached(xrow[i][h] + kb * 128 + q * 8);
+            } else {
+              v.v[0] = v.v[1] = v.v[2] = v.v[3] = 0u;
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) r[q * 4 + e] = v.v[e];
+          }
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            a[i][2 * w][h] = prmt(r[4 * w], r[4 * w + 2], 0x5410);
+            a[i][2 * w][2 + h] = prmt(r[4 * w], r[4 * w + 2], 0x7632);
+            a[i][2 * w + 1][h] = prmt(r[4 * w + 1], r[4 * w + 3], 0x5410);
+            a[i][2 * w + 1][2 + h] = prmt(r[4 * w + 1], r[4 * w + 3], 0x7632);
+          }
+        }
+    }
+    if (MODE == 2) {
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int t = 0; t < 8; ++t) sink ^= a[i][t][0] ^ a[i][t][1] ^ a[i][t][2] ^ a[i][t][3];
+    }
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const u32 q = cur[j].v[w];
+        if (MODE == 1 || MODE == 2) {
+          sink ^= q ^ s2[j] ^ m2[j];
+        } else if (MODE == 3) {
+          sink ^= deq(nib(q), s2[j], m2[j]) ^ deq(nib(q >> 4), s2[j], m2[j])
+              ^ deq(nib(q >> 8), s2[j], m2[j]) ^ deq(nib(q >> 12), s2[j], m2[j]);
+        } else {
+          const u32 p0 = MODE == 4 ? q : deq(nib(q), s2[j], m2[j]);
+          const u32 p1 = MODE == 4 ? s2[j] : deq(nib(q >> 4), s2[j], m2[j]);
+          const u32 p2 = MODE == 4 ? m2[j] : deq(nib(q >> 8), s2[j], m2[j]);
+          const u32 p3 = MODE == 4 ? q : deq(nib(q >> 12), s2[j], m2[j]);
+#pragma unroll
+          for (int i = 0; i < MT; ++i) {
+            mma(acc[i][j], a[i][2 * w], p0, p1);
+            mma(acc[i][j], a[i][2 * w + 1], p2, p3);
+          }
+        }
+      }
+    }
+  }
+  asm volatile("cp.async.wait_all;");
+  if (MODE != 0 && MODE != 4) {
+    if (sink == 0x12345u) partial[threadIdx.x] = 1.f;  // keeps the parts taken out live
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      if (!n_ok[j]) continue;
+      const int n = n0 + j * 8 + 2 * c;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = i * 16 + g + 8 * h;
+        if (m >= M) continue;
+        if (gridDim.y == 1) {
+          const u32 pair = (u32)to_half(acc[i][j][2 * h]) | ((u32)to_half(acc[i][j][2 * h + 1]) << 16);
+          *(u32*)(out + (long)m * N + n) = pair;
+        } else {
+          float* p = partial + ((long)blockIdx.y * M + m) * N + n;
+          asm volatile("st.global.v2.f32 [%0], {%1, %2};"
+              :: "l"(p), "f"(acc[i][j][2 * h]), "f"(acc[i][j][2 * h + 1]) : "memory");
+        }
+      }
+    }
+}

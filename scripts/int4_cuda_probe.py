@@ -7,14 +7,16 @@ what bounds it, beside ours on the same weights.
 no new dependency, and not part of the package): int4-g64 asymmetric W in the store
 format `QTensor` as it is, fp16 x, `mma.sync.m16n8k16` with x's and W's columns
 permuted alike in registers, 16-byte loads of W straight into registers (no shared
-memory), DEPTH K steps in flight, split-K partials in float32 summed by torch.
+memory, `qmm4`) with DEPTH K steps in flight, or through a cp.async ring of DEPTH
+stages in shared memory (`qmm4s`, each thread its own slots, so no barriers);
+split-K partials in float32 summed by torch.
 
 Two parts, each timed from a CUDA graph (`bench_kernels.timed`) as a share of the HBM
 copy rate measured in the same run; also a device copy of each matrix's own size, so
 the size is not the reason a kernel reads below the 1 GiB copy's rate:
-- sweep: warps' W rows (NB blocks of 8), DEPTH and splits at each row count, with
-  `qmatmul.qlinear` (Triton) beside them and each output's largest difference from
-  `qlinear_reference`;
+- sweep: the W path, warps' W rows (NB blocks of 8), DEPTH and splits at each row
+  count, with `qmatmul.qlinear` (Triton) beside them and each output's largest
+  difference from `qlinear_reference`;
 - parts: the kernel with parts taken out (MODE in the .cu file: the W loads alone;
   W and x loads; W loads and dequantization; loads and mma on the raw codes).
 Writes JSON and prints both tables. docs/throughput.md has what it measured.
@@ -45,8 +47,8 @@ MODES = ("all", "W loads", "W + x loads", "W loads + dequant", "loads + mma on r
 _compiled: dict[str, object] = {}
 
 
-def _kernel(tiles: int, nb: int, depth: int, mode: int):
-    name = f"qmm4<{tiles}, {nb}, {depth}, {mode}>"
+def _kernel(tiles: int, nb: int, depth: int, mode: int, ring: bool):
+    name = f"{'qmm4s' if ring else 'qmm4'}<{tiles}, {nb}, {depth}, {mode}>"
     if name not in _compiled:
         _compiled[name] = torch.cuda._compile_kernel(SOURCE, name)
     return _compiled[name]
@@ -59,16 +61,17 @@ def _splits(k: int, splits: int) -> tuple[int, int]:
     return per, -(-steps // per)
 
 
-def cuda_qlinear(x, q, nb, depth, splits, mode=0, partial=None, reduce=True):
+def cuda_qlinear(x, q, nb, depth, splits, mode=0, partial=None, reduce=True, ring=False):
     """x [M, K] fp16 @ dequantize(q)^T through the CUDA kernel; partial: the split-K
-    buffer (made here if None); reduce=False leaves the partials unsummed (timing)."""
+    buffer (made here if None); reduce=False leaves the partials unsummed (timing);
+    ring: W through the cp.async ring of `depth` stages (`qmm4s`), else registers."""
     m, k = x.shape
     n = q.shape[0]
     per, splits = _splits(k, splits)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if partial is None:
         partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    _kernel(-(-m // 16), nb, depth, mode)(
+    _kernel(-(-m // 16), nb, depth, mode, ring)(
         grid=(-(-n // (32 * nb)), splits, 1),
         block=(128, 1, 1),
         args=[x, q.codes, q.scale, q.minimum, partial, out, m, n, k, per],
@@ -127,44 +130,48 @@ def main() -> None:
             record = functools.partial(_record, results, case)
 
             record("sweep", "triton", functools.partial(qlinear, x, q), qlinear(x, q))
-            combos = (
-                [(4, 1), (2, 2), (2, 4), (4, 2), (4, 3)]
-                if m <= 16
-                else [(4, 1), (8, 1), (2, 2), (4, 2)]
-            )
-            for nb, depth in combos:
+            combos = [(False, 4, 1), (False, 2, 2), (False, 4, 2), (True, 4, 3), (True, 2, 4)]
+            combos += [(True, 2, 6)] if m <= 16 else [(False, 8, 1)]
+            for ring, nb, depth in combos:
                 for splits in (1, 2, 4, 8):
                     partial = torch.empty((_splits(k, splits)[1], m, n), device=dev)
-                    out = cuda_qlinear(x, q, nb, depth, splits)
-                    fn = functools.partial(cuda_qlinear, x, q, nb, depth, splits, 0, partial, False)
-                    summed = functools.partial(cuda_qlinear, x, q, nb, depth, splits, 0, partial)
-                    record("sweep", f"nb{nb} depth{depth} split{splits}", fn, out,
-                           seconds_with_sum=timed(summed, repeat=20))  # fmt: skip
+                    out = cuda_qlinear(x, q, nb, depth, splits, ring=ring)
+                    call = (x, q, nb, depth, splits, 0, partial)
+                    fn = functools.partial(cuda_qlinear, *call, False, ring)
+                    summed = functools.partial(cuda_qlinear, *call, True, ring)
+                    label = f"{'ring' if ring else 'registers'} nb{nb} depth{depth} split{splits}"
+                    record("sweep", label, fn, out, seconds_with_sum=timed(summed, repeat=20))
             if m > 16:
                 continue
-            for splits in (2, 8):
-                partial = torch.empty((_splits(k, splits)[1], m, n), device=dev)
-                for mode, what in enumerate(MODES):
-                    fn = functools.partial(cuda_qlinear, x, q, 4, 1, splits, mode, partial, False)
-                    record("parts", f"split{splits} {what}", fn)
+            for ring, depth in ((False, 1), (True, 3)):
+                for splits in (2, 8):
+                    partial = torch.empty((_splits(k, splits)[1], m, n), device=dev)
+                    for mode, what in enumerate(MODES):
+                        call = (x, q, 4, depth, splits, mode, partial, False, ring)
+                        fn = functools.partial(cuda_qlinear, *call)
+                        label = f"{'ring' if ring else 'registers'}/{splits} {what}"
+                        record("parts", label, fn)
         results.save()
         del q
     results.save()
     print(f"HBM copy {hbm:.0f} GB/s; {torch.cuda.get_device_name()}")
-    print(f"{'matrix':20s} {'rows':>4s} {'triton':>7s} {'best CUDA':>24s} {'':>6s} {'diff':>6s}")
+    print(f"{'matrix':20s} {'rows':>4s} {'triton':>7s} {'best CUDA':>34s} {'':>6s} {'diff':>6s}")
     sweep = results.data["sweep"]
     for key in dict.fromkeys((r["shape"], r["rows"]) for r in sweep):
         rows = [r for r in sweep if (r["shape"], r["rows"]) == key]
         best = min(rows[1:], key=lambda r: r["seconds"])
-        print(f"{key[0]:20s} {key[1]:4d} {rows[0]['hbm_share']:7.0%} {best['variant']:>24s} "
+        print(f"{key[0]:20s} {key[1]:4d} {rows[0]['hbm_share']:7.0%} {best['variant']:>34s} "
               f"{best['hbm_share']:6.0%} {best['max_diff_vs_reference']:6.2g}")  # fmt: skip
-    print(f"{'matrix':20s} {'rows':>4s} " + " ".join(f"{w[:14]:>14s}" for w in MODES))
+    print(
+        f"{'matrix':20s} {'rows':>4s} {'W path/split':12s}"
+        + " ".join(f"{w[:14]:>14s}" for w in MODES)
+    )
     parts = results.data["parts"]
     for key in dict.fromkeys((r["shape"], r["rows"], r["variant"].split()[0]) for r in parts):
         shares = [
             r["hbm_share"] for r in parts if (r["shape"], r["rows"], r["variant"].split()[0]) == key
         ]
-        print(f"{key[0]:20s} {key[1]:4d} {key[2]:7s}" + " ".join(f"{s:14.0%}" for s in shares))
+        print(f"{key[0]:20s} {key[1]:4d} {key[2]:12s}" + " ".join(f"{s:14.0%}" for s in shares))
 
 
 if __name__ == "__main__":
