@@ -100,3 +100,37 @@ def test_the_matmul_s_tiles_are_cut_to_the_device_s_shared_memory():
             block_k = max(group, min(tiles.max_k, 256))
             assert _fitted(tiles, block_k, 2, Compression(4, group, False), h100) == tiles
     assert _fitted(wide, 128, 4, cfg, None) == wide  # the interpreter: no limit
+
+
+def test_kernels_keep_fused_multiply_add_whatever_triton_s_default(monkeypatch):
+    """The launcher asks for floating-point contraction itself: Triton 3.9 warns that
+    3.10 turns its default off, and our kernels were measured and tested with it on. A
+    kernel compiled (offline, for sm_90) with the launcher's options under the default
+    set off still has its a * b + c as one fma."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+
+    from offload.kernels.launch import _options
+
+    @triton.jit
+    def axpy(a_ptr, b_ptr, c_ptr, out_ptr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        a, b, c = tl.load(a_ptr + i), tl.load(b_ptr + i), tl.load(c_ptr + i)
+        tl.store(out_ptr + i, a * b + c)
+
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    source = triton.compiler.ASTSource(
+        fn=axpy,
+        signature={
+            "a_ptr": "*fp32",
+            "b_ptr": "*fp32",
+            "c_ptr": "*fp32",
+            "out_ptr": "*fp32",
+            "BLOCK": "constexpr",
+        },
+        constexprs={"BLOCK": 128},
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=_options(4, None))
+    assert compiled.metadata.enable_fp_fusion
+    assert "fma.rn.f32" in compiled.asm["ptx"]
