@@ -51,6 +51,149 @@ __device__ __forceinline__ u16 to_half(float f) {
   return r;
 }
 
+// x's fragments for K step kb: a[m tile][k16 tile][register], rows past M zero. Thread
+// (g, c) holds x columns c * 32 ... c * 32 + 31 of the step, permuted to its k slots.
+template <int MT>
+__device__ __forceinline__ void x_fragments(u32 (&a)[MT][8][4], const u16* const (&xrow)[MT][2],
+                                            const bool (&m_ok)[MT][2], int kb) {
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      u32 r[16];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        U4 v;
+        if (m_ok[i][h]) {
+          v = ld_cached(xrow[i][h] + kb * 128 + q * 8);
+        } else {
+          v.v[0] = v.v[1] = v.v[2] = v.v[3] = 0u;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) r[q * 4 + e] = v.v[e];
+      }
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        a[i][2 * w][h] = prmt(r[4 * w], r[4 * w + 2], 0x5410);
+        a[i][2 * w][2 + h] = prmt(r[4 * w], r[4 * w + 2], 0x7632);
+        a[i][2 * w + 1][h] = prmt(r[4 * w + 1], r[4 * w + 3], 0x5410);
+        a[i][2 * w + 1][2 + h] = prmt(r[4 * w + 1], r[4 * w + 3], 0x7632);
+      }
+    }
+}
+
+// One K step of a warp: x's fragments, then each block of 8 W rows (its 16 bytes of
+// codes and its scale and minimum, each twice in a register) into acc[block][m tile],
+// or, for the parts MODE takes out, into sink.
+template <int MT, int NB, int MODE>
+__device__ __forceinline__ void k_step(float (&acc)[NB][MT][4], const U4 (&codes)[NB],
+                                       const u32 (&s2)[NB], const u32 (&m2)[NB],
+                                       const u16* const (&xrow)[MT][2], const bool (&m_ok)[MT][2],
+                                       int kb, u32& sink) {
+  u32 a[MT][8][4];
+  if (MODE != 1 && MODE != 3) x_fragments<MT>(a, xrow, m_ok, kb);
+  if (MODE == 2) {
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int t = 0; t < 8; ++t) sink ^= a[i][t][0] ^ a[i][t][1] ^ a[i][t][2] ^ a[i][t][3];
+  }
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    // the scale and minimum once a block, added: XORed in with every word, as a first
+    // version did, they cancel, and the compiler dropped their loads
+    if (MODE == 1 || MODE == 2) sink += s2[j] ^ m2[j];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const u32 q = codes[j].v[w];
+      if (MODE == 1 || MODE == 2) {
+        sink ^= q;
+      } else if (MODE == 3) {
+        sink ^= deq(nib(q), s2[j], m2[j]) ^ deq(nib(q >> 4), s2[j], m2[j])
+            ^ deq(nib(q >> 8), s2[j], m2[j]) ^ deq(nib(q >> 12), s2[j], m2[j]);
+      } else {
+        const u32 p0 = MODE == 4 ? q : deq(nib(q), s2[j], m2[j]);
+        const u32 p1 = MODE == 4 ? s2[j] : deq(nib(q >> 4), s2[j], m2[j]);
+        const u32 p2 = MODE == 4 ? m2[j] : deq(nib(q >> 8), s2[j], m2[j]);
+        const u32 p3 = MODE == 4 ? q : deq(nib(q >> 12), s2[j], m2[j]);
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          mma(acc[j][i], a[i][2 * w], p0, p1);
+          mma(acc[j][i], a[i][2 * w + 1], p2, p3);
+        }
+      }
+    }
+  }
+}
+
+// What both kernels set up: a warp's first W row n0, its blocks' rows in range, x's
+// rows (those past M read row 0 and are zeroed), the accumulators.
+template <int MT, int NB>
+struct Warp {
+  int g, c, n0;
+  bool n_ok[NB];
+  const u16* xrow[MT][2];
+  bool m_ok[MT][2];
+  float acc[NB][MT][4];
+
+  __device__ __forceinline__ Warp(const u16* x, int M, int N, int K) {
+    const int lane = threadIdx.x & 31;
+    g = lane >> 2;
+    c = lane & 3;
+    n0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * NB * 8;
+#pragma unroll
+    for (int j = 0; j < NB; ++j) n_ok[j] = n0 + j * 8 < N;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = i * 16 + g + 8 * h;
+        m_ok[i][h] = m < M;
+        xrow[i][h] = x + (long)(m_ok[i][h] ? m : 0) * K + c * 32;
+      }
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][i][e] = 0.f;
+  }
+
+  // W row of block j (a block past N reads the warp's first)
+  __device__ __forceinline__ int row(int j) const { return n_ok[j] ? n0 + j * 8 + g : n0 + g; }
+
+  // The accumulators out: fp16 into out without split-K, else float32 into the split's
+  // partials. d0, d1: x row g, W rows 2c and 2c + 1 of the block; d2, d3: x row g + 8.
+  // MODE 1-3 computed nothing: sink is stored where it cannot match, to keep it live.
+  template <int MODE>
+  __device__ __forceinline__ void finish(u32 sink, int M, int N, float* partial, u16* out) const {
+    if (MODE != 0 && MODE != 4) {
+      if (sink == 0x12345u) partial[threadIdx.x] = 1.f;
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        if (!n_ok[j]) continue;
+        const int n = n0 + j * 8 + 2 * c;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int m = i * 16 + g + 8 * h;
+          if (m >= M) continue;
+          if (gridDim.y == 1) {
+            const u32 pair = (u32)to_half(acc[j][i][2 * h]) | ((u32)to_half(acc[j][i][2 * h + 1]) << 16);
+            *(u32*)(out + (long)m * N + n) = pair;
+          } else {
+            float* p = partial + ((long)blockIdx.y * M + m) * N + n;
+            asm volatile("st.global.v2.f32 [%0], {%1, %2};"
+                :: "l"(p), "f"(acc[j][i][2 * h]), "f"(acc[j][i][2 * h + 1]) : "memory");
+          }
+        }
+      }
+  }
+};
+
 // y[M, N] = x[M, K] @ dequantize(W)^T for int4 W, groups of 64, asymmetric: codes
 // [N, K / 2] (low nibble first), scale and minimum [N, K / 64] fp16; x fp16.
 // A warp takes NB blocks of 8 W rows, a block 4 warps, blockIdx.y a range of K steps
@@ -68,43 +211,22 @@ __global__ void __launch_bounds__(128) qmm4(
     float* __restrict__ partial, u16* __restrict__ out,
     int M, int N, int K, int steps_per_split)
 {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, c = lane & 3;
-  const int n0 = (blockIdx.x * 4 + warp) * NB * 8;
-  if (n0 >= N) return;
+  Warp<MT, NB> wp(x, M, N, K);
+  if (wp.n0 >= N) return;
   const int kb0 = blockIdx.y * steps_per_split;
   const int kb1 = min(kb0 + steps_per_split, K >> 7);
   const int groups = K >> 6;
   const long row_bytes = K >> 1;
-  float acc[MT][NB][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NB; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
   const unsigned char* wrow[NB];
   const u16* srow[NB];
   const u16* mrow[NB];
-  bool n_ok[NB];
 #pragma unroll
   for (int j = 0; j < NB; ++j) {
-    n_ok[j] = n0 + j * 8 < N;
-    const int n = n_ok[j] ? n0 + j * 8 + g : n0 + g;
-    wrow[j] = codes + n * row_bytes + c * 16;
-    srow[j] = scale + (long)n * groups + (c >> 1);
-    mrow[j] = minimum + (long)n * groups + (c >> 1);
+    const int n = wp.row(j);
+    wrow[j] = codes + n * row_bytes + wp.c * 16;
+    srow[j] = scale + (long)n * groups + (wp.c >> 1);
+    mrow[j] = minimum + (long)n * groups + (wp.c >> 1);
   }
-  const u16* xrow[MT][2];
-  bool m_ok[MT][2];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = i * 16 + g + 8 * h;
-      m_ok[i][h] = m < M;
-      xrow[i][h] = x + (long)(m_ok[i][h] ? m : 0) * K + c * 32;
-    }
   u32 sink = 0;
   U4 wq[DEPTH][NB];
   u32 sm[DEPTH][NB];  // scale (low half) and minimum (high half)
@@ -123,99 +245,20 @@ __global__ void __launch_bounds__(128) qmm4(
       const int kb = base + s;
       if (kb >= kb1) break;
       U4 cur[NB];
-      u32 csm[NB];
+      u32 s2[NB], m2[NB];
       const int next = min(kb + DEPTH, kb1 - 1);
 #pragma unroll
       for (int j = 0; j < NB; ++j) {
         cur[j] = wq[s][j];
-        csm[j] = sm[s][j];
+        s2[j] = prmt(sm[s][j], 0, 0x1010);
+        m2[j] = prmt(sm[s][j], 0, 0x3232);
         wq[s][j] = ld_stream(wrow[j] + next * 64);
         sm[s][j] = ld_u16(srow[j] + next * 2) | (ld_u16(mrow[j] + next * 2) << 16);
       }
-      u32 a[MT][8][4];  // x's fragments: [m tile][k16 tile][register]
-      if (MODE != 1 && MODE != 3) {
-#pragma unroll
-        for (int i = 0; i < MT; ++i)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            u32 r[16];
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              U4 v;
-              if (m_ok[i][h]) {
-                v = ld_cached(xrow[i][h] + kb * 128 + q * 8);
-              } else {
-                v.v[0] = v.v[1] = v.v[2] = v.v[3] = 0u;
-              }
-#pragma unroll
-              for (int e = 0; e < 4; ++e) r[q * 4 + e] = v.v[e];
-            }
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-              a[i][2 * w][h] = prmt(r[4 * w], r[4 * w + 2], 0x5410);
-              a[i][2 * w][2 + h] = prmt(r[4 * w], r[4 * w + 2], 0x7632);
-              a[i][2 * w + 1][h] = prmt(r[4 * w + 1], r[4 * w + 3], 0x5410);
-              a[i][2 * w + 1][2 + h] = prmt(r[4 * w + 1], r[4 * w + 3], 0x7632);
-            }
-          }
-      }
-      if (MODE == 2) {
-#pragma unroll
-        for (int i = 0; i < MT; ++i)
-#pragma unroll
-          for (int t = 0; t < 8; ++t) sink ^= a[i][t][0] ^ a[i][t][1] ^ a[i][t][2] ^ a[i][t][3];
-      }
-#pragma unroll
-      for (int j = 0; j < NB; ++j) {
-        const u32 s2 = prmt(csm[j], 0, 0x1010), m2 = prmt(csm[j], 0, 0x3232);
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          const u32 q = cur[j].v[w];
-          if (MODE == 1 || MODE == 2) {
-            sink ^= q ^ s2 ^ m2;
-          } else if (MODE == 3) {
-            sink ^= deq(nib(q), s2, m2) ^ deq(nib(q >> 4), s2, m2) ^ deq(nib(q >> 8), s2, m2)
-                ^ deq(nib(q >> 12), s2, m2);
-          } else {
-            const u32 p0 = MODE == 4 ? q : deq(nib(q), s2, m2);
-            const u32 p1 = MODE == 4 ? s2 : deq(nib(q >> 4), s2, m2);
-            const u32 p2 = MODE == 4 ? m2 : deq(nib(q >> 8), s2, m2);
-            const u32 p3 = MODE == 4 ? q : deq(nib(q >> 12), s2, m2);
-#pragma unroll
-            for (int i = 0; i < MT; ++i) {
-              mma(acc[i][j], a[i][2 * w], p0, p1);
-              mma(acc[i][j], a[i][2 * w + 1], p2, p3);
-            }
-          }
-        }
-      }
+      k_step<MT, NB, MODE>(wp.acc, cur, s2, m2, wp.xrow, wp.m_ok, kb, sink);
     }
   }
-  if (MODE != 0 && MODE != 4) {
-    if (sink == 0x12345u) partial[threadIdx.x] = 1.f;  // keeps the parts taken out live
-    return;
-  }
-  // d0, d1: x row g, W rows 2c and 2c + 1 of the block; d2, d3: x row g + 8
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NB; ++j) {
-      if (!n_ok[j]) continue;
-      const int n = n0 + j * 8 + 2 * c;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int m = i * 16 + g + 8 * h;
-        if (m >= M) continue;
-        if (gridDim.y == 1) {
-          const u32 pair = (u32)to_half(acc[i][j][2 * h]) | ((u32)to_half(acc[i][j][2 * h + 1]) << 16);
-          *(u32*)(out + (long)m * N + n) = pair;
-        } else {
-          float* p = partial + ((long)blockIdx.y * M + m) * N + n;
-          asm volatile("st.global.v2.f32 [%0], {%1, %2};"
-              :: "l"(p), "f"(acc[i][j][2 * h]), "f"(acc[i][j][2 * h + 1]) : "memory");
-        }
-      }
-    }
+  wp.template finish<MODE>(sink, M, N, partial, out);
 }
 
 // The same with W's K steps brought through shared memory by cp.async: a ring of
@@ -232,44 +275,24 @@ __global__ void __launch_bounds__(128) qmm4s(
 {
   __shared__ __align__(16) U4 ring_codes[4][STAGES][NB][32];
   __shared__ __align__(16) u32 ring_params[4][STAGES][NB][2][32];
+  Warp<MT, NB> wp(x, M, N, K);
+  if (wp.n0 >= N) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, c = lane & 3;
-  const int n0 = (blockIdx.x * 4 + warp) * NB * 8;
-  if (n0 >= N) return;
   const int kb0 = blockIdx.y * steps_per_split;
   const int kb1 = min(kb0 + steps_per_split, K >> 7);
   const int groups = K >> 6;
   const long row_bytes = K >> 1;
-  float acc[MT][NB][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NB; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
   const unsigned char* wrow[NB];
   const u16* srow[NB];
   const u16* mrow[NB];
-  bool n_ok[NB];
 #pragma unroll
   for (int j = 0; j < NB; ++j) {
-    n_ok[j] = n0 + j * 8 < N;
-    const int n = n_ok[j] ? n0 + j * 8 + g : n0 + g;
-    wrow[j] = codes + n * row_bytes + c * 16;
+    const int n = wp.row(j);
+    wrow[j] = codes + n * row_bytes + wp.c * 16;
     srow[j] = scale + (long)n * groups;  // the step's two groups: 4 aligned bytes
     mrow[j] = minimum + (long)n * groups;
   }
-  const u16* xrow[MT][2];
-  bool m_ok[MT][2];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = i * 16 + g + 8 * h;
-      m_ok[i][h] = m < M;
-      xrow[i][h] = x + (long)(m_ok[i][h] ? m : 0) * K + c * 32;
-    }
-  const u32 half_shift = (c >> 1) * 16;  // this thread's group of the step's two
+  const u32 half_shift = (wp.c >> 1) * 16;  // this thread's group of the step's two
   u32 sink = 0;
   auto issue = [&](int kb, int slot) {
     if (kb < kb1) {
@@ -296,92 +319,12 @@ __global__ void __launch_bounds__(128) qmm4s(
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
       cur[j] = ring_codes[warp][slot][j][lane];
-      const u32 sp = ring_params[warp][slot][j][0][lane] >> half_shift;
-      const u32 mp = ring_params[warp][slot][j][1][lane] >> half_shift;
-      s2[j] = prmt(sp, 0, 0x1010);
-      m2[j] = prmt(mp, 0, 0x1010);
+      s2[j] = prmt(ring_params[warp][slot][j][0][lane] >> half_shift, 0, 0x1010);
+      m2[j] = prmt(ring_params[warp][slot][j][1][lane] >> half_shift, 0, 0x1010);
     }
     slot = slot + 1 == STAGES ? 0 : slot + 1;
-    u32 a[MT][8][4];
-    if (MODE != 1 && MODE != 3) {
-#pragma unroll
-      for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          u32 r[16];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            U4 v;
-            if (m_ok[i][h]) {
-              v = ld_cached(xrow[i][h] + kb * 128 + q * 8);
-            } else {
-              v.v[0] = v.v[1] = v.v[2] = v.v[3] = 0u;
-            }
-#pragma unroll
-            for (int e = 0; e < 4; ++e) r[q * 4 + e] = v.v[e];
-          }
-#pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            a[i][2 * w][h] = prmt(r[4 * w], r[4 * w + 2], 0x5410);
-            a[i][2 * w][2 + h] = prmt(r[4 * w], r[4 * w + 2], 0x7632);
-            a[i][2 * w + 1][h] = prmt(r[4 * w + 1], r[4 * w + 3], 0x5410);
-            a[i][2 * w + 1][2 + h] = prmt(r[4 * w + 1], r[4 * w + 3], 0x7632);
-          }
-        }
-    }
-    if (MODE == 2) {
-#pragma unroll
-      for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int t = 0; t < 8; ++t) sink ^= a[i][t][0] ^ a[i][t][1] ^ a[i][t][2] ^ a[i][t][3];
-    }
-#pragma unroll
-    for (int j = 0; j < NB; ++j) {
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const u32 q = cur[j].v[w];
-        if (MODE == 1 || MODE == 2) {
-          sink ^= q ^ s2[j] ^ m2[j];
-        } else if (MODE == 3) {
-          sink ^= deq(nib(q), s2[j], m2[j]) ^ deq(nib(q >> 4), s2[j], m2[j])
-              ^ deq(nib(q >> 8), s2[j], m2[j]) ^ deq(nib(q >> 12), s2[j], m2[j]);
-        } else {
-          const u32 p0 = MODE == 4 ? q : deq(nib(q), s2[j], m2[j]);
-          const u32 p1 = MODE == 4 ? s2[j] : deq(nib(q >> 4), s2[j], m2[j]);
-          const u32 p2 = MODE == 4 ? m2[j] : deq(nib(q >> 8), s2[j], m2[j]);
-          const u32 p3 = MODE == 4 ? q : deq(nib(q >> 12), s2[j], m2[j]);
-#pragma unroll
-          for (int i = 0; i < MT; ++i) {
-            mma(acc[i][j], a[i][2 * w], p0, p1);
-            mma(acc[i][j], a[i][2 * w + 1], p2, p3);
-          }
-        }
-      }
-    }
+    k_step<MT, NB, MODE>(wp.acc, cur, s2, m2, wp.xrow, wp.m_ok, kb, sink);
   }
   asm volatile("cp.async.wait_all;");
-  if (MODE != 0 && MODE != 4) {
-    if (sink == 0x12345u) partial[threadIdx.x] = 1.f;  // keeps the parts taken out live
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NB; ++j) {
-      if (!n_ok[j]) continue;
-      const int n = n0 + j * 8 + 2 * c;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int m = i * 16 + g + 8 * h;
-        if (m >= M) continue;
-        if (gridDim.y == 1) {
-          const u32 pair = (u32)to_half(acc[i][j][2 * h]) | ((u32)to_half(acc[i][j][2 * h + 1]) << 16);
-          *(u32*)(out + (long)m * N + n) = pair;
-        } else {
-          float* p = partial + ((long)blockIdx.y * M + m) * N + n;
-          asm volatile("st.global.v2.f32 [%0], {%1, %2};"
-              :: "l"(p), "f"(acc[i][j][2 * h]), "f"(acc[i][j][2 * h + 1]) : "memory");
-        }
-      }
-    }
+  wp.template finish<MODE>(sink, M, N, partial, out);
 }
