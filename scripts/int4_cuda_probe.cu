@@ -126,23 +126,41 @@ __device__ __forceinline__ void k_step(float (&acc)[NB][MT][4], const U4 (&codes
   }
 }
 
-// What both kernels set up: a warp's first W row n0, its blocks' rows in range, x's
-// rows (those past M read row 0 and are zeroed), the accumulators.
+// What both kernels set up: a warp's first W row n0, its blocks' rows in range and
+// where this thread reads them (codes; scales and minimums: the thread's own group, or
+// with pair_params the step's two groups, 4 aligned bytes), its K steps kb0 .. kb1 - 1,
+// x's rows (those past M read row 0 and are zeroed), the accumulators.
 template <int MT, int NB>
 struct Warp {
-  int g, c, n0;
+  int g, c, n0, kb0, kb1;
   bool n_ok[NB];
+  const unsigned char* wrow[NB];
+  const u16* srow[NB];
+  const u16* mrow[NB];
   const u16* xrow[MT][2];
   bool m_ok[MT][2];
   float acc[NB][MT][4];
 
-  __device__ __forceinline__ Warp(const u16* x, int M, int N, int K) {
+  __device__ __forceinline__ Warp(const u16* x, const unsigned char* codes, const u16* scale,
+                                  const u16* minimum, int M, int N, int K, int steps_per_split,
+                                  bool pair_params) {
     const int lane = threadIdx.x & 31;
     g = lane >> 2;
     c = lane & 3;
     n0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * NB * 8;
+    kb0 = blockIdx.y * steps_per_split;
+    kb1 = min(kb0 + steps_per_split, K >> 7);
+    const int groups = K >> 6;
+    const long row_bytes = K >> 1;
 #pragma unroll
-    for (int j = 0; j < NB; ++j) n_ok[j] = n0 + j * 8 < N;
+    for (int j = 0; j < NB; ++j) {
+      n_ok[j] = n0 + j * 8 < N;
+      const int n = n_ok[j] ? n0 + j * 8 + g : n0 + g;  // a block past N reads the first
+      const long params = (long)n * groups + (pair_params ? 0 : c >> 1);
+      wrow[j] = codes + n * row_bytes + c * 16;
+      srow[j] = scale + params;
+      mrow[j] = minimum + params;
+    }
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -158,9 +176,6 @@ struct Warp {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[j][i][e] = 0.f;
   }
-
-  // W row of block j (a block past N reads the warp's first)
-  __device__ __forceinline__ int row(int j) const { return n_ok[j] ? n0 + j * 8 + g : n0 + g; }
 
   // The accumulators out: fp16 into out without split-K, else float32 into the split's
   // partials. d0, d1: x row g, W rows 2c and 2c + 1 of the block; d2, d3: x row g + 8.
@@ -211,22 +226,12 @@ __global__ void __launch_bounds__(128) qmm4(
     float* __restrict__ partial, u16* __restrict__ out,
     int M, int N, int K, int steps_per_split)
 {
-  Warp<MT, NB> wp(x, M, N, K);
+  Warp<MT, NB> wp(x, codes, scale, minimum, M, N, K, steps_per_split, false);
   if (wp.n0 >= N) return;
-  const int kb0 = blockIdx.y * steps_per_split;
-  const int kb1 = min(kb0 + steps_per_split, K >> 7);
-  const int groups = K >> 6;
-  const long row_bytes = K >> 1;
-  const unsigned char* wrow[NB];
-  const u16* srow[NB];
-  const u16* mrow[NB];
-#pragma unroll
-  for (int j = 0; j < NB; ++j) {
-    const int n = wp.row(j);
-    wrow[j] = codes + n * row_bytes + wp.c * 16;
-    srow[j] = scale + (long)n * groups + (wp.c >> 1);
-    mrow[j] = minimum + (long)n * groups + (wp.c >> 1);
-  }
+  const int kb0 = wp.kb0, kb1 = wp.kb1;
+  const unsigned char* const(&wrow)[NB] = wp.wrow;
+  const u16* const(&srow)[NB] = wp.srow;
+  const u16* const(&mrow)[NB] = wp.mrow;
   u32 sink = 0;
   U4 wq[DEPTH][NB];
   u32 sm[DEPTH][NB];  // scale (low half) and minimum (high half)
@@ -275,23 +280,13 @@ __global__ void __launch_bounds__(128) qmm4s(
 {
   __shared__ __align__(16) U4 ring_codes[4][STAGES][NB][32];
   __shared__ __align__(16) u32 ring_params[4][STAGES][NB][2][32];
-  Warp<MT, NB> wp(x, M, N, K);
+  Warp<MT, NB> wp(x, codes, scale, minimum, M, N, K, steps_per_split, true);
   if (wp.n0 >= N) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int kb0 = blockIdx.y * steps_per_split;
-  const int kb1 = min(kb0 + steps_per_split, K >> 7);
-  const int groups = K >> 6;
-  const long row_bytes = K >> 1;
-  const unsigned char* wrow[NB];
-  const u16* srow[NB];
-  const u16* mrow[NB];
-#pragma unroll
-  for (int j = 0; j < NB; ++j) {
-    const int n = wp.row(j);
-    wrow[j] = codes + n * row_bytes + wp.c * 16;
-    srow[j] = scale + (long)n * groups;  // the step's two groups: 4 aligned bytes
-    mrow[j] = minimum + (long)n * groups;
-  }
+  const int kb0 = wp.kb0, kb1 = wp.kb1;
+  const unsigned char* const(&wrow)[NB] = wp.wrow;
+  const u16* const(&srow)[NB] = wp.srow;
+  const u16* const(&mrow)[NB] = wp.mrow;
   const u32 half_shift = (wp.c >> 1) * 16;  // this thread's group of the step's two
   u32 sink = 0;
   auto issue = [&](int kb, int slot) {
