@@ -52,7 +52,9 @@ class MemoryPlan:
         def total(tier: str) -> int:
             return max(phases.get((tier, True), 0), phases.get((tier, False), 0))
 
-        return cls(total("gpu"), total("cpu"), total("disk"), detail)
+        plan = cls(total("gpu"), total("cpu"), total("disk"), detail)
+        plan.__dict__["_phases"] = phases  # `_phases`, already counted (the search's hot path)
+        return plan
 
     @functools.cached_property
     def _phases(self) -> dict[tuple[str, bool], int]:
@@ -72,13 +74,20 @@ def _phase_totals(detail: dict[str, int]) -> dict[tuple[str, bool], int]:
     totals every candidate's plan)."""
     totals: dict[tuple[str, bool], int] = {}
     for key, nbytes in detail.items():
-        part, _, tier = key.rpartition("_")
-        transient = part.startswith("load_")
-        if transient or part in LOAD_PARTS:
-            totals[tier, True] = totals.get((tier, True), 0) + nbytes
-        if not transient:
-            totals[tier, False] = totals.get((tier, False), 0) + nbytes
+        for phase in _phases_of(key):
+            totals[phase] = totals.get(phase, 0) + nbytes
     return totals
+
+
+@functools.cache
+def _phases_of(key: str) -> tuple[tuple[str, bool], ...]:
+    """The (tier, load phase?) totals a part named `<what>_<tier>` counts in: the load
+    phase for the weights' parts and the `load_` transients, the run for every part but
+    the transients."""
+    part, _, tier = key.rpartition("_")
+    transient = part.startswith("load_")
+    load = ((tier, True),) if transient or part in LOAD_PARTS else ()
+    return load + (() if transient else ((tier, False),))
 
 
 def row_splits(placement, sizes: list[int]) -> list[tuple[int, int, int]]:
