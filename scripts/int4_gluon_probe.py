@@ -1,0 +1,358 @@
+"""The int4 decode matmul in Gluon: W's dequantized codes as wgmma's register operand, its
+tiles brought in by TMA, beside ours on the same weights.
+
+    python scripts/int4_gluon_probe.py [--rows 1,14,16,32] [--out benchmarks/results]
+    python scripts/int4_gluon_probe.py --compile-only   # no GPU: sm_90 SASS counts
+
+Status: compiled offline for sm_90 with triton 3.6 (the GPU machine's); not yet run on
+a GPU. Gluon has no path in the CPU interpreter, so nothing here is checked on the CPU.
+
+The kernel computes out^T = W x^T: 64 W rows a program are wgmma's M side, x's rows its
+N side (16 or 32), and x^T is read from shared memory as the B operand.
+- W's codes stay in `QTensor`'s format. In wgmma's A fragment (per warp, that of
+  `mma.m16n8k16`), lane l holds columns 2j, 2j + 1, 2j + 8 and 2j + 9 of each 16, with
+  j = l mod 4: the low and high nibbles of bytes j and 4 + j of the chunk's 8 bytes.
+  `CODES` loads exactly those bytes. The inline-PTX dequantization of `dequant.py`
+  gives the two nibbles' values, and joined and reshaped they are the A operand with
+  no data movement (`convert_layout(..., assert_trivial=True)` compiles).
+- A ring of STAGES shared-memory slots, each filled by two TMA copies (the codes tile
+  and x's tile) that complete on the slot's mbarrier. The wgmma runs asynchronously,
+  one step behind its wait, and a slot is refilled once the wgmma that read it is done.
+- The scales and minimums are plain loads, one step ahead. (A step's 4 groups are 8
+  bytes a row, under TMA's 16-byte box.)
+- Split-K as ours, partials in float32, which torch sums: timed with the sum (`gluon`)
+  and without it (`gluon kernel`); ours sums inside its kernel.
+
+int4-g64 asymmetric W, fp16 x, K a multiple of 256. Writes JSON and prints a table;
+docs/throughput.md has the design and what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from offload.kernels.dequant import _NIBBLES_ASYMMETRIC
+
+# Names that changed between the Triton versions the project allows. TMA's load into
+# shared memory: `async_copy_global_to_shared` in triton 3.6 (the GPU
+# machine's), renamed `async_load` by 3.9, where the old name raises
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# a barrier of the program's threads: `thread_barrier` in 3.6, `barrier` in 3.9
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+W_ROWS = 64  # W rows a program: wgmma's M
+K_STEP = 256  # codes a K step (4 groups of 64)
+GROUP = 64
+SHAPES = [  # (model, matrix, N, K)
+    ("opt-30b", "qkv", 3 * 7168, 7168),
+    ("opt-30b", "mlp_in", 28672, 7168),
+    ("opt-30b", "mlp_out", 7168, 28672),
+    ("llama-2-70b", "mlp_in", 2 * 28672, 8192),
+]
+
+# A K step's codes [W rows, bytes]: lane l = 4 g + j holds rows g and g + 8 (16 more a
+# warp) and bytes j and 4 + j of every 8 (the columns of wgmma's A fragment)
+CODES = gl.DistributedLinearLayout(
+    reg_bases=[[8, 0], [0, 4], [0, 8], [0, 16], [0, 32], [0, 64]],
+    lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]],
+    block_bases=[],
+    shape=[W_ROWS, K_STEP // 2],
+)
+# the same by group: [W rows, groups a step, bytes a group]
+CODES_BY_GROUP = gl.DistributedLinearLayout(
+    reg_bases=[[8, 0, 0], [0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 1, 0], [0, 2, 0]],
+    lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    warp_bases=[[16, 0, 0], [32, 0, 0]],
+    block_bases=[],
+    shape=[W_ROWS, K_STEP // GROUP, GROUP // 2],
+)
+
+
+@gluon.jit
+def _qmm_gluon_kernel(
+    x_desc, c_desc, scale_ptr, min_ptr, partial_ptr, M, N,
+    K: gl.constexpr, STAGES: gl.constexpr, PER_SPLIT: gl.constexpr,
+    CODES_: gl.constexpr, BY_GROUP: gl.constexpr, PTX: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """Partial [split, M, N] (float32) of x @ dequantize(W)^T over this program's K range."""
+    ROWS: gl.constexpr = c_desc.block_type.shape[0]
+    STEP_BYTES: gl.constexpr = c_desc.block_type.shape[1]
+    X_ROWS: gl.constexpr = x_desc.block_type.shape[0]
+    STEP: gl.constexpr = x_desc.block_type.shape[1]
+    GROUPS: gl.constexpr = STEP // 64
+    n0 = gl.program_id(0) * ROWS
+    first = gl.program_id(1) * PER_SPLIT
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, X_ROWS, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    codes_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, STEP_BYTES], c_desc.layout)
+    x_smem = gl.allocate_shared_memory(gl.float16, [STAGES, X_ROWS, STEP], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    nbytes: gl.constexpr = c_desc.block_type.nbytes + x_desc.block_type.nbytes
+    for s in gl.static_range(STAGES - 1):  # the ring's first steps
+        mbarrier.expect(bars.index(s), nbytes, pred=s < PER_SPLIT)
+        _tma_load(
+            c_desc, [n0, (first + s) * STEP_BYTES], bars.index(s), codes_smem.index(s),
+            pred=s < PER_SPLIT,
+        )  # fmt: skip
+        _tma_load(
+            x_desc, [0, (first + s) * STEP], bars.index(s), x_smem.index(s), pred=s < PER_SPLIT
+        )
+    by_row: gl.constexpr = gl.SliceLayout(2, BY_GROUP)
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, by_row))
+    groups = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, by_row))
+    params = (n0 + rows)[:, None] * (K // 64) + first * GROUPS + groups[None, :]
+    scale = gl.load(scale_ptr + params)
+    low = gl.load(min_ptr + params)
+    acc = gl.zeros((ROWS, X_ROWS), dtype=gl.float32, layout=mma)
+    for i in range(PER_SPLIT):
+        slot = i % STAGES
+        # the next step's scales and minimums, while this step waits and computes
+        ahead = gl.minimum(i + 1, PER_SPLIT - 1) * GROUPS
+        next_scale = gl.load(scale_ptr + params + ahead)
+        next_low = gl.load(min_ptr + params + ahead)
+        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+        codes = codes_smem.index(slot).load(CODES_)
+        codes = gl.convert_layout(
+            gl.reshape(codes, [ROWS, GROUPS, STEP_BYTES // GROUPS]), BY_GROUP, assert_trivial=True
+        )
+        even, odd = gl.inline_asm_elementwise(
+            PTX, "=r,=r,=r,=r,r,r,r,r,r",
+            [codes, gl.broadcast(scale[:, :, None], codes)[0],
+             gl.broadcast(low[:, :, None], codes)[0]],
+            dtype=(gl.float16, gl.float16), is_pure=False, pack=4,
+        )  # fmt: skip
+        w = gl.reshape(gl.join(even, odd), [ROWS, STEP])
+        a = gl.convert_layout(w, a_layout, assert_trivial=True)
+        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        # the wgmma of step i - 1 is done: its slot takes step i + STAGES - 1
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        _barrier()  # every warp's reads of that slot done,
+        fence_async_shared()  # and ordered before the copy engine's writes
+        refill = i + STAGES - 1
+        again = (i + STAGES - 1) % STAGES
+        mbarrier.expect(bars.index(again), nbytes, pred=refill < PER_SPLIT)
+        _tma_load(
+            c_desc, [n0, (first + refill) * STEP_BYTES], bars.index(again),
+            codes_smem.index(again), pred=refill < PER_SPLIT,
+        )  # fmt: skip
+        _tma_load(
+            x_desc, [0, (first + refill) * STEP], bars.index(again), x_smem.index(again),
+            pred=refill < PER_SPLIT,
+        )  # fmt: skip
+        scale = next_scale
+        low = next_low
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+    out: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])
+    result = gl.convert_layout(acc, out)  # [W rows, x rows]
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, out))
+    c = gl.arange(0, X_ROWS, layout=gl.SliceLayout(0, out))
+    offsets = gl.program_id(1) * M * N + c[None, :] * N + (n0 + r)[:, None]
+    gl.store(partial_ptr + offsets, result, mask=(c < M)[None, :])
+
+
+def _descriptors(x, codes, x_rows):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    c_layout = gl.NVMMASharedLayout.get_default_for([W_ROWS, K_STEP // 2], gl.uint8)
+    x_layout = gl.NVMMASharedLayout.get_default_for([x_rows, K_STEP], gl.float16)
+    return (
+        TensorDescriptor.from_tensor(x, [x_rows, K_STEP], x_layout),
+        TensorDescriptor.from_tensor(codes, [W_ROWS, K_STEP // 2], c_layout),
+    )
+
+
+def gluon_qlinear(
+    x: torch.Tensor, w, split: int, stages: int = 3, partial: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M <= 32, K] fp16 @ dequantize(w)^T for int4-g64 asymmetric w. partial: the
+    split-K buffer [split, M, N] to write, left unsummed (the kernel's time alone)."""
+    n, k = w.shape
+    m = x.shape[0]
+    assert m <= 32 and n % W_ROWS == 0 and k % K_STEP == 0 and w.config.group_size == GROUP
+    steps = k // K_STEP
+    split = max(d for d in range(1, min(split, steps) + 1) if steps % d == 0)
+    x_desc, c_desc = _descriptors(x, w.codes.view(n, k // 2), 16 if m <= 16 else 32)
+    out = partial
+    if out is None:
+        out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    _qmm_gluon_kernel[(n // W_ROWS, split)](
+        x_desc, c_desc, w.scale, w.minimum, out, m, n, k, stages, steps // split,
+        CODES, CODES_BY_GROUP, _NIBBLES_ASYMMETRIC.value, num_warps=4,
+    )  # fmt: skip
+    return out if partial is not None else out.sum(0).to(x.dtype)
+
+
+def compile_only(k: int = 7168, stages: int = 3) -> None:
+    """The kernel for sm_90 without a GPU: shared memory, registers and the SASS."""
+    import subprocess
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = _qmm_gluon_kernel.arg_names
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    for x_rows in (16, 32):
+        c_layout = gl.NVMMASharedLayout.get_default_for([W_ROWS, K_STEP // 2], gl.uint8)
+        x_layout = gl.NVMMASharedLayout.get_default_for([x_rows, K_STEP], gl.float16)
+        signature = {
+            "x_desc": f"tensordesc<fp16[{x_rows}, {K_STEP}],{x_layout!r}>",
+            "c_desc": f"tensordesc<u8[{W_ROWS}, {K_STEP // 2}],{c_layout!r}>",
+            "scale_ptr": "*fp16", "min_ptr": "*fp16", "partial_ptr": "*fp32",
+            "M": "i32", "N": "i32",
+        }  # fmt: skip
+        constexprs = {
+            "K": k, "STAGES": stages, "PER_SPLIT": k // K_STEP // 2, "CODES_": CODES,
+            "BY_GROUP": CODES_BY_GROUP, "PTX": _NIBBLES_ASYMMETRIC.value, "num_warps": 4,
+        }  # fmt: skip
+        signature.update({name: "constexpr" for name in constexprs})
+        aligned = ("scale_ptr", "min_ptr", "partial_ptr", "N")
+        source = GluonASTSource(
+            fn=_qmm_gluon_kernel,
+            signature={name: signature[name] for name in names},
+            constexprs=constexprs,
+            attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned},
+        )
+        compiled = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
+        )
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            sass, usage = (
+                subprocess.run(
+                    [bin_dir / tool, *flags, f.name], capture_output=True, text=True, check=True
+                ).stdout
+                for tool, flags in (("nvdisasm", ["-c"]), ("cuobjdump", ["--dump-resource-usage"]))
+            )
+        loop = _k_loop(sass)
+        mix = {
+            op: sum(o.startswith(op) for o in loop) for op in ("HGMMA", "UTMALDG", "LDS", "PRMT")
+        }
+        resources = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
+        print(
+            f"x rows {x_rows}: shared {compiled.metadata.shared} B, {resources}; the K loop: "
+            f"{len(loop)} instructions, {len(loop) / 64:.2f} a code byte a thread, {mix}"
+        )
+
+
+def _k_loop(sass: str) -> list[str]:
+    """The opcodes of the innermost loop that issues wgmma (a label to a branch back)."""
+    ops: list[str] = []
+    labels: dict[str, int] = {}
+    loops = []
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_\w+):", line)
+        if label:
+            labels[label.group(1)] = len(ops)
+            continue
+        instruction = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
+        if instruction:
+            ops.append(instruction.group(1))
+            target = re.search(r"(\.L_\w+)", instruction.group(2))
+            if ops[-1].startswith("BRA") and target and target.group(1) in labels:
+                loops.append(ops[labels[target.group(1)] :])
+    with_mma = [loop for loop in loops if any(op.startswith("HGMMA") for op in loop)]
+    return min(with_mma, key=len) if with_mma else []
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", default="1,14,16,32")
+    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--compile-only", action="store_true")
+    args = p.parse_args()
+    if args.compile_only:
+        compile_only(stages=args.stages)
+        return
+    from bench_kernels import hbm_rate, timed
+
+    from offload.bench import Results
+    from offload.kernels import qmatmul
+    from offload.kernels.formats import Compression
+    from offload.kernels.quant import quantize
+
+    dev = torch.device("cuda")
+    hbm = hbm_rate(dev)
+    results = Results(
+        "int4_gluon_probe",
+        {"device": torch.cuda.get_device_name(), "triton": triton.__version__,
+         "hbm_copy_gbps": hbm, "stages": args.stages, "rows": []},
+        args.out,
+    )  # fmt: skip
+    for model, matrix, n, k in SHAPES:
+        q = quantize(torch.randn(n, k, device=dev, dtype=torch.float16), Compression(4, 64, False))
+        for m in map(int, args.rows.split(",")):
+            x = torch.randn(m, k, device=dev, dtype=torch.float16)
+            read = q.nbytes + x.numel() * 2 + m * n * 2
+            reference = qmatmul.qlinear_reference(x, q, None).float()
+            split = qmatmul._tiles(m, n, k, GROUP, dev).split
+            steps = k // K_STEP
+            splits = max(d for d in range(1, min(split, steps) + 1) if steps % d == 0)
+            partial = torch.empty((splits, m, n), dtype=torch.float32, device=dev)
+            calls = {
+                "ours": functools.partial(qmatmul.qlinear, x, q),
+                "gluon": functools.partial(gluon_qlinear, x, q, split, args.stages),
+                "gluon kernel": functools.partial(gluon_qlinear, x, q, split, args.stages, partial),
+            }
+            record = {"shape": f"{model} {matrix}", "n": n, "k": k, "rows": m, "split": split}
+            for _ in range(2):  # interleaved: the spread between repeats shows
+                for name, call in calls.items():
+                    record.setdefault(name, {"us": []})
+                    try:
+                        result = call()
+                        if name == "gluon kernel":
+                            result = result.sum(0)
+                        diff = (result.float() - reference).abs().max().item()
+                        record[name]["us"].append(timed(call) * 1e6)
+                    except Exception as exc:  # a probe: record the failure, go on
+                        record[name]["error"] = str(exc)[:300]
+                        continue
+                    record[name]["max_diff"] = diff
+            for name in calls:
+                if record[name]["us"]:
+                    seconds = min(record[name]["us"]) / 1e6
+                    record[name]["hbm_share"] = read / seconds / 1e9 / hbm
+            results.data["rows"].append(record)
+            results.save()
+    print(
+        f"HBM copy {hbm:.0f} GB/s; us a call (share of HBM), largest difference from the reference"
+    )
+    for r in results.data["rows"]:
+        cells = []
+        for name in ("ours", "gluon", "gluon kernel"):
+            v = r[name]
+            if v["us"]:
+                cells.append(
+                    f"{min(v['us']):8.1f} ({v['hbm_share'] * 100:2.0f}%) {v['max_diff']:.3g}"
+                )
+            else:
+                cells.append(f"error: {v.get('error', '?')[:40]}")
+        print(f"{r['shape']:22s} {r['rows']:3d}  " + "  |  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
