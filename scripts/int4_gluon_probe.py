@@ -59,13 +59,6 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 W_ROWS = 64  # W rows a program: wgmma's M
 K_STEP = 256  # codes a K step (4 groups of 64)
 GROUP = 64
-SHAPES = [  # (model, matrix, N, K)
-    ("opt-30b", "qkv", 3 * 7168, 7168),
-    ("opt-30b", "mlp_in", 28672, 7168),
-    ("opt-30b", "mlp_out", 7168, 28672),
-    ("llama-2-70b", "mlp_in", 2 * 28672, 8192),
-]
-
 # A K step's codes [W rows, bytes]: lane l = 4 g + j holds rows g and g + 8 (16 more a
 # warp) and bytes j and 4 + j of every 8 (the columns of wgmma's A fragment)
 CODES = gl.DistributedLinearLayout(
@@ -288,12 +281,10 @@ def main() -> None:
     if args.compile_only:
         compile_only(stages=args.stages)
         return
-    from bench_kernels import hbm_rate, timed
+    from bench_kernels import hbm_rate, int4_probe_cases, print_beside, time_beside
 
     from offload.bench import Results
     from offload.kernels import qmatmul
-    from offload.kernels.formats import Compression
-    from offload.kernels.quant import quantize
 
     dev = torch.device("cuda")
     hbm = hbm_rate(dev)
@@ -303,55 +294,24 @@ def main() -> None:
          "hbm_copy_gbps": hbm, "stages": args.stages, "rows": []},
         args.out,
     )  # fmt: skip
-    for model, matrix, n, k in SHAPES:
-        q = quantize(torch.randn(n, k, device=dev, dtype=torch.float16), Compression(4, 64, False))
-        for m in map(int, args.rows.split(",")):
-            x = torch.randn(m, k, device=dev, dtype=torch.float16)
-            read = q.nbytes + x.numel() * 2 + m * n * 2
-            reference = qmatmul.qlinear_reference(x, q, None).float()
-            split = qmatmul._tiles(m, n, k, GROUP, dev).split
-            steps = k // K_STEP
-            splits = max(d for d in range(1, min(split, steps) + 1) if steps % d == 0)
-            partial = torch.empty((splits, m, n), dtype=torch.float32, device=dev)
-            calls = {
-                "ours": functools.partial(qmatmul.qlinear, x, q),
-                "gluon": functools.partial(gluon_qlinear, x, q, split, args.stages),
-                "gluon kernel": functools.partial(gluon_qlinear, x, q, split, args.stages, partial),
-            }
-            record = {"shape": f"{model} {matrix}", "n": n, "k": k, "rows": m, "split": split}
-            for _ in range(2):  # interleaved: the spread between repeats shows
-                for name, call in calls.items():
-                    record.setdefault(name, {"us": []})
-                    try:
-                        result = call()
-                        if name == "gluon kernel":
-                            result = result.sum(0)
-                        diff = (result.float() - reference).abs().max().item()
-                        record[name]["us"].append(timed(call) * 1e6)
-                    except Exception as exc:  # a probe: record the failure, go on
-                        record[name]["error"] = str(exc)[:300]
-                        continue
-                    record[name]["max_diff"] = diff
-            for name in calls:
-                if record[name]["us"]:
-                    seconds = min(record[name]["us"]) / 1e6
-                    record[name]["hbm_share"] = read / seconds / 1e9 / hbm
-            results.data["rows"].append(record)
-            results.save()
-    print(
-        f"HBM copy {hbm:.0f} GB/s; us a call (share of HBM), largest difference from the reference"
-    )
-    for r in results.data["rows"]:
-        cells = []
-        for name in ("ours", "gluon", "gluon kernel"):
-            v = r[name]
-            if v["us"]:
-                cells.append(
-                    f"{min(v['us']):8.1f} ({v['hbm_share'] * 100:2.0f}%) {v['max_diff']:.3g}"
-                )
-            else:
-                cells.append(f"error: {v.get('error', '?')[:40]}")
-        print(f"{r['shape']:22s} {r['rows']:3d}  " + "  |  ".join(cells))
+    for record, x, q, reference, read in int4_probe_cases(dev, map(int, args.rows.split(","))):
+        (m, k), n = x.shape, q.shape[0]
+        split = qmatmul._tiles(m, n, k, GROUP, dev).split
+        steps = k // K_STEP
+        splits = max(d for d in range(1, min(split, steps) + 1) if steps % d == 0)
+        partial = torch.empty((splits, m, n), dtype=torch.float32, device=dev)
+        kernel_only = functools.partial(gluon_qlinear, x, q, split, args.stages, partial)
+        calls = {
+            "ours": functools.partial(qmatmul.qlinear, x, q),
+            "gluon": functools.partial(gluon_qlinear, x, q, split, args.stages),
+            "gluon kernel": kernel_only,
+        }
+        record["split"] = splits
+        outputs = {"gluon kernel": lambda call=kernel_only: call().sum(0)}
+        record.update(time_beside(calls, reference, read, hbm, outputs))
+        results.data["rows"].append(record)
+        results.save()
+    print_beside(results.data["rows"], ("ours", "gluon", "gluon kernel"), hbm)
 
 
 if __name__ == "__main__":

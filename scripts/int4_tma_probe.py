@@ -27,23 +27,15 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from bench_kernels import hbm_rate, timed
+from bench_kernels import hbm_rate, int4_probe_cases, print_beside, time_beside
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from offload.bench import Results
 from offload.kernels import qmatmul
 from offload.kernels.dequant import dequant_nibbles
-from offload.kernels.formats import Compression
 from offload.kernels.launch import arrival_counters, shared_memory_limit
-from offload.kernels.quant import QTensor, quantize
+from offload.kernels.quant import QTensor
 
-GB = 1e9
-SHAPES = [  # (model, matrix, N, K)
-    ("opt-30b", "qkv", 3 * 7168, 7168),
-    ("opt-30b", "mlp_in", 28672, 7168),
-    ("opt-30b", "mlp_out", 7168, 28672),
-    ("llama-2-70b", "mlp_in", 2 * 28672, 8192),
-]
 VARIANTS = ("ours", "TMA W", "TMA W + x")
 
 
@@ -154,34 +146,16 @@ def main() -> None:
          "hbm_copy_gbps": hbm, "rows": []},
         args.out,
     )  # fmt: skip
-    for model, matrix, n, k in SHAPES:
-        q = quantize(torch.randn(n, k, device=dev, dtype=torch.float16), Compression(4, 64, False))
-        for m in map(int, args.rows.split(",")):
-            x = torch.randn(m, k, device=dev, dtype=torch.float16)
-            read = q.nbytes + x.numel() * 2 + m * n * 2
-            reference = qmatmul.qlinear_reference(x, q, None).float()
-            calls = {
-                "ours": functools.partial(qmatmul.qlinear, x, q),
-                "TMA W": functools.partial(tma_qlinear, x, q, False),
-                "TMA W + x": functools.partial(tma_qlinear, x, q, True),
-            }
-            record = {"shape": f"{model} {matrix}", "n": n, "k": k, "rows": m}
-            for _ in range(2):  # interleaved: the spread between repeats shows
-                for name, call in calls.items():
-                    record.setdefault(name, {"us": []})
-                    record[name]["max_diff"] = (call().float() - reference).abs().max().item()
-                    record[name]["us"].append(timed(call) * 1e6)
-            for name in calls:
-                record[name]["hbm_share"] = read / (min(record[name]["us"]) / 1e6) / GB / hbm
-            results.data["rows"].append(record)
-            results.save()
-    print(f"HBM copy {hbm:.0f} GB/s; us a call (share of the HBM copy rate)")
-    print(f"{'matrix':22s} {'rows':>4s}" + "".join(f"{v:>17s}" for v in VARIANTS))
-    for r in results.data["rows"]:
-        cells = "".join(
-            f"{min(r[v]['us']):10.1f} ({r[v]['hbm_share'] * 100:2.0f}%)" for v in VARIANTS
-        )
-        print(f"{r['shape']:22s} {r['rows']:4d}{cells}")
+    for record, x, q, reference, read in int4_probe_cases(dev, map(int, args.rows.split(","))):
+        calls = {
+            "ours": functools.partial(qmatmul.qlinear, x, q),
+            "TMA W": functools.partial(tma_qlinear, x, q, False),
+            "TMA W + x": functools.partial(tma_qlinear, x, q, True),
+        }
+        record.update(time_beside(calls, reference, read, hbm))
+        results.data["rows"].append(record)
+        results.save()
+    print_beside(results.data["rows"], VARIANTS, hbm)
 
 
 if __name__ == "__main__":
