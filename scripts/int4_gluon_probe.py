@@ -62,15 +62,24 @@ GROUP = 64
 # A K step's codes [W rows, bytes]: lane l = 4 g + j holds rows g and g + 8 (16 more a
 # warp) and bytes j and 4 + j of every 8 (the columns of wgmma's A fragment)
 CODES = gl.DistributedLinearLayout(
-    reg_bases=[[8, 0], [0, 4], [0, 8], [0, 16], [0, 32], [0, 64]],
+    reg_bases=[[0, 4], [0, 8], [0, 16], [8, 0], [0, 32], [0, 64]],
     lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]],
+    block_bases=[],
+    shape=[W_ROWS, K_STEP // 2],
+)
+# The same bytes where each group's 32 are stored permuted (`permute_codes`): lane j's 8
+# bytes of a group (bytes j and 4 + j of its 4 chunks) are contiguous, one 8-byte load
+CODES_PERMUTED = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0], [0, 32], [0, 64]],
+    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
     warp_bases=[[16, 0], [32, 0]],
     block_bases=[],
     shape=[W_ROWS, K_STEP // 2],
 )
 # the same by group: [W rows, groups a step, bytes a group]
 CODES_BY_GROUP = gl.DistributedLinearLayout(
-    reg_bases=[[8, 0, 0], [0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 1, 0], [0, 2, 0]],
+    reg_bases=[[0, 0, 4], [0, 0, 8], [0, 0, 16], [8, 0, 0], [0, 1, 0], [0, 2, 0]],
     lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
     warp_bases=[[16, 0, 0], [32, 0, 0]],
     block_bases=[],
@@ -78,11 +87,21 @@ CODES_BY_GROUP = gl.DistributedLinearLayout(
 )
 
 
+def permute_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int4-g64 codes [N, K / 2] with each group's 32 bytes reordered from (chunk c,
+    half e, lane j), byte 8c + 4e + j, to (j, c, e): lane j's bytes made contiguous. A
+    store format the probe measures beside `QTensor`'s (`CODES_PERMUTED`)."""
+    n, half_k = codes.shape
+    grouped = codes.reshape(n, half_k // 32, 4, 2, 4)
+    return grouped.permute(0, 1, 4, 2, 3).contiguous().reshape(n, half_k)
+
+
 @gluon.jit
 def _qmm_gluon_kernel(
     x_desc, c_desc, scale_ptr, min_ptr, partial_ptr, M, N,
     K: gl.constexpr, STAGES: gl.constexpr, PER_SPLIT: gl.constexpr,
-    CODES_: gl.constexpr, BY_GROUP: gl.constexpr, PTX: gl.constexpr, num_warps: gl.constexpr,
+    CODES_: gl.constexpr, BY_GROUP: gl.constexpr, PTX: gl.constexpr, PERMUTED: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     """Partial [split, M, N] (float32) of x @ dequantize(W)^T over this program's K range."""
     ROWS: gl.constexpr = c_desc.block_type.shape[0]
@@ -126,6 +145,8 @@ def _qmm_gluon_kernel(
         next_low = gl.load(min_ptr + params + ahead)
         mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
         codes = codes_smem.index(slot).load(CODES_)
+        if PERMUTED:  # back to QTensor's byte order, in the names only
+            codes = gl.permute(gl.reshape(codes, [ROWS, GROUPS, 4, 4, 2]), [0, 1, 3, 4, 2])
         codes = gl.convert_layout(
             gl.reshape(codes, [ROWS, GROUPS, STEP_BYTES // GROUPS]), BY_GROUP, assert_trivial=True
         )
@@ -178,22 +199,30 @@ def _descriptors(x, codes, x_rows):
 
 
 def gluon_qlinear(
-    x: torch.Tensor, w, split: int, stages: int = 3, partial: torch.Tensor | None = None
+    x: torch.Tensor,
+    w,
+    split: int,
+    stages: int = 3,
+    partial: torch.Tensor | None = None,
+    permuted: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M <= 32, K] fp16 @ dequantize(w)^T for int4-g64 asymmetric w. partial: the
-    split-K buffer [split, M, N] to write, left unsummed (the kernel's time alone)."""
+    split-K buffer [split, M, N] to write, left unsummed (the kernel's time alone);
+    permuted: w's codes as `permute_codes` gives them, read instead of w's."""
     n, k = w.shape
     m = x.shape[0]
     assert m <= 32 and n % W_ROWS == 0 and k % K_STEP == 0 and w.config.group_size == GROUP
     steps = k // K_STEP
     split = max(d for d in range(1, min(split, steps) + 1) if steps % d == 0)
-    x_desc, c_desc = _descriptors(x, w.codes.view(n, k // 2), 16 if m <= 16 else 32)
+    codes = w.codes.view(n, k // 2) if permuted is None else permuted
+    x_desc, c_desc = _descriptors(x, codes, 16 if m <= 16 else 32)
     out = partial
     if out is None:
         out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     _qmm_gluon_kernel[(n // W_ROWS, split)](
         x_desc, c_desc, w.scale, w.minimum, out, m, n, k, stages, steps // split,
-        CODES, CODES_BY_GROUP, _NIBBLES_ASYMMETRIC.value, num_warps=4,
+        CODES if permuted is None else CODES_PERMUTED, CODES_BY_GROUP,
+        _NIBBLES_ASYMMETRIC.value, permuted is not None, num_warps=4,
     )  # fmt: skip
     return out if partial is not None else out.sum(0).to(x.dtype)
 
@@ -207,7 +236,7 @@ def compile_only(k: int = 7168, stages: int = 3) -> None:
 
     names = _qmm_gluon_kernel.arg_names
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    for x_rows in (16, 32):
+    for x_rows, permuted in ((16, False), (32, False), (16, True)):
         c_layout = gl.NVMMASharedLayout.get_default_for([W_ROWS, K_STEP // 2], gl.uint8)
         x_layout = gl.NVMMASharedLayout.get_default_for([x_rows, K_STEP], gl.float16)
         signature = {
@@ -217,8 +246,9 @@ def compile_only(k: int = 7168, stages: int = 3) -> None:
             "M": "i32", "N": "i32",
         }  # fmt: skip
         constexprs = {
-            "K": k, "STAGES": stages, "PER_SPLIT": k // K_STEP // 2, "CODES_": CODES,
-            "BY_GROUP": CODES_BY_GROUP, "PTX": _NIBBLES_ASYMMETRIC.value, "num_warps": 4,
+            "K": k, "STAGES": stages, "PER_SPLIT": k // K_STEP // 2,
+            "CODES_": CODES_PERMUTED if permuted else CODES, "BY_GROUP": CODES_BY_GROUP,
+            "PTX": _NIBBLES_ASYMMETRIC.value, "PERMUTED": permuted, "num_warps": 4,
         }  # fmt: skip
         signature.update({name: "constexpr" for name in constexprs})
         aligned = ("scale_ptr", "min_ptr", "partial_ptr", "N")
@@ -246,7 +276,8 @@ def compile_only(k: int = 7168, stages: int = 3) -> None:
         }
         resources = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
         print(
-            f"x rows {x_rows}: shared {compiled.metadata.shared} B, {resources}; the K loop: "
+            f"x rows {x_rows}{', permuted codes' if permuted else ''}: shared "
+            f"{compiled.metadata.shared} B, {resources}; the K loop: "
             f"{len(loop)} instructions, {len(loop) / 64:.2f} a code byte a thread, {mix}"
         )
 
@@ -301,17 +332,24 @@ def main() -> None:
         splits = max(d for d in range(1, min(split, steps) + 1) if steps % d == 0)
         partial = torch.empty((splits, m, n), dtype=torch.float32, device=dev)
         kernel_only = functools.partial(gluon_qlinear, x, q, split, args.stages, partial)
+        permuted = functools.partial(
+            gluon_qlinear, x, q, split, args.stages, partial, permute_codes(q.codes.view(n, -1))
+        )
         calls = {
             "ours": functools.partial(qmatmul.qlinear, x, q),
             "gluon": functools.partial(gluon_qlinear, x, q, split, args.stages),
             "gluon kernel": kernel_only,
+            "gluon kernel, permuted": permuted,
         }
         record["split"] = splits
-        outputs = {"gluon kernel": lambda call=kernel_only: call().sum(0)}
+        outputs = {
+            name: lambda call=call: call().sum(0)
+            for name, call in (("gluon kernel", kernel_only), ("gluon kernel, permuted", permuted))
+        }
         record.update(time_beside(calls, reference, read, hbm, outputs))
         results.data["rows"].append(record)
         results.save()
-    print_beside(results.data["rows"], ("ours", "gluon", "gluon kernel"), hbm)
+    print_beside(results.data["rows"], tuple(calls), hbm)
 
 
 if __name__ == "__main__":
