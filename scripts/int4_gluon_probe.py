@@ -198,33 +198,37 @@ def _descriptors(x, codes, x_rows):
     )
 
 
+def _splits(wanted: int, steps: int) -> int:
+    """The programs K is divided among: the largest divisor of the K steps up to wanted
+    (`qmatmul.qlinear`'s rule)."""
+    return max(d for d in range(1, min(wanted, steps) + 1) if steps % d == 0)
+
+
 def gluon_qlinear(
     x: torch.Tensor,
     w,
     split: int,
     stages: int = 3,
-    partial: torch.Tensor | None = None,
+    reduce: bool = True,
     permuted: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M <= 32, K] fp16 @ dequantize(w)^T for int4-g64 asymmetric w. partial: the
-    split-K buffer [split, M, N] to write, left unsummed (the kernel's time alone);
-    permuted: w's codes as `permute_codes` gives them, read instead of w's."""
+    """x [M <= 32, K] fp16 @ dequantize(w)^T for int4-g64 asymmetric w. reduce=False:
+    the split-K partials [split, M, N] unsummed (the kernel's time alone); permuted: w's
+    codes as `permute_codes` gives them, read instead of w's."""
     n, k = w.shape
     m = x.shape[0]
     assert m <= 32 and n % W_ROWS == 0 and k % K_STEP == 0 and w.config.group_size == GROUP
     steps = k // K_STEP
-    split = max(d for d in range(1, min(split, steps) + 1) if steps % d == 0)
+    split = _splits(split, steps)
     codes = w.codes.view(n, k // 2) if permuted is None else permuted
     x_desc, c_desc = _descriptors(x, codes, 16 if m <= 16 else 32)
-    out = partial
-    if out is None:
-        out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     _qmm_gluon_kernel[(n // W_ROWS, split)](
         x_desc, c_desc, w.scale, w.minimum, out, m, n, k, stages, steps // split,
         CODES if permuted is None else CODES_PERMUTED, CODES_BY_GROUP,
         _NIBBLES_ASYMMETRIC.value, permuted is not None, num_warps=4,
     )  # fmt: skip
-    return out if partial is not None else out.sum(0).to(x.dtype)
+    return out.sum(0).to(x.dtype) if reduce else out
 
 
 def compile_only(k: int = 7168, stages: int = 3) -> None:
@@ -328,12 +332,9 @@ def main() -> None:
     for record, x, q, reference, read in int4_probe_cases(dev, map(int, args.rows.split(","))):
         (m, k), n = x.shape, q.shape[0]
         split = qmatmul._tiles(m, n, k, GROUP, dev).split
-        steps = k // K_STEP
-        splits = max(d for d in range(1, min(split, steps) + 1) if steps % d == 0)
-        partial = torch.empty((splits, m, n), dtype=torch.float32, device=dev)
-        kernel_only = functools.partial(gluon_qlinear, x, q, split, args.stages, partial)
+        kernel_only = functools.partial(gluon_qlinear, x, q, split, args.stages, False)
         permuted = functools.partial(
-            gluon_qlinear, x, q, split, args.stages, partial, permute_codes(q.codes.view(n, -1))
+            gluon_qlinear, x, q, split, args.stages, False, permute_codes(q.codes.view(n, -1))
         )
         calls = {
             "ours": functools.partial(qmatmul.qlinear, x, q),
@@ -341,7 +342,7 @@ def main() -> None:
             "gluon kernel": kernel_only,
             "gluon kernel, permuted": permuted,
         }
-        record["split"] = splits
+        record["split"] = _splits(split, k // K_STEP)
         outputs = {
             name: lambda call=call: call().sum(0)
             for name, call in (("gluon kernel", kernel_only), ("gluon kernel, permuted", permuted))
