@@ -68,7 +68,8 @@ INT4_PROBE_SHAPES = [
 def int4_probe_cases(dev: torch.device, rows):
     """For each `INT4_PROBE_SHAPES` matrix (int4-g64 asymmetric, random) and row count of
     x (fp16): the case's record, x, W, `qlinear_reference`'s output in float32 and the
-    bytes a call reads (W, x and the output)."""
+    bytes a call reads (W, x and the output). rows may be an iterator: it is read once."""
+    rows = list(rows)
     for model, matrix, n, k in INT4_PROBE_SHAPES:
         q = quantize(torch.randn(n, k, device=dev, dtype=torch.float16), Compression(4, 64, False))
         for m in rows:
