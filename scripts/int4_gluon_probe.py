@@ -48,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from offload.kernels.dequant import _NIBBLES_ASYMMETRIC
+from offload.kernels.launch import sm_count
 
 # Names that changed between the Triton versions the project allows. TMA's load into
 # shared memory: `async_copy_global_to_shared` in triton 3.6 (the GPU
@@ -97,6 +98,48 @@ def permute_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 @gluon.jit
+def _a_operand(
+    codes_slot, scale, low, a_layout: gl.constexpr, CODES_: gl.constexpr,
+    BY_GROUP: gl.constexpr, PTX: gl.constexpr, PERMUTED: gl.constexpr,
+):  # fmt: skip
+    """A K step's codes tile (shared memory) dequantized into wgmma's A operand [W rows,
+    STEP], with the step's scales and minimums [W rows, groups] (`BY_GROUP`'s slice)."""
+    ROWS: gl.constexpr = codes_slot.shape[0]
+    STEP_BYTES: gl.constexpr = codes_slot.shape[1]
+    GROUPS: gl.constexpr = STEP_BYTES // 32
+    codes = codes_slot.load(CODES_)
+    if PERMUTED:  # back to QTensor's byte order, in the names only
+        codes = gl.permute(gl.reshape(codes, [ROWS, GROUPS, 4, 4, 2]), [0, 1, 3, 4, 2])
+    codes = gl.convert_layout(
+        gl.reshape(codes, [ROWS, GROUPS, STEP_BYTES // GROUPS]), BY_GROUP, assert_trivial=True
+    )
+    even, odd = gl.inline_asm_elementwise(
+        PTX, "=r,=r,=r,=r,r,r,r,r,r",
+        [codes, gl.broadcast(scale[:, :, None], codes)[0],
+         gl.broadcast(low[:, :, None], codes)[0]],
+        dtype=(gl.float16, gl.float16), is_pure=False, pack=4,
+    )  # fmt: skip
+    w = gl.reshape(gl.join(even, odd), [ROWS, STEP_BYTES * 2])
+    return gl.convert_layout(w, a_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _load_step(c_desc, x_desc, bars, codes_smem, x_smem, slot, row0, step, pred):
+    """TMA copies of K step `step`'s codes tile (W rows from row0) and x's tile into the
+    ring's `slot`, completing on its mbarrier; nothing where pred is false."""
+    nbytes: gl.constexpr = c_desc.block_type.nbytes + x_desc.block_type.nbytes
+    mbarrier.expect(bars.index(slot), nbytes, pred=pred)
+    _tma_load(
+        c_desc, [row0, step * c_desc.block_type.shape[1]], bars.index(slot),
+        codes_smem.index(slot), pred=pred,
+    )  # fmt: skip
+    _tma_load(
+        x_desc, [0, step * x_desc.block_type.shape[1]], bars.index(slot), x_smem.index(slot),
+        pred=pred,
+    )  # fmt: skip
+
+
+@gluon.jit
 def _qmm_gluon_kernel(
     x_desc, c_desc, scale_ptr, min_ptr, partial_ptr, M, N,
     K: gl.constexpr, STAGES: gl.constexpr, PER_SPLIT: gl.constexpr,
@@ -120,16 +163,8 @@ def _qmm_gluon_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
-    nbytes: gl.constexpr = c_desc.block_type.nbytes + x_desc.block_type.nbytes
     for s in gl.static_range(STAGES - 1):  # the ring's first steps
-        mbarrier.expect(bars.index(s), nbytes, pred=s < PER_SPLIT)
-        _tma_load(
-            c_desc, [n0, (first + s) * STEP_BYTES], bars.index(s), codes_smem.index(s),
-            pred=s < PER_SPLIT,
-        )  # fmt: skip
-        _tma_load(
-            x_desc, [0, (first + s) * STEP], bars.index(s), x_smem.index(s), pred=s < PER_SPLIT
-        )
+        _load_step(c_desc, x_desc, bars, codes_smem, x_smem, s, n0, first + s, s < PER_SPLIT)
     by_row: gl.constexpr = gl.SliceLayout(2, BY_GROUP)
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, by_row))
     groups = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, by_row))
@@ -144,35 +179,18 @@ def _qmm_gluon_kernel(
         next_scale = gl.load(scale_ptr + params + ahead)
         next_low = gl.load(min_ptr + params + ahead)
         mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-        codes = codes_smem.index(slot).load(CODES_)
-        if PERMUTED:  # back to QTensor's byte order, in the names only
-            codes = gl.permute(gl.reshape(codes, [ROWS, GROUPS, 4, 4, 2]), [0, 1, 3, 4, 2])
-        codes = gl.convert_layout(
-            gl.reshape(codes, [ROWS, GROUPS, STEP_BYTES // GROUPS]), BY_GROUP, assert_trivial=True
+        a = _a_operand(
+            codes_smem.index(slot), scale, low, a_layout, CODES_, BY_GROUP, PTX, PERMUTED
         )
-        even, odd = gl.inline_asm_elementwise(
-            PTX, "=r,=r,=r,=r,r,r,r,r,r",
-            [codes, gl.broadcast(scale[:, :, None], codes)[0],
-             gl.broadcast(low[:, :, None], codes)[0]],
-            dtype=(gl.float16, gl.float16), is_pure=False, pack=4,
-        )  # fmt: skip
-        w = gl.reshape(gl.join(even, odd), [ROWS, STEP])
-        a = gl.convert_layout(w, a_layout, assert_trivial=True)
         acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
         # the wgmma of step i - 1 is done: its slot takes step i + STAGES - 1
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         _barrier()  # every warp's reads of that slot done,
         fence_async_shared()  # and ordered before the copy engine's writes
         refill = i + STAGES - 1
-        again = (i + STAGES - 1) % STAGES
-        mbarrier.expect(bars.index(again), nbytes, pred=refill < PER_SPLIT)
-        _tma_load(
-            c_desc, [n0, (first + refill) * STEP_BYTES], bars.index(again),
-            codes_smem.index(again), pred=refill < PER_SPLIT,
-        )  # fmt: skip
-        _tma_load(
-            x_desc, [0, (first + refill) * STEP], bars.index(again), x_smem.index(again),
-            pred=refill < PER_SPLIT,
+        _load_step(
+            c_desc, x_desc, bars, codes_smem, x_smem, refill % STAGES, n0, first + refill,
+            refill < PER_SPLIT,
         )  # fmt: skip
         scale = next_scale
         low = next_low
@@ -185,6 +203,86 @@ def _qmm_gluon_kernel(
     c = gl.arange(0, X_ROWS, layout=gl.SliceLayout(0, out))
     offsets = gl.program_id(1) * M * N + c[None, :] * N + (n0 + r)[:, None]
     gl.store(partial_ptr + offsets, result, mask=(c < M)[None, :])
+
+
+@gluon.jit
+def _qmm_stream_kernel(
+    x_desc, c_desc, scale_ptr, min_ptr, out_ptr, M, N,
+    K: gl.constexpr, STAGES: gl.constexpr,
+    CODES_: gl.constexpr, BY_GROUP: gl.constexpr, PTX: gl.constexpr, PERMUTED: gl.constexpr,
+    num_warps: gl.constexpr,
+):  # fmt: skip
+    """x @ dequantize(W)^T added into out [M, N] (float32, zeroed), persistent: the
+    (W row block, K step) pairs, K fastest, are divided evenly among the programs, each
+    a contiguous run through one ring; a program adds its sum over a block's steps when
+    it leaves the block (stream-K, so no wave of programs runs partly empty)."""
+    ROWS: gl.constexpr = c_desc.block_type.shape[0]
+    STEP_BYTES: gl.constexpr = c_desc.block_type.shape[1]
+    X_ROWS: gl.constexpr = x_desc.block_type.shape[0]
+    STEP: gl.constexpr = x_desc.block_type.shape[1]
+    GROUPS: gl.constexpr = STEP // 64
+    STEPS: gl.constexpr = K // STEP
+    total = N // ROWS * STEPS
+    start = gl.program_id(0) * total // gl.num_programs(0)
+    count = (gl.program_id(0) + 1) * total // gl.num_programs(0) - start
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, X_ROWS, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    codes_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, ROWS, STEP_BYTES], c_desc.layout)
+    x_smem = gl.allocate_shared_memory(gl.float16, [STAGES, X_ROWS, STEP], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    for s in gl.static_range(STAGES - 1):  # the ring's first steps
+        u = start + s
+        _load_step(
+            c_desc, x_desc, bars, codes_smem, x_smem, s, u // STEPS * ROWS, u % STEPS, s < count
+        )
+    by_row: gl.constexpr = gl.SliceLayout(2, BY_GROUP)
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, by_row))
+    groups = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, by_row))
+    # (row block, step) u's scales are at params + u // STEPS * ROWS * (K // 64) + u % STEPS * GROUPS
+    params = rows[:, None] * (K // 64) + groups[None, :]
+    block_params: gl.constexpr = ROWS * (K // 64)
+    at = start // STEPS * block_params + start % STEPS * GROUPS
+    scale = gl.load(scale_ptr + params + at)
+    low = gl.load(min_ptr + params + at)
+    acc = gl.zeros((ROWS, X_ROWS), dtype=gl.float32, layout=mma)
+    for i in range(count):
+        u = start + i
+        step = u % STEPS
+        slot = i % STAGES
+        ahead = gl.minimum(u + 1, start + count - 1)
+        at = ahead // STEPS * block_params + ahead % STEPS * GROUPS
+        next_scale = gl.load(scale_ptr + params + at)
+        next_low = gl.load(min_ptr + params + at)
+        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+        a = _a_operand(
+            codes_smem.index(slot), scale, low, a_layout, CODES_, BY_GROUP, PTX, PERMUTED
+        )
+        acc = warpgroup_mma(
+            a, x_smem.index(slot).permute((1, 0)), acc, use_acc=step != 0, is_async=True
+        )
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        _barrier()
+        fence_async_shared()
+        refill = i + STAGES - 1
+        v = start + refill
+        _load_step(
+            c_desc, x_desc, bars, codes_smem, x_smem, refill % STAGES, v // STEPS * ROWS,
+            v % STEPS, refill < count,
+        )  # fmt: skip
+        if (step == STEPS - 1) | (i == count - 1):  # leaving the block: add its sum
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma)) + u // STEPS * ROWS
+            c = gl.arange(0, X_ROWS, layout=gl.SliceLayout(0, mma))
+            offsets = c[None, :] * N + r[:, None]
+            gl.atomic_add(out_ptr + offsets, acc, mask=(c < M)[None, :], sem="relaxed")
+        scale = next_scale
+        low = next_low
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
 
 
 def _descriptors(x, codes, x_rows):
@@ -231,22 +329,54 @@ def gluon_qlinear(
     return out.sum(0).to(x.dtype) if reduce else out
 
 
+def gluon_stream_qlinear(
+    x: torch.Tensor,
+    w,
+    stages: int = 3,
+    per_sm: int = 4,
+    permuted: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M <= 32, K] fp16 @ dequantize(w)^T by `_qmm_stream_kernel`, per_sm programs an
+    SM (each held to 65536 / 128 / per_sm registers a thread, so all are resident),
+    converted to x's dtype. out: a float32 [M, N] buffer to add into as it is (the
+    kernel's time alone; returned unconverted)."""
+    n, k = w.shape
+    m = x.shape[0]
+    assert m <= 32 and n % W_ROWS == 0 and k % K_STEP == 0 and w.config.group_size == GROUP
+    codes = w.codes.view(n, k // 2) if permuted is None else permuted
+    x_desc, c_desc = _descriptors(x, codes, 16 if m <= 16 else 32)
+    alone = out is not None
+    if out is None:
+        out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    programs = min(per_sm * sm_count(x.device), n // W_ROWS * (k // K_STEP))
+    _qmm_stream_kernel[(programs,)](
+        x_desc, c_desc, w.scale, w.minimum, out, m, n, k, stages,
+        CODES if permuted is None else CODES_PERMUTED, CODES_BY_GROUP,
+        _NIBBLES_ASYMMETRIC.value, permuted is not None, num_warps=4,
+        maxnreg=min(255, 65536 // 128 // per_sm // 8 * 8),
+    )  # fmt: skip
+    return out if alone else out.to(x.dtype)
+
+
 def compile_only(k: int = 7168, stages: int = 3) -> None:
-    """The kernel for sm_90 without a GPU: shared memory, registers and the SASS."""
+    """The kernels for sm_90 without a GPU: shared memory, registers and the SASS."""
     import subprocess
 
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    names = _qmm_gluon_kernel.arg_names
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    for x_rows, permuted in ((16, False), (32, False), (16, True)):
+    variants = [(_qmm_gluon_kernel, 16, False), (_qmm_gluon_kernel, 32, False)]
+    variants += [(kernel, 16, True) for kernel in (_qmm_gluon_kernel, _qmm_stream_kernel)]
+    for kernel, x_rows, permuted in variants:
+        names = kernel.arg_names
         c_layout = gl.NVMMASharedLayout.get_default_for([W_ROWS, K_STEP // 2], gl.uint8)
         x_layout = gl.NVMMASharedLayout.get_default_for([x_rows, K_STEP], gl.float16)
         signature = {
             "x_desc": f"tensordesc<fp16[{x_rows}, {K_STEP}],{x_layout!r}>",
             "c_desc": f"tensordesc<u8[{W_ROWS}, {K_STEP // 2}],{c_layout!r}>",
-            "scale_ptr": "*fp16", "min_ptr": "*fp16", "partial_ptr": "*fp32",
+            "scale_ptr": "*fp16", "min_ptr": "*fp16", "partial_ptr": "*fp32", "out_ptr": "*fp32",
             "M": "i32", "N": "i32",
         }  # fmt: skip
         constexprs = {
@@ -254,16 +384,17 @@ def compile_only(k: int = 7168, stages: int = 3) -> None:
             "CODES_": CODES_PERMUTED if permuted else CODES, "BY_GROUP": CODES_BY_GROUP,
             "PTX": _NIBBLES_ASYMMETRIC.value, "PERMUTED": permuted, "num_warps": 4,
         }  # fmt: skip
+        constexprs = {name: value for name, value in constexprs.items() if name in names}
         signature.update({name: "constexpr" for name in constexprs})
-        aligned = ("scale_ptr", "min_ptr", "partial_ptr", "N")
+        aligned = [a for a in ("scale_ptr", "min_ptr", "partial_ptr", "out_ptr", "N") if a in names]
         source = GluonASTSource(
-            fn=_qmm_gluon_kernel,
+            fn=kernel,
             signature={name: signature[name] for name in names},
             constexprs=constexprs,
             attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned},
         )
         compiled = triton.compile(
-            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 128}
         )
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
@@ -280,8 +411,8 @@ def compile_only(k: int = 7168, stages: int = 3) -> None:
         }
         resources = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
         print(
-            f"x rows {x_rows}{', permuted codes' if permuted else ''}: shared "
-            f"{compiled.metadata.shared} B, {resources}; the K loop: "
+            f"{kernel.fn.__name__}, x rows {x_rows}{', permuted codes' if permuted else ''}: "
+            f"shared {compiled.metadata.shared} B, {resources}; the K loop: "
             f"{len(loop)} instructions, {len(loop) / 64:.2f} a code byte a thread, {mix}"
         )
 
@@ -308,7 +439,7 @@ def _k_loop(sass: str) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--rows", default="1,14,16,32")
+    p.add_argument("--rows", default="1,16,32")
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--compile-only", action="store_true")
@@ -332,20 +463,22 @@ def main() -> None:
     for record, x, q, reference, read in int4_probe_cases(dev, map(int, args.rows.split(","))):
         (m, k), n = x.shape, q.shape[0]
         split = qmatmul._tiles(m, n, k, GROUP, dev).split
-        kernel_only = functools.partial(gluon_qlinear, x, q, split, args.stages, False)
-        permuted = functools.partial(
-            gluon_qlinear, x, q, split, args.stages, False, permute_codes(q.codes.view(n, -1))
-        )
+        order = permute_codes(q.codes.view(n, -1))
+        buffer = torch.zeros((m, n), dtype=torch.float32, device=dev)
+        stream = functools.partial(gluon_stream_qlinear, x, q, permuted=order)
+        split_k = functools.partial(gluon_qlinear, x, q, split, args.stages, False, order)
         calls = {
             "ours": functools.partial(qmatmul.qlinear, x, q),
-            "gluon": functools.partial(gluon_qlinear, x, q, split, args.stages),
-            "gluon kernel": kernel_only,
-            "gluon kernel, permuted": permuted,
+            "split-K kernel": split_k,
+            "stream": functools.partial(stream, args.stages),
+            "stream kernel": functools.partial(stream, args.stages, out=buffer),
+            "stream kernel, 3 an SM, 4 stages": functools.partial(stream, 4, 3, out=buffer),
         }
         record["split"] = _splits(split, k // K_STEP)
         outputs = {
-            name: lambda call=call: call().sum(0)
-            for name, call in (("gluon kernel", kernel_only), ("gluon kernel, permuted", permuted))
+            "split-K kernel": lambda f=split_k: f().sum(0),
+            "stream kernel": functools.partial(stream, args.stages),
+            "stream kernel, 3 an SM, 4 stages": functools.partial(stream, 4, 3),
         }
         record.update(time_beside(calls, reference, read, hbm, outputs))
         results.data["rows"].append(record)
