@@ -30,6 +30,7 @@ docs/throughput.md has the design and what it measured.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import re
 import tempfile
@@ -95,6 +96,59 @@ def permute_codes(codes: torch.Tensor) -> torch.Tensor:
     n, half_k = codes.shape
     grouped = codes.reshape(n, half_k // 32, 4, 2, 4)
     return grouped.permute(0, 1, 4, 2, 3).contiguous().reshape(n, half_k)
+
+
+# "Scales after the MMA" (`_qmm_scaled_kernel`): the codes in `permute_words`' order, as
+# int32 words [W rows, 8 a group]: lane 4 g + j holds rows g and g + 8 (16 more a warp)
+# and words 2 j and 2 j + 1 of every group
+WORDS = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16]],
+        lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]],
+        block_bases=[],
+        shape=[W_ROWS, 32],
+    )
+)
+# one group's words, each spread over the 8 values the asm makes of it: [W rows, 8, 8]
+WORD_VALUES = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [8, 0, 0]],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]],
+        block_bases=[],
+        shape=[W_ROWS, 8, 8],
+    )
+)
+# a word's 8 nibbles as wgmma A registers, each the float16 pair {1024 + code, 1024 +
+# code}: nibbles k and k + 4 (bits 4 k and 16 + 4 k) by a shift and one lop3
+_WORD_TO_A = gl.constexpr("""{
+.reg .b32 t, mask, magic;
+mov.b32 mask, 0x000F000F;
+mov.b32 magic, 0x64006400;
+lop3.b32 $0, $4, mask, magic, 0xEA;
+shr.b32 t, $4, 4;
+lop3.b32 $1, t, mask, magic, 0xEA;
+shr.b32 t, $4, 8;
+lop3.b32 $2, t, mask, magic, 0xEA;
+shr.b32 t, $4, 12;
+lop3.b32 $3, t, mask, magic, 0xEA;
+}""")
+
+
+def permute_words(codes: torch.Tensor) -> torch.Tensor:
+    """int4-g64 codes [N, K / 2] (`QTensor`'s: column 2 b in byte b's low nibble) to the
+    order `_qmm_scaled_kernel` reads: each group's 8 words, word 2 j + w holding
+    wgmma's A columns for lane j of chunks 2 w and 2 w + 1, nibbles k and k + 4 one A
+    register (a shift and a lop3 each)."""
+    n, half_k = codes.shape
+    values = torch.stack((codes & 0xF, codes >> 4), -1).reshape(n, half_k // 32, 64)
+    p = torch.arange(64, device=codes.device)
+    j, w, i = p // 16, p // 8 % 2, p % 8
+    k = i % 4
+    column = 16 * (2 * w + k // 2) + 8 * (k % 2) + 2 * j + i // 4
+    ordered = values[:, :, column].reshape(n, half_k, 2)
+    return (ordered[..., 0] | ordered[..., 1] << 4).to(torch.uint8)
 
 
 @gluon.jit
@@ -285,14 +339,173 @@ def _qmm_stream_kernel(
         mbarrier.invalidate(bars.index(s))
 
 
+@gluon.jit
+def _group_values(words, grp: gl.constexpr, a_layout: gl.constexpr):
+    """Group grp's words (of a step's [W rows, 32]) as wgmma's A operand [W rows, 64]:
+    the float16 values 1024 + code."""
+    ROWS: gl.constexpr = words.shape[0]
+    t = gl.permute(gl.reshape(words, [ROWS, 4, 8]), [0, 2, 1])
+    t = gl.reshape(t, [ROWS, 8, 2, 2])  # [rows, word, group // 2, group % 2]
+    t0, t1 = gl.split(t)
+    t = t1 if grp % 2 else t0
+    t0, t1 = gl.split(t)
+    t = t1 if grp // 2 else t0
+    t = gl.convert_layout(t, gl.SliceLayout(2, WORD_VALUES))
+    t = gl.broadcast(gl.expand_dims(t, 2), gl.full([ROWS, 8, 8], 0, gl.int32, WORD_VALUES))[0]
+    v = gl.inline_asm_elementwise(
+        _WORD_TO_A, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [t], dtype=gl.float16, is_pure=True, pack=8
+    )
+    # [rows, word 2 j + w, 2 k + h] to A's columns 16 (2 w + k // 2) + 8 (k % 2) + 2 j + h
+    v = gl.reshape(v, [ROWS, 4, 2, 2, 2, 2])  # [rows, j, w, k // 2, k % 2, h]
+    v = gl.reshape(gl.permute(v, [0, 2, 3, 4, 1, 5]), [ROWS, 64])
+    return gl.convert_layout(v, a_layout)
+
+
+@gluon.jit
+def _group_of(t, grp: gl.constexpr):
+    """Column grp of t [rows, 4] (the 4 in each thread's registers)."""
+    t0, t1 = gl.split(gl.reshape(t, [t.shape[0], 2, 2]))  # [rows, group // 2], by group % 2
+    t = t1 if grp % 2 else t0
+    t0, t1 = gl.split(t)
+    return t1 if grp // 2 else t0
+
+
+@gluon.jit
+def _add_group(total, product, scales, biases, sums, g: gl.constexpr):
+    """total + group g's scale x product + its bias x the group's sum of x (the bias:
+    minimum - 1024 scale, for the 1024 in every value the product multiplied)."""
+    mma: gl.constexpr = total.type.layout
+    scale = gl.convert_layout(_group_of(scales, g), gl.SliceLayout(1, mma))
+    bias = gl.convert_layout(_group_of(biases, g), gl.SliceLayout(1, mma))
+    xsum = gl.convert_layout(_group_of(sums, g), gl.SliceLayout(0, mma))
+    total = gl.fma(product, scale[:, None], total)
+    return gl.fma(bias[:, None], xsum[None, :], total)
+
+
+@gluon.jit
+def _group_product(words, x_slot, g: gl.constexpr, a_layout: gl.constexpr, zero):
+    """The asynchronous wgmma of group g's values (1024 + code) by x's columns of it."""
+    a = _group_values(words, g, a_layout)
+    b = x_slot.slice(g * 64, 64, dim=1).permute((1, 0))
+    return warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _load_scaled_step(descs, ring, bars, slot, row0, step, pred):
+    """TMA copies of K step `step`'s tiles (W's codes from row0, x, W's scales and
+    minimums from row0, x's sums) into the ring's `slot`, completing on its mbarrier."""
+    c_desc, x_desc, p_desc, s_desc = descs
+    codes_smem, x_smem, p_smem, s_smem = ring
+    nbytes: gl.constexpr = (
+        c_desc.block_type.nbytes + x_desc.block_type.nbytes + p_desc.block_type.nbytes
+        + s_desc.block_type.nbytes
+    )  # fmt: skip
+    bar = bars.index(slot)
+    mbarrier.expect(bar, nbytes, pred=pred)
+    _tma_load(c_desc, [row0, step * 32], bar, codes_smem.index(slot), pred=pred)
+    _tma_load(x_desc, [0, step * x_desc.block_type.shape[1]], bar, x_smem.index(slot), pred=pred)
+    _tma_load(p_desc, [row0, step * 8], bar, p_smem.index(slot), pred=pred)
+    _tma_load(s_desc, [0, step * 4], bar, s_smem.index(slot), pred=pred)
+
+
+@gluon.jit
+def _qmm_scaled_kernel(
+    x_desc, c_desc, p_desc, s_desc, partial_ptr, M, N,
+    K: gl.constexpr, STAGES: gl.constexpr, PER_SPLIT: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """Partial [split, M, N] (float32) of x @ dequantize(W)^T over this program's K range,
+    with each group's scale applied after the MMA: wgmma multiplies x by the float16
+    values 1024 + code (two instructions a word of 8 codes), and a group's product P
+    adds scale P + (minimum - 1024 scale) sum(x over the group) to the float32 sum.
+    A K step's tiles come by TMA: W's codes (`permute_words`' int32 words), x, W's
+    scales and minimums interleaved [N, K / 64 x 2] (float16) and x's sums over each
+    group [M, K / 64] (float32)."""
+    ROWS: gl.constexpr = c_desc.block_type.shape[0]
+    X_ROWS: gl.constexpr = x_desc.block_type.shape[0]
+    STEP: gl.constexpr = x_desc.block_type.shape[1]
+    GROUPS: gl.constexpr = STEP // 64
+    n0 = gl.program_id(0) * ROWS
+    first = gl.program_id(1) * PER_SPLIT
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, X_ROWS, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    descs = (c_desc, x_desc, p_desc, s_desc)
+    ring = (
+        gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 32], c_desc.layout),
+        gl.allocate_shared_memory(gl.float16, [STAGES, X_ROWS, STEP], x_desc.layout),
+        gl.allocate_shared_memory(gl.float16, [STAGES, ROWS, 2 * GROUPS], p_desc.layout),
+        gl.allocate_shared_memory(gl.float32, [STAGES, X_ROWS, GROUPS], s_desc.layout),
+    )
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    for s in gl.static_range(STAGES):  # the ring's first steps
+        _load_scaled_step(descs, ring, bars, s, n0, first + s, s < PER_SPLIT)
+    # a step's scales and minimums [W rows, (scale, minimum) x groups] and x's sums [x
+    # rows, groups], each thread's those of its accumulator rows (columns): splitting
+    # the groups off leaves the accumulator's row (column) layout
+    by_row: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]],
+        block_bases=[],
+        shape=[ROWS, 2 * GROUPS],
+    )
+    by_col: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0]] + ([[16, 0]] if X_ROWS == 32 else []),
+        lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0], [0, 0]],
+        block_bases=[],
+        shape=[X_ROWS, GROUPS],
+    )
+    zero = gl.zeros((ROWS, X_ROWS), dtype=gl.float32, layout=mma)
+    total = zero
+    for i in range(PER_SPLIT):
+        slot = i % STAGES
+        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+        words = ring[0].index(slot).load(WORDS)
+        x_slot = ring[1].index(slot)
+        params = gl.reshape(ring[2].index(slot).load(by_row), [ROWS, GROUPS, 2])
+        scales, lows = gl.split(params.to(gl.float32))
+        biases = lows - 1024.0 * scales
+        sums = ring[3].index(slot).load(by_col)
+        # each group's product is added in while the next group's is computed; none is
+        # in flight past the step (ptxas serializes every wgmma if registers of one in
+        # flight are read, which the loop's carried values would be)
+        previous = _group_product(words, x_slot, 0, a_layout, zero)
+        for g in gl.static_range(1, GROUPS):
+            product = _group_product(words, x_slot, g, a_layout, zero)
+            product, previous = warpgroup_mma_wait(num_outstanding=1, deps=(product, previous))
+            total = _add_group(total, previous, scales, biases, sums, g - 1)
+            previous = product
+        previous = warpgroup_mma_wait(num_outstanding=0, deps=(previous,))
+        total = _add_group(total, previous, scales, biases, sums, GROUPS - 1)
+        # every wgmma of step i is done: its slot takes step i + STAGES
+        _barrier()
+        fence_async_shared()
+        refill = i + STAGES
+        _load_scaled_step(descs, ring, bars, slot, n0, first + refill, refill < PER_SPLIT)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+    rows = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+    cols = gl.arange(0, X_ROWS, layout=gl.SliceLayout(0, mma))
+    offsets = gl.program_id(1) * M * N + cols[None, :] * N + rows[:, None]
+    gl.store(partial_ptr + offsets, total, mask=(cols < M)[None, :])
+
+
 def _descriptors(x, codes, x_rows):
+    """TMA descriptors of x's tiles [x_rows, K_STEP] and W's codes tiles (a K step of
+    W_ROWS rows: bytes, or int32 words for `_qmm_scaled_kernel`)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    c_layout = gl.NVMMASharedLayout.get_default_for([W_ROWS, K_STEP // 2], gl.uint8)
+    codes_box = [W_ROWS, K_STEP // 2 // codes.element_size()]
+    codes_type = gl.int32 if codes.dtype == torch.int32 else gl.uint8
+    c_layout = gl.NVMMASharedLayout.get_default_for(codes_box, codes_type)
     x_layout = gl.NVMMASharedLayout.get_default_for([x_rows, K_STEP], gl.float16)
     return (
         TensorDescriptor.from_tensor(x, [x_rows, K_STEP], x_layout),
-        TensorDescriptor.from_tensor(codes, [W_ROWS, K_STEP // 2], c_layout),
+        TensorDescriptor.from_tensor(codes, codes_box, c_layout),
     )
 
 
@@ -329,6 +542,35 @@ def gluon_qlinear(
     return out.sum(0).to(x.dtype) if reduce else out
 
 
+def gluon_scaled_qlinear(
+    x: torch.Tensor, w, split: int, words: torch.Tensor, stages: int = 3, reduce: bool = True
+) -> torch.Tensor:
+    """x [M <= 32, K] fp16 @ dequantize(w)^T by `_qmm_scaled_kernel`, from words: w's
+    codes as `permute_words` gives them. reduce=False: the split-K partials unsummed."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    n, k = w.shape
+    m = x.shape[0]
+    assert m <= 32 and n % W_ROWS == 0 and k % K_STEP == 0 and w.config.group_size == GROUP
+    steps = k // K_STEP
+    split = _splits(split, steps)
+    x_rows = 16 if m <= 16 else 32
+    x_desc, c_desc = _descriptors(x, words.view(torch.int32), x_rows)
+    params = torch.stack((w.scale, w.minimum), -1).view(n, -1)  # a format the probe makes
+    xsum = x.float().view(m, k // GROUP, GROUP).sum(-1)
+    groups = K_STEP // GROUP
+    p_layout = gl.NVMMASharedLayout.get_default_for([W_ROWS, 2 * groups], gl.float16)
+    s_layout = gl.NVMMASharedLayout.get_default_for([x_rows, groups], gl.float32)
+    p_desc = TensorDescriptor.from_tensor(params, [W_ROWS, 2 * groups], p_layout)
+    s_desc = TensorDescriptor.from_tensor(xsum, [x_rows, groups], s_layout)
+    out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    _qmm_scaled_kernel[(n // W_ROWS, split)](
+        x_desc, c_desc, p_desc, s_desc, out, m, n, k, stages, steps // split, num_warps=4,
+        maxnreg=128 if x_rows == 16 else None,  # 16: 4 programs an SM (shared memory's limit)
+    )  # fmt: skip
+    return out.sum(0).to(x.dtype) if reduce else out
+
+
 def gluon_stream_qlinear(
     x: torch.Tensor,
     w,
@@ -359,8 +601,9 @@ def gluon_stream_qlinear(
     return out if alone else out.to(x.dtype)
 
 
-def compile_only(k: int = 7168, stages: int = 3) -> None:
-    """The kernels for sm_90 without a GPU: shared memory, registers and the SASS."""
+def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> None:
+    """The kernels for sm_90 without a GPU: shared memory, registers and the SASS
+    (written to dump, a folder, where given)."""
     import subprocess
 
     from triton.backends.compiler import GPUTarget
@@ -369,16 +612,23 @@ def compile_only(k: int = 7168, stages: int = 3) -> None:
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     variants = [(_qmm_gluon_kernel, 16, False), (_qmm_gluon_kernel, 32, False)]
     variants += [(kernel, 16, True) for kernel in (_qmm_gluon_kernel, _qmm_stream_kernel)]
+    variants += [(_qmm_scaled_kernel, x_rows, True) for x_rows in (16, 32)]
     for kernel, x_rows, permuted in variants:
         names = kernel.arg_names
-        c_layout = gl.NVMMASharedLayout.get_default_for([W_ROWS, K_STEP // 2], gl.uint8)
+        words = kernel is _qmm_scaled_kernel
+        box, kind = ([W_ROWS, 32], "i32") if words else ([W_ROWS, K_STEP // 2], "u8")
+        c_layout = gl.NVMMASharedLayout.get_default_for(box, gl.int32 if words else gl.uint8)
         x_layout = gl.NVMMASharedLayout.get_default_for([x_rows, K_STEP], gl.float16)
         signature = {
             "x_desc": f"tensordesc<fp16[{x_rows}, {K_STEP}],{x_layout!r}>",
-            "c_desc": f"tensordesc<u8[{W_ROWS}, {K_STEP // 2}],{c_layout!r}>",
-            "scale_ptr": "*fp16", "min_ptr": "*fp16", "partial_ptr": "*fp32", "out_ptr": "*fp32",
-            "M": "i32", "N": "i32",
+            "c_desc": f"tensordesc<{kind}[{box[0]}, {box[1]}],{c_layout!r}>",
+            "scale_ptr": "*fp16", "min_ptr": "*fp16", "xsum_ptr": "*fp32",
+            "partial_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32", "N": "i32",
         }  # fmt: skip
+        for name, dtype, shape in (("p_desc", gl.float16, [W_ROWS, 8]),
+                                   ("s_desc", gl.float32, [x_rows, 4])):  # fmt: skip
+            layout = gl.NVMMASharedLayout.get_default_for(shape, dtype)
+            signature[name] = f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
         constexprs = {
             "K": k, "STAGES": stages, "PER_SPLIT": k // K_STEP // 2,
             "CODES_": CODES_PERMUTED if permuted else CODES, "BY_GROUP": CODES_BY_GROUP,
@@ -386,7 +636,8 @@ def compile_only(k: int = 7168, stages: int = 3) -> None:
         }  # fmt: skip
         constexprs = {name: value for name, value in constexprs.items() if name in names}
         signature.update({name: "constexpr" for name in constexprs})
-        aligned = [a for a in ("scale_ptr", "min_ptr", "partial_ptr", "out_ptr", "N") if a in names]
+        aligned = ("scale_ptr", "min_ptr", "xsum_ptr", "partial_ptr", "out_ptr", "N")
+        aligned = [a for a in aligned if a in names]
         source = GluonASTSource(
             fn=kernel,
             signature={name: signature[name] for name in names},
@@ -405,10 +656,12 @@ def compile_only(k: int = 7168, stages: int = 3) -> None:
                 ).stdout
                 for tool, flags in (("nvdisasm", ["-c"]), ("cuobjdump", ["--dump-resource-usage"]))
             )
+        if dump is not None:
+            name = f"{kernel.fn.__name__}_{x_rows}{'_permuted' if permuted else ''}.sass"
+            dump.mkdir(parents=True, exist_ok=True)
+            (dump / name).write_text(sass)
         loop = _k_loop(sass)
-        mix = {
-            op: sum(o.startswith(op) for o in loop) for op in ("HGMMA", "UTMALDG", "LDS", "PRMT")
-        }
+        mix = dict(collections.Counter(op.split(".")[0] for op in loop).most_common(12))
         resources = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
         print(
             f"{kernel.fn.__name__}, x rows {x_rows}{', permuted codes' if permuted else ''}: "
@@ -443,9 +696,10 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--dump", type=Path, help="with --compile-only: a folder for the SASS")
     args = p.parse_args()
     if args.compile_only:
-        compile_only(stages=args.stages)
+        compile_only(stages=args.stages, dump=args.dump)
         return
     from bench_kernels import hbm_rate, int4_probe_cases, print_beside, time_beside
 
@@ -464,21 +718,20 @@ def main() -> None:
         (m, k), n = x.shape, q.shape[0]
         split = qmatmul._tiles(m, n, k, GROUP, dev).split
         order = permute_codes(q.codes.view(n, -1))
-        buffer = torch.zeros((m, n), dtype=torch.float32, device=dev)
-        stream = functools.partial(gluon_stream_qlinear, x, q, permuted=order)
+        words = permute_words(q.codes.view(n, -1))
         split_k = functools.partial(gluon_qlinear, x, q, split, args.stages, False, order)
+        scaled = functools.partial(gluon_scaled_qlinear, x, q, split, words)
         calls = {
             "ours": functools.partial(qmatmul.qlinear, x, q),
             "split-K kernel": split_k,
-            "stream": functools.partial(stream, args.stages),
-            "stream kernel": functools.partial(stream, args.stages, out=buffer),
-            "stream kernel, 3 an SM, 4 stages": functools.partial(stream, 4, 3, out=buffer),
+            "scaled": functools.partial(scaled, args.stages),
+            "scaled kernel": functools.partial(scaled, args.stages, False),
+            "scaled kernel, 4 stages": functools.partial(scaled, 4, False),
         }
         record["split"] = _splits(split, k // K_STEP)
         outputs = {
-            "split-K kernel": lambda f=split_k: f().sum(0),
-            "stream kernel": functools.partial(stream, args.stages),
-            "stream kernel, 3 an SM, 4 stages": functools.partial(stream, 4, 3),
+            name: lambda call=calls[name]: call().sum(0)
+            for name in ("split-K kernel", "scaled kernel", "scaled kernel, 4 stages")
         }
         record.update(time_beside(calls, reference, read, hbm, outputs))
         results.data["rows"].append(record)
