@@ -697,6 +697,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--dump", type=Path, help="with --compile-only: a folder for the SASS")
+    p.add_argument(
+        "--profile", action="store_true",
+        help="run each kernel 3 times on the first matrix and row count, untimed, for a profiler",
+    )  # fmt: skip
     args = p.parse_args()
     if args.compile_only:
         compile_only(stages=args.stages, dump=args.dump)
@@ -733,6 +737,12 @@ def main() -> None:
             name: lambda call=calls[name]: call().sum(0)
             for name in ("split-K kernel", "scaled kernel", "scaled kernel, 4 stages")
         }
+        if args.profile:
+            for call in calls.values():
+                for _ in range(3):
+                    call()
+            torch.cuda.synchronize()
+            return
         record.update(time_beside(calls, reference, read, hbm, outputs))
         results.data["rows"].append(record)
         results.save()
