@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -49,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from offload.kernels.dequant import _NIBBLES_ASYMMETRIC
-from offload.kernels.launch import sm_count
+from offload.kernels.launch import arrival_counters, sm_count
 
 # Names that changed between the Triton versions the project allows. TMA's load into
 # shared memory: `async_copy_global_to_shared` in triton 3.6 (the GPU
@@ -393,7 +394,7 @@ def _group_product(words, x_slot, g: gl.constexpr, a_layout: gl.constexpr, zero)
 @gluon.jit
 def _load_scaled_step(descs, ring, bars, slot, row0, step, pred):
     """TMA copies of K step `step`'s tiles (W's codes from row0, x, W's scales and
-    minimums from row0, x's sums) into the ring's `slot`, completing on its mbarrier."""
+    minimums from row0, x's group sums) into the ring's `slot`, on its mbarrier."""
     c_desc, x_desc, p_desc, s_desc = descs
     codes_smem, x_smem, p_smem, s_smem = ring
     nbytes: gl.constexpr = (
@@ -408,18 +409,40 @@ def _load_scaled_step(descs, ring, bars, slot, row0, step, pred):
     _tma_load(s_desc, [0, step * 4], bar, s_smem.index(slot), pred=pred)
 
 
+@triton.jit
+def _group_sums_kernel(x_ptr, sums_ptr, K: tl.constexpr, BLOCK: tl.constexpr):
+    """sums [M, K / 64] (float32) of x [M, K] over each group of 64; a program a row and
+    BLOCK groups."""
+    groups = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = groups < K // 64
+    offsets = tl.program_id(0) * K + groups[:, None] * 64 + tl.arange(0, 64)[None, :]
+    x = tl.load(x_ptr + offsets, mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(sums_ptr + tl.program_id(0) * (K // 64) + groups, tl.sum(x, axis=1), mask=ok)
+
+
+def group_sums(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (contiguous) summed over each group of 64 columns: [M, K / 64], float32."""
+    m, k = x.shape
+    sums = torch.empty((m, k // GROUP), dtype=torch.float32, device=x.device)
+    _group_sums_kernel[(m, triton.cdiv(k // GROUP, 16))](x, sums, k, 16)
+    return sums
+
+
 @gluon.jit
 def _qmm_scaled_kernel(
-    x_desc, c_desc, p_desc, s_desc, partial_ptr, M, N,
+    x_desc, c_desc, p_desc, s_desc, out_ptr, partial_ptr, count_ptr, M, N,
     K: gl.constexpr, STAGES: gl.constexpr, PER_SPLIT: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    """Partial [split, M, N] (float32) of x @ dequantize(W)^T over this program's K range,
-    with each group's scale applied after the MMA: wgmma multiplies x by the float16
-    values 1024 + code (two instructions a word of 8 codes), and a group's product P
-    adds scale P + (minimum - 1024 scale) sum(x over the group) to the float32 sum.
+    """out [M, N] (float16) = x @ dequantize(W)^T, with each group's scale applied after
+    the MMA: wgmma multiplies x by the float16 values 1024 + code (two instructions a
+    word of 8 codes), and a group's product P adds scale P + (minimum - 1024 scale)
+    sum(x over the group) to a float32 sum.
+
     A K step's tiles come by TMA: W's codes (`permute_words`' int32 words), x, W's
     scales and minimums interleaved [N, K / 64 x 2] (float16) and x's sums over each
-    group [M, K / 64] (float32)."""
+    group [M, K / 64] (float32, `group_sums`). Split-K as
+    `qmatmul`'s: each program stores its partial [M, N] (float32), and the last to
+    arrive at its tile's counter adds them in split order."""
     ROWS: gl.constexpr = c_desc.block_type.shape[0]
     X_ROWS: gl.constexpr = x_desc.block_type.shape[0]
     STEP: gl.constexpr = x_desc.block_type.shape[1]
@@ -464,12 +487,12 @@ def _qmm_scaled_kernel(
     for i in range(PER_SPLIT):
         slot = i % STAGES
         mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+        sums = ring[3].index(slot).load(by_col)
         words = ring[0].index(slot).load(WORDS)
         x_slot = ring[1].index(slot)
         params = gl.reshape(ring[2].index(slot).load(by_row), [ROWS, GROUPS, 2])
         scales, lows = gl.split(params.to(gl.float32))
         biases = lows - 1024.0 * scales
-        sums = ring[3].index(slot).load(by_col)
         # each group's product is added in while the next group's is computed; none is
         # in flight past the step (ptxas serializes every wgmma if registers of one in
         # flight are read, which the loop's carried values would be)
@@ -490,8 +513,23 @@ def _qmm_scaled_kernel(
         mbarrier.invalidate(bars.index(s))
     rows = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
     cols = gl.arange(0, X_ROWS, layout=gl.SliceLayout(0, mma))
-    offsets = gl.program_id(1) * M * N + cols[None, :] * N + rows[:, None]
-    gl.store(partial_ptr + offsets, total, mask=(cols < M)[None, :])
+    offsets = cols[None, :] * N + rows[:, None]
+    ok = (cols < M)[None, :]
+    splits = gl.num_programs(1)
+    if splits == 1:
+        gl.store(out_ptr + offsets, total.to(gl.float16), mask=ok)
+    else:
+        gl.store(partial_ptr + gl.program_id(1) * M * N + offsets, total, mask=ok)
+        _barrier()  # every thread's partial stored before the release below
+        tile = count_ptr + gl.program_id(0)
+        if gl.atomic_add(tile, 1, sem="acq_rel") == splits - 1:
+            total = zero
+            for part in range(splits):  # in split order: the same sum whoever arrives last
+                total += gl.load(
+                    partial_ptr + part * M * N + offsets, mask=ok, other=0.0, cache_modifier=".cg"
+                )
+            gl.atomic_xchg(tile, 0)
+            gl.store(out_ptr + offsets, total.to(gl.float16), mask=ok)
 
 
 def _descriptors(x, codes, x_rows):
@@ -542,33 +580,50 @@ def gluon_qlinear(
     return out.sum(0).to(x.dtype) if reduce else out
 
 
+def scaled_format(w) -> tuple[torch.Tensor, torch.Tensor]:
+    """w's codes and parameters in the store format `_qmm_scaled_kernel` reads: the codes
+    in `permute_words`' order, and each row's scales and minimums interleaved."""
+    n = w.shape[0]
+    params = torch.stack((w.scale, w.minimum), -1).view(n, -1)
+    return permute_words(w.codes.view(n, -1)), params
+
+
 def gluon_scaled_qlinear(
-    x: torch.Tensor, w, split: int, words: torch.Tensor, stages: int = 3, reduce: bool = True
+    x: torch.Tensor,
+    w,
+    split: int,
+    stored: tuple[torch.Tensor, torch.Tensor],
+    stages: int = 3,
+    sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M <= 32, K] fp16 @ dequantize(w)^T by `_qmm_scaled_kernel`, from words: w's
-    codes as `permute_words` gives them. reduce=False: the split-K partials unsummed."""
+    """x [M <= 32, K] fp16 (contiguous) @ dequantize(w)^T by `_qmm_scaled_kernel`, from
+    w as `scaled_format` stores it, K split among up to `split` programs a tile; sums:
+    x's `group_sums`, where made before (else here)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     n, k = w.shape
     m = x.shape[0]
     assert m <= 32 and n % W_ROWS == 0 and k % K_STEP == 0 and w.config.group_size == GROUP
+    assert x.is_contiguous()
     steps = k // K_STEP
     split = _splits(split, steps)
     x_rows = 16 if m <= 16 else 32
+    words, params = stored
     x_desc, c_desc = _descriptors(x, words.view(torch.int32), x_rows)
-    params = torch.stack((w.scale, w.minimum), -1).view(n, -1)  # a format the probe makes
-    xsum = x.float().view(m, k // GROUP, GROUP).sum(-1)
-    groups = K_STEP // GROUP
-    p_layout = gl.NVMMASharedLayout.get_default_for([W_ROWS, 2 * groups], gl.float16)
-    s_layout = gl.NVMMASharedLayout.get_default_for([x_rows, groups], gl.float32)
-    p_desc = TensorDescriptor.from_tensor(params, [W_ROWS, 2 * groups], p_layout)
-    s_desc = TensorDescriptor.from_tensor(xsum, [x_rows, groups], s_layout)
-    out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    p_box = [W_ROWS, 2 * K_STEP // GROUP]
+    p_layout = gl.NVMMASharedLayout.get_default_for(p_box, gl.float16)
+    p_desc = TensorDescriptor.from_tensor(params, p_box, p_layout)
+    s_box = [x_rows, K_STEP // GROUP]
+    s_layout = gl.NVMMASharedLayout.get_default_for(s_box, gl.float32)
+    s_desc = TensorDescriptor.from_tensor(group_sums(x) if sums is None else sums, s_box, s_layout)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    counts = arrival_counters("gluon_qlinear", x.device, n // W_ROWS)
     _qmm_scaled_kernel[(n // W_ROWS, split)](
-        x_desc, c_desc, p_desc, s_desc, out, m, n, k, stages, steps // split, num_warps=4,
-        maxnreg=128 if x_rows == 16 else None,  # 16: 4 programs an SM (shared memory's limit)
+        x_desc, c_desc, p_desc, s_desc, out, partial, counts, m, n, k, stages, steps // split,
+        num_warps=4, maxnreg=128 if x_rows == 16 else None,  # 16: 4 programs an SM
     )  # fmt: skip
-    return out.sum(0).to(x.dtype) if reduce else out
+    return out
 
 
 def gluon_stream_qlinear(
@@ -623,12 +678,14 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
             "x_desc": f"tensordesc<fp16[{x_rows}, {K_STEP}],{x_layout!r}>",
             "c_desc": f"tensordesc<{kind}[{box[0]}, {box[1]}],{c_layout!r}>",
             "scale_ptr": "*fp16", "min_ptr": "*fp16", "xsum_ptr": "*fp32",
-            "partial_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32", "N": "i32",
+            "partial_ptr": "*fp32", "out_ptr": "*fp16" if words else "*fp32",
+            "M": "i32", "N": "i32",
         }  # fmt: skip
-        for name, dtype, shape in (("p_desc", gl.float16, [W_ROWS, 8]),
-                                   ("s_desc", gl.float32, [x_rows, 4])):  # fmt: skip
-            layout = gl.NVMMASharedLayout.get_default_for(shape, dtype)
-            signature[name] = f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
+        p_layout = gl.NVMMASharedLayout.get_default_for([W_ROWS, 8], gl.float16)
+        signature["p_desc"] = f"tensordesc<fp16[{W_ROWS}, 8],{p_layout!r}>"
+        s_layout = gl.NVMMASharedLayout.get_default_for([x_rows, 4], gl.float32)
+        signature["s_desc"] = f"tensordesc<fp32[{x_rows}, 4],{s_layout!r}>"
+        signature["count_ptr"] = "*i32"
         constexprs = {
             "K": k, "STAGES": stages, "PER_SPLIT": k // K_STEP // 2,
             "CODES_": CODES_PERMUTED if permuted else CODES, "BY_GROUP": CODES_BY_GROUP,
@@ -636,7 +693,7 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
         }  # fmt: skip
         constexprs = {name: value for name, value in constexprs.items() if name in names}
         signature.update({name: "constexpr" for name in constexprs})
-        aligned = ("scale_ptr", "min_ptr", "xsum_ptr", "partial_ptr", "out_ptr", "N")
+        aligned = ("scale_ptr", "min_ptr", "x_ptr", "partial_ptr", "out_ptr", "count_ptr", "N")
         aligned = [a for a in aligned if a in names]
         source = GluonASTSource(
             fn=kernel,
@@ -722,21 +779,18 @@ def main() -> None:
         (m, k), n = x.shape, q.shape[0]
         split = qmatmul._tiles(m, n, k, GROUP, dev).split
         order = permute_codes(q.codes.view(n, -1))
-        words = permute_words(q.codes.view(n, -1))
         split_k = functools.partial(gluon_qlinear, x, q, split, args.stages, False, order)
-        scaled = functools.partial(gluon_scaled_qlinear, x, q, split, words)
+        stored = scaled_format(q)
+        scaled = functools.partial(gluon_scaled_qlinear, x, q, split, stored)
         calls = {
             "ours": functools.partial(qmatmul.qlinear, x, q),
             "split-K kernel": split_k,
             "scaled": functools.partial(scaled, args.stages),
-            "scaled kernel": functools.partial(scaled, args.stages, False),
-            "scaled kernel, 4 stages": functools.partial(scaled, 4, False),
+            "scaled kernel": functools.partial(scaled, args.stages, group_sums(x)),
+            "scaled kernel, 4 stages": functools.partial(scaled, 4, group_sums(x)),
         }
         record["split"] = _splits(split, k // K_STEP)
-        outputs = {
-            name: lambda call=calls[name]: call().sum(0)
-            for name in ("split-K kernel", "scaled kernel", "scaled kernel, 4 stages")
-        }
+        outputs = {"split-K kernel": lambda f=split_k: f().sum(0)}
         if args.profile:
             for call in calls.values():
                 for _ in range(3):
