@@ -428,10 +428,23 @@ def group_sums(x: torch.Tensor) -> torch.Tensor:
     return sums
 
 
+def _by_col(x_rows: int):
+    """A step's x sums [x rows, groups] as `_qmm_scaled_kernel` reads them: each thread
+    those of its accumulator columns (2 j, 2 j + 1, and 8 and 16 on where there are)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [1, 0]] + [[8 * r, 0] for r in (1, 2) if 8 * r < x_rows],
+        lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0], [0, 0]],
+        block_bases=[],
+        shape=[x_rows, K_STEP // GROUP],
+    )
+
+
 @gluon.jit
 def _qmm_scaled_kernel(
     x_desc, c_desc, p_desc, s_desc, out_ptr, partial_ptr, count_ptr, M, N,
-    K: gl.constexpr, STAGES: gl.constexpr, PER_SPLIT: gl.constexpr, num_warps: gl.constexpr,
+    K: gl.constexpr, STAGES: gl.constexpr, PER_SPLIT: gl.constexpr, BY_COL: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     """out [M, N] (float16) = x @ dequantize(W)^T, with each group's scale applied after
     the MMA: wgmma multiplies x by the float16 values 1024 + code (two instructions a
@@ -466,8 +479,8 @@ def _qmm_scaled_kernel(
     for s in gl.static_range(STAGES):  # the ring's first steps
         _load_scaled_step(descs, ring, bars, s, n0, first + s, s < PER_SPLIT)
     # a step's scales and minimums [W rows, (scale, minimum) x groups] and x's sums [x
-    # rows, groups], each thread's those of its accumulator rows (columns): splitting
-    # the groups off leaves the accumulator's row (column) layout
+    # rows, groups] (`_by_col`), each thread's those of its accumulator rows (columns):
+    # splitting the groups off leaves the accumulator's row (column) layout
     by_row: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
         lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
@@ -475,19 +488,12 @@ def _qmm_scaled_kernel(
         block_bases=[],
         shape=[ROWS, 2 * GROUPS],
     )
-    by_col: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0]] + ([[16, 0]] if X_ROWS == 32 else []),
-        lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
-        warp_bases=[[0, 0], [0, 0]],
-        block_bases=[],
-        shape=[X_ROWS, GROUPS],
-    )
     zero = gl.zeros((ROWS, X_ROWS), dtype=gl.float32, layout=mma)
     total = zero
     for i in range(PER_SPLIT):
         slot = i % STAGES
         mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-        sums = ring[3].index(slot).load(by_col)
+        sums = ring[3].index(slot).load(BY_COL)
         words = ring[0].index(slot).load(WORDS)
         x_slot = ring[1].index(slot)
         params = gl.reshape(ring[2].index(slot).load(by_row), [ROWS, GROUPS, 2])
@@ -607,7 +613,7 @@ def gluon_scaled_qlinear(
     assert x.is_contiguous()
     steps = k // K_STEP
     split = _splits(split, steps)
-    x_rows = 16 if m <= 16 else 32
+    x_rows = 8 if m <= 8 else 16 if m <= 16 else 32  # wgmma's N
     words, params = stored
     x_desc, c_desc = _descriptors(x, words.view(torch.int32), x_rows)
     p_box = [W_ROWS, 2 * K_STEP // GROUP]
@@ -621,7 +627,7 @@ def gluon_scaled_qlinear(
     counts = arrival_counters("gluon_qlinear", x.device, n // W_ROWS)
     _qmm_scaled_kernel[(n // W_ROWS, split)](
         x_desc, c_desc, p_desc, s_desc, out, partial, counts, m, n, k, stages, steps // split,
-        num_warps=4, maxnreg=128 if x_rows == 16 else None,  # 16: 4 programs an SM
+        _by_col(x_rows), num_warps=4, maxnreg=128 if x_rows <= 16 else None,  # 4 programs an SM
     )  # fmt: skip
     return out
 
@@ -667,7 +673,7 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     variants = [(_qmm_gluon_kernel, 16, False), (_qmm_gluon_kernel, 32, False)]
     variants += [(kernel, 16, True) for kernel in (_qmm_gluon_kernel, _qmm_stream_kernel)]
-    variants += [(_qmm_scaled_kernel, x_rows, True) for x_rows in (16, 32)]
+    variants += [(_qmm_scaled_kernel, x_rows, True) for x_rows in (8, 16, 32)]
     for kernel, x_rows, permuted in variants:
         names = kernel.arg_names
         words = kernel is _qmm_scaled_kernel
@@ -689,7 +695,8 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
         constexprs = {
             "K": k, "STAGES": stages, "PER_SPLIT": k // K_STEP // 2,
             "CODES_": CODES_PERMUTED if permuted else CODES, "BY_GROUP": CODES_BY_GROUP,
-            "PTX": _NIBBLES_ASYMMETRIC.value, "PERMUTED": permuted, "num_warps": 4,
+            "PTX": _NIBBLES_ASYMMETRIC.value, "PERMUTED": permuted, "BY_COL": _by_col(x_rows),
+            "num_warps": 4,
         }  # fmt: skip
         constexprs = {name: value for name, value in constexprs.items() if name in names}
         signature.update({name: "constexpr" for name in constexprs})
@@ -702,7 +709,9 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
             attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned},
         )
         compiled = triton.compile(
-            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 128}
+            source,
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": 4, "maxnreg": 128 if x_rows <= 16 else None},
         )
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
@@ -751,6 +760,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", default="1,16,32")
     p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--splits", default="", help="the scaled kernel at these splits as well")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--dump", type=Path, help="with --compile-only: a folder for the SASS")
@@ -786,9 +796,12 @@ def main() -> None:
             "ours": functools.partial(qmatmul.qlinear, x, q),
             "split-K kernel": split_k,
             "scaled": functools.partial(scaled, args.stages),
-            "scaled kernel": functools.partial(scaled, args.stages, group_sums(x)),
-            "scaled kernel, 4 stages": functools.partial(scaled, 4, group_sums(x)),
+            "scaled, 4 stages": functools.partial(scaled, 4),
         }
+        for other in map(int, filter(None, args.splits.split(","))):
+            calls[f"scaled, split {other}"] = functools.partial(
+                gluon_scaled_qlinear, x, q, other, stored, args.stages
+            )
         record["split"] = _splits(split, k // K_STEP)
         outputs = {"split-K kernel": lambda f=split_k: f().sum(0)}
         if args.profile:
