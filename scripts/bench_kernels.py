@@ -41,6 +41,7 @@ SHAPES = [
     ("opt-30b", "qkv", 3 * 7168, 7168),
     ("opt-30b", "mlp_in", 28672, 7168),
     ("opt-30b", "mlp_out", 7168, 28672),
+    ("opt-30b", "out_proj", 7168, 7168),
     ("llama-2-70b", "qkv", 10240, 8192),
     ("llama-2-70b", "mlp_in", 2 * 28672, 8192),
     ("llama-2-70b", "mlp_out", 8192, 28672),
@@ -61,6 +62,7 @@ INT4_PROBE_SHAPES = [
     ("opt-30b", "qkv", 3 * 7168, 7168),
     ("opt-30b", "mlp_in", 28672, 7168),
     ("opt-30b", "mlp_out", 7168, 28672),
+    ("opt-30b", "out_proj", 7168, 7168),
     ("llama-2-70b", "mlp_in", 2 * 28672, 8192),
 ]
 
@@ -256,6 +258,7 @@ PREFILL_TILES = [  # Tiles(BLOCK_M, BLOCK_N, K step, warps, stages); the first i
 DECODE_SHAPES = [
     ("opt-30b", "qkv", 3 * 7168, 7168),
     ("opt-30b", "mlp_out", 7168, 28672),
+    ("opt-30b", "out_proj", 7168, 7168),
     ("llama-2-70b", "mlp_in", 2 * 28672, 8192),
 ]
 DECODE_SWEEP = {

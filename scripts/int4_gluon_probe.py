@@ -594,17 +594,31 @@ def scaled_format(w) -> tuple[torch.Tensor, torch.Tensor]:
     return permute_words(w.codes.view(n, -1)), params
 
 
+# programs an SM by wgmma's N (x's rows in a tile), as shared memory and registers allow
+SCALED_PER_SM = {8: 5, 16: 4, 32: 2}
+
+
+def scaled_split(m: int, n: int, k: int, device: torch.device) -> int:
+    """The programs K is divided among for each of `_qmm_scaled_kernel`'s tiles: the most
+    that keep every program in one wave (at least 1). Measured on the H100 (run
+    145213): OPT-30B's qkv read 76-78% of HBM at 1-16 rows unsplit (336 programs), 58-65%
+    split in 2 (1.3 waves); its mlp_out 70-76% split in 4 (448 programs), 60-66% unsplit."""
+    x_rows = 8 if m <= 8 else 16 if m <= 16 else 32
+    slots = SCALED_PER_SM[x_rows] * sm_count(device)
+    return _splits(max(1, slots // (n // W_ROWS)), k // K_STEP)
+
+
 def gluon_scaled_qlinear(
     x: torch.Tensor,
     w,
-    split: int,
+    split: int | None,
     stored: tuple[torch.Tensor, torch.Tensor],
     stages: int = 3,
     sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M <= 32, K] fp16 (contiguous) @ dequantize(w)^T by `_qmm_scaled_kernel`, from
-    w as `scaled_format` stores it, K split among up to `split` programs a tile; sums:
-    x's `group_sums`, where made before (else here)."""
+    w as `scaled_format` stores it, K split among up to `split` programs a tile (None:
+    `scaled_split`); sums: x's `group_sums`, where made before (else here)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     n, k = w.shape
@@ -612,7 +626,7 @@ def gluon_scaled_qlinear(
     assert m <= 32 and n % W_ROWS == 0 and k % K_STEP == 0 and w.config.group_size == GROUP
     assert x.is_contiguous()
     steps = k // K_STEP
-    split = _splits(split, steps)
+    split = _splits(split or scaled_split(m, n, k, x.device), steps)
     x_rows = 8 if m <= 8 else 16 if m <= 16 else 32  # wgmma's N
     words, params = stored
     x_desc, c_desc = _descriptors(x, words.view(torch.int32), x_rows)
@@ -791,7 +805,7 @@ def main() -> None:
         order = permute_codes(q.codes.view(n, -1))
         split_k = functools.partial(gluon_qlinear, x, q, split, args.stages, False, order)
         stored = scaled_format(q)
-        scaled = functools.partial(gluon_scaled_qlinear, x, q, split, stored)
+        scaled = functools.partial(gluon_scaled_qlinear, x, q, None, stored)
         calls = {
             "ours": functools.partial(qmatmul.qlinear, x, q),
             "split-K kernel": split_k,
@@ -803,6 +817,7 @@ def main() -> None:
                 gluon_scaled_qlinear, x, q, other, stored, args.stages
             )
         record["split"] = _splits(split, k // K_STEP)
+        record["scaled_split"] = scaled_split(m, n, k, dev)
         outputs = {"split-K kernel": lambda f=split_k: f().sum(0)}
         if args.profile:
             for call in calls.values():
