@@ -34,6 +34,17 @@ QLINEAR_SHAPES = [
     (300, 96, 128, 64),
     (1030, 70, 192, 64),
 ]
+# shapes `qmatmul_wgmma` takes on Hopper (1-32 rows, N a multiple of 64, K of 512):
+# wgmma's N of 8, 16 and 32; split-K in 2-4 parts, and unsplit (266 tiles of 64 rows
+# fill more than half of an H100's 4 programs an SM)
+WGMMA_SHAPES = [
+    (1, 192, 1024, 64),
+    (5, 128, 512, 64),
+    (14, 256, 2048, 64),
+    (17, 64, 1536, 64),
+    (32, 128, 1024, 64),
+    (3, 17024, 512, 64),
+]
 # the launcher's own tiles, then split-K (K in up to 4 parts of 64: 4, 3, 2 parts above)
 QLINEAR_TILES = [None, Tiles(16, 32, 64, 4, 2, split=4)]
 
@@ -265,11 +276,34 @@ def norm_failures(device: str, dtypes: list[torch.dtype], shapes=NORM_SHAPES) ->
     return failures
 
 
+def wgmma_prepare_failures(device: str) -> list[str]:
+    """`qmatmul_wgmma.prepare_x` on x with a row stride past K: its columns in `X_ORDER`
+    within each group, and its group sums."""
+    from offload.kernels import qmatmul_wgmma
+
+    gen = torch.Generator().manual_seed(7)
+    failures = []
+    for rows, k in ((1, 512), (5, 1536)):
+        x = torch.randn(rows, k + 64, generator=gen).to(torch.float16).to(device)[:, :k]
+        permuted, sums = qmatmul_wgmma.prepare_x(x)
+        grouped = x.reshape(rows, k // 64, 64)
+        want = grouped[:, :, qmatmul_wgmma.X_ORDER.to(device)].reshape(rows, k)
+        if not torch.equal(permuted, want):
+            failures.append(f"{rows} x {k}: permuted columns differ")
+        err = (sums - grouped.double().sum(-1)).abs().max().item()
+        if sums.dtype != torch.float32 or err > 1e-3:
+            failures.append(f"{rows} x {k}: group sums off by {err}")
+    return failures
+
+
 if __name__ == "__main__":  # the interpreter tests' subprocess
     kind, bits, symmetric = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "sym"
     cases = {"qlinear": qlinear_failures, "attention": attention_failures}
     if kind == "norm":
         print(json.dumps(norm_failures("cpu", [torch.float32, torch.float16])))
+        sys.exit()
+    if kind == "wgmma-prepare":
+        print(json.dumps(wgmma_prepare_failures("cpu")))
         sys.exit()
     cases = {**cases, "kv-write": kv_write_failures}[kind]
     # float16 only: the kernels' indexing, masks and splits do not depend on the dtype,

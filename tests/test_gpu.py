@@ -100,9 +100,11 @@ def test_cuda_executor_policies_give_the_plain_tokens(policy, tiny_checkpoints, 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_qlinear_kernel_compiled_matches_reference(bits, symmetric):
-    from tests.kernel_cases import QLINEAR_SHAPES, qlinear_failures
+    """The Triton kernel and, for int4-g64 asymmetric on Hopper, `qmatmul_wgmma`'s."""
+    from tests.kernel_cases import QLINEAR_SHAPES, WGMMA_SHAPES, qlinear_failures
 
     shapes = [*QLINEAR_SHAPES, (8, 7168, 7168, 64), (512, 4096, 11008, 128), (2100, 384, 512, 64)]
+    shapes += WGMMA_SHAPES
     dtypes = [torch.float16, torch.bfloat16, torch.float32]
     assert qlinear_failures(bits, symmetric, "cuda", dtypes, shapes) == []
 
@@ -172,24 +174,52 @@ def test_launcher_calls_the_compiled_kernel_directly(monkeypatch):
     assert torch.equal(first, again)
 
 
-def test_split_k_qlinear_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("kernel", ["triton", "wgmma"])
+def test_split_k_qlinear_replays_in_a_cuda_graph(kernel):
     """Split-K (arrival counters reset by the last program of a tile) captured once and
-    replayed on new inputs gives exactly the eager result."""
+    replayed on new inputs gives exactly the eager result: the Triton kernel, and
+    `qmatmul_wgmma`'s (its x preparation captured too)."""
+    from offload.kernels import qmatmul_wgmma
     from offload.kernels.formats import Compression
     from offload.kernels.qmatmul import _tiles, qlinear
     from offload.kernels.quant import quantize
 
     w = quantize(torch.randn(1024, 4096, device="cuda"), Compression(4, 64, False))
     x = torch.randn(12, 4096, device="cuda", dtype=torch.float16)
-    assert _tiles(12, 1024, 4096, 64, x.device).split > 1
-    qlinear(x, w)  # compiled before the capture
+    tiles = _tiles(12, 1024, 4096, 64, x.device)
+    if kernel == "wgmma":
+        if not qmatmul_wgmma.eligible(x, w, None):
+            pytest.skip("qmatmul_wgmma: Hopper GPUs only")
+        tiles = None
+        assert qmatmul_wgmma.split(12, 1024, 4096, x.device) > 1
+    assert kernel == "wgmma" or tiles.split > 1
+    qlinear(x, w, tiles=tiles)  # compiled before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = qlinear(x, w)
+        out = qlinear(x, w, tiles=tiles)
     for _ in range(3):
         x.copy_(torch.randn_like(x))
         graph.replay()
-        assert torch.equal(out, qlinear(x, w))
+        assert torch.equal(out, qlinear(x, w, tiles=tiles))
+
+
+def test_wgmma_shapes_take_the_wgmma_kernel_on_hopper():
+    """The cases `qlinear_failures` runs as WGMMA_SHAPES reach `qmatmul_wgmma` (so the
+    compiled test above checks it), and the launcher's split spans one wave."""
+    from offload.kernels import qmatmul_wgmma
+    from offload.kernels.formats import Compression
+    from offload.kernels.quant import quantize
+    from tests.kernel_cases import WGMMA_SHAPES
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("qmatmul_wgmma: Hopper GPUs only")
+    splits = []
+    for rows, n, k, group in WGMMA_SHAPES:
+        w = quantize(torch.randn(n, k, device="cuda"), Compression(4, group, False))
+        x = torch.randn(rows, k, device="cuda", dtype=torch.float16)
+        assert qmatmul_wgmma.eligible(x, w, torch.zeros(n, device="cuda", dtype=x.dtype))
+        splits.append(qmatmul_wgmma.split(rows, n, k, x.device))
+    assert 1 in splits and max(splits) > 1
 
 
 @pytest.mark.parametrize("case", FAMILIES)

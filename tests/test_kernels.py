@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -54,6 +55,36 @@ def test_kv_cache_quantizing_kernel_is_bit_exact_interpreted(bits, symmetric):
 
 def test_norm_kernel_matches_layer_and_rms_norm_interpreted():
     assert _interpreted("tests.kernel_cases", "norm", "0", "asym") == []
+
+
+def test_wgmma_matmuls_x_preparation_interpreted():
+    assert _interpreted("tests.kernel_cases", "wgmma-prepare", "4", "asym") == []
+
+
+def test_wgmma_operand_from_the_codes_pairs_each_weight_with_its_x_column():
+    """What `qmatmul_wgmma`'s kernel does to a group's packed codes (`QTensor`'s bytes):
+    lane j's words (bytes 8 j to 8 j + 7), each shifted by 4 k and masked with
+    0x000F000F, give wgmma A registers whose halves are K columns 16 (2 w + k // 2) +
+    8 (k % 2) + 2 j + h of the MMA; x permuted by `X_ORDER` must hold, at each such
+    column, the x column of the code there, so the MMA's sum is x . W."""
+    from offload.kernels.qmatmul_wgmma import X_ORDER
+    from offload.kernels.quant import pack_int4
+
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (64,), generator=gen, dtype=torch.uint8)
+    packed = pack_int4(codes).to(torch.int64)
+    operand = torch.full((64,), -1, dtype=torch.int64)
+    for j in range(4):
+        for w in range(2):
+            b = packed[8 * j + 4 * w : 8 * j + 4 * w + 4]
+            word = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24  # little-endian
+            for k in range(4):
+                register = (word >> 4 * k) & 0x000F000F
+                for h, half in enumerate((register & 0xFFFF, register >> 16)):
+                    operand[16 * (2 * w + k // 2) + 8 * (k % 2) + 2 * j + h] = half
+    assert torch.equal(operand, codes[X_ORDER].to(torch.int64))
+    x = torch.randn(64, generator=gen, dtype=torch.float64)
+    assert torch.allclose((operand * x[X_ORDER]).sum(), (codes * x).sum())
 
 
 def test_the_launcher_takes_triton_s_path_only_while_a_launch_hook_is_installed():

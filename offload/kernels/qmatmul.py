@@ -18,6 +18,11 @@ a weight, about 1.5 ms for BLOOM-176B's largest matrix against 9 ms of its 4096-
 matmul; the break-even is near 640 rows, where the fused kernel's time equals the
 dequantization's plus cuBLAS's.
 
+On Hopper GPUs, x of 1-32 rows in float16 times int4-g64 asymmetric W takes
+`qmatmul_wgmma` instead: wgmma with the codes as its register operand and the scales
+applied after the MMA (docs/throughput.md: 67-82% of the HBM copy rate where this
+kernel reads 54-64%).
+
 `qlinear_reference` is the plain-torch definition (dequantize, then `F.linear`) that the
 kernel must match; it also runs wherever Triton or CUDA is absent (the CPU tests).
 """
@@ -30,6 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from offload.kernels import qmatmul_wgmma
 from offload.kernels.formats import Compression
 from offload.kernels.launch import (
     Launcher,
@@ -134,9 +140,9 @@ def qlinear(
     after; both in the fused kernel's epilogue (rounded once there; prefill's dense
     path adds the residual after rounding).
 
-    tiles overrides `_tiles` and always runs the fused kernel (the kernel benchmark's
-    sweeps); scratch_bytes: the most of W dequantized at once from DENSE_ROWS rows
-    (`dense_scratch_bytes`)."""
+    tiles overrides `_tiles` and always runs the fused Triton kernel (the kernel
+    benchmark's sweeps), never `qmatmul_wgmma`; scratch_bytes: the most of W
+    dequantized at once from DENSE_ROWS rows (`dense_scratch_bytes`)."""
     if not use_kernel(x):
         return qlinear_reference(x, w, bias, relu, residual)
     n, k = w.shape
@@ -152,6 +158,9 @@ def qlinear(
         return out.view(*x.shape[:-1], n)
     if residual is not None:
         assert residual.is_contiguous() and residual.numel() == m * n
+    if tiles is None and qmatmul_wgmma.eligible(rows, w, bias):
+        qmatmul_wgmma.qlinear(rows, w, bias, out, relu, residual)
+        return out.view(*x.shape[:-1], n)
     cfg = w.config
     t = tiles or _tiles(m, n, k, cfg.group_size, x.device)
     block_k = _block_k(k, cfg.group_size, t.max_k)

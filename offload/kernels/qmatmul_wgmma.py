@@ -1,0 +1,415 @@
+"""The int4 decode matmul on Hopper: wgmma with W's codes as its register operand and each
+group's scale applied after the MMA.
+
+`qmatmul.qlinear` sends here x of 1-32 rows (float16) times int4-g64 asymmetric W on an
+sm_90 GPU; everything else stays on the Triton kernel. The differences from it:
+
+- **Scales after the MMA.** A group's product P = x . (1024 + code) is taken by wgmma
+  from float16 values that a shift and one lop3 make of the codes (2 instructions a word
+  of 8 codes, where dequantizing takes 2 a code), and the group adds
+  scale P + (minimum - 1024 scale) sum(x over the group) to a float32 sum.
+- **W's codes stay in `QTensor`'s format; x is permuted instead.** wgmma's A fragment
+  gives lane j of a quad K columns 2 j, 2 j + 1, 2 j + 8 and 2 j + 9 of each 16. Lane j
+  reads bytes 8 j to 8 j + 7 of each group (16 codes), and the nibble pairs that a shift
+  and a mask take from a word (k and k + 4) become those columns. `prepare_x` permutes
+  x's columns within each group to match (`X_ORDER`) and sums each group, one small
+  kernel a call; the MMA's sum over K is the same sum.
+- **TMA.** A K step's tiles (W's codes, x, W's scales and minimums, x's sums) come by
+  Hopper's bulk tensor copies into a ring of STAGES slots on mbarriers.
+- **One wave.** K is split among the most programs a tile that keep every program in
+  one wave (`split`), and the last to arrive adds the partials in split order.
+
+Written in Triton's Gluon dialect (explicit layouts, shared memory, mbarriers, wgmma),
+which has no CPU interpreter: the CPU tests check `X_ORDER`'s algebra against the
+reference, and the GPU tests the kernel. docs/throughput.md has the measurements.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from offload.kernels.launch import INTERPRETED, arrival_counters, sm_count
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # no Triton, or one without Gluon: the Triton kernel serves
+    gluon = None
+
+GROUP = 64
+K_STEP = 256  # codes a K step: 4 groups
+W_ROWS = 64  # W rows a program: wgmma's M
+# programs an SM by wgmma's N (x's rows in a tile), as shared memory and registers allow
+PER_SM = {8: 5, 16: 4, 32: 2}
+
+
+def _x_order() -> torch.Tensor:
+    """For each of a group's 64 positions L in the permuted x, the column of x it holds.
+    L = 32 w + 16 kh + 8 kl + 2 j + h is wgmma's K index (chunk 2 w + kh, columns 2 j +
+    h and 2 j + 8 + h); lane j's word w holds the group's codes 16 j + 8 w to + 7, and
+    the shift of 4 (2 kh + kl) takes nibbles 2 kh + kl (h = 0) and 4 + 2 kh + kl (h = 1)."""
+    L = torch.arange(GROUP)
+    w, kh, kl, j, h = L // 32, L // 16 % 2, L // 8 % 2, L // 2 % 4, L % 2
+    return 16 * j + 8 * w + 4 * h + 2 * kh + kl
+
+
+X_ORDER = _x_order()
+
+
+def eligible(x: torch.Tensor, w, bias: torch.Tensor | None) -> bool:
+    """Whether `qlinear` (x: [M, K] rows) takes this kernel."""
+    cfg = w.config
+    n, k = w.shape
+    return (
+        gluon is not None
+        and x.is_cuda
+        and not INTERPRETED
+        and x.dtype == torch.float16
+        and x.shape[0] <= 32
+        and cfg.bits == 4
+        and cfg.group_size == GROUP
+        and not cfg.symmetric
+        and n % W_ROWS == 0
+        and k % (2 * K_STEP) == 0  # TMA: the scale rows' strides are multiples of 16 bytes
+        and (bias is None or bias.dtype == torch.float16)
+        and all(t.data_ptr() % 16 == 0 for t in (w.codes, w.scale, w.minimum))
+        and _hopper(x.device)
+    )
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def split(m: int, n: int, k: int, device: torch.device) -> int:
+    """The programs K is divided among for each tile: the most that keep every program
+    in one wave, at least 1, a divisor of the K steps. Measured on the H100 (probe run
+    145213): OPT-30B's qkv read 76-78% of HBM at 1-16 rows unsplit (336 programs) and
+    58-65% split in 2 (1.3 waves); its mlp_out 70-76% split in 4 (448 programs) and
+    60-66% unsplit."""
+    slots = PER_SM[_x_rows(m)] * sm_count(device)
+    steps = k // K_STEP
+    wanted = max(1, slots // (n // W_ROWS))
+    return max(d for d in range(1, min(wanted, steps) + 1) if steps % d == 0)
+
+
+def _x_rows(m: int) -> int:
+    """wgmma's N: x's rows in a tile."""
+    return 8 if m <= 8 else 16 if m <= 16 else 32
+
+
+def prepare_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (rows contiguous) with each group's columns in `X_ORDER` (float16,
+    contiguous) and its sums over each group [M, K / 64] (float32)."""
+    m, k = x.shape
+    permuted = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    sums = torch.empty((m, k // GROUP), dtype=torch.float32, device=x.device)
+    _prepare_x_kernel[(m, triton.cdiv(k // GROUP, 16))](x, permuted, sums, x.stride(0), k, 16)
+    return permuted, sums
+
+
+def qlinear(
+    x: torch.Tensor,
+    w,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    relu: bool = False,
+    residual: torch.Tensor | None = None,
+    stages: int = 3,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """out [M, N] = x [M <= 32, K] @ dequantize(w)^T (+ bias, then ReLU, then + residual),
+    for w `eligible`; splits overrides `split`."""
+    n, k = w.shape
+    m = x.shape[0]
+    x_rows = _x_rows(m)
+    steps = k // K_STEP
+    parts = split(m, n, k, x.device) if splits is None else splits
+    permuted, sums = prepare_x(x)
+    descriptors = (
+        _descriptor(permuted, [x_rows, K_STEP], gl.float16),
+        _descriptor(w.codes.view(n, k // 2).view(torch.int32), [W_ROWS, K_STEP // 8], gl.int32),
+        _descriptor(w.scale.view(n, k // GROUP), [W_ROWS, 2 * K_STEP // GROUP], gl.float16),
+        _descriptor(w.minimum.view(n, k // GROUP), [W_ROWS, 2 * K_STEP // GROUP], gl.float16),
+        _descriptor(sums, [x_rows, K_STEP // GROUP], gl.float32),
+    )
+    partial = out
+    if parts > 1:
+        partial = torch.empty((parts, m, n), dtype=torch.float32, device=x.device)
+    counts = arrival_counters("qlinear_wgmma", x.device, n // W_ROWS)
+    _wgmma_kernel[(n // W_ROWS, parts)](
+        *descriptors, bias if bias is not None else out,
+        residual if residual is not None else out, out, partial, counts, m, n, k, stages,
+        steps // parts, _by_col(x_rows), bias is not None, relu, residual is not None,
+        num_warps=4, maxnreg=128 if x_rows <= 16 else None,  # all PER_SM programs fit
+    )  # fmt: skip
+    return out
+
+
+def _descriptor(t: torch.Tensor, box: list[int], dtype) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
+    return TensorDescriptor.from_tensor(t, box, layout)
+
+
+def _by_col(x_rows: int):
+    """A step's x sums [x rows, groups] as the kernel reads them: each thread those of
+    its accumulator columns (2 j, 2 j + 1, and + 8 and + 16 where there are)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [1, 0]] + [[8 * r, 0] for r in (1, 2) if 8 * r < x_rows],
+        lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0], [0, 0]],
+        block_bases=[],
+        shape=[x_rows, K_STEP // GROUP],
+    )
+
+
+if gluon is not None:
+    # Names that changed between the Triton versions the project allows. TMA's load
+    # into shared memory: `async_copy_global_to_shared` in 3.6 (the GPU machine's),
+    # renamed `async_load` by 3.9, where the old name raises
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # a barrier of the program's threads: `thread_barrier` in 3.6, `barrier` in 3.9
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+    # A K step's codes as int32 words [W rows, 8 a group]: lane 4 g + j holds rows g and
+    # g + 8 (16 more a warp) and words 2 j and 2 j + 1 of every group
+    WORDS = gl.constexpr(
+        gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16]],
+            lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]],
+            block_bases=[],
+            shape=[W_ROWS, 32],
+        )
+    )
+    # one group's words, each spread over the 8 values the asm makes of it: [W rows, 8, 8]
+    WORD_VALUES = gl.constexpr(
+        gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [8, 0, 0]],
+            lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[16, 0, 0], [32, 0, 0]],
+            block_bases=[],
+            shape=[W_ROWS, 8, 8],
+        )
+    )
+    # a step's scales (or minimums) [W rows, groups]: each thread its accumulator rows'
+    BY_ROW = gl.constexpr(
+        gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [8, 0]],
+            lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]],
+            block_bases=[],
+            shape=[W_ROWS, K_STEP // GROUP],
+        )
+    )
+    # a word's 8 nibbles as 4 wgmma A registers, each the float16 pair {1024 + code,
+    # 1024 + code} of nibbles k and k + 4 (bits 4 k and 16 + 4 k): a shift and a lop3
+    _WORD_TO_A = gl.constexpr("""{
+.reg .b32 t, mask, magic;
+mov.b32 mask, 0x000F000F;
+mov.b32 magic, 0x64006400;
+lop3.b32 $0, $4, mask, magic, 0xEA;
+shr.b32 t, $4, 4;
+lop3.b32 $1, t, mask, magic, 0xEA;
+shr.b32 t, $4, 8;
+lop3.b32 $2, t, mask, magic, 0xEA;
+shr.b32 t, $4, 12;
+lop3.b32 $3, t, mask, magic, 0xEA;
+}""")
+
+    @triton.jit
+    def _prepare_x_kernel(
+        x_ptr, permuted_ptr, sums_ptr, stride_xm, K: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """A row's BLOCK groups of x: permuted (`X_ORDER`) and summed in float32."""
+        row = tl.program_id(0)
+        groups = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = groups < K // 64
+        at = tl.arange(0, 64)
+        source = (
+            16 * (at // 2 % 4) + 8 * (at // 32) + 4 * (at % 2) + 2 * (at // 16 % 2) + at // 8 % 2
+        )  # X_ORDER
+        x = tl.load(
+            x_ptr + row * stride_xm + groups[:, None] * 64 + source[None, :], mask=ok[:, None]
+        )
+        tl.store(permuted_ptr + row * K + groups[:, None] * 64 + at[None, :], x, mask=ok[:, None])
+        tl.store(sums_ptr + row * (K // 64) + groups, tl.sum(x.to(tl.float32), axis=1), mask=ok)
+
+    @gluon.jit
+    def _load_step(descs, ring, bars, slot, row0, step, pred):
+        """TMA copies of K step `step`'s tiles (W's codes, scales and minimums from W row
+        row0; x; x's sums) into the ring's `slot`, completing on its mbarrier."""
+        x_desc, c_desc, s_desc, m_desc, sum_desc = descs
+        x_smem, c_smem, s_smem, m_smem, sum_smem = ring
+        nbytes: gl.constexpr = (
+            x_desc.block_type.nbytes + c_desc.block_type.nbytes + s_desc.block_type.nbytes
+            + m_desc.block_type.nbytes + sum_desc.block_type.nbytes
+        )  # fmt: skip
+        GROUPS: gl.constexpr = sum_desc.block_type.shape[1]
+        bar = bars.index(slot)
+        mbarrier.expect(bar, nbytes, pred=pred)
+        _tma_load(x_desc, [0, step * GROUPS * 64], bar, x_smem.index(slot), pred=pred)
+        _tma_load(c_desc, [row0, step * GROUPS * 8], bar, c_smem.index(slot), pred=pred)
+        # (boxes of 2 steps' groups, TMA's 16 bytes at least; the step's are the first half)
+        _tma_load(s_desc, [row0, step * GROUPS], bar, s_smem.index(slot), pred=pred)
+        _tma_load(m_desc, [row0, step * GROUPS], bar, m_smem.index(slot), pred=pred)
+        _tma_load(sum_desc, [0, step * GROUPS], bar, sum_smem.index(slot), pred=pred)
+
+    @gluon.jit
+    def _group_of(t, g: gl.constexpr):
+        """Column g of t [rows, 4] (the 4 in each thread's registers)."""
+        t0, t1 = gl.split(gl.reshape(t, [t.shape[0], 2, 2]))  # by g % 2
+        t = t1 if g % 2 else t0
+        t0, t1 = gl.split(t)
+        return t1 if g // 2 else t0
+
+    @gluon.jit
+    def _group_product(words, x_slot, g: gl.constexpr, a_layout: gl.constexpr, zero):
+        """The asynchronous wgmma of group g's values (1024 + code) by x's columns of it.
+        words: the step's [W rows, 32] (int32)."""
+        ROWS: gl.constexpr = words.shape[0]
+        t = gl.permute(gl.reshape(words, [ROWS, 4, 8]), [0, 2, 1])
+        t0, t1 = gl.split(gl.reshape(t, [ROWS, 8, 2, 2]))  # [rows, word, g // 2], by g % 2
+        t = t1 if g % 2 else t0
+        t0, t1 = gl.split(t)
+        t = t1 if g // 2 else t0
+        t = gl.convert_layout(t, gl.SliceLayout(2, WORD_VALUES))
+        t = gl.broadcast(gl.expand_dims(t, 2), gl.full([ROWS, 8, 8], 0, gl.int32, WORD_VALUES))[0]
+        v = gl.inline_asm_elementwise(
+            _WORD_TO_A, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [t], dtype=gl.float16, is_pure=True,
+            pack=8,
+        )  # fmt: skip
+        # [rows, word 2 j + w, 2 k + h] to wgmma's K order, 16 (2 w + k // 2) + 8 (k % 2)
+        # + 2 j + h (`X_ORDER`)
+        v = gl.reshape(v, [ROWS, 4, 2, 2, 2, 2])  # [rows, j, w, k // 2, k % 2, h]
+        v = gl.reshape(gl.permute(v, [0, 2, 3, 4, 1, 5]), [ROWS, 64])
+        a = gl.convert_layout(v, a_layout)
+        b = x_slot.slice(g * 64, 64, dim=1).permute((1, 0))
+        return warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _add_group(total, product, scales, biases, sums, g: gl.constexpr):
+        """total + group g's scale x product + its bias x the group's sum of x (the bias:
+        minimum - 1024 scale, for the 1024 in every value the product multiplied)."""
+        mma: gl.constexpr = total.type.layout
+        scale = gl.convert_layout(_group_of(scales, g), gl.SliceLayout(1, mma))
+        bias = gl.convert_layout(_group_of(biases, g), gl.SliceLayout(1, mma))
+        xsum = gl.convert_layout(_group_of(sums, g), gl.SliceLayout(0, mma))
+        total = gl.fma(product, scale[:, None], total)
+        return gl.fma(bias[:, None], xsum[None, :], total)
+
+    @gluon.jit
+    def _store(
+        out_ptr, total, bias_ptr, res_ptr, rows, cols, M, N,
+        HAS_BIAS: gl.constexpr, RELU: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+    ):  # fmt: skip
+        """out[cols, rows] (float16) = total [W rows, x rows] + bias, ReLU, + residual."""
+        offsets = cols[None, :] * N + rows[:, None]
+        ok = (cols < M)[None, :]
+        if HAS_BIAS:
+            total += gl.load(bias_ptr + rows).to(gl.float32)[:, None]
+        if RELU:
+            total = gl.maximum(total, 0.0)
+        if HAS_RESIDUAL:
+            total += gl.load(res_ptr + offsets, mask=ok, other=0.0).to(gl.float32)
+        gl.store(out_ptr + offsets, total.to(gl.float16), mask=ok)
+
+    @gluon.jit
+    def _wgmma_kernel(
+        x_desc, c_desc, s_desc, m_desc, sum_desc, bias_ptr, res_ptr, out_ptr, partial_ptr,
+        count_ptr, M, N,
+        K: gl.constexpr, STAGES: gl.constexpr, PER_SPLIT: gl.constexpr, BY_COL: gl.constexpr,
+        HAS_BIAS: gl.constexpr, RELU: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """out [M, N] (float16) = x @ dequantize(W)^T (+ bias, ReLU, + residual) for one
+        tile of 64 W rows (program_id 0) and K range (program_id 1; split-K partials
+        [split, M, N] in float32, the last to arrive at the tile's counter adding them
+        in split order)."""
+        ROWS: gl.constexpr = c_desc.block_type.shape[0]
+        X_ROWS: gl.constexpr = x_desc.block_type.shape[0]
+        STEP: gl.constexpr = x_desc.block_type.shape[1]
+        GROUPS: gl.constexpr = STEP // 64
+        n0 = gl.program_id(0) * ROWS
+        first = gl.program_id(1) * PER_SPLIT
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, X_ROWS, 16]
+        )
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        descs = (x_desc, c_desc, s_desc, m_desc, sum_desc)
+        ring = (
+            gl.allocate_shared_memory(gl.float16, [STAGES, X_ROWS, STEP], x_desc.layout),
+            gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, STEP // 8], c_desc.layout),
+            gl.allocate_shared_memory(gl.float16, [STAGES, ROWS, 2 * GROUPS], s_desc.layout),
+            gl.allocate_shared_memory(gl.float16, [STAGES, ROWS, 2 * GROUPS], m_desc.layout),
+            gl.allocate_shared_memory(gl.float32, [STAGES, X_ROWS, GROUPS], sum_desc.layout),
+        )
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+        for s in gl.static_range(STAGES):  # the ring's first steps
+            _load_step(descs, ring, bars, s, n0, first + s, s < PER_SPLIT)
+        zero = gl.zeros((ROWS, X_ROWS), dtype=gl.float32, layout=mma)
+        total = zero
+        for i in range(PER_SPLIT):
+            slot = i % STAGES
+            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+            words = ring[1].index(slot).load(WORDS)
+            scales = ring[2].index(slot).slice(0, GROUPS, dim=1).load(BY_ROW).to(gl.float32)
+            lows = ring[3].index(slot).slice(0, GROUPS, dim=1).load(BY_ROW).to(gl.float32)
+            biases = lows - 1024.0 * scales
+            sums = ring[4].index(slot).load(BY_COL)
+            x_slot = ring[0].index(slot)
+            # each group's product is added in while the next group's is computed; none
+            # is in flight past the step (ptxas serializes every wgmma if registers of one
+            # in flight are read, as the loop's carried values would be)
+            previous = _group_product(words, x_slot, 0, a_layout, zero)
+            for g in gl.static_range(1, GROUPS):
+                product = _group_product(words, x_slot, g, a_layout, zero)
+                product, previous = warpgroup_mma_wait(num_outstanding=1, deps=(product, previous))
+                total = _add_group(total, previous, scales, biases, sums, g - 1)
+                previous = product
+            previous = warpgroup_mma_wait(num_outstanding=0, deps=(previous,))
+            total = _add_group(total, previous, scales, biases, sums, GROUPS - 1)
+            # every wgmma of step i is done: its slot takes step i + STAGES
+            _barrier()
+            fence_async_shared()
+            refill = i + STAGES
+            _load_step(descs, ring, bars, slot, n0, first + refill, refill < PER_SPLIT)
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(s))
+        rows = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+        cols = gl.arange(0, X_ROWS, layout=gl.SliceLayout(0, mma))
+        ok = (cols < M)[None, :]
+        splits = gl.num_programs(1)
+        if splits == 1:
+            _store(out_ptr, total, bias_ptr, res_ptr, rows, cols, M, N, HAS_BIAS, RELU,
+                   HAS_RESIDUAL)  # fmt: skip
+        else:
+            offsets = cols[None, :] * N + rows[:, None]
+            gl.store(partial_ptr + gl.program_id(1) * M * N + offsets, total, mask=ok)
+            _barrier()  # every thread's partial stored before the release below
+            tile = count_ptr + gl.program_id(0)
+            if gl.atomic_add(tile, 1, sem="acq_rel") == splits - 1:
+                total = zero
+                for part in range(splits):  # in split order: the same sum whoever is last
+                    total += gl.load(
+                        partial_ptr + part * M * N + offsets, mask=ok, other=0.0,
+                        cache_modifier=".cg",
+                    )  # fmt: skip
+                gl.atomic_xchg(tile, 0)
+                _store(out_ptr, total, bias_ptr, res_ptr, rows, cols, M, N, HAS_BIAS, RELU,
+                       HAS_RESIDUAL)  # fmt: skip
