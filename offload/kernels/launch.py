@@ -46,6 +46,8 @@ def _kind(arg, specialized: bool = True) -> object:
     do_not_specialize (only its width)."""
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
+    if hasattr(arg, "block_shape"):  # a TMA descriptor: its tile's shape and dtype
+        return tuple(arg.block_shape), arg.base.dtype, arg.layout
     if isinstance(arg, bool) or not isinstance(arg, int):
         return arg  # constexprs (bool, str) and floats (never specialized)
     wide = not -(2**31) <= arg < 2**31

@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-from offload.kernels.launch import INTERPRETED, arrival_counters, sm_count
+from offload.kernels.launch import INTERPRETED, Launcher, arrival_counters, sm_count
 
 try:
     import triton
@@ -117,7 +117,7 @@ def prepare_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     permuted = torch.empty((m, k), dtype=x.dtype, device=x.device)
     sums = torch.empty((m, k // GROUP), dtype=torch.float32, device=x.device)
-    _prepare_x_kernel[(m, triton.cdiv(k // GROUP, 16))](x, permuted, sums, x.stride(0), k, 16)
+    _launch_prepare((m, triton.cdiv(k // GROUP, 16)), 4, x, permuted, sums, x.stride(0), k, 16)
     return permuted, sums
 
 
@@ -150,20 +150,25 @@ def qlinear(
     if parts > 1:
         partial = torch.empty((parts, m, n), dtype=torch.float32, device=x.device)
     counts = arrival_counters("qlinear_wgmma", x.device, n // W_ROWS)
-    _wgmma_kernel[(n // W_ROWS, parts)](
-        *descriptors, bias if bias is not None else out,
+    _launch(
+        (n // W_ROWS, parts), 4, *descriptors, bias if bias is not None else out,
         residual if residual is not None else out, out, partial, counts, m, n, k, stages,
         steps // parts, _by_col(x_rows), bias is not None, relu, residual is not None,
-        num_warps=4, maxnreg=128 if x_rows <= 16 else None,  # all PER_SM programs fit
+        registers=128 if x_rows <= 16 else None,  # all PER_SM programs fit
     )  # fmt: skip
     return out
 
 
 def _descriptor(t: torch.Tensor, box: list[int], dtype) -> TensorDescriptor:
-    layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
-    return TensorDescriptor.from_tensor(t, box, layout)
+    return TensorDescriptor.from_tensor(t, box, _shared_layout(*box, dtype))
 
 
+@functools.cache
+def _shared_layout(rows: int, columns: int, dtype):
+    return gl.NVMMASharedLayout.get_default_for([rows, columns], dtype)
+
+
+@functools.cache
 def _by_col(x_rows: int):
     """A step's x sums [x rows, groups] as the kernel reads them: each thread those of
     its accumulator columns (2 j, 2 j + 1, and + 8 and + 16 where there are)."""
@@ -205,14 +210,15 @@ if gluon is not None:
             shape=[W_ROWS, 8, 8],
         )
     )
-    # a step's scales (or minimums) [W rows, groups]: each thread its accumulator rows'
-    BY_ROW = gl.constexpr(
+    # two steps' scales (or minimums) [W rows, 2 x groups]: each thread its accumulator
+    # rows'; splitting off a step's half, then the groups, leaves the rows' layout
+    BY_ROWS = gl.constexpr(
         gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [8, 0]],
+            reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
             lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
             warp_bases=[[16, 0], [32, 0]],
             block_bases=[],
-            shape=[W_ROWS, K_STEP // GROUP],
+            shape=[W_ROWS, 2 * K_STEP // GROUP],
         )
     )
     # a word's 8 nibbles as 4 wgmma A registers, each the float16 pair {1024 + code,
@@ -263,10 +269,22 @@ lop3.b32 $3, t, mask, magic, 0xEA;
         mbarrier.expect(bar, nbytes, pred=pred)
         _tma_load(x_desc, [0, step * GROUPS * 64], bar, x_smem.index(slot), pred=pred)
         _tma_load(c_desc, [row0, step * GROUPS * 8], bar, c_smem.index(slot), pred=pred)
-        # (boxes of 2 steps' groups, TMA's 16 bytes at least; the step's are the first half)
-        _tma_load(s_desc, [row0, step * GROUPS], bar, s_smem.index(slot), pred=pred)
-        _tma_load(m_desc, [row0, step * GROUPS], bar, m_smem.index(slot), pred=pred)
+        # scales and minimums: a step's are 8 bytes a row, under TMA's 16, so each copy
+        # brings an even step's and the next step's (a box's start 16-byte aligned too)
+        pair = step // 2 * 2 * GROUPS
+        _tma_load(s_desc, [row0, pair], bar, s_smem.index(slot), pred=pred)
+        _tma_load(m_desc, [row0, pair], bar, m_smem.index(slot), pred=pred)
         _tma_load(sum_desc, [0, step * GROUPS], bar, sum_smem.index(slot), pred=pred)
+
+    @gluon.jit
+    def _this_step(pair, odd):
+        """A step's scales (or minimums) [W rows, groups] from the pair of steps' [W rows,
+        2 x groups] that `_load_step` brings: the second half where the step is odd."""
+        ROWS: gl.constexpr = pair.shape[0]
+        GROUPS: gl.constexpr = pair.shape[1] // 2
+        halves = gl.permute(gl.reshape(pair, [ROWS, 2, GROUPS]), [0, 2, 1])
+        even_step, odd_step = gl.split(halves)
+        return gl.where(odd, odd_step, even_step)
 
     @gluon.jit
     def _group_of(t, g: gl.constexpr):
@@ -368,8 +386,9 @@ lop3.b32 $3, t, mask, magic, 0xEA;
             slot = i % STAGES
             mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
             words = ring[1].index(slot).load(WORDS)
-            scales = ring[2].index(slot).slice(0, GROUPS, dim=1).load(BY_ROW).to(gl.float32)
-            lows = ring[3].index(slot).slice(0, GROUPS, dim=1).load(BY_ROW).to(gl.float32)
+            odd = (first + i) % 2 == 1
+            scales = _this_step(ring[2].index(slot).load(BY_ROWS), odd).to(gl.float32)
+            lows = _this_step(ring[3].index(slot).load(BY_ROWS), odd).to(gl.float32)
             biases = lows - 1024.0 * scales
             sums = ring[4].index(slot).load(BY_COL)
             x_slot = ring[0].index(slot)
@@ -413,3 +432,6 @@ lop3.b32 $3, t, mask, magic, 0xEA;
                 gl.atomic_xchg(tile, 0)
                 _store(out_ptr, total, bias_ptr, res_ptr, rows, cols, M, N, HAS_BIAS, RELU,
                        HAS_RESIDUAL)  # fmt: skip
+
+    _launch = Launcher(_wgmma_kernel)
+    _launch_prepare = Launcher(_prepare_x_kernel)
