@@ -351,7 +351,6 @@ lop3.b32 $3, t, mask, magic, 0xEA;
         count_ptr, M, N,
         K: gl.constexpr, STAGES: gl.constexpr, PER_SPLIT: gl.constexpr, BY_COL: gl.constexpr,
         HAS_BIAS: gl.constexpr, RELU: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
-        num_warps: gl.constexpr,
     ):  # fmt: skip
         """out [M, N] (float16) = x @ dequantize(W)^T (+ bias, ReLU, + residual) for one
         tile of 64 W rows (program_id 0) and K range (program_id 1; split-K partials
