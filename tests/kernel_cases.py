@@ -35,15 +35,15 @@ QLINEAR_SHAPES = [
     (1030, 70, 192, 64),
 ]
 # shapes `qmatmul_wgmma` takes on Hopper (1-32 rows, N a multiple of 64, K of 512):
-# wgmma's N of 8, 16 and 32; split-K in 2-4 parts, and unsplit (266 tiles of 64 rows
-# fill more than half of an H100's 4 programs an SM)
+# wgmma's N of 8, 16 and 32; split-K in 2-4 parts, and unsplit (340 tiles of 64 rows
+# fill more than half of an H100's 5 programs an SM at 8 rows)
 WGMMA_SHAPES = [
     (1, 192, 1024, 64),
     (5, 128, 512, 64),
     (14, 256, 2048, 64),
     (17, 64, 1536, 64),
     (32, 128, 1024, 64),
-    (3, 17024, 512, 64),
+    (3, 21760, 512, 64),
 ]
 # the launcher's own tiles, then split-K (K in up to 4 parts of 64: 4, 3, 2 parts above)
 QLINEAR_TILES = [None, Tiles(16, 32, 64, 4, 2, split=4)]
