@@ -20,8 +20,10 @@ sm_90 GPU; everything else stays on the Triton kernel. The differences from it:
   one wave (`split`), and the last to arrive adds the partials in split order.
 
 Written in Triton's Gluon dialect (explicit layouts, shared memory, mbarriers, wgmma),
-which has no CPU interpreter: the CPU tests check `X_ORDER`'s algebra against the
-reference, and the GPU tests the kernel. docs/throughput.md has the measurements.
+which has no CPU interpreter: the CPU tests check `X_ORDER`'s algebra against
+`pack_int4`'s nibbles and `prepare_x` under the interpreter, and the GPU tests check
+the kernel against `qmatmul.qlinear_reference` (the same math in plain torch).
+docs/throughput.md has the measurements.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import functools
 import torch
 
 from offload.kernels.launch import INTERPRETED, Launcher, arrival_counters, sm_count
+from offload.kernels.quant import QTensor
 
 try:
     import triton
@@ -68,7 +71,7 @@ def _x_order() -> torch.Tensor:
 X_ORDER = _x_order()
 
 
-def eligible(x: torch.Tensor, w, bias: torch.Tensor | None) -> bool:
+def eligible(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None) -> bool:
     """Whether `qlinear` (x: [M, K] rows) takes this kernel."""
     cfg = w.config
     n, k = w.shape
@@ -77,14 +80,14 @@ def eligible(x: torch.Tensor, w, bias: torch.Tensor | None) -> bool:
         and x.is_cuda
         and not INTERPRETED
         and x.dtype == torch.float16
-        and x.shape[0] <= 32
+        and 1 <= x.shape[0] <= 32
         and cfg.bits == 4
         and cfg.group_size == GROUP
         and not cfg.symmetric
         and n % W_ROWS == 0
         and k % (2 * K_STEP) == 0  # TMA: the scale rows' strides are multiples of 16 bytes
         and (bias is None or bias.dtype == torch.float16)
-        and all(t.data_ptr() % 16 == 0 for t in (w.codes, w.scale, w.minimum))
+        and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (w.codes, w.scale, w.minimum))
         and _hopper(x.device)
     )
 
@@ -123,7 +126,7 @@ def prepare_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def qlinear(
     x: torch.Tensor,
-    w,
+    w: QTensor,
     bias: torch.Tensor | None,
     out: torch.Tensor,
     relu: bool = False,
