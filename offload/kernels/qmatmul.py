@@ -20,8 +20,8 @@ dequantization's plus cuBLAS's.
 
 On Hopper GPUs, x of 1-32 rows in float16 times int4-g64 asymmetric W takes
 `qmatmul_wgmma` instead: wgmma with the codes as its register operand and the scales
-applied after the MMA (docs/throughput.md: 67-82% of the HBM copy rate where this
-kernel reads 54-64%).
+applied after the MMA (docs/throughput.md, on the H100: 53-80% of the HBM copy rate at
+1-16 rows where this kernel reads 53-76%, and 47-67% at 32 rows against 35-49%).
 
 `qlinear_reference` is the plain-torch definition (dequantize, then `F.linear`) that the
 kernel must match; it also runs wherever Triton or CUDA is absent (the CPU tests).

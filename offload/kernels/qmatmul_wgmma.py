@@ -5,8 +5,8 @@ group's scale applied after the MMA.
 sm_90 GPU; everything else stays on the Triton kernel. The differences from it:
 
 - **Scales after the MMA.** A group's product P = x . (1024 + code) is taken by wgmma
-  from float16 values that a shift and one lop3 make of the codes (2 instructions a word
-  of 8 codes, where dequantizing takes 2 a code), and the group adds
+  from float16 values that shifts and lop3s make of the codes (7 instructions a word of
+  8 codes, where dequantizing takes 2 a code), and the group adds
   scale P + (minimum - 1024 scale) sum(x over the group) to a float32 sum.
 - **W's codes stay in `QTensor`'s format; x is permuted instead.** wgmma's A fragment
   gives lane j of a quad K columns 2 j, 2 j + 1, 2 j + 8 and 2 j + 9 of each 16. Lane j
