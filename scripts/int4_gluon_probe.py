@@ -19,9 +19,9 @@ as wgmma's register operand: 64 W rows a program are wgmma's M side, x's rows it
   its wait. Scales and minimums are plain loads, one step ahead. Split-K partials in
   float32, summed by torch where timed with the output compared.
 
-It reads 57-74% of HBM at 16-32 rows where ours reads 39-76%; `qmatmul_wgmma` (scales
-after the MMA, 2 instructions a word of 8 codes) reads more, and replaced it in
-`qlinear`. docs/throughput.md has the designs and the runs. int4-g64 asymmetric W, fp16
+In run 150703 (H100) it read 54-74% of HBM at 1-32 rows, where the Triton kernel read
+35-76% and `qmatmul_wgmma` (scales after the MMA, 7 instructions a word of 8 codes)
+47-80%; that kernel is what `qlinear` runs. docs/throughput.md has the designs and the runs. int4-g64 asymmetric W, fp16
 x. Writes JSON and prints a table.
 """
 
