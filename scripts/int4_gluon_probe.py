@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from offload.kernels.dequant import _NIBBLES_ASYMMETRIC
+from offload.kernels.launch import split_of
 from offload.kernels.qmatmul_wgmma import _barrier, _tma_load  # (named per Triton version)
 
 W_ROWS = 64  # W rows a program: wgmma's M
@@ -209,12 +210,6 @@ def _descriptors(x, codes, x_rows):
     )
 
 
-def _splits(wanted: int, steps: int) -> int:
-    """The programs K is divided among: the largest divisor of the K steps up to wanted
-    (`qmatmul.qlinear`'s rule)."""
-    return max(d for d in range(1, min(wanted, steps) + 1) if steps % d == 0)
-
-
 def gluon_qlinear(
     x: torch.Tensor,
     w,
@@ -230,7 +225,7 @@ def gluon_qlinear(
     m = x.shape[0]
     assert m <= 32 and n % W_ROWS == 0 and k % K_STEP == 0 and w.config.group_size == GROUP
     steps = k // K_STEP
-    split = _splits(split, steps)
+    split = split_of(split, steps)
     codes = w.codes.view(n, k // 2) if permuted is None else permuted
     x_desc, c_desc = _descriptors(x, codes, 16 if m <= 16 else 32)
     out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
@@ -400,7 +395,7 @@ def main() -> None:
         }
         for other in map(int, filter(None, args.splits.split(","))):
             calls[f"wgmma, split {other}"] = functools.partial(wgmma, splits=other)
-        record["split"] = _splits(tiles.split, k // K_STEP)
+        record["split"] = split_of(tiles.split, k // K_STEP)
         record["wgmma_split"] = qmatmul_wgmma.split(m, n, k, dev)
         outputs = {"probe kernel": lambda f=split_k: f().sum(0)}
         if args.profile:

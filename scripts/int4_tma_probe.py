@@ -33,7 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from offload.bench import Results
 from offload.kernels import qmatmul
 from offload.kernels.dequant import dequant_nibbles
-from offload.kernels.launch import arrival_counters, shared_memory_limit
+from offload.kernels.launch import arrival_counters, shared_memory_limit, split_of
 from offload.kernels.quant import QTensor
 
 VARIANTS = ("ours", "TMA W", "TMA W + x")
@@ -113,7 +113,7 @@ def tma_qlinear(x: torch.Tensor, w: QTensor, x_tma: bool) -> torch.Tensor:
     block_k = qmatmul._block_k(k, cfg.group_size, t.max_k)
     t = qmatmul._fitted(t, block_k, x.element_size(), cfg, shared_memory_limit(x.device))
     steps = k // block_k
-    split = max(d for d in range(1, min(t.split, steps) + 1) if steps % d == 0)
+    split = split_of(t.split, steps)
     grid = (-(-m // t.block_m), -(-n // t.block_n), split)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     partial = counts = out

@@ -165,6 +165,12 @@ def _shared_memory_limit(index: int) -> int | None:
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
+def split_of(wanted: int, steps: int) -> int:
+    """The programs split-K divides K among: the most up to wanted that divides the K
+    steps evenly (at least 1)."""
+    return max(d for d in range(1, min(wanted, steps) + 1) if steps % d == 0)
+
+
 def arrival_counters(kind: str, device: torch.device, count: int) -> torch.Tensor:
     """At least `count` zeroed counters for kernels of `kind` on the current stream."""
     # (the raw stream handle: torch.cuda.current_stream builds a Stream object, 5-25 us)

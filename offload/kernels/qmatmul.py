@@ -42,6 +42,7 @@ from offload.kernels.launch import (
     arrival_counters,
     shared_memory_limit,
     sm_count,
+    split_of,
     use_kernel,
 )
 from offload.kernels.quant import QTensor, dequantize
@@ -166,7 +167,7 @@ def qlinear(
     block_k = _block_k(k, cfg.group_size, t.max_k)
     t = _fitted(t, block_k, x.element_size(), cfg, shared_memory_limit(x.device))
     steps = k // block_k
-    split = max(d for d in range(1, min(t.split, steps) + 1) if steps % d == 0)
+    split = split_of(t.split, steps)
     grid = (-(-m // t.block_m), -(-n // t.block_n), split)
     partial = counts = out  # unused without split-K
     if grid[2] > 1:

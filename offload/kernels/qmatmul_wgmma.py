@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from offload.kernels.launch import INTERPRETED, Launcher, arrival_counters, sm_count
+from offload.kernels.launch import INTERPRETED, Launcher, arrival_counters, sm_count, split_of
 from offload.kernels.quant import QTensor
 
 try:
@@ -106,7 +106,7 @@ def split(m: int, n: int, k: int, device: torch.device) -> int:
     slots = PER_SM[_x_rows(m)] * sm_count(device)
     steps = k // K_STEP
     wanted = max(1, slots // (n // W_ROWS))
-    return max(d for d in range(1, min(wanted, steps) + 1) if steps % d == 0)
+    return split_of(wanted, steps)
 
 
 def _x_rows(m: int) -> int:
