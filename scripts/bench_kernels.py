@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from offload.bench import Results
-from offload.kernels import qmatmul
+from offload.kernels import qmatmul, qmatmul_wgmma
 from offload.kernels.formats import Compression
 from offload.kernels.kv_attention import decode_attention, decode_attention_reference
 from offload.kernels.kv_attention_cpu import decode_attention_cpu
@@ -321,7 +321,11 @@ def bench_decode(dev: torch.device, hbm: float, baseline=None) -> list[dict]:
             dense = timed(functools.partial(F.linear, x, w), repeat=10)
             reference = qlinear(x, q)
             chosen = qmatmul._tiles(m, n, k, 64, dev)
+            # the launcher's choice: `qmatmul_wgmma` where it takes the shape (Hopper, 1-32
+            # rows), then the Triton kernel at the tiles it would have had
             variants = [("launcher", chosen, qlinear)]
+            if qmatmul_wgmma.eligible(x, q, None):
+                variants = [("launcher: wgmma", None, qlinear), ("Triton kernel", chosen, qlinear)]
             for block_m, block_n, max_k, warps, stages, per_sm, registers in sweep:
                 tiles = Tiles(block_m, block_n, max_k, warps, stages)
                 split = qmatmul._split(m, n, k, tiles, dev, per_sm)
@@ -334,7 +338,8 @@ def bench_decode(dev: torch.device, hbm: float, baseline=None) -> list[dict]:
             for label, tiles, fn in variants:
                 row = {"shape": f"{model} {name}", "rows": m, "variant": label}
                 row["tiles"] = list(tiles) if tiles is not None else None
-                call = functools.partial(fn, x, q, None, tiles if label != "launcher" else None)
+                launcher = label.startswith("launcher")
+                call = functools.partial(fn, x, q, None, None if launcher else tiles)
                 try:
                     diff = (call() - reference).abs().max().item()
                     seconds = timed(call, repeat=10)
