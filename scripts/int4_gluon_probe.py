@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from offload.kernels.dequant import _NIBBLES_ASYMMETRIC
-from offload.kernels.launch import split_of
+from offload.kernels.launch import sm_count, split_of
 from offload.kernels.qmatmul_wgmma import _barrier, _tma_load  # (named per Triton version)
 
 W_ROWS = 64  # W rows a program: wgmma's M
@@ -267,7 +267,7 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
         }  # fmt: skip
         name = f"probe, x rows {x_rows}{', permuted codes' if permuted else ''}"
         variants.append((name, _qmm_gluon_kernel, x_rows, signature, constexprs))
-    for x_rows in (8, 16, 32):
+    for x_rows in wgmma.PER_SM:
         signature = {
             "x_desc": desc(gl.float16, [x_rows, K_STEP]),
             "c_desc": desc(gl.int32, [W_ROWS, K_STEP // 8]),
@@ -276,7 +276,7 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
             "out_ptr": "*fp16", "partial_ptr": "*fp32", "count_ptr": "*i32",
         }  # fmt: skip
         constexprs = {
-            "K": k, "STAGES": stages, "PER_SPLIT": k // K_STEP // 2,
+            "K": k, "STAGES": wgmma.STAGES[x_rows], "PER_SPLIT": k // K_STEP // 2,
             "BY_COL": wgmma._by_col(x_rows), "HAS_BIAS": True, "RELU": False,
             "HAS_RESIDUAL": False,
         }  # fmt: skip
@@ -391,8 +391,13 @@ def main() -> None:
             "ours (Triton)": functools.partial(qmatmul.qlinear, x, q, None, tiles),
             "probe kernel": split_k,
             "qlinear (wgmma)": functools.partial(qmatmul.qlinear, x, q),
-            "wgmma, 4 stages": functools.partial(wgmma, stages=4),
+            # 4 stages up to 32 rows; above (where the probe's kernel stops), 3, which
+            # fit one program an SM, split for one
+            "wgmma, other stages": functools.partial(wgmma, stages=4),
         }
+        if m > 32:
+            one = split_of(max(1, sm_count(dev) // (n // W_ROWS)), k // K_STEP)
+            calls["wgmma, other stages"] = functools.partial(wgmma, stages=3, splits=one)
         for other in map(int, filter(None, args.splits.split(","))):
             calls[f"wgmma, split {other}"] = functools.partial(wgmma, splits=other)
         record["split"] = split_of(tiles.split, k // K_STEP)

@@ -34,9 +34,9 @@ QLINEAR_SHAPES = [
     (300, 96, 128, 64),
     (1030, 70, 192, 64),
 ]
-# shapes `qmatmul_wgmma` takes on Hopper (1-32 rows, N a multiple of 64, K of 512):
-# wgmma's N of 8, 16 and 32; split-K in 2-4 parts, and unsplit (340 tiles of 64 rows
-# fill more than half of an H100's 5 programs an SM at 8 rows)
+# shapes `qmatmul_wgmma` takes on Hopper (1-64 rows, N a multiple of 64, K of 512):
+# wgmma's N of 8, 16, 32 and 64 (its 2-stage ring); split-K in 2-4 parts, and unsplit
+# (340 tiles of 64 rows fill more than half of an H100's 5 programs an SM at 8 rows)
 WGMMA_SHAPES = [
     (1, 192, 1024, 64),
     (5, 128, 512, 64),
@@ -44,6 +44,8 @@ WGMMA_SHAPES = [
     (17, 64, 1536, 64),
     (32, 128, 1024, 64),
     (3, 21760, 512, 64),
+    (33, 192, 1536, 64),
+    (64, 64, 2048, 64),
 ]
 # the launcher's own tiles, then split-K (K in up to 4 parts of 64: 4, 3, 2 parts above)
 QLINEAR_TILES = [None, Tiles(16, 32, 64, 4, 2, split=4)]
@@ -91,7 +93,11 @@ def qlinear_failures(
                     results["dense slices of 32 rows"] = sliced
                 torch_err = (torch_out.double() - truth).abs().max().item()
                 scale = truth.abs().max().item()
-                bound = 2 * torch_err + 1e-6 * scale
+                # float32: the compiled kernel sums each output in K steps (and split-K
+                # parts), torch otherwise; measured 1.3e-6 of the output at 1 x 192 x 1024
+                # (H100), over the CPU paths' 1e-6, so 4e-6 there, as the attention's
+                tight = 4e-6 if device == "cuda" else 1e-6
+                bound = 2 * torch_err + tight * scale
                 for how, ours in results.items():
                     our_err = (ours.double() - truth).abs().max().item()
                     if ours.shape != truth.shape or ours.dtype != dtype or not our_err <= bound:

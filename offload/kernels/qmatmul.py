@@ -18,10 +18,11 @@ a weight, about 1.5 ms for BLOOM-176B's largest matrix against 9 ms of its 4096-
 matmul; the break-even is near 640 rows, where the fused kernel's time equals the
 dequantization's plus cuBLAS's.
 
-On Hopper GPUs, x of 1-32 rows in float16 times int4-g64 asymmetric W takes
+On Hopper GPUs, x of 1-64 rows in float16 times int4-g64 asymmetric W takes
 `qmatmul_wgmma` instead: wgmma with the codes as its register operand and the scales
 applied after the MMA (docs/throughput.md, on the H100: 53-80% of the HBM copy rate at
-1-16 rows where this kernel reads 53-76%, and 47-67% at 32 rows against 35-49%).
+1-16 rows where this kernel reads 53-76%, 47-67% at 32 rows against 35-49%, and 30-47%
+at 33-64 rows against 19-28%).
 
 `qlinear_reference` is the plain-torch definition (dequantize, then `F.linear`) that the
 kernel must match; it also runs wherever Triton or CUDA is absent (the CPU tests).

@@ -1,7 +1,7 @@
 """The int4 decode matmul on Hopper: wgmma with W's codes as its register operand and each
 group's scale applied after the MMA.
 
-`qmatmul.qlinear` sends here x of 1-32 rows (float16) times int4-g64 asymmetric W on an
+`qmatmul.qlinear` sends here x of 1-64 rows (float16) times int4-g64 asymmetric W on an
 sm_90 GPU; everything else stays on the Triton kernel. The differences from it:
 
 - **Scales after the MMA.** A group's product P = x . (1024 + code) is taken by wgmma
@@ -54,8 +54,11 @@ except ImportError:  # no Triton, or one without Gluon: the Triton kernel serves
 GROUP = 64
 K_STEP = 256  # codes a K step: 4 groups
 W_ROWS = 64  # W rows a program: wgmma's M
-# programs an SM by wgmma's N (x's rows in a tile), as shared memory and registers allow
-PER_SM = {8: 5, 16: 4, 32: 2}
+# programs an SM by wgmma's N (x's rows in a tile), as shared memory and registers allow,
+# and the ring's stages (at 64 rows a stage's x tile is 32 KB: 3 stages fit one program
+# an SM, 2 fit two)
+PER_SM = {8: 5, 16: 4, 32: 2, 64: 2}
+STAGES = {8: 3, 16: 3, 32: 3, 64: 2}
 
 
 def _x_order() -> torch.Tensor:
@@ -80,7 +83,7 @@ def eligible(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None) -> bool:
         and x.is_cuda
         and not INTERPRETED
         and x.dtype == torch.float16
-        and 1 <= x.shape[0] <= 32
+        and 1 <= x.shape[0] <= 64
         and cfg.bits == 4
         and cfg.group_size == GROUP
         and not cfg.symmetric
@@ -111,7 +114,7 @@ def split(m: int, n: int, k: int, device: torch.device) -> int:
 
 def _x_rows(m: int) -> int:
     """wgmma's N: x's rows in a tile."""
-    return 8 if m <= 8 else 16 if m <= 16 else 32
+    return next(rows for rows in PER_SM if m <= rows)
 
 
 def prepare_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,14 +134,15 @@ def qlinear(
     out: torch.Tensor,
     relu: bool = False,
     residual: torch.Tensor | None = None,
-    stages: int = 3,
+    stages: int | None = None,
     splits: int | None = None,
 ) -> torch.Tensor:
-    """out [M, N] = x [M <= 32, K] @ dequantize(w)^T (+ bias, then ReLU, then + residual),
-    for w `eligible`; splits overrides `split`."""
+    """out [M, N] = x [M <= 64, K] @ dequantize(w)^T (+ bias, then ReLU, then + residual),
+    for w `eligible`; stages and splits override `STAGES` and `split`."""
     n, k = w.shape
     m = x.shape[0]
     x_rows = _x_rows(m)
+    stages = STAGES[x_rows] if stages is None else stages
     steps = k // K_STEP
     parts = split(m, n, k, x.device) if splits is None else splits
     permuted, sums = prepare_x(x)
@@ -174,9 +178,9 @@ def _shared_layout(rows: int, columns: int, dtype):
 @functools.cache
 def _by_col(x_rows: int):
     """A step's x sums [x rows, groups] as the kernel reads them: each thread those of
-    its accumulator columns (2 j, 2 j + 1, and + 8 and + 16 where there are)."""
+    its accumulator columns (2 j, 2 j + 1, and + 8, + 16 and + 32 where there are)."""
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [1, 0]] + [[8 * r, 0] for r in (1, 2) if 8 * r < x_rows],
+        reg_bases=[[0, 1], [0, 2], [1, 0]] + [[8 * r, 0] for r in (1, 2, 4) if 8 * r < x_rows],
         lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
         warp_bases=[[0, 0], [0, 0]],
         block_bases=[],
