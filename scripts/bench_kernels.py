@@ -159,19 +159,22 @@ ATTENTION_SHAPES = [
 
 
 # decode attention (--kernels attention-sweep): `decode_attention`'s (split_groups,
-# warps, stages, tile_groups, fused_merge); split_groups None: the launcher's choice from
-# the SM count. The first is the default; a split_groups past a shape's groups is skipped.
+# warps, stages, tile_groups, fused_merge, mma); split_groups None: the launcher's choice
+# from the SM count; mma None: `kv_attention_mma` where it is eligible. The first is the
+# default, the second the Triton kernel alone (both run without --sweep); a split_groups
+# past a shape's groups is skipped.
 ATTENTION_SWEEP = [
-    (None, 2, 2, 1, False),
-    (None, 2, 2, 1, True),
-    (None, 4, 2, 1, False),
-    (None, 2, 3, 1, False),
-    (None, 2, 4, 1, False),
-    (2, 2, 2, 1, False),
-    (4, 2, 2, 1, False),
-    (8, 2, 2, 1, False),
-    (16, 2, 2, 1, False),
-    (32, 2, 2, 1, False),
+    (None, 2, 2, 1, True, None),
+    (None, 2, 2, 1, True, False),
+    (None, 2, 2, 1, False, False),
+    (None, 4, 2, 1, False, False),
+    (None, 2, 3, 1, False, False),
+    (None, 2, 4, 1, False, False),
+    (2, 2, 2, 1, False, None),
+    (4, 2, 2, 1, False, None),
+    (8, 2, 2, 1, False, None),
+    (16, 2, 2, 1, False, None),
+    (32, 2, 2, 1, False, None),
 ]
 
 
@@ -209,15 +212,15 @@ def bench_attention(dev: torch.device, hbm: float, sweep: bool, baseline=None) -
             want = decode_attention(q, cache, bias, ctx)
             reference = decode_attention_reference(q, cache, bias, ctx)
             shape = _attention_shape(model, batch, heads, kv_heads, dim, ctx, bits)
-            variants = [(v, decode_attention) for v in ATTENTION_SWEEP[: None if sweep else 1]]
+            variants = [(v, decode_attention) for v in ATTENTION_SWEEP[: None if sweep else 2]]
             if baseline is not None:
                 variants.append((ATTENTION_SWEEP[0], baseline.decode_attention))
             for variant, attend in variants:
-                split_groups, warps, stages, tile_groups, fused_merge = variant
+                split_groups, warps, stages, tile_groups, fused_merge, mma = variant
                 if split_groups is not None and split_groups > ctx // cache.group:
                     continue
                 row = {**shape, "split_groups": split_groups, "warps": warps, "stages": stages}
-                row |= {"tile_groups": tile_groups, "fused_merge": fused_merge}
+                row |= {"tile_groups": tile_groups, "fused_merge": fused_merge, "mma": mma}
                 row["baseline"] = attend is not decode_attention
                 call = functools.partial(attend, q, cache, bias, ctx, *variant)
                 try:
@@ -650,7 +653,8 @@ def main() -> None:
 
 def print_attention(attention: list[dict]) -> None:
     """The attention sweep's rows (variant: split groups ('auto': the launcher's
-    choice) / warps / stages / tile groups, /fused: the merge in the kernel; diff: the
+    choice) / warps / stages / tile groups, /fused: the merge in the kernel, /triton: the
+    Triton kernel where `kv_attention_mma` is eligible; diff: the
     default's largest difference from the reference, the others' from the default),
     then a short table: each shape's default and best variant, and the variants by
     their mean time against the default."""
@@ -661,7 +665,8 @@ def print_attention(attention: list[dict]) -> None:
             return "before (--baseline)"
         split = "auto" if r["split_groups"] is None else r["split_groups"]
         fused = "/fused" if r["fused_merge"] else ""
-        return f"{split}/w{r['warps']}/s{r['stages']}/t{r['tile_groups']}{fused}"
+        mma = {None: "", False: "/triton", True: "/mma"}[r.get("mma")]
+        return f"{split}/w{r['warps']}/s{r['stages']}/t{r['tile_groups']}{fused}{mma}"
 
     head = f"{'attention':26s} {'variant':20s} {'bits':>4s} {'us':>7s} {'GB/s':>6s} {'HBM%':>5s}"
     print(f"\n{head} {'vs fp16':>7s} {'diff':>8s}")

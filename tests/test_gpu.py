@@ -222,6 +222,27 @@ def test_wgmma_shapes_take_the_wgmma_kernel_on_hopper():
     assert 1 in splits and max(splits) > 1
 
 
+def test_int4_head_dim_128_caches_take_the_mma_attention_kernel():
+    """The compiled attention test's shapes with 128 channels (plain heads, 3 and 8 query
+    heads a KV head) reach `kv_attention_mma` in float16 over int4-g64 asymmetric caches,
+    and nothing else does: more than 8 query heads a KV head, int8, symmetric, float32."""
+    from offload.kernels import kv_attention_mma
+    from offload.kernels.formats import Compression
+    from offload.kernels.kv_cache import QuantKV
+
+    def takes(heads, kv_heads, config=None, dtype=torch.float16):
+        config = config or Compression(4, 64, False)
+        cache = QuantKV(2, kv_heads, 128, 300, config, dtype, torch.device("cuda"))
+        q = torch.zeros(2, heads, 1, 128, device="cuda", dtype=dtype)
+        return kv_attention_mma.eligible(q, cache)
+
+    assert takes(56, 56) and takes(12, 4) and takes(64, 8)
+    assert not takes(32, 2)
+    assert not takes(8, 8, Compression(8, 64, False))
+    assert not takes(8, 8, Compression(4, 64, True))
+    assert not takes(8, 8, dtype=torch.float32)
+
+
 @pytest.mark.parametrize("case", FAMILIES)
 def test_cuda_graph_decode_gives_the_eager_tokens(case, tiny_checkpoints, tmp_path):
     """Decode steps replayed from CUDA graphs give exactly the eager steps' tokens: all on

@@ -164,3 +164,18 @@ def test_rows_of_a_host_table_cross_once_each_and_land_in_place(bits):
         stored = quantize(table, Compression(bits=bits, group_size=32))
         got, want = embedding(ids, stored, cuda), dequantize(stored)[ids]
     assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
+
+
+def test_mma_attention_splits_each_rows_groups_for_the_fewest_full_waves(monkeypatch):
+    """`kv_attention_mma.split_groups` on a 132-SM GPU (8 programs an SM): Llama-2-70B's
+    256 rows of 64 groups in 4 splits (1024 programs, one wave; 5 splits would need a
+    second), OPT-30B's 672 rows of 8 groups in 3 (2016 programs, two waves), 2000 rows
+    unsplit, and a row with no full group is one program."""
+    from offload.kernels import kv_attention_mma
+
+    monkeypatch.setattr(kv_attention_mma, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert kv_attention_mma.split_groups(256, 64, cpu) == 16
+    assert kv_attention_mma.split_groups(672, 8, cpu) == 3
+    assert kv_attention_mma.split_groups(2000, 8, cpu) == 8
+    assert kv_attention_mma.split_groups(4, 0, cpu) == 1

@@ -2,7 +2,9 @@
 slots 0 .. end - 1 of a `kv_cache.QuantKV` (the format is in that module's docstring).
 
 `decode_attention_reference` is the plain-torch definition: dequantize the cache, then
-SDPA. `decode_attention` launches two Triton kernels (flash-decoding): the first
+SDPA. `decode_attention` sends the int4 caches that `kv_attention_mma` serves (float16,
+128 channels, up to 8 query heads a KV head, sm_80 on) to its kernel, one launch.
+Otherwise it launches two Triton kernels (flash-decoding): the first
 splits each (sequence, KV head)'s token groups among programs, dequantizes K and V in
 registers (`dequant.py`), runs the query heads of one KV head together (grouped-query)
 with any additive bias (padding, causality, ALiBi) and writes each split's softmax
@@ -17,6 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from offload.kernels import kv_attention_mma
 from offload.kernels.kv_attention_cpu import decode_attention_cpu
 from offload.kernels.kv_cache import QuantKV
 from offload.kernels.launch import Launcher, arrival_counters, sm_count, use_kernel
@@ -77,6 +80,7 @@ def decode_attention(
     stages: int = STAGES,
     tile_groups: int = 1,
     fused_merge: bool = True,
+    mma: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over the compressed cache; [B, 1, H x D]
@@ -86,7 +90,9 @@ def decode_attention(
     own K/V must already be written. split_groups (token groups a program; None: sized
     from the SM count), warps, stages (of the loads' pipeline), tile_groups (token
     groups a loop step) and fused_merge (the last split of a row merges, no second
-    kernel): the kernel benchmark's sweep."""
+    kernel): the kernel benchmark's sweep. mma: whether `kv_attention_mma`'s kernel
+    attends (None: where it is eligible; of the others only split_groups applies to it,
+    None: its own choice)."""
     if not use_kernel(q):
         context = decode_attention_cpu(q, cache, bias, end)
         return context if out is None else out.copy_(context)
@@ -98,19 +104,23 @@ def decode_attention(
     rep = heads // kv_heads
     g = cache.group
     full_groups = end // g
+    if mma is None:
+        mma = kv_attention_mma.eligible(q, cache)
     # a loop step's token planes are the K dimension of a tl.dot: 16 at least
     tile_groups = max(tile_groups, 32 // g)
-    if split_groups is None:
+    if split_groups is None and not mma:
         split_groups = _split_groups(batch * kv_heads, full_groups, tile_groups, q.device)
+    if out is None:
+        out = torch.empty((batch, 1, heads * dim), dtype=q.dtype, device=q.device)
+    assert out.shape == (batch, 1, heads * dim) and out.is_contiguous()
+    if mma:
+        return kv_attention_mma.decode_attention_mma(q, cache, bias, end, out, split_groups)
     # and a last program for the tail, if there is one
     splits = -(-full_groups // split_groups) + (end % g > 0)
     block_d = triton.next_power_of_2(dim)
     part_acc = torch.empty((batch, heads, splits, block_d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((2, batch, heads, splits), dtype=torch.float32, device=q.device)
     per_head = bias.shape[1] > 1
-    if out is None:
-        out = torch.empty((batch, 1, heads * dim), dtype=q.dtype, device=q.device)
-    assert out.shape == (batch, 1, heads * dim) and out.is_contiguous()
     counts = arrival_counters("attention", q.device, batch * kv_heads) if fused_merge else part_ml
     _launch_split(
         (batch, kv_heads, splits), warps,

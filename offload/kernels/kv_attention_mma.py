@@ -1,0 +1,539 @@
+"""Decode attention over an int4 KV cache with both products on the tensor cores and both
+operands made in registers.
+
+`kv_attention.decode_attention` sends here float16 q over a cache of int4-g64 asymmetric
+K and V with 128 channels a head and at most 8 query heads a KV head, on a GPU with
+mma.sync (sm_80 and later). The Triton kernel dequantizes K and V in registers too, but
+tl.dot then takes its operands through shared memory: on the H100 that round trip, not
+HBM, set its time (docs/throughput.md: L1 throughput 76% against DRAM 33%). Here only
+the codes pass through shared memory (cp.async, a group ahead), about a fifth of the
+bytes.
+
+One warp takes a (sequence, KV head, run of whole token groups: `split_groups`), a group
+(64 tokens) a loop step:
+
+- **Scores** S^T [query heads (16 rows of the MMA), tokens] = q [16, 128] (the A operand,
+  loaded once) times K^T [128 channels, 64 tokens] (the B operand). A B register holds
+  channels c and c + 1 of one token, where a byte of the cache holds two tokens of one
+  channel: a prmt takes the same byte of channel c's and c + 1's words, and a shift and
+  a lop3 make each nibble pair a float16 pair 1024 + code, less 1024, times the
+  channels' scales plus their minimums (`_words_to_values`: 16 instructions for 8
+  pairs). Lane 4 g + j reads word g (tokens 8 g .. 8 g + 7) of its channels, so the
+  MMA's column 8 nt + g is token 8 g + nt.
+- **Values**: O [128 channels (the A operand's rows), 8 query heads] += V^T [128, 64
+  tokens] times P [64, 8] (the B operand). P is the scores' accumulator itself, rows 0-7
+  transposed (an MMA's C fragment is the next one's B fragment), so the MMA's K index
+  of a token is the scores' column of it. An A register holds tokens t and t + 8 of one
+  channel, where a byte holds two channels of one token: the same asm, with the two
+  tokens' scales and minimums.
+- Online softmax by query head, in base 2. The row's last split also attends the tail
+  (the incomplete group's float16 tokens, read as the operands), and the row's last
+  program to finish merges the splits' partials in split order: one launch a call.
+
+Written in Triton's Gluon dialect (explicit layouts, cp.async, mma_v2), which has no CPU
+interpreter: the GPU tests check it against the float64 SDPA of the dequantized cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from offload.kernels.kv_cache import QuantKV
+from offload.kernels.launch import INTERPRETED, Launcher, arrival_counters, sm_count
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+except ImportError:  # no Triton, or one without Gluon: the Triton kernel serves
+    gluon = None
+
+GROUP = 64  # tokens a K group (and channels a V group)
+HEAD_DIM = 128
+MAX_REP = 8  # query heads a KV head: the values' MMA has N = 8
+# one-warp programs an SM: 255 registers a thread (ptxas, sm_90) allow 8
+PER_SM = 8
+# splits a row considered (each adds its partial to the merge)
+MAX_SPLITS = 16
+LOG2E = 1.4426950408889634
+
+
+def eligible(q: torch.Tensor, cache: QuantKV) -> bool:
+    """Whether `decode_attention` takes this kernel for q [B, H, 1, D] over cache."""
+    cfg, values = cache.config, cache.value_config
+    heads, dim = q.shape[1], q.shape[3]
+    kv_heads = cache.k_codes.shape[1]
+    return (
+        gluon is not None
+        and q.is_cuda
+        and not INTERPRETED
+        and torch.cuda.get_device_capability(q.device)[0] >= 8
+        and q.dtype == torch.float16
+        and dim == HEAD_DIM
+        and heads % kv_heads == 0
+        and heads // kv_heads <= MAX_REP
+        and cfg.bits == 4
+        and not cfg.symmetric
+        and cfg.group_size == GROUP
+        and values.bits == 4
+        and not values.symmetric
+        and values.group_size == GROUP
+        and cache.k_codes.is_contiguous()
+        and cache.v_codes.is_contiguous()
+    )
+
+
+def split_groups(rows: int, full_groups: int, device: torch.device) -> int:
+    """Groups a program takes: the split of each of rows (sequence, KV head) pairs' full
+    groups that needs the fewest waves of programs (`PER_SM` an SM) for its work, the
+    fewest splits where several tie. A program's time is about its groups', so a second
+    wave that is half full costs as much as a full one."""
+    slots = PER_SM * sm_count(device)
+    best, best_cost = 1, math.inf
+    for splits in range(1, min(full_groups, MAX_SPLITS) + 1):
+        groups = -(-full_groups // splits)
+        cost = -(-rows * -(-full_groups // groups) // slots) * groups
+        if cost < best_cost:
+            best, best_cost = groups, cost
+    return best
+
+
+def decode_attention_mma(
+    q: torch.Tensor,
+    cache: QuantKV,
+    bias: torch.Tensor,
+    end: int,
+    out: torch.Tensor,
+    groups: int | None = None,
+) -> torch.Tensor:
+    """Attention of q [B, H, 1, 128] over slots 0 .. end - 1 of cache (`eligible`) into out
+    [B, 1, H x 128] (float16): one launch. Programs take groups whole groups each (None:
+    `split_groups`), the last of a row the tail too; the row's last program to finish
+    merges the splits."""
+    batch, heads, _, dim = q.shape
+    kv_heads = cache.k_codes.shape[1]
+    full_groups = end // GROUP
+    if groups is None:
+        groups = split_groups(batch * kv_heads, full_groups, q.device)
+    splits = max(1, -(-full_groups // groups))
+    part_acc = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((2, batch, heads, splits), dtype=torch.float32, device=q.device)
+    per_head = bias.shape[1] > 1
+    _launch(
+        (batch, kv_heads, splits), 1,
+        q, q.stride(0), q.stride(1),
+        bias, bias.stride(0), bias.stride(1) if per_head else 0, bias.stride(3),
+        cache.k_codes, cache.k_scale, cache.k_min, cache.k_tail,
+        cache.v_codes, cache.v_scale, cache.v_min, cache.v_tail,
+        part_acc, part_ml, part_ml[1], out, arrival_counters("attention", q.device, batch * kv_heads),
+        full_groups, end % GROUP, cache.k_codes.shape[2], cache.v_codes.shape[2], splits,
+        groups, LOG2E / math.sqrt(dim),
+        heads // kv_heads, per_head,  # REP, BIAS_PER_HEAD
+    )  # fmt: skip
+    return out
+
+
+if gluon is not None:
+    _D = gl.constexpr(HEAD_DIM)
+    STAGES = gl.constexpr(2)  # groups in shared memory: the one attended, the next arriving
+    MMA = gl.constexpr(
+        gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    )
+    A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
+    B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
+    # shared memory, rows as in global memory
+    # (of a stage: a ring's first dimension)
+    ROWS_1D = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ROWS_2D = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    # the merge's [8 query heads, 128 channels]
+    MERGE = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))
+    # the copies into shared memory: 16 bytes a thread where the rows allow
+    COPY_K = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [1, 1], [1, 0]))  # [128, 8] int32
+    COPY_V = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]))  # [64, 16] int32
+    COPY_PAIRS = gl.constexpr(gl.BlockedLayout([2], [32], [1], [0]))  # [64] int32
+    COPY_V_PARAMS = gl.constexpr(gl.BlockedLayout([1, 2], [32, 1], [1, 1], [1, 0]))  # [64, 2]
+    # K's words [64 channel pairs, 8 words, 8 values]: lane 4 g + j holds word g of
+    # channel pairs j, j + 4 (+ 8 k); the asm's 8 values of a word pair in registers
+    K_PAIRS = gl.constexpr(
+        gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [4, 0, 0], [8, 0, 0], [16, 0, 0],
+                       [32, 0, 0]],
+            lane_bases=[[1, 0, 0], [2, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            warp_bases=[],
+            block_bases=[],
+            shape=[64, 8, 8],
+        )
+    )  # fmt: skip
+    # V's words [64 tokens, 16 words] as read from shared memory: lane 4 g + j holds
+    # tokens 16 j .. 16 j + 15 and words g and 8 + g of each
+    V_WORDS = gl.constexpr(
+        gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [0, 8]],
+            lane_bases=[[16, 0], [32, 0], [0, 1], [0, 2], [0, 4]],
+            warp_bases=[],
+            block_bases=[],
+            shape=[64, 16],
+        )
+    )
+    # a token pair's words and the asm's values: [4 (token bits 4, 5), 8 (token bits
+    # 0-2), 2 (value group: word bit 3), 8 (word bits 0-2), 8 values]
+    V_PAIRS = gl.constexpr(
+        gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4], [0, 1, 0, 0, 0],
+                       [0, 2, 0, 0, 0], [0, 4, 0, 0, 0], [0, 0, 1, 0, 0]],
+            lane_bases=[[1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0],
+                        [0, 0, 0, 4, 0]],
+            warp_bases=[],
+            block_bases=[],
+            shape=[4, 8, 2, 8, 8],
+        )
+    )  # fmt: skip
+    # V's scales (or minimums) [64 tokens, 2 value groups]: a lane's 16 tokens
+    V_PARAMS = gl.constexpr(
+        gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [1, 0], [2, 0], [4, 0], [8, 0]],
+            lane_bases=[[16, 0], [32, 0], [0, 0], [0, 0], [0, 0]],
+            warp_bases=[],
+            block_bases=[],
+            shape=[64, 2],
+        )
+    )
+
+    def _words_to_values(selector: str) -> str:
+        """Words a, b (inputs $4, $12), float16 pairs scale, minimum ($20, $28) to 4
+        float16 pairs: of bytes i and i + 1 of each word (selector), the pair (a's, b's)
+        of byte i's low nibble, its high nibble, then byte i + 1's, each code times the
+        scale plus the minimum (1024 + code from a lop3, less 1024: exact)."""
+        lines = [
+            "{",
+            ".reg .b32 t, u, v, mask, magic;",
+            "mov.b32 mask, 0x000F000F;",
+            "mov.b32 magic, 0x64006400;",
+            f"prmt.b32 t, $4, $12, {selector};",
+        ]
+        for out, shift in enumerate((0, 4, 8, 12)):
+            if shift:
+                lines.append(f"shr.b32 u, t, {shift};")
+            lines += [
+                f"lop3.b32 v, {'u' if shift else 't'}, mask, magic, 0xEA;",
+                "sub.f16x2 v, v, magic;",
+                f"fma.rn.f16x2 ${out}, v, $20, $28;",
+            ]
+        return "\n".join([*lines, "}"])
+
+    _LOW_BYTES = gl.constexpr(_words_to_values("0x5410"))
+    _HIGH_BYTES = gl.constexpr(_words_to_values("0x7632"))
+    # 4 registers out (8 float16), 8 copies of each input in
+    _VALUES_IO = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 32))
+
+    @gluon.jit
+    def _spread(x, layout: gl.constexpr):
+        """x [..] (each thread's part of layout's leading dimensions) broadcast along
+        layout's last dimension: a register copy each."""
+        dim: gl.constexpr = len(layout.shape) - 1
+        x = gl.expand_dims(gl.convert_layout(x, gl.SliceLayout(dim, layout)), dim)
+        return gl.broadcast(x, gl.full(layout.shape, 0, x.dtype, layout))[0]
+
+    @gluon.jit
+    def _values_of(a, b, scale, minimum, layout: gl.constexpr):
+        """Words a, b and float16 pairs scale, minimum (int32, each [..]) to float16 [..,
+        8, 2]: for bytes 0-1 (last index 0) and 2-3 (1), values 4 (byte % 2) + 2 nibble
+        + (a: 0, b: 1)."""
+        args = [_spread(a, layout), _spread(b, layout), _spread(scale, layout),
+                _spread(minimum, layout)]  # fmt: skip
+        low = gl.inline_asm_elementwise(
+            _LOW_BYTES, _VALUES_IO, args, dtype=gl.float16, is_pure=True, pack=8
+        )
+        high = gl.inline_asm_elementwise(
+            _HIGH_BYTES, _VALUES_IO, args, dtype=gl.float16, is_pure=True, pack=8
+        )
+        return gl.join(low, high)
+
+    @gluon.jit
+    def _pair(first, second):
+        """float16 first, second to the int32 pair (first low)."""
+        return gl.inline_asm_elementwise(
+            "mov.b32 $0, {$1, $2};", "=r,h,h", [first, second], dtype=gl.int32, is_pure=True,
+            pack=1,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _keys(words, scale, minimum):
+        """A group's keys as the scores' B operand [128 channels, 64] from its codes [128
+        channels, 8 words] and the channel pairs' scales and minimums [64] (int32 pairs):
+        column 8 nt + g is token 8 g + nt."""
+        # channel pairs: [64, 8, 2] split
+        even, odd = gl.split(gl.permute(gl.reshape(words, [64, 2, 8]), [0, 2, 1]))
+        scale = gl.broadcast(
+            gl.expand_dims(gl.convert_layout(scale, gl.SliceLayout(1, even.type.layout)), 1), even
+        )[0]
+        minimum = gl.broadcast(
+            gl.expand_dims(gl.convert_layout(minimum, gl.SliceLayout(1, even.type.layout)), 1), even
+        )[0]
+        values = _values_of(even, odd, scale, minimum, K_PAIRS)
+        # [pair, word, byte % 2, nibble, channel % 2, byte // 2]
+        values = gl.reshape(values, [64, 8, 2, 2, 2, 2])
+        values = gl.reshape(gl.permute(values, [0, 4, 5, 2, 3, 1]), [_D, 64])
+        return gl.convert_layout(values, B_OP)
+
+    @gluon.jit
+    def _values(words, scale, minimum):
+        """A group's values as the A operand [128 (16 mt + 8 (channel % 2) + g: channel
+        64 (mt // 4) + 8 g + 2 (mt % 4) + channel % 2), 64 (K index 16 ks + 8 h + 2 j + e:
+        token 16 j + 8 e + 2 ks + h)] from its codes [64 tokens, 16 words] and the
+        tokens' scales and minimums [64 tokens, 2 value groups] (float16)."""
+        # tokens t and t + 8: [j, tl, value group, g, e] split
+        words = gl.permute(gl.reshape(words, [4, 2, 8, 2, 8]), [0, 2, 3, 4, 1])
+        first, second = gl.split(words)
+        scale = _token_pairs(scale)
+        minimum = _token_pairs(minimum)
+        layout: gl.constexpr = first.type.layout
+        scale = gl.broadcast(
+            gl.expand_dims(gl.convert_layout(scale, gl.SliceLayout(3, layout)), 3), first
+        )[0]
+        minimum = gl.broadcast(
+            gl.expand_dims(gl.convert_layout(minimum, gl.SliceLayout(3, layout)), 3), first
+        )[0]
+        values = _values_of(first, second, scale, minimum, V_PAIRS)
+        # [j, ks, h, value group, g, byte % 2, nibble, e, byte // 2]
+        values = gl.reshape(values, [4, 4, 2, 2, 8, 2, 2, 2, 2])
+        values = gl.reshape(gl.permute(values, [3, 8, 5, 6, 4, 1, 2, 0, 7]), [_D, 64])
+        return gl.convert_layout(values, A_OP)
+
+    @gluon.jit
+    def _token_pairs(params):
+        """[64 tokens, 2 groups] (float16) to the pairs (token t, t + 8) [4 (token bits 4,
+        5), 8 (token bits 0-2), 2 groups] (int32)."""
+        first, second = gl.split(gl.permute(gl.reshape(params, [4, 2, 8, 2]), [0, 2, 3, 1]))
+        return _pair(first, second)
+
+    @gluon.jit
+    def _stage(ring, i):
+        """Stage i of each of the ring's buffers."""
+        return (ring[0].index(i), ring[1].index(i), ring[2].index(i), ring[3].index(i),
+                ring[4].index(i), ring[5].index(i))  # fmt: skip
+
+    @gluon.jit
+    def _issue(stage, kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, group_row, slot0, ok):
+        """Asynchronous copies of a group's codes and parameters into stage (none where
+        not ok)."""
+        kw, ksc, kmn, vw, vsc, vmn = stage
+        ch = gl.arange(0, _D, layout=gl.SliceLayout(1, COPY_K))
+        word = gl.arange(0, 8, layout=gl.SliceLayout(0, COPY_K))
+        at = (group_row * _D + ch)[:, None] * 8 + word[None, :]
+        async_copy.async_copy_global_to_shared(
+            kw, kc_ptr.to(gl.pointer_type(gl.int32)) + at, mask=ok
+        )
+        pair = group_row * 64 + gl.arange(0, 64, layout=COPY_PAIRS)
+        async_copy.async_copy_global_to_shared(
+            ksc, ks_ptr.to(gl.pointer_type(gl.int32)) + pair, mask=ok
+        )
+        async_copy.async_copy_global_to_shared(
+            kmn, km_ptr.to(gl.pointer_type(gl.int32)) + pair, mask=ok
+        )
+        tok = gl.arange(0, 64, layout=gl.SliceLayout(1, COPY_V))
+        word = gl.arange(0, 16, layout=gl.SliceLayout(0, COPY_V))
+        at = (slot0 + tok)[:, None] * 16 + word[None, :]
+        async_copy.async_copy_global_to_shared(
+            vw, vc_ptr.to(gl.pointer_type(gl.int32)) + at, mask=ok
+        )
+        tok = gl.arange(0, 64, layout=gl.SliceLayout(1, COPY_V_PARAMS))
+        at = (slot0 + tok)[:, None] * 2 + gl.arange(0, 2, layout=gl.SliceLayout(0, COPY_V_PARAMS))[
+            None, :
+        ]
+        async_copy.async_copy_global_to_shared(vsc, vs_ptr + at, mask=ok)
+        async_copy.async_copy_global_to_shared(vmn, vm_ptr + at, mask=ok)
+        async_copy.commit_group()
+
+    # Triton specializes integer arguments equal to 1 or divisible by 16 (a new compile
+    # each): the context-dependent ones change every decode step
+    @gluon.jit(
+        do_not_specialize=[
+            "bias_sb", "bias_sh", "full_groups", "tail_len", "num_groups", "max_slots",
+            "splits", "split_groups",
+        ]
+    )  # fmt: skip
+    def _mma_attention_kernel(
+        q_ptr, q_sb, q_sh,
+        bias_ptr, bias_sb, bias_sh, bias_ss,
+        kc_ptr, ks_ptr, km_ptr, kt_ptr, vc_ptr, vs_ptr, vm_ptr, vt_ptr,
+        acc_ptr, m_ptr, l_ptr, out_ptr, count_ptr,
+        full_groups, tail_len, num_groups, max_slots, splits, split_groups, qk_scale,
+        REP: gl.constexpr, BIAS_PER_HEAD: gl.constexpr,
+    ):  # fmt: skip
+        """One (sequence, KV head, split): its REP query heads over groups split x
+        split_groups .. (up to full_groups), or, the last split where tail_len > 0, over
+        the tail; the split's unnormalized output, maximum and sum (natural-log units) to
+        the partials, and the row's last program to finish (an arrival counter) merges
+        them into out, in split order. qk_scale: log2(e) / sqrt(D) (the softmax runs in
+        base 2). Each group's codes and parameters come by cp.async into shared memory a
+        group ahead."""
+        b = gl.program_id(0)
+        kvh = gl.program_id(1)
+        split = gl.program_id(2)
+        kv_heads = gl.num_programs(1)
+        row = b * kv_heads + kvh
+        r = gl.arange(0, 16, layout=gl.SliceLayout(1, A_OP))
+        d = gl.arange(0, _D, layout=gl.SliceLayout(0, A_OP))
+        q = gl.load(
+            q_ptr + b * q_sb + (kvh * REP + r)[:, None] * q_sh + d[None, :],
+            mask=(r < REP)[:, None] & (d < _D)[None, :],
+            other=0.0,
+        )
+        ring = (
+            gl.allocate_shared_memory(gl.int32, [STAGES, _D, 8], ROWS_2D),  # K's codes
+            gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),  # scale pairs
+            gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),  # minimum pairs
+            gl.allocate_shared_memory(gl.int32, [STAGES, 64, 16], ROWS_2D),  # V's codes
+            gl.allocate_shared_memory(gl.float16, [STAGES, 64, 2], ROWS_2D),  # scales
+            gl.allocate_shared_memory(gl.float16, [STAGES, 64, 2], ROWS_2D),  # minimums
+        )
+        # the scores' columns: n = 8 nt + g is token 8 g + nt
+        n = gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
+        token = 8 * (n % 8) + n // 8
+        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+        bias_row = bias_ptr + b * bias_sb + (kvh * REP + rows)[:, None] * bias_sh
+        bias_ok = (rows < REP)[:, None] & (n < 64)[None, :]
+        m_i = gl.full([16], -float("inf"), gl.float32, gl.SliceLayout(1, MMA))
+        l_i = gl.zeros([16], gl.float32, gl.SliceLayout(1, MMA))
+        out = gl.zeros([_D, 8], gl.float32, MMA)
+        first = split * split_groups
+        steps = gl.minimum(first + split_groups, full_groups) - first
+        slot0 = row * max_slots + first * 64
+        _issue(
+            _stage(ring, 0),
+            kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, row * num_groups + first, slot0,
+            steps > 0,
+        )  # fmt: skip
+        bias = gl.load(bias_row + (first * 64 + token)[None, :] * bias_ss, mask=bias_ok, other=0.0)
+        for i in range(steps):
+            grp = first + i
+            stage = i % STAGES
+            more = i + 1 < steps
+            nxt = (i + 1) % STAGES
+            _issue(
+                _stage(ring, nxt),
+                kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, row * num_groups + grp + 1,
+                slot0 + (i + 1) * 64, more,
+            )  # fmt: skip
+            bias_next = gl.load(
+                bias_row + ((grp + 1) * 64 + token)[None, :] * bias_ss, mask=bias_ok & more,
+                other=0.0,
+            )  # fmt: skip
+            async_copy.wait_group(1)
+            gl.thread_barrier()
+            kw, ksc, kmn, vw, vsc, vmn = _stage(ring, stage)
+            pairs: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, K_PAIRS))
+            keys = _keys(kw.load(B_OP), ksc.load(pairs), kmn.load(pairs))
+            s = mma_v2(q, keys, gl.zeros([16, 64], gl.float32, MMA))
+            s = s * qk_scale + bias.to(gl.float32) * 1.4426950408889634
+            bias = bias_next
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            # rows 0-7 (the query heads), transposed: the values' B operand
+            p = gl.split(gl.permute(gl.reshape(p, [2, 8, 64]), [1, 2, 0]))[0]
+            p = gl.convert_layout(gl.permute(p.to(gl.float16), [1, 0]), B_OP)
+            alpha = gl.split(gl.permute(gl.reshape(alpha, [2, 8]), [1, 0]))[0]
+            alpha = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
+            values = _values(vw.load(V_WORDS), vsc.load(V_PARAMS), vmn.load(V_PARAMS))
+            out = mma_v2(values, p, out * alpha[None, :])
+            gl.thread_barrier()  # the stage is read before the next step's copies into it
+        async_copy.wait_group(0)
+        if split == splits - 1 and tail_len > 0:
+            m_i, l_i, out = _tail(
+                q, kt_ptr, vt_ptr, row, tail_len, bias_row + full_groups * 64 * bias_ss, bias_ss,
+                bias_ok, qk_scale, m_i, l_i, out,
+            )  # fmt: skip
+        heads = b * kv_heads * REP + kvh * REP
+        part = (heads + rows) * splits + split
+        ok = rows < REP
+        gl.store(m_ptr + part, m_i * 0.6931471805599453, mask=ok)
+        gl.store(l_ptr + part, l_i, mask=ok)
+        m = gl.arange(0, _D, layout=gl.SliceLayout(1, MMA))
+        mt = m // 16
+        channel = 64 * (mt // 4) + 8 * (m % 8) + 2 * (mt % 4) + m // 8 % 2
+        c = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        at = ((heads + c) * splits + split)[None, :] * _D + channel[:, None]
+        gl.store(acc_ptr + at, out, mask=(c < REP)[None, :] & (m < _D)[:, None])
+        gl.thread_barrier()  # every thread's partial stored before the release below
+        if gl.atomic_add(count_ptr + row, 1, sem="acq_rel") == splits - 1:
+            _merge(acc_ptr, m_ptr, l_ptr, out_ptr, heads, splits, REP)
+            gl.atomic_xchg(count_ptr + row, 0)
+
+    @gluon.jit
+    def _tail(q, kt_ptr, vt_ptr, row, tail_len, bias_at, bias_ss, bias_ok, qk_scale, m_i, l_i, out):
+        """The softmax's maximum, sum [16] and unnormalized output [128, 8] with the tail
+        (tokens of the incomplete last group, in float16: read as the operands) added."""
+        ch = gl.arange(0, _D, layout=gl.SliceLayout(1, B_OP))
+        n = gl.arange(0, 64, layout=gl.SliceLayout(0, B_OP))
+        token = 8 * (n % 8) + n // 8
+        keys = gl.load(
+            kt_ptr + (row * 64 + token)[None, :] * _D + ch[:, None],
+            mask=(token < tail_len)[None, :] & (ch < _D)[:, None],
+            other=0.0,
+        )
+        s = mma_v2(q, keys, gl.zeros([16, 64], gl.float32, MMA))
+        n = gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
+        token = 8 * (n % 8) + n // 8
+        bias = gl.load(bias_at + token[None, :] * bias_ss, mask=bias_ok, other=0.0)
+        s = s * qk_scale + bias.to(gl.float32) * 1.4426950408889634
+        s = gl.where((token < tail_len)[None, :], s, -float("inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        p = gl.split(gl.permute(gl.reshape(p, [2, 8, 64]), [1, 2, 0]))[0]
+        p = gl.convert_layout(gl.permute(p.to(gl.float16), [1, 0]), B_OP)
+        alpha = gl.split(gl.permute(gl.reshape(alpha, [2, 8]), [1, 0]))[0]
+        alpha = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
+        m = gl.arange(0, _D, layout=gl.SliceLayout(1, A_OP))
+        mt = m // 16
+        channel = 64 * (mt // 4) + 8 * (m % 8) + 2 * (mt % 4) + m // 8 % 2
+        kk = gl.arange(0, 64, layout=gl.SliceLayout(0, A_OP))
+        token = 8 * (kk % 8) + kk // 8
+        values = gl.load(
+            vt_ptr + (row * 64 + token)[None, :] * _D + channel[:, None],
+            mask=(token < tail_len)[None, :] & (m < _D)[:, None],
+            other=0.0,
+        )
+        return m_new, l_i, mma_v2(values, p, out * alpha[None, :])
+
+    @gluon.jit
+    def _merge(acc_ptr, m_ptr, l_ptr, out_ptr, heads, splits, REP: gl.constexpr):
+        """Query heads heads .. + REP - 1's partials merged into their normalized output,
+        in split order. The partials are read past L1 (.cg): other programs wrote them."""
+        r = gl.arange(0, 8, layout=gl.SliceLayout(1, MERGE))
+        d = gl.arange(0, _D, layout=gl.SliceLayout(0, MERGE))
+        ok = r < REP
+        first = (heads + r) * splits
+        m_run = gl.full([8], -float("inf"), gl.float32, gl.SliceLayout(1, MERGE))
+        l_run = gl.zeros([8], gl.float32, gl.SliceLayout(1, MERGE))
+        o_run = gl.zeros([8, _D], gl.float32, MERGE)
+        for s in range(splits):
+            m_s = gl.load(m_ptr + first + s, mask=ok, other=-float("inf"), cache_modifier=".cg")
+            l_s = gl.load(l_ptr + first + s, mask=ok, other=0.0, cache_modifier=".cg")
+            o_s = gl.load(
+                acc_ptr + (first + s)[:, None] * _D + d[None, :], mask=ok[:, None] & (d < _D)[None, :],
+                other=0.0, cache_modifier=".cg",
+            )  # fmt: skip
+            m_new = gl.maximum(m_run, m_s)
+            m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
+            old = gl.exp(m_run - m_safe)
+            new = gl.exp(m_s - m_safe)
+            l_run = l_run * old + l_s * new
+            o_run = o_run * old[:, None] + o_s * new[:, None]
+            m_run = m_new
+        gl.store(
+            out_ptr + (heads + r)[:, None] * _D + d[None, :],
+            (o_run / l_run[:, None]).to(gl.float16),
+            mask=ok[:, None] & (d < _D)[None, :],
+        )
+
+    _launch = Launcher(_mma_attention_kernel)
