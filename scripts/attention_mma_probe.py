@@ -1,0 +1,73 @@
+"""The int4 decode attention's kernels side by side: `kv_attention_mma` (its own split,
+and each of 1-16 groups a program) against the Triton kernel, over `bench_kernels`'s
+attention shapes (int4-g64 asymmetric, float16), on one GPU.
+
+    PYTHONPATH=.:scripts python scripts/attention_mma_probe.py   # about a minute, H100
+
+Prints a row a variant (us, share of the HBM copy rate measured first, largest
+difference from `decode_attention_reference`) and writes the JSON under $OUT (else
+benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from offload.kernels import kv_attention_mma
+from offload.kernels.formats import Compression
+from offload.kernels.kv_attention import decode_attention, decode_attention_reference
+from offload.kernels.kv_cache import QuantKV
+
+
+def main() -> None:
+    from bench_kernels import ATTENTION_SHAPES, hbm_rate, timed  # this script's folder
+
+    dev = torch.device("cuda")
+    hbm = hbm_rate(dev) * 1e9
+    rows = []
+    for model, batch, heads, kv_heads, dim, ctx, per_head in ATTENTION_SHAPES:
+        torch.manual_seed(0)
+        k = torch.randn(batch, kv_heads, ctx, dim, device=dev, dtype=torch.float16)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, heads, 1, dim, device=dev, dtype=torch.float16)
+        bias = torch.zeros(batch, heads if per_head else 1, 1, ctx, device=dev, dtype=q.dtype)
+        cache = QuantKV(batch, kv_heads, dim, ctx, Compression(4, 64, False), q.dtype, dev)
+        cache.write(k, v, 0)
+        read = cache.nbytes + bias.numel() * 2 + 2 * q.numel() * 2
+        reference = decode_attention_reference(q, cache, bias, ctx)
+        full = ctx // 64
+        auto = kv_attention_mma.split_groups(batch * kv_heads, full, dev)
+        variants = [("triton", {"mma": False}), ("mma", {"mma": True})]
+        variants += [
+            (f"mma, {g} groups", {"mma": True, "split_groups": g})
+            for g in (1, 2, 4, 8, 16)
+            if g <= full and g != auto
+        ]
+        for name, kwargs in variants:
+            call = functools.partial(decode_attention, q, cache, bias, ctx, **kwargs)
+            seconds = timed(call)
+            err = (call() - reference).abs().max().item()
+            rows.append(
+                {"model": model, "batch": batch, "context": ctx, "variant": name,
+                 "auto_groups": auto, "us": seconds * 1e6, "hbm_share": read / seconds / hbm,
+                 "max_diff_vs_reference": err}
+            )  # fmt: skip
+            print(
+                f"{model:12s} B{batch:3d} S{ctx:5d} {name:16s} {seconds * 1e6:7.1f} us "
+                f"{100 * read / seconds / hbm:5.1f}% (own split: {auto} groups) diff {err:.2g}",
+                flush=True,
+            )
+    out = Path(os.environ.get("OUT", "benchmarks/results"))
+    path = out / f"attn_mma_probe_{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({"hbm_copy_gbps": hbm / 1e9, "rows": rows}, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
