@@ -147,6 +147,13 @@ if gluon is not None:
     # (of a stage: a ring's first dimension)
     ROWS_1D = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ROWS_2D = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+    def _one_warp(reg_bases, lane_bases, shape):
+        """The linear layout of one warp's registers and lanes over shape."""
+        return gl.DistributedLinearLayout(
+            reg_bases=reg_bases, lane_bases=lane_bases, warp_bases=[], block_bases=[], shape=shape
+        )
+
     # the merge's [8 query heads, 128 channels]
     MERGE = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))
     # the copies into shared memory: 16 bytes a thread where the rows allow
@@ -157,47 +164,38 @@ if gluon is not None:
     # K's words [64 channel pairs, 8 words, 8 values]: lane 4 g + j holds word g of
     # channel pairs j, j + 4 (+ 8 k); the asm's 8 values of a word pair in registers
     K_PAIRS = gl.constexpr(
-        gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [4, 0, 0], [8, 0, 0], [16, 0, 0],
-                       [32, 0, 0]],
-            lane_bases=[[1, 0, 0], [2, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-            warp_bases=[],
-            block_bases=[],
-            shape=[64, 8, 8],
+        _one_warp(
+            [[0, 0, 1], [0, 0, 2], [0, 0, 4], [4, 0, 0], [8, 0, 0], [16, 0, 0], [32, 0, 0]],
+            [[1, 0, 0], [2, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            [64, 8, 8],
         )
     )  # fmt: skip
     # V's words [64 tokens, 16 words] as read from shared memory: lane 4 g + j holds
     # tokens 16 j .. 16 j + 15 and words g and 8 + g of each
     V_WORDS = gl.constexpr(
-        gl.DistributedLinearLayout(
-            reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [0, 8]],
-            lane_bases=[[16, 0], [32, 0], [0, 1], [0, 2], [0, 4]],
-            warp_bases=[],
-            block_bases=[],
-            shape=[64, 16],
+        _one_warp(
+            [[1, 0], [2, 0], [4, 0], [8, 0], [0, 8]],
+            [[16, 0], [32, 0], [0, 1], [0, 2], [0, 4]],
+            [64, 16],
         )
     )
     # a token pair's words and the asm's values: [4 (token bits 4, 5), 8 (token bits
     # 0-2), 2 (value group: word bit 3), 8 (word bits 0-2), 8 values]
     V_PAIRS = gl.constexpr(
-        gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4], [0, 1, 0, 0, 0],
-                       [0, 2, 0, 0, 0], [0, 4, 0, 0, 0], [0, 0, 1, 0, 0]],
-            lane_bases=[[1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0],
-                        [0, 0, 0, 4, 0]],
-            warp_bases=[],
-            block_bases=[],
-            shape=[4, 8, 2, 8, 8],
+        _one_warp(
+            [[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4], [0, 1, 0, 0, 0],
+             [0, 2, 0, 0, 0], [0, 4, 0, 0, 0], [0, 0, 1, 0, 0]],
+            [[1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0],
+             [0, 0, 0, 4, 0]],
+            [4, 8, 2, 8, 8],
         )
     )  # fmt: skip
     # V's scales (or minimums) [64 tokens, 2 value groups]: a lane's 16 tokens
     V_PARAMS = gl.constexpr(
-        gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [1, 0], [2, 0], [4, 0], [8, 0]],
-            lane_bases=[[16, 0], [32, 0], [0, 0], [0, 0], [0, 0]],
-            warp_bases=[],
-            block_bases=[],
-            shape=[64, 2],
+        _one_warp(
+            [[0, 1], [1, 0], [2, 0], [4, 0], [8, 0]],
+            [[16, 0], [32, 0], [0, 0], [0, 0], [0, 0]],
+            [64, 2],
         )
     )
 
