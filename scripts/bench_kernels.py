@@ -222,7 +222,9 @@ def bench_attention(dev: torch.device, hbm: float, sweep: bool, baseline=None) -
                 row = {**shape, "split_groups": split_groups, "warps": warps, "stages": stages}
                 row |= {"tile_groups": tile_groups, "fused_merge": fused_merge, "mma": mma}
                 row["baseline"] = attend is not decode_attention
-                call = functools.partial(attend, q, cache, bias, ctx, *variant)
+                # an earlier module (--baseline) takes no mma argument
+                args = variant[:5] if row["baseline"] else variant
+                call = functools.partial(attend, q, cache, bias, ctx, *args)
                 try:
                     seconds = timed(call)
                 except Exception as exc:  # a variant that does not fit shared memory

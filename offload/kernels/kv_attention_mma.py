@@ -130,13 +130,14 @@ def decode_attention_mma(
         part_acc, part_ml, part_ml[1], out, arrival_counters("attention", q.device, batch * kv_heads),
         full_groups, end % GROUP, cache.k_codes.shape[2], cache.v_codes.shape[2], splits,
         groups, LOG2E / math.sqrt(dim),
-        heads // kv_heads, per_head,  # REP, BIAS_PER_HEAD
+        heads // kv_heads,  # REP
     )  # fmt: skip
     return out
 
 
 if gluon is not None:
     _D = gl.constexpr(HEAD_DIM)
+    _LOG2E = gl.constexpr(LOG2E)
     STAGES = gl.constexpr(2)  # groups in shared memory: the one attended, the next arriving
     MMA = gl.constexpr(
         gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -359,7 +360,7 @@ if gluon is not None:
         kc_ptr, ks_ptr, km_ptr, kt_ptr, vc_ptr, vs_ptr, vm_ptr, vt_ptr,
         acc_ptr, m_ptr, l_ptr, out_ptr, count_ptr,
         full_groups, tail_len, num_groups, max_slots, splits, split_groups, qk_scale,
-        REP: gl.constexpr, BIAS_PER_HEAD: gl.constexpr,
+        REP: gl.constexpr,
     ):  # fmt: skip
         """One (sequence, KV head, split): its REP query heads over groups split x
         split_groups .. (up to full_groups), or, the last split where tail_len > 0, over
@@ -426,19 +427,9 @@ if gluon is not None:
             pairs: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, K_PAIRS))
             keys = _keys(kw.load(B_OP), ksc.load(pairs), kmn.load(pairs))
             s = mma_v2(q, keys, gl.zeros([16, 64], gl.float32, MMA))
-            s = s * qk_scale + bias.to(gl.float32) * 1.4426950408889634
+            s = s * qk_scale + bias.to(gl.float32) * _LOG2E
             bias = bias_next
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            # rows 0-7 (the query heads), transposed: the values' B operand
-            p = gl.split(gl.permute(gl.reshape(p, [2, 8, 64]), [1, 2, 0]))[0]
-            p = gl.convert_layout(gl.permute(p.to(gl.float16), [1, 0]), B_OP)
-            alpha = gl.split(gl.permute(gl.reshape(alpha, [2, 8]), [1, 0]))[0]
-            alpha = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
+            m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
             values = _values(vw.load(V_WORDS), vsc.load(V_PARAMS), vmn.load(V_PARAMS))
             out = mma_v2(values, p, out * alpha[None, :])
             gl.thread_barrier()  # the stage is read before the next step's copies into it
@@ -451,11 +442,10 @@ if gluon is not None:
         heads = b * kv_heads * REP + kvh * REP
         part = (heads + rows) * splits + split
         ok = rows < REP
-        gl.store(m_ptr + part, m_i * 0.6931471805599453, mask=ok)
+        gl.store(m_ptr + part, m_i / _LOG2E, mask=ok)
         gl.store(l_ptr + part, l_i, mask=ok)
         m = gl.arange(0, _D, layout=gl.SliceLayout(1, MMA))
-        mt = m // 16
-        channel = 64 * (mt // 4) + 8 * (m % 8) + 2 * (mt % 4) + m // 8 % 2
+        channel = _channel(m)
         c = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
         at = ((heads + c) * splits + split)[None, :] * _D + channel[:, None]
         gl.store(acc_ptr + at, out, mask=(c < REP)[None, :] & (m < _D)[:, None])
@@ -463,6 +453,29 @@ if gluon is not None:
         if gl.atomic_add(count_ptr + row, 1, sem="acq_rel") == splits - 1:
             _merge(acc_ptr, m_ptr, l_ptr, out_ptr, heads, splits, REP)
             gl.atomic_xchg(count_ptr + row, 0)
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i):
+        """The running softmax (base 2) by query head over a step's scores s [16, 64]:
+        the new maximum and sum [16], the probabilities as the values' B operand (rows
+        0-7, the query heads, transposed, float16) and alpha [8], the old terms' factor,
+        by the values' accumulator columns."""
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        p = gl.split(gl.permute(gl.reshape(p, [2, 8, 64]), [1, 2, 0]))[0]
+        p = gl.convert_layout(gl.permute(p.to(gl.float16), [1, 0]), B_OP)
+        alpha = gl.split(gl.permute(gl.reshape(alpha, [2, 8]), [1, 0]))[0]
+        return m_new, l_i, p, gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
+
+    @gluon.jit
+    def _channel(m):
+        """The channel of the values' MMA row m: 16 mt + 8 (channel % 2) + g holds channel
+        64 (mt // 4) + 8 g + 2 (mt % 4) + channel % 2."""
+        mt = m // 16
+        return 64 * (mt // 4) + 8 * (m % 8) + 2 * (mt % 4) + m // 8 % 2
 
     @gluon.jit
     def _tail(q, kt_ptr, vt_ptr, row, tail_len, bias_at, bias_ss, bias_ok, qk_scale, m_i, l_i, out):
@@ -480,20 +493,11 @@ if gluon is not None:
         n = gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
         token = 8 * (n % 8) + n // 8
         bias = gl.load(bias_at + token[None, :] * bias_ss, mask=bias_ok, other=0.0)
-        s = s * qk_scale + bias.to(gl.float32) * 1.4426950408889634
+        s = s * qk_scale + bias.to(gl.float32) * _LOG2E
         s = gl.where((token < tail_len)[None, :], s, -float("inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        p = gl.split(gl.permute(gl.reshape(p, [2, 8, 64]), [1, 2, 0]))[0]
-        p = gl.convert_layout(gl.permute(p.to(gl.float16), [1, 0]), B_OP)
-        alpha = gl.split(gl.permute(gl.reshape(alpha, [2, 8]), [1, 0]))[0]
-        alpha = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
+        m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
         m = gl.arange(0, _D, layout=gl.SliceLayout(1, A_OP))
-        mt = m // 16
-        channel = 64 * (mt // 4) + 8 * (m % 8) + 2 * (mt % 4) + m // 8 % 2
+        channel = _channel(m)
         kk = gl.arange(0, 64, layout=gl.SliceLayout(0, A_OP))
         token = 8 * (kk % 8) + kk // 8
         values = gl.load(
@@ -501,7 +505,7 @@ if gluon is not None:
             mask=(token < tail_len)[None, :] & (m < _D)[:, None],
             other=0.0,
         )
-        return m_new, l_i, mma_v2(values, p, out * alpha[None, :])
+        return m_i, l_i, mma_v2(values, p, out * alpha[None, :])
 
     @gluon.jit
     def _merge(acc_ptr, m_ptr, l_ptr, out_ptr, heads, splits, REP: gl.constexpr):
