@@ -155,13 +155,14 @@ if gluon is not None:
             reg_bases=reg_bases, lane_bases=lane_bases, warp_bases=[], block_bases=[], shape=shape
         )
 
+    # the tail's [64 tokens, 128 channels] (float16): 8 a thread
+    TAIL = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0]))
     # the merge's [8 query heads, 128 channels]
     MERGE = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))
     # the copies into shared memory: 16 bytes a thread where the rows allow
     COPY_K = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [1, 1], [1, 0]))  # [128, 8] int32
     COPY_V = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]))  # [64, 16] int32
     COPY_PAIRS = gl.constexpr(gl.BlockedLayout([2], [32], [1], [0]))  # [64] int32
-    COPY_V_PARAMS = gl.constexpr(gl.BlockedLayout([1, 2], [32, 1], [1, 1], [1, 0]))  # [64, 2]
     # K's words [64 channel pairs, 8 words, 8 values]: lane 4 g + j holds word g of
     # channel pairs j, j + 4 (+ 8 k); the asm's 8 values of a word pair in registers
     K_PAIRS = gl.constexpr(
@@ -191,41 +192,48 @@ if gluon is not None:
             [4, 8, 2, 8, 8],
         )
     )  # fmt: skip
-    # V's scales (or minimums) [64 tokens, 2 value groups]: a lane's 16 tokens
-    V_PARAMS = gl.constexpr(
-        _one_warp(
-            [[0, 1], [1, 0], [2, 0], [4, 0], [8, 0]],
-            [[16, 0], [32, 0], [0, 0], [0, 0], [0, 0]],
-            [64, 2],
-        )
-    )
+    # V's scales (or minimums) [64 tokens] (int32: a token's 2 value groups' float16): a
+    # lane's 16 tokens
+    V_PARAMS = gl.constexpr(_one_warp([[1], [2], [4], [8]], [[16], [32], [0], [0], [0]], [64]))
 
-    def _words_to_values(selector: str) -> str:
-        """Words a, b (inputs $4, $12), float16 pairs scale, minimum ($20, $28) to 4
-        float16 pairs: of bytes i and i + 1 of each word (selector), the pair (a's, b's)
-        of byte i's low nibble, its high nibble, then byte i + 1's, each code times the
-        scale plus the minimum (1024 + code from a lop3, less 1024: exact)."""
+    def _words_to_values(selector: str, paired: bool) -> str:
+        """Words a, b (inputs $4, $12) and their scales and minimums to 4 float16 pairs:
+        of bytes i and i + 1 of each word (selector), the pair (a's, b's) of byte i's low
+        nibble, its high nibble, then byte i + 1's, each code times the scale plus the
+        minimum (1024 + code from a lop3, less 1024: exact). The scales and minimums come
+        as float16 pairs ($20, $28) where paired, else as a's and b's words ($20, $28 and
+        $36, $44) with the selector ($52) of their pair: a prmt here each, where one
+        outside, used by several calls, is copied again for each (ptxas, short of
+        registers)."""
         lines = [
             "{",
-            ".reg .b32 t, u, v, mask, magic;",
-            "mov.b32 mask, 0x000F000F;",
+            ".reg .b32 t, u, v, magic, sixteenth, high_magic, scale, minimum;",
             "mov.b32 magic, 0x64006400;",
+            "mov.b32 sixteenth, 0x2C002C00;",
+            "mov.b32 high_magic, 0xD400D400;",  # -64
+            "mov.b32 scale, $20;" if paired else "prmt.b32 scale, $20, $28, $52;",
+            "mov.b32 minimum, $28;" if paired else "prmt.b32 minimum, $36, $44, $52;",
             f"prmt.b32 t, $4, $12, {selector};",
+            "shr.b32 u, t, 8;",
         ]
-        for out, shift in enumerate((0, 4, 8, 12)):
-            if shift:
-                lines.append(f"shr.b32 u, t, {shift};")
+        for out in range(4):
+            # a low nibble in place is 1024 + code, a high one 1024 + 16 code (exact:
+            # float16's step at 1024 is 1), both less 1024 exactly
+            word, low = "tu"[out // 2], out % 2 == 0
             lines += [
-                f"lop3.b32 v, {'u' if shift else 't'}, mask, magic, 0xEA;",
-                "sub.f16x2 v, v, magic;",
-                f"fma.rn.f16x2 ${out}, v, $20, $28;",
+                f"lop3.b32 v, {word}, {'0x000F000F' if low else '0x00F000F0'}, magic, 0xEA;",
+                "sub.f16x2 v, v, magic;" if low else "fma.rn.f16x2 v, v, sixteenth, high_magic;",
+                f"fma.rn.f16x2 ${out}, v, scale, minimum;",
             ]
         return "\n".join([*lines, "}"])
 
-    _LOW_BYTES = gl.constexpr(_words_to_values("0x5410"))
-    _HIGH_BYTES = gl.constexpr(_words_to_values("0x7632"))
+    _LOW_BYTES = gl.constexpr(_words_to_values("0x5410", True))
+    _HIGH_BYTES = gl.constexpr(_words_to_values("0x7632", True))
+    _LOW_BYTES_V = gl.constexpr(_words_to_values("0x5410", False))
+    _HIGH_BYTES_V = gl.constexpr(_words_to_values("0x7632", False))
     # 4 registers out (8 float16), 8 copies of each input in
     _VALUES_IO = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 32))
+    _VALUES_IO_V = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 56))
 
     @gluon.jit
     def _spread(x, layout: gl.constexpr):
@@ -236,27 +244,14 @@ if gluon is not None:
         return gl.broadcast(x, gl.full(layout.shape, 0, x.dtype, layout))[0]
 
     @gluon.jit
-    def _values_of(a, b, scale, minimum, layout: gl.constexpr):
-        """Words a, b and float16 pairs scale, minimum (int32, each [..]) to float16 [..,
-        8, 2]: for bytes 0-1 (last index 0) and 2-3 (1), values 4 (byte % 2) + 2 nibble
-        + (a: 0, b: 1)."""
-        args = [_spread(a, layout), _spread(b, layout), _spread(scale, layout),
-                _spread(minimum, layout)]  # fmt: skip
-        low = gl.inline_asm_elementwise(
-            _LOW_BYTES, _VALUES_IO, args, dtype=gl.float16, is_pure=True, pack=8
+    def _values_of(args, low: gl.constexpr, high: gl.constexpr, io: gl.constexpr):
+        """`_words_to_values`'s inputs args (int32, each spread over its layout's last
+        dimension) to float16 [.., 8, 2]: for bytes 0-1 (last index 0, the asm low) and
+        2-3 (1, high), values 4 (byte % 2) + 2 nibble + (a: 0, b: 1)."""
+        return gl.join(
+            gl.inline_asm_elementwise(low, io, args, dtype=gl.float16, is_pure=True, pack=8),
+            gl.inline_asm_elementwise(high, io, args, dtype=gl.float16, is_pure=True, pack=8),
         )
-        high = gl.inline_asm_elementwise(
-            _HIGH_BYTES, _VALUES_IO, args, dtype=gl.float16, is_pure=True, pack=8
-        )
-        return gl.join(low, high)
-
-    @gluon.jit
-    def _pair(first, second):
-        """float16 first, second to the int32 pair (first low)."""
-        return gl.inline_asm_elementwise(
-            "mov.b32 $0, {$1, $2};", "=r,h,h", [first, second], dtype=gl.int32, is_pure=True,
-            pack=1,
-        )  # fmt: skip
 
     @gluon.jit
     def _keys(words, scale, minimum):
@@ -271,7 +266,9 @@ if gluon is not None:
         minimum = gl.broadcast(
             gl.expand_dims(gl.convert_layout(minimum, gl.SliceLayout(1, even.type.layout)), 1), even
         )[0]
-        values = _values_of(even, odd, scale, minimum, K_PAIRS)
+        args = (_spread(even, K_PAIRS), _spread(odd, K_PAIRS), _spread(scale, K_PAIRS),
+                _spread(minimum, K_PAIRS))  # fmt: skip
+        values = _values_of(args, _LOW_BYTES, _HIGH_BYTES, _VALUES_IO)
         # [pair, word, byte % 2, nibble, channel % 2, byte // 2]
         values = gl.reshape(values, [64, 8, 2, 2, 2, 2])
         values = gl.reshape(gl.permute(values, [0, 4, 5, 2, 3, 1]), [_D, 64])
@@ -282,31 +279,37 @@ if gluon is not None:
         """A group's values as the A operand [128 (16 mt + 8 (channel % 2) + g: channel
         64 (mt // 4) + 8 g + 2 (mt % 4) + channel % 2), 64 (K index 16 ks + 8 h + 2 j + e:
         token 16 j + 8 e + 2 ks + h)] from its codes [64 tokens, 16 words] and the
-        tokens' scales and minimums [64 tokens, 2 value groups] (float16)."""
+        tokens' scales and minimums [64 tokens] (int32: both value groups' float16)."""
         # tokens t and t + 8: [j, tl, value group, g, e] split
         words = gl.permute(gl.reshape(words, [4, 2, 8, 2, 8]), [0, 2, 3, 4, 1])
         first, second = gl.split(words)
-        scale = _token_pairs(scale)
-        minimum = _token_pairs(minimum)
         layout: gl.constexpr = first.type.layout
-        scale = gl.broadcast(
-            gl.expand_dims(gl.convert_layout(scale, gl.SliceLayout(3, layout)), 3), first
-        )[0]
-        minimum = gl.broadcast(
-            gl.expand_dims(gl.convert_layout(minimum, gl.SliceLayout(3, layout)), 3), first
-        )[0]
-        values = _values_of(first, second, scale, minimum, V_PAIRS)
+        # the value group's pair selector (its float16 of each of two words)
+        group = gl.arange(
+            0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, layout)))
+        )
+        group = gl.expand_dims(gl.expand_dims(gl.expand_dims(group, 0), 0), 3)
+        selector = gl.broadcast(gl.where(group == 0, 0x5410, 0x7632), first)[0]
+        scale_t, scale_t8 = _token_words(scale, first)
+        minimum_t, minimum_t8 = _token_words(minimum, first)
+        args = (_spread(first, V_PAIRS), _spread(second, V_PAIRS), _spread(scale_t, V_PAIRS),
+                _spread(scale_t8, V_PAIRS), _spread(minimum_t, V_PAIRS),
+                _spread(minimum_t8, V_PAIRS), _spread(selector, V_PAIRS))  # fmt: skip
+        values = _values_of(args, _LOW_BYTES_V, _HIGH_BYTES_V, _VALUES_IO_V)
         # [j, ks, h, value group, g, byte % 2, nibble, e, byte // 2]
         values = gl.reshape(values, [4, 4, 2, 2, 8, 2, 2, 2, 2])
         values = gl.reshape(gl.permute(values, [3, 8, 5, 6, 4, 1, 2, 0, 7]), [_D, 64])
         return gl.convert_layout(values, A_OP)
 
     @gluon.jit
-    def _token_pairs(params):
-        """[64 tokens, 2 groups] (float16) to the pairs (token t, t + 8) [4 (token bits 4,
-        5), 8 (token bits 0-2), 2 groups] (int32)."""
-        first, second = gl.split(gl.permute(gl.reshape(params, [4, 2, 8, 2]), [0, 2, 3, 1]))
-        return _pair(first, second)
+    def _token_words(params, like):
+        """A token's words params [64] as the words of tokens t and t + 8, each broadcast
+        to like [4 (token bits 4, 5), 8 (token bits 0-2), ..]."""
+        first, second = gl.split(gl.permute(gl.reshape(params, [4, 2, 8]), [0, 2, 1]))
+        layout: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, like.type.layout))
+        first = gl.expand_dims(gl.expand_dims(gl.convert_layout(first, layout), 2), 3)
+        second = gl.expand_dims(gl.expand_dims(gl.convert_layout(second, layout), 2), 3)
+        return gl.broadcast(first, like)[0], gl.broadcast(second, like)[0]
 
     @gluon.jit
     def _stage(ring, i):
@@ -338,12 +341,13 @@ if gluon is not None:
         async_copy.async_copy_global_to_shared(
             vw, vc_ptr.to(gl.pointer_type(gl.int32)) + at, mask=ok
         )
-        tok = gl.arange(0, 64, layout=gl.SliceLayout(1, COPY_V_PARAMS))
-        at = (slot0 + tok)[:, None] * 2 + gl.arange(0, 2, layout=gl.SliceLayout(0, COPY_V_PARAMS))[
-            None, :
-        ]
-        async_copy.async_copy_global_to_shared(vsc, vs_ptr + at, mask=ok)
-        async_copy.async_copy_global_to_shared(vmn, vm_ptr + at, mask=ok)
+        tok = slot0 + gl.arange(0, 64, layout=COPY_PAIRS)
+        async_copy.async_copy_global_to_shared(
+            vsc, vs_ptr.to(gl.pointer_type(gl.int32)) + tok, mask=ok
+        )
+        async_copy.async_copy_global_to_shared(
+            vmn, vm_ptr.to(gl.pointer_type(gl.int32)) + tok, mask=ok
+        )
         async_copy.commit_group()
 
     # Triton specializes integer arguments equal to 1 or divisible by 16 (a new compile
@@ -386,8 +390,8 @@ if gluon is not None:
             gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),  # scale pairs
             gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),  # minimum pairs
             gl.allocate_shared_memory(gl.int32, [STAGES, 64, 16], ROWS_2D),  # V's codes
-            gl.allocate_shared_memory(gl.float16, [STAGES, 64, 2], ROWS_2D),  # scales
-            gl.allocate_shared_memory(gl.float16, [STAGES, 64, 2], ROWS_2D),  # minimums
+            gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),  # V's scales
+            gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),  # V's minimums
         )
         # the scores' columns: n = 8 nt + g is token 8 g + nt
         n = gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
@@ -481,31 +485,28 @@ if gluon is not None:
     def _tail(q, kt_ptr, vt_ptr, row, tail_len, bias_at, bias_ss, bias_ok, qk_scale, m_i, l_i, out):
         """The softmax's maximum, sum [16] and unnormalized output [128, 8] with the tail
         (tokens of the incomplete last group, in float16: read as the operands) added."""
-        ch = gl.arange(0, _D, layout=gl.SliceLayout(1, B_OP))
-        n = gl.arange(0, 64, layout=gl.SliceLayout(0, B_OP))
-        token = 8 * (n % 8) + n // 8
-        keys = gl.load(
-            kt_ptr + (row * 64 + token)[None, :] * _D + ch[:, None],
-            mask=(token < tail_len)[None, :] & (ch < _D)[:, None],
-            other=0.0,
-        )
-        s = mma_v2(q, keys, gl.zeros([16, 64], gl.float32, MMA))
+        # [64 tokens, 128 channels], 16 bytes a load; then as the operands, by way of
+        # shared memory (the layout conversion's)
+        token = gl.arange(0, 64, layout=gl.SliceLayout(1, TAIL))
+        ch = gl.arange(0, _D, layout=gl.SliceLayout(0, TAIL))
+        at = (row * 64 + token)[:, None] * _D + ch[None, :]
+        ok = (token < tail_len)[:, None] & (ch < _D)[None, :]
+        keys = gl.load(kt_ptr + at, mask=ok, other=0.0)
+        # column 8 nt + g is token 8 g + nt
+        keys = gl.reshape(gl.permute(gl.reshape(keys, [8, 8, _D]), [2, 1, 0]), [_D, 64])
+        s = mma_v2(q, gl.convert_layout(keys, B_OP), gl.zeros([16, 64], gl.float32, MMA))
         n = gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
         token = 8 * (n % 8) + n // 8
         bias = gl.load(bias_at + token[None, :] * bias_ss, mask=bias_ok, other=0.0)
         s = s * qk_scale + bias.to(gl.float32) * _LOG2E
         s = gl.where((token < tail_len)[None, :], s, -float("inf"))
         m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
-        m = gl.arange(0, _D, layout=gl.SliceLayout(1, A_OP))
-        channel = _channel(m)
-        kk = gl.arange(0, 64, layout=gl.SliceLayout(0, A_OP))
-        token = 8 * (kk % 8) + kk // 8
-        values = gl.load(
-            vt_ptr + (row * 64 + token)[None, :] * _D + channel[:, None],
-            mask=(token < tail_len)[None, :] & (m < _D)[:, None],
-            other=0.0,
-        )
-        return m_i, l_i, mma_v2(values, p, out * alpha[None, :])
+        values = gl.load(vt_ptr + at, mask=ok, other=0.0)
+        # row 16 mt + 8 e + g is channel 64 (mt // 4) + 8 g + 2 (mt % 4) + e (`_channel`),
+        # K index kk the scores' column kk
+        values = gl.reshape(values, [8, 8, 2, 8, 4, 2])  # [token bits 3-5, 0-2, channel ..]
+        values = gl.reshape(gl.permute(values, [2, 4, 5, 3, 1, 0]), [_D, 64])
+        return m_i, l_i, mma_v2(gl.convert_layout(values, A_OP), p, out * alpha[None, :])
 
     @gluon.jit
     def _merge(acc_ptr, m_ptr, l_ptr, out_ptr, heads, splits, REP: gl.constexpr):
