@@ -3,10 +3,12 @@ and each of 1-16 groups a program) against the Triton kernel, over `bench_kernel
 attention shapes (int4-g64 asymmetric, float16), on one GPU.
 
     PYTHONPATH=.:scripts python scripts/attention_mma_probe.py   # about a minute, H100
+    PYTHONPATH=.:scripts ncu --clock-control none ... python scripts/attention_mma_probe.py --profile
 
 Prints a row a variant (us, share of the HBM copy rate measured first, largest
 difference from `decode_attention_reference`) and writes the JSON under $OUT (else
-benchmarks/results).
+benchmarks/results). With --profile: each shape's default call twice, nothing timed, for
+a profiler.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -29,7 +32,8 @@ def main() -> None:
     from bench_kernels import ATTENTION_SHAPES, hbm_rate, timed  # this script's folder
 
     dev = torch.device("cuda")
-    hbm = hbm_rate(dev) * 1e9
+    profile = "--profile" in sys.argv[1:]
+    hbm = 1.0 if profile else hbm_rate(dev) * 1e9
     rows = []
     for model, batch, heads, kv_heads, dim, ctx, per_head in ATTENTION_SHAPES:
         torch.manual_seed(0)
@@ -39,18 +43,29 @@ def main() -> None:
         bias = torch.zeros(batch, heads if per_head else 1, 1, ctx, device=dev, dtype=q.dtype)
         cache = QuantKV(batch, kv_heads, dim, ctx, Compression(4, 64, False), q.dtype, dev)
         cache.write(k, v, 0)
-        read = cache.nbytes + bias.numel() * 2 + 2 * q.numel() * 2
+        read = cache.slot_bytes(ctx) + bias.numel() * 2 + 2 * q.numel() * 2
         reference = decode_attention_reference(q, cache, bias, ctx)
+        if profile:
+            for _ in range(2):
+                decode_attention(q, cache, bias, ctx, mma=True)
+            torch.cuda.synchronize()
+            print(model, batch, ctx, "bytes", read, flush=True)
+            continue
         full = ctx // 64
         auto = kv_attention_mma.split_groups(batch * kv_heads, full, dev)
-        variants = [("triton", {"mma": False}), ("mma", {"mma": True})]
+        variants = [("triton", {"mma": False}, None), ("mma", {"mma": True}, None)]
         variants += [
-            (f"mma, {g} groups", {"mma": True, "split_groups": g})
+            (f"mma, {g} groups", {"mma": True, "split_groups": g}, None)
             for g in (1, 2, 4, 8, 16)
             if g <= full and g != auto
         ]
-        for name, kwargs in variants:
-            call = functools.partial(decode_attention, q, cache, bias, ctx, **kwargs)
+        # register caps and the programs an SM they allow (shared memory: 11 at most)
+        variants += [
+            (f"mma, {r} registers", {"mma": True}, (r, min(65536 // (32 * r), 11)))
+            for r in REGISTER_CAPS
+        ]
+        for name, kwargs, cap in variants:
+            call = functools.partial(_capped, cap, q, cache, bias, ctx, **kwargs)
             seconds = timed(call)
             err = (call() - reference).abs().max().item()
             rows.append(
@@ -63,10 +78,27 @@ def main() -> None:
                 f"{100 * read / seconds / hbm:5.1f}% (own split: {auto} groups) diff {err:.2g}",
                 flush=True,
             )
+    if profile:
+        return
     out = Path(os.environ.get("OUT", "benchmarks/results"))
     path = out / f"attn_mma_probe_{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({"hbm_copy_gbps": hbm / 1e9, "rows": rows}, indent=1))
     print(f"wrote {path}")
+
+
+REGISTER_CAPS = (224, 200, 184, 168)
+
+
+def _capped(cap: tuple[int, int] | None, *args, **kwargs) -> torch.Tensor:
+    """decode_attention(*args, **kwargs) with `kv_attention_mma` capped at cap (registers,
+    programs an SM), or as it stands (None)."""
+    saved = kv_attention_mma.REGISTERS, kv_attention_mma.PER_SM
+    if cap is not None:
+        kv_attention_mma.REGISTERS, kv_attention_mma.PER_SM = cap
+    try:
+        return decode_attention(*args, **kwargs)
+    finally:
+        kv_attention_mma.REGISTERS, kv_attention_mma.PER_SM = saved
 
 
 if __name__ == "__main__":

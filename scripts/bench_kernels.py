@@ -9,7 +9,10 @@ the uncompressed matrix for comparison.
 attention: decode attention over a compressed cache (int4 / int8, groups of 64 tokens)
 at OPT-30B, Llama-2-70B (grouped queries) and BLOOM (per-head ALiBi bias) shapes: the
 compressed cache bytes read per second as a share of the same HBM rate, beside SDPA
-over the fp16 cache. Writes JSON and prints a table.
+over the fp16 cache. The bytes read are those that hold the context's slots
+(`QuantKV.slot_bytes`: the full groups and the tail's tokens), not the buffer's spare
+capacity (runs before 2026-11-27 21:30 counted the whole buffer: 1.06-1.26x too many
+at int4). Writes JSON and prints a table.
 """
 
 from __future__ import annotations
@@ -192,8 +195,8 @@ def _attention_shape(model, batch, heads, kv_heads, dim, ctx, bits) -> dict:
 
 def bench_attention(dev: torch.device, hbm: float, sweep: bool, baseline=None) -> list[dict]:
     """`decode_attention` over int4 / int8 caches (group 64, asymmetric, fp16) and fp16
-    SDPA over the same K/V: GB/s of the cache's bytes (and the bias and q) and their
-    share of the HBM copy rate. Each variant's largest difference from the default's
+    SDPA over the same K/V: GB/s of the cache bytes that hold the context (and the bias,
+    q and the output) and their share of the HBM copy rate. Each variant's largest difference from the default's
     output (a miscompiled variant shows there); the default's from the plain-torch
     reference (dequantize, SDPA). baseline: an earlier kv_attention module (--baseline),
     whose `decode_attention` runs last, beside ours in the same process."""
@@ -208,7 +211,7 @@ def bench_attention(dev: torch.device, hbm: float, sweep: bool, baseline=None) -
         for bits in (4, 8):
             cache = QuantKV(batch, kv_heads, dim, ctx, Compression(bits, 64, False), q.dtype, dev)
             cache.write(k, v, 0)
-            read = cache.nbytes + bias.numel() * 2 + 2 * q.numel() * 2
+            read = cache.slot_bytes(ctx) + bias.numel() * 2 + 2 * q.numel() * 2
             want = decode_attention(q, cache, bias, ctx)
             reference = decode_attention_reference(q, cache, bias, ctx)
             shape = _attention_shape(model, batch, heads, kv_heads, dim, ctx, bits)
@@ -494,8 +497,8 @@ def bench_cpu_attention(dram: float) -> list[dict]:
                 {
                     **_attention_shape(model, batch, heads, kv_heads, dim, ctx, bits),
                     "seconds": seconds,
-                    "compressed_gbps": cache.nbytes / seconds / 1e9,
-                    "dram_share": cache.nbytes / seconds / 1e9 / dram,
+                    "compressed_gbps": cache.slot_bytes(ctx) / seconds / 1e9,
+                    "dram_share": cache.slot_bytes(ctx) / seconds / 1e9 / dram,
                     "fp16_sdpa_seconds": dense,
                     "fp16_sdpa_gbps": full / dense / 1e9,
                     "speedup_vs_fp16_sdpa": dense / seconds,

@@ -53,7 +53,9 @@ except ImportError:  # no Triton, or one without Gluon: the Triton kernel serves
 GROUP = 64  # tokens a K group (and channels a V group)
 HEAD_DIM = 128
 MAX_REP = 8  # query heads a KV head: the values' MMA has N = 8
-# one-warp programs an SM: 255 registers a thread (ptxas, sm_90) allow 8
+# a thread's registers (None: ptxas's choice, 255 on sm_90) and the one-warp programs an
+# SM that they allow (65536 registers an SM)
+REGISTERS: int | None = None
 PER_SM = 8
 # splits a row considered (each adds its partial to the merge)
 MAX_SPLITS = 16
@@ -131,6 +133,7 @@ def decode_attention_mma(
         full_groups, end % GROUP, cache.k_codes.shape[2], cache.v_codes.shape[2], splits,
         groups, LOG2E / math.sqrt(dim),
         heads // kv_heads,  # REP
+        registers=REGISTERS,
     )  # fmt: skip
     return out
 
