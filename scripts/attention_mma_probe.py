@@ -7,7 +7,7 @@ attention shapes (int4-g64 asymmetric, float16), on one GPU.
 
 Prints a row a variant (us, share of the HBM copy rate measured first, largest
 difference from `decode_attention_reference`) and writes the JSON under $OUT (else
-benchmarks/results). With --profile: each shape's default call twice, nothing timed, for
+benchmarks/results). With --caps, also each of `REGISTER_CAPS`. With --profile: each shape's default call twice, nothing timed, for
 a profiler.
 """
 
@@ -62,7 +62,7 @@ def main() -> None:
         # register caps and the programs an SM they allow (shared memory: 11 at most)
         variants += [
             (f"mma, {r} registers", {"mma": True}, (r, min(65536 // (32 * r), 11)))
-            for r in REGISTER_CAPS
+            for r in (REGISTER_CAPS if "--caps" in sys.argv[1:] else ())
         ]
         for name, kwargs, cap in variants:
             call = functools.partial(_capped, cap, q, cache, bias, ctx, **kwargs)

@@ -12,20 +12,22 @@ bytes.
 One warp takes a (sequence, KV head, run of whole token groups: `split_groups`), a group
 (64 tokens) a loop step:
 
-- **Scores** S^T [query heads (16 rows of the MMA), tokens] = q [16, 128] (the A operand,
-  loaded once) times K^T [128 channels, 64 tokens] (the B operand). A B register holds
-  channels c and c + 1 of one token, where a byte of the cache holds two tokens of one
-  channel: a prmt takes the same byte of channel c's and c + 1's words, and a shift and
-  a lop3 make each nibble pair a float16 pair 1024 + code, less 1024, times the
-  channels' scales plus their minimums (`_words_to_values`: 16 instructions for 8
-  pairs). Lane 4 g + j reads word g (tokens 8 g .. 8 g + 7) of its channels, so the
-  MMA's column 8 nt + g is token 8 g + nt.
+- **Scores** S [64 tokens (the MMA's rows), 8 query heads] = K [64, 128 channels] (the A
+  operand) times q^T [128, 8] (the B operand, loaded once): 32 MMAs a group, none on
+  padding rows. An A register holds channels c and c + 1 of one token, where a byte of
+  the cache holds two tokens of one channel: a prmt takes the same byte of channel c's
+  and c + 1's words, and a lop3 makes each nibble pair a float16 pair 1024 + code (a
+  high nibble, left in place, 1024 + 16 code: times 1/16, less 64), less 1024, then
+  times the channels' scales plus their minimums (`_words_to_values`: 14 instructions
+  for 8 pairs). Lane 4 g + j reads word g (tokens 8 g .. 8 g + 7) of its channels, so
+  the MMA's row 8 nt + g is token 8 g + nt.
 - **Values**: O [128 channels (the A operand's rows), 8 query heads] += V^T [128, 64
-  tokens] times P [64, 8] (the B operand). P is the scores' accumulator itself, rows 0-7
-  transposed (an MMA's C fragment is the next one's B fragment), so the MMA's K index
-  of a token is the scores' column of it. An A register holds tokens t and t + 8 of one
-  channel, where a byte holds two channels of one token: the same asm, with the two
-  tokens' scales and minimums.
+  tokens] times P [64, 8] (the B operand). P is the scores' accumulator with each 8 x 8
+  block transposed by a movmatrix (8 a group), so the MMA's K index of a token is the
+  scores' row of it. An A register holds tokens t and t + 8 of one channel, where a
+  byte holds two channels of one token: the same asm, with the pair of the two tokens'
+  scales and minimums made inside it (made once outside, ptxas copied each pair again
+  for each use, short of registers).
 - Online softmax by query head, in base 2. The row's last split also attends the tail
   (the incomplete group's float16 tokens, read as the operands), and the row's last
   program to finish merges the splits' partials in split order: one launch a call.
@@ -258,9 +260,10 @@ if gluon is not None:
 
     @gluon.jit
     def _keys(words, scale, minimum):
-        """A group's keys as the scores' B operand [128 channels, 64] from its codes [128
+        """A group's keys as the scores' A operand [64, 128 channels] from its codes [128
         channels, 8 words] and the channel pairs' scales and minimums [64] (int32 pairs):
-        column 8 nt + g is token 8 g + nt."""
+        row 8 nt + g is token 8 g + nt (lane 4 g + j holds rows g and g + 8 of each
+        16: the tokens of its word g)."""
         # channel pairs: [64, 8, 2] split
         even, odd = gl.split(gl.permute(gl.reshape(words, [64, 2, 8]), [0, 2, 1]))
         scale = gl.broadcast(
@@ -275,7 +278,7 @@ if gluon is not None:
         # [pair, word, byte % 2, nibble, channel % 2, byte // 2]
         values = gl.reshape(values, [64, 8, 2, 2, 2, 2])
         values = gl.reshape(gl.permute(values, [0, 4, 5, 2, 3, 1]), [_D, 64])
-        return gl.convert_layout(values, B_OP)
+        return gl.convert_layout(gl.permute(values, [1, 0]), A_OP)
 
     @gluon.jit
     def _values(words, scale, minimum):
@@ -381,11 +384,12 @@ if gluon is not None:
         split = gl.program_id(2)
         kv_heads = gl.num_programs(1)
         row = b * kv_heads + kvh
-        r = gl.arange(0, 16, layout=gl.SliceLayout(1, A_OP))
-        d = gl.arange(0, _D, layout=gl.SliceLayout(0, A_OP))
+        # q^T [128 channels, 8 query heads]: the scores' B operand
+        d = gl.arange(0, _D, layout=gl.SliceLayout(1, B_OP))
+        r = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
         q = gl.load(
-            q_ptr + b * q_sb + (kvh * REP + r)[:, None] * q_sh + d[None, :],
-            mask=(r < REP)[:, None] & (d < _D)[None, :],
+            q_ptr + b * q_sb + (kvh * REP + r)[None, :] * q_sh + d[:, None],
+            mask=(r < REP)[None, :] & (d < _D)[:, None],
             other=0.0,
         )
         ring = (
@@ -396,14 +400,14 @@ if gluon is not None:
             gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),  # V's scales
             gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),  # V's minimums
         )
-        # the scores' columns: n = 8 nt + g is token 8 g + nt
-        n = gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
+        # the scores [64, 8 query heads]: row n = 8 nt + g is token 8 g + nt
+        n = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
         token = 8 * (n % 8) + n // 8
-        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-        bias_row = bias_ptr + b * bias_sb + (kvh * REP + rows)[:, None] * bias_sh
-        bias_ok = (rows < REP)[:, None] & (n < 64)[None, :]
-        m_i = gl.full([16], -float("inf"), gl.float32, gl.SliceLayout(1, MMA))
-        l_i = gl.zeros([16], gl.float32, gl.SliceLayout(1, MMA))
+        heads8 = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        bias_row = bias_ptr + b * bias_sb + (kvh * REP + heads8)[None, :] * bias_sh
+        bias_ok = (heads8 < REP)[None, :] & (n < 64)[:, None]
+        m_i = gl.full([8], -float("inf"), gl.float32, gl.SliceLayout(0, MMA))
+        l_i = gl.zeros([8], gl.float32, gl.SliceLayout(0, MMA))
         out = gl.zeros([_D, 8], gl.float32, MMA)
         first = split * split_groups
         steps = gl.minimum(first + split_groups, full_groups) - first
@@ -413,7 +417,7 @@ if gluon is not None:
             kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, row * num_groups + first, slot0,
             steps > 0,
         )  # fmt: skip
-        bias = gl.load(bias_row + (first * 64 + token)[None, :] * bias_ss, mask=bias_ok, other=0.0)
+        bias = gl.load(bias_row + (first * 64 + token)[:, None] * bias_ss, mask=bias_ok, other=0.0)
         for i in range(steps):
             grp = first + i
             stage = i % STAGES
@@ -425,7 +429,7 @@ if gluon is not None:
                 slot0 + (i + 1) * 64, more,
             )  # fmt: skip
             bias_next = gl.load(
-                bias_row + ((grp + 1) * 64 + token)[None, :] * bias_ss, mask=bias_ok & more,
+                bias_row + ((grp + 1) * 64 + token)[:, None] * bias_ss, mask=bias_ok & more,
                 other=0.0,
             )  # fmt: skip
             async_copy.wait_group(1)
@@ -433,7 +437,7 @@ if gluon is not None:
             kw, ksc, kmn, vw, vsc, vmn = _stage(ring, stage)
             pairs: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, K_PAIRS))
             keys = _keys(kw.load(B_OP), ksc.load(pairs), kmn.load(pairs))
-            s = mma_v2(q, keys, gl.zeros([16, 64], gl.float32, MMA))
+            s = mma_v2(keys, q, gl.zeros([64, 8], gl.float32, MMA))
             s = s * qk_scale + bias.to(gl.float32) * _LOG2E
             bias = bias_next
             m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
@@ -447,8 +451,8 @@ if gluon is not None:
                 bias_ok, qk_scale, m_i, l_i, out,
             )  # fmt: skip
         heads = b * kv_heads * REP + kvh * REP
-        part = (heads + rows) * splits + split
-        ok = rows < REP
+        part = (heads + heads8) * splits + split
+        ok = heads8 < REP
         gl.store(m_ptr + part, m_i / _LOG2E, mask=ok)
         gl.store(l_ptr + part, l_i, mask=ok)
         m = gl.arange(0, _D, layout=gl.SliceLayout(1, MMA))
@@ -463,19 +467,27 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i):
-        """The running softmax (base 2) by query head over a step's scores s [16, 64]:
-        the new maximum and sum [16], the probabilities as the values' B operand (rows
-        0-7, the query heads, transposed, float16) and alpha [8], the old terms' factor,
-        by the values' accumulator columns."""
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        """The running softmax (base 2) by query head over a step's scores s [64, 8]: the
+        new maximum and sum [8], the probabilities as the values' B operand (float16) and
+        alpha [8], the old terms' factor (the values' accumulator columns')."""
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
         m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
         alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        p = gl.split(gl.permute(gl.reshape(p, [2, 8, 64]), [1, 2, 0]))[0]
-        p = gl.convert_layout(gl.permute(p.to(gl.float16), [1, 0]), B_OP)
-        alpha = gl.split(gl.permute(gl.reshape(alpha, [2, 8]), [1, 0]))[0]
-        return m_new, l_i, p, gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
+        p = gl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        return m_new, l_i, _as_b_operand(p.to(gl.float16)), alpha
+
+    @gluon.jit
+    def _as_b_operand(p):
+        """p [64, 8] (float16, the scores' accumulator layout) as the B operand: each 8 x 8
+        block transposed by movmatrix. A lane holds row g, columns 2 j, 2 j + 1 of a block
+        in both; relabelled as the blocks' transposes (free: the same registers), the
+        B operand's labels hold after the move."""
+        p = gl.reshape(gl.permute(gl.reshape(p, [4, 2, 8, 8]), [0, 1, 3, 2]), [64, 8])
+        return gl.inline_asm_elementwise(
+            "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r",
+            [gl.convert_layout(p, B_OP)], dtype=gl.float16, is_pure=True, pack=2,
+        )  # fmt: skip
 
     @gluon.jit
     def _channel(m):
@@ -486,7 +498,7 @@ if gluon is not None:
 
     @gluon.jit
     def _tail(q, kt_ptr, vt_ptr, row, tail_len, bias_at, bias_ss, bias_ok, qk_scale, m_i, l_i, out):
-        """The softmax's maximum, sum [16] and unnormalized output [128, 8] with the tail
+        """The softmax's maximum, sum [8] and unnormalized output [128, 8] with the tail
         (tokens of the incomplete last group, in float16: read as the operands) added."""
         # [64 tokens, 128 channels], 16 bytes a load; then as the operands, by way of
         # shared memory (the layout conversion's)
@@ -495,18 +507,18 @@ if gluon is not None:
         at = (row * 64 + token)[:, None] * _D + ch[None, :]
         ok = (token < tail_len)[:, None] & (ch < _D)[None, :]
         keys = gl.load(kt_ptr + at, mask=ok, other=0.0)
-        # column 8 nt + g is token 8 g + nt
-        keys = gl.reshape(gl.permute(gl.reshape(keys, [8, 8, _D]), [2, 1, 0]), [_D, 64])
-        s = mma_v2(q, gl.convert_layout(keys, B_OP), gl.zeros([16, 64], gl.float32, MMA))
-        n = gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
+        # row 8 nt + g is token 8 g + nt
+        keys = gl.reshape(gl.permute(gl.reshape(keys, [8, 8, _D]), [1, 0, 2]), [64, _D])
+        s = mma_v2(gl.convert_layout(keys, A_OP), q, gl.zeros([64, 8], gl.float32, MMA))
+        n = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
         token = 8 * (n % 8) + n // 8
-        bias = gl.load(bias_at + token[None, :] * bias_ss, mask=bias_ok, other=0.0)
+        bias = gl.load(bias_at + token[:, None] * bias_ss, mask=bias_ok, other=0.0)
         s = s * qk_scale + bias.to(gl.float32) * _LOG2E
-        s = gl.where((token < tail_len)[None, :], s, -float("inf"))
+        s = gl.where((token < tail_len)[:, None], s, -float("inf"))
         m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
         values = gl.load(vt_ptr + at, mask=ok, other=0.0)
         # row 16 mt + 8 e + g is channel 64 (mt // 4) + 8 g + 2 (mt % 4) + e (`_channel`),
-        # K index kk the scores' column kk
+        # K index kk the scores' row kk
         values = gl.reshape(values, [8, 8, 2, 8, 4, 2])  # [token bits 3-5, 0-2, channel ..]
         values = gl.reshape(gl.permute(values, [2, 4, 5, 3, 1, 0]), [_D, 64])
         return m_i, l_i, mma_v2(gl.convert_layout(values, A_OP), p, out * alpha[None, :])
