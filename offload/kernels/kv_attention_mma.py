@@ -436,6 +436,8 @@ if gluon is not None:
             gl.thread_barrier()
             kw, ksc, kmn, vw, vsc, vmn = _stage(ring, stage)
             pairs: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, K_PAIRS))
+            # (a [128, 8] tensor in B_OP: lane 4 g + j holds word g of channels 2 j,
+            # 2 j + 1 (+ 8 k), the words the asm pairs)
             keys = _keys(kw.load(B_OP), ksc.load(pairs), kmn.load(pairs))
             s = mma_v2(keys, q, gl.zeros([64, 8], gl.float32, MMA))
             s = s * qk_scale + bias.to(gl.float32) * _LOG2E
