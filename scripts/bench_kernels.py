@@ -196,9 +196,9 @@ def _attention_shape(model, batch, heads, kv_heads, dim, ctx, bits) -> dict:
 def bench_attention(dev: torch.device, hbm: float, sweep: bool, baseline=None) -> list[dict]:
     """`decode_attention` over int4 / int8 caches (group 64, asymmetric, fp16) and fp16
     SDPA over the same K/V: GB/s of the cache bytes that hold the context (and the bias,
-    q and the output) and their share of the HBM copy rate. Each variant's largest difference from the default's
-    output (a miscompiled variant shows there); the default's from the plain-torch
-    reference (dequantize, SDPA). baseline: an earlier kv_attention module (--baseline),
+    q and the output) and their share of the HBM copy rate. Each variant's largest
+    difference from the default's output (a miscompiled variant shows there); the
+    default's from the plain-torch reference (dequantize, SDPA). baseline: an earlier kv_attention module (--baseline),
     whose `decode_attention` runs last, beside ours in the same process."""
     out = []
     for model, batch, heads, kv_heads, dim, ctx, per_head in ATTENTION_SHAPES:
@@ -659,8 +659,8 @@ def main() -> None:
 def print_attention(attention: list[dict]) -> None:
     """The attention sweep's rows (variant: split groups ('auto': the launcher's
     choice) / warps / stages / tile groups, /fused: the merge in the kernel, /triton: the
-    Triton kernel where `kv_attention_mma` is eligible; diff: the
-    default's largest difference from the reference, the others' from the default),
+    Triton kernel where `kv_attention_mma` is eligible; diff: the default's largest
+    difference from the reference, the others' from the default),
     then a short table: each shape's default and best variant, and the variants by
     their mean time against the default."""
     rows = [r for r in attention if "error" not in r]
