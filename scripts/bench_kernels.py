@@ -198,8 +198,9 @@ def bench_attention(dev: torch.device, hbm: float, sweep: bool, baseline=None) -
     SDPA over the same K/V: GB/s of the cache bytes that hold the context (and the bias,
     q and the output) and their share of the HBM copy rate. Each variant's largest
     difference from the default's output (a miscompiled variant shows there); the
-    default's from the plain-torch reference (dequantize, SDPA). baseline: an earlier kv_attention module (--baseline),
-    whose `decode_attention` runs last, beside ours in the same process."""
+    default's from the plain-torch reference (dequantize, SDPA). baseline: an earlier
+    kv_attention module (--baseline), whose `decode_attention` runs last, beside ours in
+    the same process."""
     out = []
     for model, batch, heads, kv_heads, dim, ctx, per_head in ATTENTION_SHAPES:
         k = torch.randn(batch, kv_heads, ctx, dim, device=dev, dtype=torch.float16)
