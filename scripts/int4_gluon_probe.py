@@ -20,9 +20,11 @@ as wgmma's register operand: 64 W rows a program are wgmma's M side, x's rows it
   float32, summed by torch where timed with the output compared.
 
 In run 150703 (H100) it read 54-74% of HBM at 1-32 rows, where the Triton kernel read
-35-76% and `qmatmul_wgmma` (scales after the MMA, 7 instructions a word of 8 codes)
-47-80%; that kernel is what `qlinear` runs. docs/throughput.md has the designs and the runs. int4-g64 asymmetric W, fp16
-x. Writes JSON and prints a table.
+35-76% and `qmatmul_wgmma` (then with each group's scale applied after the MMA) 47-80%.
+`qmatmul_wgmma` now makes the values in its A registers from 32-bit words by shift, lop3,
+sub and fma (15 instructions a word of 8 codes, against this kernel's 24) and is what
+`qlinear` runs; docs/throughput.md has the designs and the runs. int4-g64 asymmetric W,
+fp16 x. Writes JSON and prints a table.
 """
 
 from __future__ import annotations
@@ -223,11 +225,11 @@ def gluon_qlinear(
     codes as `permute_codes` gives them, read instead of w's."""
     n, k = w.shape
     m = x.shape[0]
-    assert m <= 32 and n % W_ROWS == 0 and k % K_STEP == 0 and w.config.group_size == GROUP
+    assert m <= 64 and n % W_ROWS == 0 and k % K_STEP == 0 and w.config.group_size == GROUP
     steps = k // K_STEP
     split = split_of(split, steps)
     codes = w.codes.view(n, k // 2) if permuted is None else permuted
-    x_desc, c_desc = _descriptors(x, codes, 16 if m <= 16 else 32)
+    x_desc, c_desc = _descriptors(x, codes, 16 if m <= 16 else 32 if m <= 32 else 64)
     out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     _qmm_gluon_kernel[(n // W_ROWS, split)](
         x_desc, c_desc, w.scale, w.minimum, out, m, n, k, stages, steps // split,
@@ -254,7 +256,7 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
         return f"tensordesc<{kind}[{box[0]}, {box[1]}],{layout!r}>"
 
     variants = []
-    for x_rows, permuted in ((16, False), (32, False), (16, True)):
+    for x_rows, permuted in ((16, False), (32, False), (64, False), (16, True)):
         signature = {
             "x_desc": desc(gl.float16, [x_rows, K_STEP]),
             "c_desc": desc(gl.uint8, [W_ROWS, K_STEP // 2]),
@@ -272,13 +274,12 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
             "x_desc": desc(gl.float16, [x_rows, K_STEP]),
             "c_desc": desc(gl.int32, [W_ROWS, K_STEP // 8]),
             "s_desc": desc(gl.float16, [W_ROWS, 8]), "m_desc": desc(gl.float16, [W_ROWS, 8]),
-            "sum_desc": desc(gl.float32, [x_rows, 4]), "bias_ptr": "*fp16", "res_ptr": "*fp16",
+            "bias_ptr": "*fp16", "res_ptr": "*fp16",
             "out_ptr": "*fp16", "partial_ptr": "*fp32", "count_ptr": "*i32",
         }  # fmt: skip
         constexprs = {
             "K": k, "STAGES": wgmma.STAGES[x_rows], "PER_SPLIT": k // K_STEP // 2,
-            "BY_COL": wgmma._by_col(x_rows), "HAS_BIAS": True, "RELU": False,
-            "HAS_RESIDUAL": False,
+            "HAS_BIAS": True, "RELU": False, "HAS_RESIDUAL": False,
         }  # fmt: skip
         variants.append((f"qmatmul_wgmma, x rows {x_rows}", wgmma._wgmma_kernel, x_rows,
                          signature, constexprs))  # fmt: skip

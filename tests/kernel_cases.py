@@ -282,23 +282,20 @@ def norm_failures(device: str, dtypes: list[torch.dtype], shapes=NORM_SHAPES) ->
     return failures
 
 
-def wgmma_prepare_failures(device: str) -> list[str]:
-    """`qmatmul_wgmma.prepare_x` on x with a row stride past K: its columns in `X_ORDER`
-    within each group, and its group sums."""
+def wgmma_permute_failures(device: str) -> list[str]:
+    """`qmatmul_wgmma.permute_x` on x with a row stride past K: its columns in `X_ORDER`
+    within each group."""
     from offload.kernels import qmatmul_wgmma
 
     gen = torch.Generator().manual_seed(7)
     failures = []
     for rows, k in ((1, 512), (5, 1536)):
         x = torch.randn(rows, k + 64, generator=gen).to(torch.float16).to(device)[:, :k]
-        permuted, sums = qmatmul_wgmma.prepare_x(x)
+        permuted = qmatmul_wgmma.permute_x(x)
         grouped = x.reshape(rows, k // 64, 64)
         want = grouped[:, :, qmatmul_wgmma.X_ORDER.to(device)].reshape(rows, k)
         if not torch.equal(permuted, want):
             failures.append(f"{rows} x {k}: permuted columns differ")
-        err = (sums - grouped.double().sum(-1)).abs().max().item()
-        if sums.dtype != torch.float32 or err > 1e-3:
-            failures.append(f"{rows} x {k}: group sums off by {err}")
     return failures
 
 
@@ -308,8 +305,8 @@ if __name__ == "__main__":  # the interpreter tests' subprocess
     if kind == "norm":
         print(json.dumps(norm_failures("cpu", [torch.float32, torch.float16])))
         sys.exit()
-    if kind == "wgmma-prepare":
-        print(json.dumps(wgmma_prepare_failures("cpu")))
+    if kind == "wgmma-permute":
+        print(json.dumps(wgmma_permute_failures("cpu")))
         sys.exit()
     cases = {**cases, "kv-write": kv_write_failures}[kind]
     # float16 only: the kernels' indexing, masks and splits do not depend on the dtype,

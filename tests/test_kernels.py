@@ -57,16 +57,17 @@ def test_norm_kernel_matches_layer_and_rms_norm_interpreted():
     assert _interpreted("tests.kernel_cases", "norm", "0", "asym") == []
 
 
-def test_wgmma_matmuls_x_preparation_interpreted():
-    assert _interpreted("tests.kernel_cases", "wgmma-prepare", "4", "asym") == []
+def test_wgmma_matmuls_x_permutation_interpreted():
+    assert _interpreted("tests.kernel_cases", "wgmma-permute", "4", "asym") == []
 
 
 def test_wgmma_operand_from_the_codes_pairs_each_weight_with_its_x_column():
     """What `qmatmul_wgmma`'s kernel does to a group's packed codes (`QTensor`'s bytes):
     lane j's words (bytes 8 j to 8 j + 7), each shifted by 4 k and masked with
-    0x000F000F, give wgmma A registers whose halves are K columns 16 (2 w + k // 2) +
-    8 (k % 2) + 2 j + h of the MMA; x permuted by `X_ORDER` must hold, at each such
-    column, the x column of the code there, so the MMA's sum is x . W."""
+    0x000F000F, give wgmma A registers whose halves are the codes (then their values) of
+    K columns 16 (2 w + k // 2) + 8 (k % 2) + 2 j + h of the MMA; x permuted by
+    `X_ORDER` must hold, at each such column, the x column of the code there, so the
+    MMA's sum is x . W."""
     from offload.kernels.qmatmul_wgmma import X_ORDER
     from offload.kernels.quant import pack_int4
 

@@ -1,29 +1,31 @@
-"""The int4 decode matmul on Hopper: wgmma with W's codes as its register operand and each
-group's scale applied after the MMA.
+"""The int4 decode matmul on Hopper: wgmma with W's values made in its register operand
+from the codes, straight from shared memory.
 
 `qmatmul.qlinear` sends here x of 1-64 rows (float16) times int4-g64 asymmetric W on an
 sm_90 GPU; everything else stays on the Triton kernel. The differences from it:
 
-- **Scales after the MMA.** A group's product P = x . (1024 + code) is taken by wgmma
-  from float16 values that shifts and lop3s make of the codes (7 instructions a word of
-  8 codes, where dequantizing takes 2 a code), and the group adds
-  scale P + (minimum - 1024 scale) sum(x over the group) to a float32 sum.
+- **Values in wgmma's A registers.** A shift and a lop3 make the float16 pair {1024 +
+  code} of two nibbles of a 32-bit word of codes; 1024 is taken off exactly and one fused
+  multiply-add a pair applies the group's scale and minimum (`dequant.dequant`'s
+  arithmetic, rounded once): 15 instructions a word of 8 codes, no round trip through
+  shared memory. Every group's wgmma adds into one float32 sum.
 - **W's codes stay in `QTensor`'s format; x is permuted instead.** wgmma's A fragment
   gives lane j of a quad K columns 2 j, 2 j + 1, 2 j + 8 and 2 j + 9 of each 16. Lane j
   reads bytes 8 j to 8 j + 7 of each group (16 codes), and the nibble pairs that a shift
-  and a mask take from a word (k and k + 4) become those columns. `prepare_x` permutes
-  x's columns within each group to match (`X_ORDER`) and sums each group, one small
-  kernel a call; the MMA's sum over K is the same sum.
-- **TMA.** A K step's tiles (W's codes, x, W's scales and minimums, x's sums) come by
-  Hopper's bulk tensor copies into a ring of STAGES slots on mbarriers.
+  and a mask take from a word (k and k + 4) become those columns. `permute_x` permutes
+  x's columns within each group to match (`X_ORDER`), one small kernel a call; the MMA's
+  sum over K is the same sum.
+- **TMA.** A K step's tiles (W's codes, x, W's scales and minimums) come by Hopper's bulk
+  tensor copies into a ring of STAGES slots on mbarriers.
 - **One wave.** K is split among the most programs a tile that keep every program in
   one wave (`split`), and the last to arrive adds the partials in split order.
 
 Written in Triton's Gluon dialect (explicit layouts, shared memory, mbarriers, wgmma),
 which has no CPU interpreter: the CPU tests check `X_ORDER`'s algebra against
-`pack_int4`'s nibbles and `prepare_x` under the interpreter, and the GPU tests check
+`pack_int4`'s nibbles and `permute_x` under the interpreter, and the GPU tests check
 the kernel against `qmatmul.qlinear_reference` (the same math in plain torch).
-docs/throughput.md has the measurements.
+docs/throughput.md has the measurements, and the design this one replaced (each group's
+scale applied after its MMA).
 """
 
 from __future__ import annotations
@@ -117,14 +119,13 @@ def _x_rows(m: int) -> int:
     return next(rows for rows in PER_SM if m <= rows)
 
 
-def prepare_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def permute_x(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] (rows contiguous) with each group's columns in `X_ORDER` (float16,
-    contiguous) and its sums over each group [M, K / 64] (float32)."""
+    contiguous)."""
     m, k = x.shape
     permuted = torch.empty((m, k), dtype=x.dtype, device=x.device)
-    sums = torch.empty((m, k // GROUP), dtype=torch.float32, device=x.device)
-    _launch_prepare((m, triton.cdiv(k // GROUP, 16)), 4, x, permuted, sums, x.stride(0), k, 16)
-    return permuted, sums
+    _launch_permute((m, triton.cdiv(k // GROUP, 16)), 4, x, permuted, x.stride(0), k, 16)
+    return permuted
 
 
 def qlinear(
@@ -145,13 +146,11 @@ def qlinear(
     stages = STAGES[x_rows] if stages is None else stages
     steps = k // K_STEP
     parts = split(m, n, k, x.device) if splits is None else splits
-    permuted, sums = prepare_x(x)
     descriptors = (
-        _descriptor(permuted, [x_rows, K_STEP], gl.float16),
+        _descriptor(permute_x(x), [x_rows, K_STEP], gl.float16),
         _descriptor(w.codes.view(n, k // 2).view(torch.int32), [W_ROWS, K_STEP // 8], gl.int32),
         _descriptor(w.scale.view(n, k // GROUP), [W_ROWS, 2 * K_STEP // GROUP], gl.float16),
         _descriptor(w.minimum.view(n, k // GROUP), [W_ROWS, 2 * K_STEP // GROUP], gl.float16),
-        _descriptor(sums, [x_rows, K_STEP // GROUP], gl.float32),
     )
     partial = out
     if parts > 1:
@@ -160,7 +159,7 @@ def qlinear(
     _launch(
         (n // W_ROWS, parts), 4, *descriptors, bias if bias is not None else out,
         residual if residual is not None else out, out, partial, counts, m, n, k, stages,
-        steps // parts, _by_col(x_rows), bias is not None, relu, residual is not None,
+        steps // parts, bias is not None, relu, residual is not None,
         registers=128 if x_rows <= 16 else None,  # all PER_SM programs fit
     )  # fmt: skip
     return out
@@ -173,19 +172,6 @@ def _descriptor(t: torch.Tensor, box: list[int], dtype) -> TensorDescriptor:
 @functools.cache
 def _shared_layout(rows: int, columns: int, dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, columns], dtype)
-
-
-@functools.cache
-def _by_col(x_rows: int):
-    """A step's x sums [x rows, groups] as the kernel reads them: each thread those of
-    its accumulator columns (2 j, 2 j + 1, and + 8, + 16 and + 32 where there are)."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [1, 0]] + [[8 * r, 0] for r in (1, 2, 4) if 8 * r < x_rows],
-        lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
-        warp_bases=[[0, 0], [0, 0]],
-        block_bases=[],
-        shape=[x_rows, K_STEP // GROUP],
-    )
 
 
 if gluon is not None:
@@ -228,26 +214,25 @@ if gluon is not None:
             shape=[W_ROWS, 2 * K_STEP // GROUP],
         )
     )
-    # a word's 8 nibbles as 4 wgmma A registers, each the float16 pair {1024 + code,
-    # 1024 + code} of nibbles k and k + 4 (bits 4 k and 16 + 4 k): a shift and a lop3
-    _WORD_TO_A = gl.constexpr("""{
-.reg .b32 t, mask, magic;
-mov.b32 mask, 0x000F000F;
-mov.b32 magic, 0x64006400;
-lop3.b32 $0, $4, mask, magic, 0xEA;
-shr.b32 t, $4, 4;
-lop3.b32 $1, t, mask, magic, 0xEA;
-shr.b32 t, $4, 8;
-lop3.b32 $2, t, mask, magic, 0xEA;
-shr.b32 t, $4, 12;
-lop3.b32 $3, t, mask, magic, 0xEA;
-}""")
+    # a word's 8 nibbles as 4 wgmma A registers, each the float16 pair {code x scale +
+    # minimum} of nibbles k and k + 4 (bits 4 k and 16 + 4 k): a shift and a lop3 make
+    # {1024 + code}, 1024 is taken off exactly, then one fma a pair (`dequant.dequant`'s
+    # arithmetic, rounded once); the scale pair is $12, the minimum pair $16 (each row's,
+    # broadcast over its values)
+    _WORD_TO_VALUES = gl.constexpr(
+        "{\n.reg .b32 t, mask, magic;\nmov.b32 mask, 0x000F000F;\nmov.b32 magic, 0x64006400;\n"
+        + "".join(
+            (f"shr.b32 t, $4, {4 * k};\nlop3.b32 t, t, mask, magic, 0xEA;\n" if k else
+             "lop3.b32 t, $4, mask, magic, 0xEA;\n")
+            + f"sub.f16x2 t, t, magic;\nfma.rn.f16x2 ${k}, t, $12, $16;\n"
+            for k in range(4)
+        )
+        + "}"
+    )  # fmt: skip
 
     @triton.jit
-    def _prepare_x_kernel(
-        x_ptr, permuted_ptr, sums_ptr, stride_xm, K: tl.constexpr, BLOCK: tl.constexpr
-    ):
-        """A row's BLOCK groups of x: permuted (`X_ORDER`) and summed in float32."""
+    def _permute_x_kernel(x_ptr, permuted_ptr, stride_xm, K: tl.constexpr, BLOCK: tl.constexpr):
+        """A row's BLOCK groups of x, permuted (`X_ORDER`)."""
         row = tl.program_id(0)
         groups = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = groups < K // 64
@@ -259,19 +244,18 @@ lop3.b32 $3, t, mask, magic, 0xEA;
             x_ptr + row * stride_xm + groups[:, None] * 64 + source[None, :], mask=ok[:, None]
         )
         tl.store(permuted_ptr + row * K + groups[:, None] * 64 + at[None, :], x, mask=ok[:, None])
-        tl.store(sums_ptr + row * (K // 64) + groups, tl.sum(x.to(tl.float32), axis=1), mask=ok)
 
     @gluon.jit
     def _load_step(descs, ring, bars, slot, row0, step, pred):
         """TMA copies of K step `step`'s tiles (W's codes, scales and minimums from W row
-        row0; x; x's sums) into the ring's `slot`, completing on its mbarrier."""
-        x_desc, c_desc, s_desc, m_desc, sum_desc = descs
-        x_smem, c_smem, s_smem, m_smem, sum_smem = ring
+        row0; x) into the ring's `slot`, completing on its mbarrier."""
+        x_desc, c_desc, s_desc, m_desc = descs
+        x_smem, c_smem, s_smem, m_smem = ring
         nbytes: gl.constexpr = (
             x_desc.block_type.nbytes + c_desc.block_type.nbytes + s_desc.block_type.nbytes
-            + m_desc.block_type.nbytes + sum_desc.block_type.nbytes
+            + m_desc.block_type.nbytes
         )  # fmt: skip
-        GROUPS: gl.constexpr = sum_desc.block_type.shape[1]
+        GROUPS: gl.constexpr = s_desc.block_type.shape[1] // 2
         bar = bars.index(slot)
         mbarrier.expect(bar, nbytes, pred=pred)
         _tma_load(x_desc, [0, step * GROUPS * 64], bar, x_smem.index(slot), pred=pred)
@@ -281,7 +265,6 @@ lop3.b32 $3, t, mask, magic, 0xEA;
         pair = step // 2 * 2 * GROUPS
         _tma_load(s_desc, [row0, pair], bar, s_smem.index(slot), pred=pred)
         _tma_load(m_desc, [row0, pair], bar, m_smem.index(slot), pred=pred)
-        _tma_load(sum_desc, [0, step * GROUPS], bar, sum_smem.index(slot), pred=pred)
 
     @gluon.jit
     def _this_step(pair, odd):
@@ -302,9 +285,10 @@ lop3.b32 $3, t, mask, magic, 0xEA;
         return t1 if g // 2 else t0
 
     @gluon.jit
-    def _group_product(words, x_slot, g: gl.constexpr, a_layout: gl.constexpr, zero):
-        """The asynchronous wgmma of group g's values (1024 + code) by x's columns of it.
-        words: the step's [W rows, 32] (int32)."""
+    def _group_values(words, scale, low, g: gl.constexpr, a_layout: gl.constexpr):
+        """Group g's values as wgmma's A operand [W rows, 64], in wgmma's K order
+        (`X_ORDER`). words: the step's codes [W rows, 32] (int32); scale, low: the group's
+        scales and minimums [W rows] (float16)."""
         ROWS: gl.constexpr = words.shape[0]
         t = gl.permute(gl.reshape(words, [ROWS, 4, 8]), [0, 2, 1])
         t0, t1 = gl.split(gl.reshape(t, [ROWS, 8, 2, 2]))  # [rows, word, g // 2], by g % 2
@@ -312,29 +296,21 @@ lop3.b32 $3, t, mask, magic, 0xEA;
         t0, t1 = gl.split(t)
         t = t1 if g // 2 else t0
         t = gl.convert_layout(t, gl.SliceLayout(2, WORD_VALUES))
-        t = gl.broadcast(gl.expand_dims(t, 2), gl.full([ROWS, 8, 8], 0, gl.int32, WORD_VALUES))[0]
+        spread = gl.full([ROWS, 8, 8], 0, gl.int32, WORD_VALUES)
+        by_row: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, WORD_VALUES))
+        scale = gl.convert_layout(scale, by_row)[:, None, None]
+        low = gl.convert_layout(low, by_row)[:, None, None]
         v = gl.inline_asm_elementwise(
-            _WORD_TO_A, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [t], dtype=gl.float16, is_pure=True,
-            pack=8,
+            _WORD_TO_VALUES, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [gl.broadcast(gl.expand_dims(t, 2), spread)[0], gl.broadcast(scale, spread)[0],
+             gl.broadcast(low, spread)[0]],
+            dtype=gl.float16, is_pure=True, pack=8,
         )  # fmt: skip
         # [rows, word 2 j + w, 2 k + h] to wgmma's K order, 16 (2 w + k // 2) + 8 (k % 2)
         # + 2 j + h (`X_ORDER`)
         v = gl.reshape(v, [ROWS, 4, 2, 2, 2, 2])  # [rows, j, w, k // 2, k % 2, h]
         v = gl.reshape(gl.permute(v, [0, 2, 3, 4, 1, 5]), [ROWS, 64])
-        a = gl.convert_layout(v, a_layout)
-        b = x_slot.slice(g * 64, 64, dim=1).permute((1, 0))
-        return warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
-
-    @gluon.jit
-    def _add_group(total, product, scales, biases, sums, g: gl.constexpr):
-        """total + group g's scale x product + its bias x the group's sum of x (the bias:
-        minimum - 1024 scale, for the 1024 in every value the product multiplied)."""
-        mma: gl.constexpr = total.type.layout
-        scale = gl.convert_layout(_group_of(scales, g), gl.SliceLayout(1, mma))
-        bias = gl.convert_layout(_group_of(biases, g), gl.SliceLayout(1, mma))
-        xsum = gl.convert_layout(_group_of(sums, g), gl.SliceLayout(0, mma))
-        total = gl.fma(product, scale[:, None], total)
-        return gl.fma(bias[:, None], xsum[None, :], total)
+        return gl.convert_layout(v, a_layout)
 
     @gluon.jit
     def _store(
@@ -354,9 +330,8 @@ lop3.b32 $3, t, mask, magic, 0xEA;
 
     @gluon.jit
     def _wgmma_kernel(
-        x_desc, c_desc, s_desc, m_desc, sum_desc, bias_ptr, res_ptr, out_ptr, partial_ptr,
-        count_ptr, M, N,
-        K: gl.constexpr, STAGES: gl.constexpr, PER_SPLIT: gl.constexpr, BY_COL: gl.constexpr,
+        x_desc, c_desc, s_desc, m_desc, bias_ptr, res_ptr, out_ptr, partial_ptr, count_ptr,
+        M, N, K: gl.constexpr, STAGES: gl.constexpr, PER_SPLIT: gl.constexpr,
         HAS_BIAS: gl.constexpr, RELU: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
     ):  # fmt: skip
         """out [M, N] (float16) = x @ dequantize(W)^T (+ bias, ReLU, + residual) for one
@@ -373,13 +348,12 @@ lop3.b32 $3, t, mask, magic, 0xEA;
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, X_ROWS, 16]
         )
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        descs = (x_desc, c_desc, s_desc, m_desc, sum_desc)
+        descs = (x_desc, c_desc, s_desc, m_desc)
         ring = (
             gl.allocate_shared_memory(gl.float16, [STAGES, X_ROWS, STEP], x_desc.layout),
             gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, STEP // 8], c_desc.layout),
             gl.allocate_shared_memory(gl.float16, [STAGES, ROWS, 2 * GROUPS], s_desc.layout),
             gl.allocate_shared_memory(gl.float16, [STAGES, ROWS, 2 * GROUPS], m_desc.layout),
-            gl.allocate_shared_memory(gl.float32, [STAGES, X_ROWS, GROUPS], sum_desc.layout),
         )
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
@@ -393,22 +367,14 @@ lop3.b32 $3, t, mask, magic, 0xEA;
             mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
             words = ring[1].index(slot).load(WORDS)
             odd = (first + i) % 2 == 1
-            scales = _this_step(ring[2].index(slot).load(BY_ROWS), odd).to(gl.float32)
-            lows = _this_step(ring[3].index(slot).load(BY_ROWS), odd).to(gl.float32)
-            biases = lows - 1024.0 * scales
-            sums = ring[4].index(slot).load(BY_COL)
+            scales = _this_step(ring[2].index(slot).load(BY_ROWS), odd)
+            lows = _this_step(ring[3].index(slot).load(BY_ROWS), odd)
             x_slot = ring[0].index(slot)
-            # each group's product is added in while the next group's is computed; none
-            # is in flight past the step (ptxas serializes every wgmma if registers of one
-            # in flight are read, as the loop's carried values would be)
-            previous = _group_product(words, x_slot, 0, a_layout, zero)
-            for g in gl.static_range(1, GROUPS):
-                product = _group_product(words, x_slot, g, a_layout, zero)
-                product, previous = warpgroup_mma_wait(num_outstanding=1, deps=(product, previous))
-                total = _add_group(total, previous, scales, biases, sums, g - 1)
-                previous = product
-            previous = warpgroup_mma_wait(num_outstanding=0, deps=(previous,))
-            total = _add_group(total, previous, scales, biases, sums, GROUPS - 1)
+            for g in gl.static_range(GROUPS):  # asynchronous, into one sum
+                a = _group_values(words, _group_of(scales, g), _group_of(lows, g), g, a_layout)
+                b = x_slot.slice(g * 64, 64, dim=1).permute((1, 0))
+                total = warpgroup_mma(a, b, total, is_async=True)
+            total = warpgroup_mma_wait(num_outstanding=0, deps=(total,))
             # every wgmma of step i is done: its slot takes step i + STAGES
             _barrier()
             fence_async_shared()
@@ -440,4 +406,4 @@ lop3.b32 $3, t, mask, magic, 0xEA;
                        HAS_RESIDUAL)  # fmt: skip
 
     _launch = Launcher(_wgmma_kernel)
-    _launch_prepare = Launcher(_prepare_x_kernel)
+    _launch_permute = Launcher(_permute_x_kernel)
