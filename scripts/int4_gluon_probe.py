@@ -268,26 +268,35 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
             "PTX": _NIBBLES_ASYMMETRIC.value, "PERMUTED": permuted,
         }  # fmt: skip
         name = f"probe, x rows {x_rows}{', permuted codes' if permuted else ''}"
-        variants.append((name, _qmm_gluon_kernel, x_rows, signature, constexprs))
+        options = {"num_warps": 4, "maxnreg": 128 if x_rows <= 16 else None}
+        variants.append((name, _qmm_gluon_kernel, options, signature, constexprs))
     for x_rows in wgmma.PER_SM:
+        warpgroups = wgmma.WARPGROUPS[x_rows]
+        rows = W_ROWS * warpgroups
         signature = {
             "x_desc": desc(gl.float16, [x_rows, K_STEP]),
-            "c_desc": desc(gl.int32, [W_ROWS, K_STEP // 8]),
-            "s_desc": desc(gl.float16, [W_ROWS, 8]), "m_desc": desc(gl.float16, [W_ROWS, 8]),
+            "c_desc": desc(gl.int32, [rows, K_STEP // 8]),
+            "s_desc": desc(gl.float16, [rows, 8]), "m_desc": desc(gl.float16, [rows, 8]),
             "bias_ptr": "*fp16", "res_ptr": "*fp16",
             "out_ptr": "*fp16", "partial_ptr": "*fp32", "count_ptr": "*i32",
         }  # fmt: skip
+        words, values, by_rows = wgmma._layouts(warpgroups)
         constexprs = {
             "K": k, "STAGES": wgmma.STAGES[x_rows], "PER_SPLIT": k // K_STEP // 2,
             "HAS_BIAS": True, "RELU": False, "HAS_RESIDUAL": False,
+            "WORDS": words, "VALUES": values, "BY_ROWS": by_rows,
         }  # fmt: skip
-        variants.append((f"qmatmul_wgmma, x rows {x_rows}", wgmma._wgmma_kernel, x_rows,
-                         signature, constexprs))  # fmt: skip
+        options = {
+            "num_warps": 4 * warpgroups,
+            "maxnreg": 128 if x_rows <= 16 or warpgroups > 1 else None,
+        }  # as `qmatmul_wgmma.qlinear` launches it
+        name = f"qmatmul_wgmma, x rows {x_rows}, {warpgroups} warpgroup(s)"
+        variants.append((name, wgmma._wgmma_kernel, options, signature, constexprs))
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    for name, kernel, x_rows, signature, constexprs in variants:
+    for name, kernel, options, signature, constexprs in variants:
         names = kernel.arg_names
         signature = {"M": "i32", "N": "i32", **signature}
-        constexprs = {c: v for c, v in {**constexprs, "num_warps": 4}.items() if c in names}
+        constexprs = {c: v for c, v in {**constexprs, **options}.items() if c in names}
         signature.update({c: "constexpr" for c in constexprs})
         aligned = [a for a in names if a.endswith("_ptr") or a == "N"]
         source = GluonASTSource(
@@ -296,7 +305,6 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
             constexprs=constexprs,
             attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned},
         )
-        options = {"num_warps": 4, "maxnreg": 128 if x_rows <= 16 else None}
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
@@ -398,7 +406,12 @@ def main() -> None:
         }
         if m > 32:
             one = split_of(max(1, sm_count(dev) // (n // W_ROWS)), k // K_STEP)
-            calls["wgmma, other stages"] = functools.partial(wgmma, stages=3, splits=one)
+            calls["wgmma, other stages"] = functools.partial(
+                wgmma, stages=3, splits=one, warpgroups=1
+            )  # fmt: skip
+        if m > 16:  # the other side of `WARPGROUPS`
+            groups = 3 - qmatmul_wgmma.WARPGROUPS[qmatmul_wgmma._x_rows(m)]
+            calls["wgmma, other warpgroups"] = functools.partial(wgmma, warpgroups=groups)
         for other in map(int, filter(None, args.splits.split(","))):
             calls[f"wgmma, split {other}"] = functools.partial(wgmma, splits=other)
         record["split"] = split_of(tiles.split, k // K_STEP)

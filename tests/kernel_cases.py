@@ -35,7 +35,8 @@ QLINEAR_SHAPES = [
     (1030, 70, 192, 64),
 ]
 # shapes `qmatmul_wgmma` takes on Hopper (1-64 rows, N a multiple of 64, K of 512):
-# wgmma's N of 8, 16, 32 and 64 (its 2-stage ring); split-K in 2-4 parts, and unsplit
+# wgmma's N of 8, 16, 32 and 64 (its 2-stage ring; two warpgroups a program where 128-row
+# tiles fill an H100 unsplit, as 266 do, else one); split-K in 2-4 parts, and unsplit
 # (340 tiles of 64 rows fill more than half of an H100's 5 programs an SM at 8 rows)
 WGMMA_SHAPES = [
     (1, 192, 1024, 64),
@@ -46,6 +47,7 @@ WGMMA_SHAPES = [
     (3, 21760, 512, 64),
     (33, 192, 1536, 64),
     (64, 64, 2048, 64),
+    (40, 34048, 512, 64),
 ]
 # the launcher's own tiles, then split-K (K in up to 4 parts of 64: 4, 3, 2 parts above)
 QLINEAR_TILES = [None, Tiles(16, 32, 64, 4, 2, split=4)]

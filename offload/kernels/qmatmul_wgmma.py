@@ -55,10 +55,11 @@ except ImportError:  # no Triton, or one without Gluon: the Triton kernel serves
 
 GROUP = 64
 K_STEP = 256  # codes a K step: 4 groups
-W_ROWS = 64  # W rows a program: wgmma's M
-# programs an SM by wgmma's N (x's rows in a tile), as shared memory and registers allow,
-# and the ring's stages (at 64 rows a stage's x tile is 32 KB: 3 stages fit one program
-# an SM, 2 fit two)
+W_ROWS = 64  # W rows a warpgroup: wgmma's M
+# by wgmma's N (x's rows in a tile): the warpgroups a program (each its own 64 W rows,
+# all of them reading the same x tile), the programs an SM that shared memory and
+# registers allow, and the ring's stages (at 64 rows a stage's x tile is 32 KB)
+WARPGROUPS = {8: 1, 16: 1, 32: 1, 64: 2}
 PER_SM = {8: 5, 16: 4, 32: 2, 64: 2}
 STAGES = {8: 3, 16: 3, 32: 3, 64: 2}
 
@@ -102,7 +103,7 @@ def _hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
-def split(m: int, n: int, k: int, device: torch.device) -> int:
+def split(m: int, n: int, k: int, device: torch.device, warpgroups: int | None = None) -> int:
     """The programs K is divided among for each tile: the most that keep every program
     in one wave, at least 1, a divisor of the K steps. Measured on the H100 (probe run
     145213): OPT-30B's qkv read 76-78% of HBM at 1-16 rows unsplit (336 programs) and
@@ -110,13 +111,27 @@ def split(m: int, n: int, k: int, device: torch.device) -> int:
     60-66% unsplit."""
     slots = PER_SM[_x_rows(m)] * sm_count(device)
     steps = k // K_STEP
-    wanted = max(1, slots // (n // W_ROWS))
+    tiles = n // (W_ROWS * (warpgroups or _warpgroups(m, n, k, device)))
+    wanted = max(1, slots // tiles)
     return split_of(wanted, steps)
 
 
 def _x_rows(m: int) -> int:
     """wgmma's N: x's rows in a tile."""
     return next(rows for rows in PER_SM if m <= rows)
+
+
+def _warpgroups(m: int, n: int, k: int, device: torch.device) -> int:
+    """`WARPGROUPS` where W's rows divide into their tiles and the tiles fill the GPU
+    unsplit, else 1. A split adds float32 partials, written and read: at 64 rows 512 N
+    bytes a part, 14% of the bytes of a W 7168 columns wide. Probe run 230417 (H100, 48
+    and 64 rows): unsplit, two warpgroups were 1.0-1.23x one (OPT-30B's qkv and mlp_in,
+    Llama-2-70B's mlp_in); where they needed 4 parts to one warpgroup's 2, 0.75-1.1x
+    (OPT-30B's out_proj and mlp_out)."""
+    groups = WARPGROUPS[_x_rows(m)]
+    if groups == 1 or n % (W_ROWS * groups) or split(m, n, k, device, groups) > 1:
+        return 1
+    return groups
 
 
 def permute_x(x: torch.Tensor) -> torch.Tensor:
@@ -137,30 +152,35 @@ def qlinear(
     residual: torch.Tensor | None = None,
     stages: int | None = None,
     splits: int | None = None,
+    warpgroups: int | None = None,
 ) -> torch.Tensor:
     """out [M, N] = x [M <= 64, K] @ dequantize(w)^T (+ bias, then ReLU, then + residual),
-    for w `eligible`; stages and splits override `STAGES` and `split`."""
+    for w `eligible`; stages, splits and warpgroups override `STAGES`, `split` and
+    `WARPGROUPS`."""
     n, k = w.shape
     m = x.shape[0]
     x_rows = _x_rows(m)
+    warpgroups = _warpgroups(m, n, k, x.device) if warpgroups is None else warpgroups
+    rows = W_ROWS * warpgroups
     stages = STAGES[x_rows] if stages is None else stages
     steps = k // K_STEP
-    parts = split(m, n, k, x.device) if splits is None else splits
+    parts = split(m, n, k, x.device, warpgroups) if splits is None else splits
     descriptors = (
         _descriptor(permute_x(x), [x_rows, K_STEP], gl.float16),
-        _descriptor(w.codes.view(n, k // 2).view(torch.int32), [W_ROWS, K_STEP // 8], gl.int32),
-        _descriptor(w.scale.view(n, k // GROUP), [W_ROWS, 2 * K_STEP // GROUP], gl.float16),
-        _descriptor(w.minimum.view(n, k // GROUP), [W_ROWS, 2 * K_STEP // GROUP], gl.float16),
+        _descriptor(w.codes.view(n, k // 2).view(torch.int32), [rows, K_STEP // 8], gl.int32),
+        _descriptor(w.scale.view(n, k // GROUP), [rows, 2 * K_STEP // GROUP], gl.float16),
+        _descriptor(w.minimum.view(n, k // GROUP), [rows, 2 * K_STEP // GROUP], gl.float16),
     )
     partial = out
     if parts > 1:
         partial = torch.empty((parts, m, n), dtype=torch.float32, device=x.device)
-    counts = arrival_counters("qlinear_wgmma", x.device, n // W_ROWS)
+    counts = arrival_counters("qlinear_wgmma", x.device, n // rows)
     _launch(
-        (n // W_ROWS, parts), 4, *descriptors, bias if bias is not None else out,
+        (n // rows, parts), 4 * warpgroups, *descriptors, bias if bias is not None else out,
         residual if residual is not None else out, out, partial, counts, m, n, k, stages,
-        steps // parts, bias is not None, relu, residual is not None,
-        registers=128 if x_rows <= 16 else None,  # all PER_SM programs fit
+        steps // parts, bias is not None, relu, residual is not None, *_layouts(warpgroups),
+        # all PER_SM programs fit (none spills at 128, offline)
+        registers=128 if x_rows <= 16 or warpgroups > 1 else None,
     )  # fmt: skip
     return out
 
@@ -174,6 +194,37 @@ def _shared_layout(rows: int, columns: int, dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, columns], dtype)
 
 
+@functools.cache
+def _layouts(warpgroups: int) -> tuple:
+    """The register layouts of a program of `warpgroups` (64 W rows each, 16 a warp):
+    a K step's codes as int32 words [W rows, 8 a group] (lane 4 g + j holds rows g and
+    g + 8 and words 2 j and 2 j + 1 of every group); one group's words, each spread over
+    the 8 values the asm makes of it [W rows, 8, 8]; and two steps' scales (or minimums)
+    [W rows, 2 x groups], each thread its accumulator rows' (splitting off a step's
+    half, then the groups, leaves the rows' layout)."""
+    rows = W_ROWS * warpgroups
+    warps = [[16 << i, 0] for i in range(2 + warpgroups.bit_length() - 1)]
+
+    def layout(reg_bases, lane_bases, shape):
+        pad = [0] * (len(shape) - 2)
+        return gl.DistributedLinearLayout(
+            reg_bases=reg_bases,
+            lane_bases=lane_bases,
+            warp_bases=[[w[0], *pad, w[1]] for w in warps],
+            block_bases=[],
+            shape=shape,
+        )
+
+    return (
+        layout([[0, 1], [8, 0], [0, 8], [0, 16]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+               [rows, 32]),
+        layout([[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [8, 0, 0]],
+               [[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], [rows, 8, 8]),
+        layout([[0, 1], [0, 2], [0, 4], [8, 0]], [[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+               [rows, 2 * K_STEP // GROUP]),
+    )  # fmt: skip
+
+
 if gluon is not None:
     # Names that changed between the Triton versions the project allows. TMA's load
     # into shared memory: `async_copy_global_to_shared` in 3.6 (the GPU machine's),
@@ -182,38 +233,6 @@ if gluon is not None:
     # a barrier of the program's threads: `thread_barrier` in 3.6, `barrier` in 3.9
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
-    # A K step's codes as int32 words [W rows, 8 a group]: lane 4 g + j holds rows g and
-    # g + 8 (16 more a warp) and words 2 j and 2 j + 1 of every group
-    WORDS = gl.constexpr(
-        gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16]],
-            lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]],
-            block_bases=[],
-            shape=[W_ROWS, 32],
-        )
-    )
-    # one group's words, each spread over the 8 values the asm makes of it: [W rows, 8, 8]
-    WORD_VALUES = gl.constexpr(
-        gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [8, 0, 0]],
-            lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=[[16, 0, 0], [32, 0, 0]],
-            block_bases=[],
-            shape=[W_ROWS, 8, 8],
-        )
-    )
-    # two steps' scales (or minimums) [W rows, 2 x groups]: each thread its accumulator
-    # rows'; splitting off a step's half, then the groups, leaves the rows' layout
-    BY_ROWS = gl.constexpr(
-        gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
-            lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]],
-            block_bases=[],
-            shape=[W_ROWS, 2 * K_STEP // GROUP],
-        )
-    )
     # a word's 8 nibbles as 4 wgmma A registers, each the float16 pair {code x scale +
     # minimum} of nibbles k and k + 4 (bits 4 k and 16 + 4 k): a shift and a lop3 make
     # {1024 + code}, 1024 is taken off exactly, then one fma a pair (`dequant.dequant`'s
@@ -285,7 +304,9 @@ if gluon is not None:
         return t1 if g // 2 else t0
 
     @gluon.jit
-    def _group_values(words, scale, low, g: gl.constexpr, a_layout: gl.constexpr):
+    def _group_values(
+        words, scale, low, g: gl.constexpr, a_layout: gl.constexpr, VALUES: gl.constexpr
+    ):
         """Group g's values as wgmma's A operand [W rows, 64], in wgmma's K order
         (`X_ORDER`). words: the step's codes [W rows, 32] (int32); scale, low: the group's
         scales and minimums [W rows] (float16)."""
@@ -295,9 +316,9 @@ if gluon is not None:
         t = t1 if g % 2 else t0
         t0, t1 = gl.split(t)
         t = t1 if g // 2 else t0
-        t = gl.convert_layout(t, gl.SliceLayout(2, WORD_VALUES))
-        spread = gl.full([ROWS, 8, 8], 0, gl.int32, WORD_VALUES)
-        by_row: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, WORD_VALUES))
+        t = gl.convert_layout(t, gl.SliceLayout(2, VALUES))
+        spread = gl.full([ROWS, 8, 8], 0, gl.int32, VALUES)
+        by_row: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, VALUES))
         scale = gl.convert_layout(scale, by_row)[:, None, None]
         low = gl.convert_layout(low, by_row)[:, None, None]
         v = gl.inline_asm_elementwise(
@@ -333,11 +354,12 @@ if gluon is not None:
         x_desc, c_desc, s_desc, m_desc, bias_ptr, res_ptr, out_ptr, partial_ptr, count_ptr,
         M, N, K: gl.constexpr, STAGES: gl.constexpr, PER_SPLIT: gl.constexpr,
         HAS_BIAS: gl.constexpr, RELU: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+        WORDS: gl.constexpr, VALUES: gl.constexpr, BY_ROWS: gl.constexpr,
     ):  # fmt: skip
         """out [M, N] (float16) = x @ dequantize(W)^T (+ bias, ReLU, + residual) for one
-        tile of 64 W rows (program_id 0) and K range (program_id 1; split-K partials
-        [split, M, N] in float32, the last to arrive at the tile's counter adding them
-        in split order)."""
+        tile of W rows (64 a warpgroup; program_id 0) and K range (program_id 1; split-K
+        partials [split, M, N] in float32, the last to arrive at the tile's counter
+        adding them in split order). WORDS, VALUES, BY_ROWS: `_layouts`."""
         ROWS: gl.constexpr = c_desc.block_type.shape[0]
         X_ROWS: gl.constexpr = x_desc.block_type.shape[0]
         STEP: gl.constexpr = x_desc.block_type.shape[1]
@@ -345,7 +367,7 @@ if gluon is not None:
         n0 = gl.program_id(0) * ROWS
         first = gl.program_id(1) * PER_SPLIT
         mma: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, X_ROWS, 16]
+            version=[3, 0], warps_per_cta=[ROWS // 16, 1], instr_shape=[16, X_ROWS, 16]
         )
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         descs = (x_desc, c_desc, s_desc, m_desc)
@@ -371,7 +393,9 @@ if gluon is not None:
             lows = _this_step(ring[3].index(slot).load(BY_ROWS), odd)
             x_slot = ring[0].index(slot)
             for g in gl.static_range(GROUPS):  # asynchronous, into one sum
-                a = _group_values(words, _group_of(scales, g), _group_of(lows, g), g, a_layout)
+                a = _group_values(
+                    words, _group_of(scales, g), _group_of(lows, g), g, a_layout, VALUES
+                )
                 b = x_slot.slice(g * 64, 64, dim=1).permute((1, 0))
                 total = warpgroup_mma(a, b, total, is_async=True)
             total = warpgroup_mma_wait(num_outstanding=0, deps=(total,))
