@@ -19,6 +19,8 @@ sm_90 GPU; everything else stays on the Triton kernel. The differences from it:
   tensor copies into a ring of STAGES slots on mbarriers.
 - **One wave.** K is split among the most programs a tile that keep every program in
   one wave (`split`), and the last to arrive adds the partials in split order.
+- **Two warpgroups a program at 33-64 rows** where their 128-row tiles fill the GPU
+  unsplit (`_warpgroups`): both read one x tile, so twice the warpgroups fit an SM.
 
 Written in Triton's Gluon dialect (explicit layouts, shared memory, mbarriers, wgmma),
 which has no CPU interpreter: the CPU tests check `X_ORDER`'s algebra against
@@ -104,11 +106,11 @@ def _hopper(device: torch.device) -> bool:
 
 
 def split(m: int, n: int, k: int, device: torch.device, warpgroups: int | None = None) -> int:
-    """The programs K is divided among for each tile: the most that keep every program
-    in one wave, at least 1, a divisor of the K steps. Measured on the H100 (probe run
-    145213): OPT-30B's qkv read 76-78% of HBM at 1-16 rows unsplit (336 programs) and
-    58-65% split in 2 (1.3 waves); its mlp_out 70-76% split in 4 (448 programs) and
-    60-66% unsplit."""
+    """The programs K is divided among for each tile (of `warpgroups` x 64 W rows; None:
+    `_warpgroups`): the most that keep every program in one wave, at least 1, a divisor
+    of the K steps. Measured on the H100 (probe run 145213): OPT-30B's qkv read 76-78%
+    of HBM at 1-16 rows unsplit (336 programs) and 58-65% split in 2 (1.3 waves); its
+    mlp_out 70-76% split in 4 (448 programs) and 60-66% unsplit."""
     slots = PER_SM[_x_rows(m)] * sm_count(device)
     steps = k // K_STEP
     tiles = n // (W_ROWS * (warpgroups or _warpgroups(m, n, k, device)))
