@@ -205,7 +205,7 @@ def _layouts(warpgroups: int) -> tuple:
     [W rows, 2 x groups], each thread its accumulator rows' (splitting off a step's
     half, then the groups, leaves the rows' layout)."""
     rows = W_ROWS * warpgroups
-    warps = [[16 << i, 0] for i in range(2 + warpgroups.bit_length() - 1)]
+    warps = [[16 << i, 0] for i in range(1 + warpgroups.bit_length())]  # 16 rows a warp
 
     def layout(reg_bases, lane_bases, shape):
         pad = [0] * (len(shape) - 2)
