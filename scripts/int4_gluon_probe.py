@@ -286,10 +286,8 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
             "HAS_BIAS": True, "RELU": False, "HAS_RESIDUAL": False,
             "WORDS": words, "VALUES": values, "BY_ROWS": by_rows,
         }  # fmt: skip
-        options = {
-            "num_warps": 4 * warpgroups,
-            "maxnreg": 128 if x_rows <= 16 or warpgroups > 1 else None,
-        }  # as `qmatmul_wgmma.qlinear` launches it
+        # as `qmatmul_wgmma.qlinear` launches it
+        options = {"num_warps": 4 * warpgroups, "maxnreg": wgmma.registers(x_rows, warpgroups)}
         name = f"qmatmul_wgmma, x rows {x_rows}, {warpgroups} warpgroup(s)"
         variants.append((name, wgmma._wgmma_kernel, options, signature, constexprs))
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"

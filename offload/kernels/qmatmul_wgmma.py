@@ -123,6 +123,12 @@ def _x_rows(m: int) -> int:
     return next(rows for rows in PER_SM if m <= rows)
 
 
+def registers(x_rows: int, warpgroups: int) -> int | None:
+    """The register cap a thread, where one is needed for all `PER_SM` programs to fit an
+    SM (none spills at 128, offline)."""
+    return 128 if x_rows <= 16 or warpgroups > 1 else None
+
+
 def _warpgroups(m: int, n: int, k: int, device: torch.device) -> int:
     """`WARPGROUPS` where W's rows divide into their tiles and the tiles fill the GPU
     unsplit, else 1. A split adds float32 partials, written and read: at 64 rows 512 N
@@ -181,8 +187,7 @@ def qlinear(
         (n // rows, parts), 4 * warpgroups, *descriptors, bias if bias is not None else out,
         residual if residual is not None else out, out, partial, counts, m, n, k, stages,
         steps // parts, bias is not None, relu, residual is not None, *_layouts(warpgroups),
-        # all PER_SM programs fit (none spills at 128, offline)
-        registers=128 if x_rows <= 16 or warpgroups > 1 else None,
+        registers=registers(x_rows, warpgroups),
     )  # fmt: skip
     return out
 
