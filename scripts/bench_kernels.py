@@ -112,7 +112,7 @@ def print_beside(rows: list[dict], names, hbm: float) -> None:
     for r in rows:
         cells = []
         for name in names:
-            v = r[name]
+            v = r.get(name, {"us": [], "error": "not run"})  # (columns only some rows have)
             if v["us"]:
                 cells.append(
                     f"{min(v['us']):8.1f} ({v['hbm_share'] * 100:2.0f}%) {v['max_diff']:7.3g}"

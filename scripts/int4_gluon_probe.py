@@ -1,7 +1,7 @@
 """The int4 decode matmul on Hopper: ours (Triton), `qmatmul_wgmma` (what `qlinear` runs
 there) and this probe's first Gluon kernel, on the same weights.
 
-    python scripts/int4_gluon_probe.py [--rows 1,8,14,16,32] [--splits 1,4] [--out DIR]
+    python scripts/int4_gluon_probe.py [--rows 1,8,14,16,32] [--grids 132,264] [--out DIR]
     python scripts/int4_gluon_probe.py --compile-only [--dump DIR]  # no GPU: sm_90 SASS
     python scripts/int4_gluon_probe.py --profile --rows 16   # each kernel 3 times, for ncu
 
@@ -282,8 +282,7 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
         }  # fmt: skip
         words, values, by_rows = wgmma._layouts(warpgroups)
         constexprs = {
-            "K": k, "STAGES": wgmma.STAGES[x_rows], "PER_SPLIT": k // K_STEP // 2,
-            "HAS_BIAS": True, "RELU": False, "HAS_RESIDUAL": False,
+            "K": k, "STAGES": wgmma.STAGES[x_rows], "HAS_BIAS": True, "RELU": False, "HAS_RESIDUAL": False,
             "WORDS": words, "VALUES": values, "BY_ROWS": by_rows,
         }  # fmt: skip
         # as `qmatmul_wgmma.qlinear` launches it
@@ -293,7 +292,7 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     for name, kernel, options, signature, constexprs in variants:
         names = kernel.arg_names
-        signature = {"M": "i32", "N": "i32", **signature}
+        signature = {"M": "i32", "N": "i32", "PER_TILE": "i32", **signature}
         constexprs = {c: v for c, v in {**constexprs, **options}.items() if c in names}
         signature.update({c: "constexpr" for c in constexprs})
         aligned = [a for a in names if a.endswith("_ptr") or a == "N"]
@@ -345,6 +344,24 @@ def _k_loop(sass: str) -> list[str]:
     return min(with_mma, key=len) if with_mma else []
 
 
+def _split_k_grid(m: int, n: int, k: int, dev: torch.device) -> dict[str, int]:
+    """The programs and warpgroups of `qmatmul_wgmma`'s rule before stream-K (at
+    e089202): tiles x split, each program one tile's equal share of K, K divided among
+    the most programs a tile that fill `PER_SM` (then 5, 4, 2, 2) an SM; two warpgroups
+    at 33-64 rows only where their tiles needed no split."""
+    from offload.kernels import qmatmul_wgmma
+
+    x_rows = qmatmul_wgmma._x_rows(m)
+    slots = {8: 5, 16: 4, 32: 2, 64: 2}[x_rows] * sm_count(dev)
+
+    def grid(groups: int) -> int:
+        tiles = n // (W_ROWS * groups)
+        return tiles * split_of(max(1, slots // tiles), k // K_STEP)
+
+    two = x_rows == 64 and n % (2 * W_ROWS) == 0 and grid(2) == n // (2 * W_ROWS)
+    return {"grid": grid(2 if two else 1), "warpgroups": 2 if two else 1}
+
+
 def _eager_us(call, calls: int = 200) -> float:
     """Wall time a call, eager (no CUDA graph): host overhead included (us)."""
     import time
@@ -362,8 +379,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", default="1,16,32")
     p.add_argument("--stages", type=int, default=3)
-    p.add_argument("--splits", default="", help="qmatmul_wgmma at these splits as well")
+    p.add_argument("--grids", default="", help="qmatmul_wgmma at these programs as well")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument(
+        "--baseline", type=Path,
+        help="a file of qmatmul_wgmma from another commit (git show REV:PATH > FILE), timed beside",
+    )  # fmt: skip
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--dump", type=Path, help="with --compile-only: a folder for the SASS")
     p.add_argument(
@@ -380,6 +401,13 @@ def main() -> None:
     from offload.kernels import qmatmul, qmatmul_wgmma
 
     dev = torch.device("cuda")
+    baseline = None
+    if args.baseline is not None:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("baseline_wgmma", args.baseline)
+        baseline = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(baseline)
     hbm = hbm_rate(dev)
     results = Results(
         "int4_gluon_probe",
@@ -387,6 +415,7 @@ def main() -> None:
          "hbm_copy_gbps": hbm, "stages": args.stages, "rows": []},
         args.out,
     )  # fmt: skip
+    columns: dict[str, None] = {}
     for record, x, q, reference, read in int4_probe_cases(dev, map(int, args.rows.split(","))):
         (m, k), n = x.shape, q.shape[0]
         tiles = qmatmul._tiles(m, n, k, GROUP, dev)
@@ -398,22 +427,32 @@ def main() -> None:
             "ours (Triton)": functools.partial(qmatmul.qlinear, x, q, None, tiles),
             "probe kernel": split_k,
             "qlinear (wgmma)": functools.partial(qmatmul.qlinear, x, q),
+            # the grid and warpgroups of the split-K rule the stream-K grid replaced
+            "wgmma, split-K grid": functools.partial(wgmma, **_split_k_grid(m, n, k, dev)),
             # 4 stages up to 32 rows; above (where the probe's kernel stops), 3, which
-            # fit one program an SM, split for one
+            # fit one program an SM
             "wgmma, other stages": functools.partial(wgmma, stages=4),
         }
         if m > 32:
-            one = split_of(max(1, sm_count(dev) // (n // W_ROWS)), k // K_STEP)
             calls["wgmma, other stages"] = functools.partial(
-                wgmma, stages=3, splits=one, warpgroups=1
+                wgmma, stages=3, grid=sm_count(dev), warpgroups=1
             )  # fmt: skip
         if m > 16:  # the other side of `WARPGROUPS`
             groups = 3 - qmatmul_wgmma.WARPGROUPS[qmatmul_wgmma._x_rows(m)]
             calls["wgmma, other warpgroups"] = functools.partial(wgmma, warpgroups=groups)
-        for other in map(int, filter(None, args.splits.split(","))):
-            calls[f"wgmma, split {other}"] = functools.partial(wgmma, splits=other)
+        # stream-K wherever: one wave (`PER_SM` programs an SM) in equal runs of units
+        slots = qmatmul_wgmma.PER_SM[qmatmul_wgmma._x_rows(m)] * sm_count(dev)
+        calls["wgmma, stream-K"] = functools.partial(
+            wgmma, grid=min(n // W_ROWS * (k // K_STEP), slots), warpgroups=1
+        )  # fmt: skip
+        if baseline is not None:
+            calls[f"baseline ({args.baseline.stem})"] = functools.partial(
+                baseline.qlinear, x, q, None, out
+            )  # fmt: skip
+        for other in map(int, filter(None, args.grids.split(","))):
+            calls[f"wgmma, {other} programs"] = functools.partial(wgmma, grid=other)
         record["split"] = split_of(tiles.split, k // K_STEP)
-        record["wgmma_split"] = qmatmul_wgmma.split(m, n, k, dev)
+        record["wgmma_programs"] = qmatmul_wgmma.programs(m, n, k, dev)
         outputs = {"probe kernel": lambda f=split_k: f().sum(0)}
         if args.profile:
             for call in calls.values():
@@ -421,13 +460,14 @@ def main() -> None:
                     call()
             torch.cuda.synchronize()
             return
+        columns.update(dict.fromkeys(calls))  # every row's, in order
         record.update(time_beside(calls, reference, read, hbm, outputs))
         record["eager_us"] = {
             name: _eager_us(calls[name]) for name in ("ours (Triton)", "qlinear (wgmma)")
         }
         results.data["rows"].append(record)
         results.save()
-    print_beside(results.data["rows"], tuple(calls), hbm)
+    print_beside(results.data["rows"], tuple(columns), hbm)
 
 
 if __name__ == "__main__":

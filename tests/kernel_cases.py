@@ -35,9 +35,10 @@ QLINEAR_SHAPES = [
     (1030, 70, 192, 64),
 ]
 # shapes `qmatmul_wgmma` takes on Hopper (1-64 rows, N a multiple of 64, K of 512):
-# wgmma's N of 8, 16, 32 and 64 (its 2-stage ring; two warpgroups a program where 128-row
-# tiles fill an H100 unsplit, as 266 do, else one); split-K in 2-4 parts, and unsplit
-# (340 tiles of 64 rows fill more than half of an H100's 5 programs an SM at 8 rows)
+# wgmma's N of 8, 16, 32 and 64 (its 2-stage ring); on a 132-SM H100, split-K in 2-8
+# parts, one tile a program (340 of 64 rows at 3 rows; 200 of 128 rows, two warpgroups
+# a program, at 48 rows), and stream-K (532 tiles on 264 programs at 40 rows; 594 at 24
+# rows: 2.25 tiles a program)
 WGMMA_SHAPES = [
     (1, 192, 1024, 64),
     (5, 128, 512, 64),
@@ -48,6 +49,8 @@ WGMMA_SHAPES = [
     (33, 192, 1536, 64),
     (64, 64, 2048, 64),
     (40, 34048, 512, 64),
+    (24, 38016, 512, 64),
+    (48, 25600, 512, 64),
 ]
 # the launcher's own tiles, then split-K (K in up to 4 parts of 64: 4, 3, 2 parts above)
 QLINEAR_TILES = [None, Tiles(16, 32, 64, 4, 2, split=4)]

@@ -191,7 +191,7 @@ def test_split_k_qlinear_replays_in_a_cuda_graph(kernel):
         if not qmatmul_wgmma.eligible(x, w, None):
             pytest.skip("qmatmul_wgmma: Hopper GPUs only")
         tiles = None
-        assert qmatmul_wgmma.split(12, 1024, 4096, x.device) > 1
+        assert (1024 // 64) % qmatmul_wgmma.programs(12, 1024, 4096, x.device), "no tile shared"
     assert kernel == "wgmma" or tiles.split > 1
     qlinear(x, w, tiles=tiles)  # compiled before the capture
     graph = torch.cuda.CUDAGraph()
@@ -205,21 +205,36 @@ def test_split_k_qlinear_replays_in_a_cuda_graph(kernel):
 
 def test_wgmma_shapes_take_the_wgmma_kernel_on_hopper():
     """The cases `qlinear_failures` runs as WGMMA_SHAPES reach `qmatmul_wgmma` (so the
-    compiled test above checks it), and the launcher's split spans one wave."""
+    compiled test above checks it) on every kind of grid: one tile a program (with one
+    warpgroup and with two), split-K, and stream-K (tiles shared by runs that cross them)."""
     from offload.kernels import qmatmul_wgmma
     from offload.kernels.formats import Compression
+    from offload.kernels.launch import sm_count
     from offload.kernels.quant import quantize
     from tests.kernel_cases import WGMMA_SHAPES
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("qmatmul_wgmma: Hopper GPUs only")
-    splits = []
+    if sm_count(torch.device("cuda")) != 132:
+        pytest.skip("WGMMA_SHAPES' grids are chosen for 132 SMs")
+    kinds = set()
     for rows, n, k, group in WGMMA_SHAPES:
         w = quantize(torch.randn(n, k, device="cuda"), Compression(4, group, False))
         x = torch.randn(rows, k, device="cuda", dtype=torch.float16)
         assert qmatmul_wgmma.eligible(x, w, torch.zeros(n, device="cuda", dtype=x.dtype))
-        splits.append(qmatmul_wgmma.split(rows, n, k, x.device))
-    assert 1 in splits and max(splits) > 1
+        warpgroups = qmatmul_wgmma._warpgroups(rows, n, k, x.device)
+        tiles = n // (64 * warpgroups)
+        grid = qmatmul_wgmma.programs(rows, n, k, x.device)
+        if grid == tiles:
+            kinds.add(f"one tile a program, {warpgroups} warpgroup(s)")
+        else:
+            kinds.add("split-K" if grid % tiles == 0 else "stream-K")
+    assert kinds == {
+        "one tile a program, 1 warpgroup(s)",
+        "one tile a program, 2 warpgroup(s)",
+        "split-K",
+        "stream-K",
+    }
 
 
 def test_int4_head_dim_128_caches_take_the_mma_attention_kernel():

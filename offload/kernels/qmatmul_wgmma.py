@@ -17,10 +17,15 @@ sm_90 GPU; everything else stays on the Triton kernel. The differences from it:
   sum over K is the same sum.
 - **TMA.** A K step's tiles (W's codes, x, W's scales and minimums) come by Hopper's bulk
   tensor copies into a ring of STAGES slots on mbarriers.
-- **One wave.** K is split among the most programs a tile that keep every program in
-  one wave (`split`), and the last to arrive adds the partials in split order.
-- **Two warpgroups a program at 33-64 rows** where their 128-row tiles fill the GPU
-  unsplit (`_warpgroups`): both read one x tile, so twice the warpgroups fit an SM.
+- **Equal runs of (tile, K step) units.** A program takes the next run of the units,
+  tile by tile, which may begin or end inside a tile; a tile one program covers is
+  stored whole, and a tile shared by several is added up in K order, from float32
+  partials, by the last of them to arrive. `programs` sets the runs: K split among the
+  most programs a tile that keep one wave (split-K, launched tile by tile as before),
+  or, where the tiles need more than one wave and the last would be at most half full,
+  one wave of runs that cross tiles (stream-K: 1.21x on OPT-30B's qkv at 32 rows).
+- **Two warpgroups a program at 33-64 rows** where W's rows divide into their 128-row
+  tiles: both read one x tile, so twice the warpgroups fit an SM.
 
 Written in Triton's Gluon dialect (explicit layouts, shared memory, mbarriers, wgmma),
 which has no CPU interpreter: the CPU tests check `X_ORDER`'s algebra against
@@ -59,10 +64,13 @@ GROUP = 64
 K_STEP = 256  # codes a K step: 4 groups
 W_ROWS = 64  # W rows a warpgroup: wgmma's M
 # by wgmma's N (x's rows in a tile): the warpgroups a program (each its own 64 W rows,
-# all of them reading the same x tile), the programs an SM that shared memory and
-# registers allow, and the ring's stages (at 64 rows a stage's x tile is 32 KB)
+# all of them reading the same x tile), the programs an SM (at most what shared memory
+# and registers allow), and the ring's stages (at 64 rows a stage's x tile is 32 KB).
+# Programs an SM, probe run 232755 (H100, one tile a program, K 14336 / 28672): at 1-16
+# rows 3 or 4 read 80-84 / 86-89% of HBM, 2 80-82 / 85-86%, 1 61-67 / 66-69%; 5 (at 8
+# rows, where 4 fill an SM's registers at 128 a thread) 68-69 / 72%
 WARPGROUPS = {8: 1, 16: 1, 32: 1, 64: 2}
-PER_SM = {8: 5, 16: 4, 32: 2, 64: 2}
+PER_SM = {8: 4, 16: 4, 32: 2, 64: 2}
 STAGES = {8: 3, 16: 3, 32: 3, 64: 2}
 
 
@@ -105,17 +113,23 @@ def _hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
-def split(m: int, n: int, k: int, device: torch.device, warpgroups: int | None = None) -> int:
-    """The programs K is divided among for each tile (of `warpgroups` x 64 W rows; None:
-    `_warpgroups`): the most that keep every program in one wave, at least 1, a divisor
-    of the K steps. Measured on the H100 (probe run 145213): OPT-30B's qkv read 76-78%
-    of HBM at 1-16 rows unsplit (336 programs) and 58-65% split in 2 (1.3 waves); its
-    mlp_out 70-76% split in 4 (448 programs) and 60-66% unsplit."""
+def programs(m: int, n: int, k: int, device: torch.device, warpgroups: int | None = None) -> int:
+    """The programs a call runs, for tiles of `warpgroups` x 64 W rows (None:
+    `_warpgroups`): where the tiles fit one wave (`PER_SM` programs an SM), each tile's K
+    divided among the most programs that keep one wave, at least 1, a divisor of its K
+    steps (split-K); where they need more than one and the last would be at most half
+    full, one wave in equal runs of (tile, K step) units (stream-K); else one tile a
+    program. Probe runs 233604 and 234039 (H100): at 48-64 rows split-K read 42-64% of
+    HBM where stream-K read 22-59% (its partials: 64 x 128 float32 a shared tile,
+    written and read); on OPT-30B's qkv at 32 rows (336 tiles, 1.27 waves) stream-K read
+    65% where one tile a program read 54%."""
     slots = PER_SM[_x_rows(m)] * sm_count(device)
-    steps = k // K_STEP
     tiles = n // (W_ROWS * (warpgroups or _warpgroups(m, n, k, device)))
-    wanted = max(1, slots // tiles)
-    return split_of(wanted, steps)
+    if tiles <= slots:
+        return tiles * split_of(slots // tiles, k // K_STEP)
+    if 0 < tiles % slots <= slots // 2:
+        return slots
+    return tiles
 
 
 def _x_rows(m: int) -> int:
@@ -130,16 +144,16 @@ def registers(x_rows: int, warpgroups: int) -> int | None:
 
 
 def _warpgroups(m: int, n: int, k: int, device: torch.device) -> int:
-    """`WARPGROUPS` where W's rows divide into their tiles and the tiles fill the GPU
-    unsplit, else 1. A split adds float32 partials, written and read: at 64 rows 512 N
-    bytes a part, 14% of the bytes of a W 7168 columns wide. Probe run 230417 (H100, 48
-    and 64 rows): unsplit, two warpgroups were 1.0-1.23x one (OPT-30B's qkv and mlp_in,
+    """`WARPGROUPS` where W's rows divide into their tiles and the tiles take no split,
+    else 1. A split adds float32 partials, written and read: at 64 rows 512 N bytes a
+    part, 14% of the bytes of a W 7168 columns wide. Probe run 230417 (H100, 48 and 64
+    rows): unsplit, two warpgroups were 1.0-1.23x one (OPT-30B's qkv and mlp_in,
     Llama-2-70B's mlp_in); where they needed 4 parts to one warpgroup's 2, 0.75-1.1x
     (OPT-30B's out_proj and mlp_out)."""
     groups = WARPGROUPS[_x_rows(m)]
-    if groups == 1 or n % (W_ROWS * groups) or split(m, n, k, device, groups) > 1:
+    if groups == 1 or n % (W_ROWS * groups):
         return 1
-    return groups
+    return groups if programs(m, n, k, device, groups) == n // (W_ROWS * groups) else 1
 
 
 def permute_x(x: torch.Tensor) -> torch.Tensor:
@@ -159,34 +173,35 @@ def qlinear(
     relu: bool = False,
     residual: torch.Tensor | None = None,
     stages: int | None = None,
-    splits: int | None = None,
+    grid: int | None = None,
     warpgroups: int | None = None,
 ) -> torch.Tensor:
     """out [M, N] = x [M <= 64, K] @ dequantize(w)^T (+ bias, then ReLU, then + residual),
-    for w `eligible`; stages, splits and warpgroups override `STAGES`, `split` and
-    `WARPGROUPS`."""
+    for w `eligible`; stages, grid (the programs) and warpgroups override `STAGES`,
+    `programs` and `WARPGROUPS`."""
     n, k = w.shape
     m = x.shape[0]
     x_rows = _x_rows(m)
     warpgroups = _warpgroups(m, n, k, x.device) if warpgroups is None else warpgroups
     rows = W_ROWS * warpgroups
     stages = STAGES[x_rows] if stages is None else stages
-    steps = k // K_STEP
-    parts = split(m, n, k, x.device, warpgroups) if splits is None else splits
+    grid = programs(m, n, k, x.device, warpgroups) if grid is None else grid
     descriptors = (
         _descriptor(permute_x(x), [x_rows, K_STEP], gl.float16),
         _descriptor(w.codes.view(n, k // 2).view(torch.int32), [rows, K_STEP // 8], gl.int32),
         _descriptor(w.scale.view(n, k // GROUP), [rows, 2 * K_STEP // GROUP], gl.float16),
         _descriptor(w.minimum.view(n, k // GROUP), [rows, 2 * K_STEP // GROUP], gl.float16),
     )
+    tiles = n // rows
     partial = out
-    if parts > 1:
-        partial = torch.empty((parts, m, n), dtype=torch.float32, device=x.device)
-    counts = arrival_counters("qlinear_wgmma", x.device, n // rows)
+    if tiles % grid:  # tiles shared by programs: two partials a program at most
+        partial = torch.empty((2 * grid, m, rows), dtype=torch.float32, device=x.device)
+    counts = arrival_counters("qlinear_wgmma", x.device, tiles)
     _launch(
-        (n // rows, parts), 4 * warpgroups, *descriptors, bias if bias is not None else out,
-        residual if residual is not None else out, out, partial, counts, m, n, k, stages,
-        steps // parts, bias is not None, relu, residual is not None, *_layouts(warpgroups),
+        (grid,), 4 * warpgroups, *descriptors, bias if bias is not None else out,
+        residual if residual is not None else out, out, partial, counts, m, n,
+        grid // tiles if grid % tiles == 0 else 1, k, stages,
+        bias is not None, relu, residual is not None, *_layouts(warpgroups),
         registers=registers(x_rows, warpgroups),
     )  # fmt: skip
     return out
@@ -359,20 +374,28 @@ if gluon is not None:
     @gluon.jit
     def _wgmma_kernel(
         x_desc, c_desc, s_desc, m_desc, bias_ptr, res_ptr, out_ptr, partial_ptr, count_ptr,
-        M, N, K: gl.constexpr, STAGES: gl.constexpr, PER_SPLIT: gl.constexpr,
+        M, N, PER_TILE, K: gl.constexpr, STAGES: gl.constexpr,
         HAS_BIAS: gl.constexpr, RELU: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
         WORDS: gl.constexpr, VALUES: gl.constexpr, BY_ROWS: gl.constexpr,
     ):  # fmt: skip
-        """out [M, N] (float16) = x @ dequantize(W)^T (+ bias, ReLU, + residual) for one
-        tile of W rows (64 a warpgroup; program_id 0) and K range (program_id 1; split-K
-        partials [split, M, N] in float32, the last to arrive at the tile's counter
-        adding them in split order). WORDS, VALUES, BY_ROWS: `_layouts`."""
+        """out [M, N] (float16) = x @ dequantize(W)^T (+ bias, ReLU, + residual). The
+        units (tile of W rows, 64 a warpgroup; K step), tile by tile, in equal runs to
+        the programs; each program walks its run through one ring, tile by tile, each
+        tile's sum ended by `_end_tile`. WORDS, VALUES, BY_ROWS:
+        `_layouts`."""
         ROWS: gl.constexpr = c_desc.block_type.shape[0]
         X_ROWS: gl.constexpr = x_desc.block_type.shape[0]
         STEP: gl.constexpr = x_desc.block_type.shape[1]
         GROUPS: gl.constexpr = STEP // 64
-        n0 = gl.program_id(0) * ROWS
-        first = gl.program_id(1) * PER_SPLIT
+        STEPS: gl.constexpr = K // STEP
+        units = N // ROWS * STEPS
+        programs = gl.num_programs(0)
+        # where each tile has PER_TILE programs, launched tile by tile: the tiles' first
+        # parts first, then their second parts, ... (else PER_TILE is 1)
+        lanes = programs // PER_TILE
+        program = gl.program_id(0) % lanes * PER_TILE + gl.program_id(0) // lanes
+        start = program * units // programs
+        count = (program + 1) * units // programs - start
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[ROWS // 16, 1], instr_shape=[16, X_ROWS, 16]
         )
@@ -387,52 +410,83 @@ if gluon is not None:
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(bars.index(s), count=1)
-        for s in gl.static_range(STAGES):  # the ring's first steps
-            _load_step(descs, ring, bars, s, n0, first + s, s < PER_SPLIT)
-        zero = gl.zeros((ROWS, X_ROWS), dtype=gl.float32, layout=mma)
-        total = zero
-        for i in range(PER_SPLIT):
-            slot = i % STAGES
-            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-            words = ring[1].index(slot).load(WORDS)
-            odd = (first + i) % 2 == 1
-            scales = _this_step(ring[2].index(slot).load(BY_ROWS), odd)
-            lows = _this_step(ring[3].index(slot).load(BY_ROWS), odd)
-            x_slot = ring[0].index(slot)
-            for g in gl.static_range(GROUPS):  # asynchronous, into one sum
-                a = _group_values(
-                    words, _group_of(scales, g), _group_of(lows, g), g, a_layout, VALUES
-                )
-                b = x_slot.slice(g * 64, 64, dim=1).permute((1, 0))
-                total = warpgroup_mma(a, b, total, is_async=True)
-            total = warpgroup_mma_wait(num_outstanding=0, deps=(total,))
-            # every wgmma of step i is done: its slot takes step i + STAGES
-            _barrier()
-            fence_async_shared()
-            refill = i + STAGES
-            _load_step(descs, ring, bars, slot, n0, first + refill, refill < PER_SPLIT)
+        for s in gl.static_range(STAGES):  # the ring's first units
+            unit = start + s
+            _load_step(descs, ring, bars, s, unit // STEPS * ROWS, unit % STEPS, s < count)
+        end = start + count
+        for tile in range(start // STEPS, (end - 1) // STEPS + 1):  # the run's tiles
+            total = gl.zeros((ROWS, X_ROWS), dtype=gl.float32, layout=mma)
+            for unit in range(
+                gl.maximum(start, tile * STEPS), gl.minimum(end, tile * STEPS + STEPS)
+            ):
+                i = unit - start
+                slot = i % STAGES
+                mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+                words = ring[1].index(slot).load(WORDS)
+                odd = unit % 2 == 1  # (STEPS is even)
+                scales = _this_step(ring[2].index(slot).load(BY_ROWS), odd)
+                lows = _this_step(ring[3].index(slot).load(BY_ROWS), odd)
+                x_slot = ring[0].index(slot)
+                for g in gl.static_range(GROUPS):  # asynchronous, into one sum
+                    a = _group_values(
+                        words, _group_of(scales, g), _group_of(lows, g), g, a_layout, VALUES
+                    )
+                    b = x_slot.slice(g * 64, 64, dim=1).permute((1, 0))
+                    total = warpgroup_mma(a, b, total, is_async=True)
+                total = warpgroup_mma_wait(num_outstanding=0, deps=(total,))
+                # every wgmma of unit i is done: its slot takes unit i + STAGES
+                _barrier()
+                fence_async_shared()
+                ahead = unit + STAGES
+                _load_step(
+                    descs, ring, bars, slot, ahead // STEPS * ROWS, ahead % STEPS, ahead < end
+                )  # fmt: skip
+            _end_tile(
+                total, tile, program, start, units, programs, bias_ptr, res_ptr, out_ptr,
+                partial_ptr, count_ptr, M, N, STEPS, HAS_BIAS, RELU, HAS_RESIDUAL,
+            )  # fmt: skip
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
-        rows = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+
+    @gluon.jit
+    def _end_tile(
+        total, tile, program, start, units, programs, bias_ptr, res_ptr, out_ptr,
+        partial_ptr, count_ptr, M, N, STEPS: gl.constexpr, HAS_BIAS: gl.constexpr, RELU: gl.constexpr,
+        HAS_RESIDUAL: gl.constexpr,
+    ):  # fmt: skip
+        """A program's sum over its units of `tile` [W rows, x rows]: stored (+ bias, ReLU,
+        + residual) where the tile is the program's alone, else written as a partial, and
+        the last of the tile's programs to arrive at its counter adds them in K order and
+        stores the sum. Program q starts at unit q x units // programs; its partials are
+        [M, W rows] float32 at 2 q (its run's first tile) and 2 q + 1 (its last)."""
+        ROWS: gl.constexpr = total.shape[0]
+        X_ROWS: gl.constexpr = total.shape[1]
+        mma: gl.constexpr = total.type.layout
+        at = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
         cols = gl.arange(0, X_ROWS, layout=gl.SliceLayout(0, mma))
-        ok = (cols < M)[None, :]
-        splits = gl.num_programs(1)
-        if splits == 1:
+        rows = tile * ROWS + at
+        first = tile * STEPS  # the tile's first unit, and the programs of its first and last
+        owner = ((first + 1) * programs - 1) // units
+        last = ((first + STEPS) * programs - 1) // units
+        if owner == last:
             _store(out_ptr, total, bias_ptr, res_ptr, rows, cols, M, N, HAS_BIAS, RELU,
                    HAS_RESIDUAL)  # fmt: skip
         else:
-            offsets = cols[None, :] * N + rows[:, None]
-            gl.store(partial_ptr + gl.program_id(1) * M * N + offsets, total, mask=ok)
+            offsets = cols[None, :] * ROWS + at[:, None]
+            ok = (cols < M)[None, :]
+            slot = 2 * program + (start < first).to(gl.int32)
+            gl.store(partial_ptr + slot * M * ROWS + offsets, total, mask=ok)
             _barrier()  # every thread's partial stored before the release below
-            tile = count_ptr + gl.program_id(0)
-            if gl.atomic_add(tile, 1, sem="acq_rel") == splits - 1:
-                total = zero
-                for part in range(splits):  # in split order: the same sum whoever is last
+            counter = count_ptr + tile
+            if gl.atomic_add(counter, 1, sem="acq_rel") == last - owner:
+                total = gl.zeros_like(total)
+                for q in range(owner, last + 1):  # in K order: the same sum whoever is last
+                    slot = 2 * q + (q * units // programs < first).to(gl.int32)
                     total += gl.load(
-                        partial_ptr + part * M * N + offsets, mask=ok, other=0.0,
+                        partial_ptr + slot * M * ROWS + offsets, mask=ok, other=0.0,
                         cache_modifier=".cg",
                     )  # fmt: skip
-                gl.atomic_xchg(tile, 0)
+                gl.atomic_xchg(counter, 0)
                 _store(out_ptr, total, bias_ptr, res_ptr, rows, cols, M, N, HAS_BIAS, RELU,
                        HAS_RESIDUAL)  # fmt: skip
 
