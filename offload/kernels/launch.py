@@ -57,10 +57,14 @@ def _kind(arg, specialized: bool = True) -> object:
 class Launcher:
     """launcher(grid, warps, *args, registers=None): args in the kernel's signature order,
     constexprs included (positionally); registers caps a thread's registers (ptxas's
-    maxrregcount: more programs an SM, at the risk of spills)."""
+    maxrregcount: more programs an SM, at the risk of spills). pdl: launched as the
+    programmatic dependent of the kernel before it in the stream (CUDA's programmatic
+    dependent launch, sm_90 on): it may start before that kernel ends, and must wait for
+    it (griddepcontrol.wait) before reading what it writes."""
 
-    def __init__(self, kernel) -> None:
+    def __init__(self, kernel, pdl: bool = False) -> None:
         self.kernel = kernel
+        self.pdl = pdl
         # (the interpreter's kernels have no params: every call takes Triton's path)
         params = getattr(kernel, "params", [])
         self.constexpr = [p.is_constexpr for p in params]
@@ -71,7 +75,7 @@ class Launcher:
         self, grid: tuple[int, ...], warps: int, *args, registers: int | None = None
     ) -> None:
         if INTERPRETED or hooks_installed():
-            self.kernel[grid](*args, **_options(warps, registers))
+            self.kernel[grid](*args, **_options(warps, registers, self.pdl))
             return
         device = driver.active.get_current_device()
         kinds = (
@@ -81,7 +85,7 @@ class Launcher:
         key = (device, warps, registers, *kinds)
         compiled = self.compiled.get(key)
         if compiled is None:
-            self.compiled[key] = self.kernel[grid](*args, **_options(warps, registers))
+            self.compiled[key] = self.kernel[grid](*args, **_options(warps, registers, self.pdl))
             return
         grid = (*grid, 1, 1)
         stream = driver.active.get_current_stream(device)
@@ -125,14 +129,17 @@ def hooks_installed() -> bool:
     return bool(knobs.runtime.launch_enter_hook.calls)
 
 
-def _options(warps: int, registers: int | None) -> dict:
-    """Triton's launch options: the warps, ptxas's register cap where one is set, and
-    floating-point contraction (a x b + c as one fused multiply-add) on, as every kernel
-    here was measured and tested with. Triton 3.6 and 3.9 default to it, and 3.9 warns
-    on each process's first compile that 3.10 will not."""
+def _options(warps: int, registers: int | None, pdl: bool = False) -> dict:
+    """Triton's launch options: the warps, ptxas's register cap where one is set,
+    programmatic dependent launch where asked, and floating-point contraction (a x b + c
+    as one fused multiply-add) on, as every kernel here was measured and tested with.
+    Triton 3.6 and 3.9 default to it, and 3.9 warns on each process's first compile that
+    3.10 will not."""
     options = {"num_warps": warps, "enable_fp_fusion": True}
     if registers is not None:
         options["maxnreg"] = registers
+    if pdl:
+        options["launch_pdl"] = True
     return options
 
 

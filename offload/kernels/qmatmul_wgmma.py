@@ -57,6 +57,7 @@ try:
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.language.extra.cuda import gdc_launch_dependents
 except ImportError:  # no Triton, or one without Gluon: the Triton kernel serves
     gluon = None
 
@@ -161,7 +162,9 @@ def permute_x(x: torch.Tensor) -> torch.Tensor:
     contiguous)."""
     m, k = x.shape
     permuted = torch.empty((m, k), dtype=x.dtype, device=x.device)
-    _launch_permute((m, triton.cdiv(k // GROUP, 16)), 4, x, permuted, x.stride(0), k, 16)
+    _launch_permute(
+        (m, triton.cdiv(k // GROUP, 16)), 4, x, permuted, x.stride(0), k, 16, not INTERPRETED
+    )  # fmt: skip
     return permuted
 
 
@@ -272,8 +275,15 @@ if gluon is not None:
     )  # fmt: skip
 
     @triton.jit
-    def _permute_x_kernel(x_ptr, permuted_ptr, stride_xm, K: tl.constexpr, BLOCK: tl.constexpr):
-        """A row's BLOCK groups of x, permuted (`X_ORDER`)."""
+    def _permute_x_kernel(
+        x_ptr, permuted_ptr, stride_xm, K: tl.constexpr, BLOCK: tl.constexpr,
+        TRIGGER: tl.constexpr,
+    ):  # fmt: skip
+        """A row's BLOCK groups of x, permuted (`X_ORDER`). TRIGGER (compiled): first let
+        the kernel launched after it as its programmatic dependent (`_wgmma_kernel`)
+        start, which waits for this one's writes before it reads them."""
+        if TRIGGER:
+            gdc_launch_dependents()
         row = tl.program_id(0)
         groups = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = groups < K // 64
@@ -287,11 +297,12 @@ if gluon is not None:
         tl.store(permuted_ptr + row * K + groups[:, None] * 64 + at[None, :], x, mask=ok[:, None])
 
     @gluon.jit
-    def _load_step(descs, ring, bars, slot, row0, step, pred):
+    def _load_step(descs, ring, bars, slot, row0, step, pred, X: gl.constexpr = True):
         """TMA copies of K step `step`'s tiles (W's codes, scales and minimums from W row
-        row0; x) into the ring's `slot`, completing on its mbarrier."""
+        row0; x, unless X is False: then `_load_x` brings it) into the ring's `slot`,
+        completing on its mbarrier."""
         x_desc, c_desc, s_desc, m_desc = descs
-        x_smem, c_smem, s_smem, m_smem = ring
+        _, c_smem, s_smem, m_smem = ring
         nbytes: gl.constexpr = (
             x_desc.block_type.nbytes + c_desc.block_type.nbytes + s_desc.block_type.nbytes
             + m_desc.block_type.nbytes
@@ -299,13 +310,21 @@ if gluon is not None:
         GROUPS: gl.constexpr = s_desc.block_type.shape[1] // 2
         bar = bars.index(slot)
         mbarrier.expect(bar, nbytes, pred=pred)
-        _tma_load(x_desc, [0, step * GROUPS * 64], bar, x_smem.index(slot), pred=pred)
+        if X:
+            _load_x(descs, ring, bars, slot, step, pred)
         _tma_load(c_desc, [row0, step * GROUPS * 8], bar, c_smem.index(slot), pred=pred)
         # scales and minimums: a step's are 8 bytes a row, under TMA's 16, so each copy
         # brings an even step's and the next step's (a box's start 16-byte aligned too)
         pair = step // 2 * 2 * GROUPS
         _tma_load(s_desc, [row0, pair], bar, s_smem.index(slot), pred=pred)
         _tma_load(m_desc, [row0, pair], bar, m_smem.index(slot), pred=pred)
+
+    @gluon.jit
+    def _load_x(descs, ring, bars, slot, step, pred):
+        """The TMA copy of K step `step`'s x tile into the ring's `slot`."""
+        x_desc = descs[0]
+        GROUPS: gl.constexpr = x_desc.block_type.shape[1] // 64
+        _tma_load(x_desc, [0, step * GROUPS * 64], bars.index(slot), ring[0].index(slot), pred=pred)
 
     @gluon.jit
     def _this_step(pair, odd):
@@ -410,9 +429,18 @@ if gluon is not None:
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(bars.index(s), count=1)
-        for s in gl.static_range(STAGES):  # the ring's first units
+        # the ring's first units: W's tiles before x's, which `permute_x`, the kernel
+        # launched before this one, writes. This kernel is launched as its programmatic
+        # dependent (`_launch`'s pdl): it may start while `permute_x` runs, and waits
+        # for it (griddepcontrol.wait) only before reading x
+        for s in gl.static_range(STAGES):
             unit = start + s
-            _load_step(descs, ring, bars, s, unit // STEPS * ROWS, unit % STEPS, s < count)
+            _load_step(descs, ring, bars, s, unit // STEPS * ROWS, unit % STEPS, s < count, False)
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )  # fmt: skip
+        for s in gl.static_range(STAGES):
+            _load_x(descs, ring, bars, s, (start + s) % STEPS, s < count)
         end = start + count
         for tile in range(start // STEPS, (end - 1) // STEPS + 1):  # the run's tiles
             total = gl.zeros((ROWS, X_ROWS), dtype=gl.float32, layout=mma)
@@ -490,5 +518,5 @@ if gluon is not None:
                 _store(out_ptr, total, bias_ptr, res_ptr, rows, cols, M, N, HAS_BIAS, RELU,
                        HAS_RESIDUAL)  # fmt: skip
 
-    _launch = Launcher(_wgmma_kernel)
+    _launch = Launcher(_wgmma_kernel, pdl=True)
     _launch_permute = Launcher(_permute_x_kernel)
