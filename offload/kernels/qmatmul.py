@@ -20,8 +20,8 @@ dequantization's plus cuBLAS's.
 
 On Hopper GPUs, x of 1-64 rows in float16 times int4-g64 asymmetric W takes
 `qmatmul_wgmma` instead: wgmma with W's values made in its register operand from the
-codes (docs/throughput.md, on the H100: 58-81% of the HBM copy rate at 1-16 rows where
-this kernel reads 54-76%, 52-72% at 32 rows against 35-50%, and 43-61% at 48-64 rows
+codes (docs/throughput.md, on the H100: 54-82% of the HBM copy rate at 1-16 rows where
+this kernel reads 53-76%, 51-76% at 32 rows against 35-51%, and 40-65% at 48-64 rows
 against 19-28%).
 
 `qlinear_reference` is the plain-torch definition (dequantize, then `F.linear`) that the
