@@ -4,6 +4,11 @@ there) and this probe's first Gluon kernel, on the same weights.
     python scripts/int4_gluon_probe.py [--rows 1,8,14,16,32] [--grids 132,264] [--out DIR]
     python scripts/int4_gluon_probe.py --compile-only [--dump DIR]  # no GPU: sm_90 SASS
     python scripts/int4_gluon_probe.py --profile --rows 16   # each kernel 3 times, for ncu
+    git show REV:offload/kernels/qmatmul_wgmma.py > /tmp/old.py
+    python scripts/int4_gluon_probe.py --baseline /tmp/old.py   # another commit's, beside
+
+`qmatmul_wgmma` also runs with the grid of the split-K rule it replaced, stream-K on
+every shape, other stages and other warpgroups (the columns' names say which).
 
 The probe's kernel (`_qmm_gluon_kernel`) computes out^T = W x^T with the dequantized codes
 as wgmma's register operand: 64 W rows a program are wgmma's M side, x's rows its N side

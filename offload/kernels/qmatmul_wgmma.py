@@ -400,8 +400,7 @@ if gluon is not None:
         """out [M, N] (float16) = x @ dequantize(W)^T (+ bias, ReLU, + residual). The
         units (tile of W rows, 64 a warpgroup; K step), tile by tile, in equal runs to
         the programs; each program walks its run through one ring, tile by tile, each
-        tile's sum ended by `_end_tile`. WORDS, VALUES, BY_ROWS:
-        `_layouts`."""
+        tile's sum ended by `_end_tile`. WORDS, VALUES, BY_ROWS: `_layouts`."""
         ROWS: gl.constexpr = c_desc.block_type.shape[0]
         X_ROWS: gl.constexpr = x_desc.block_type.shape[0]
         STEP: gl.constexpr = x_desc.block_type.shape[1]
