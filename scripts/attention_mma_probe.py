@@ -53,10 +53,12 @@ def main() -> None:
             continue
         full = ctx // 64
         auto = kv_attention_mma.split_groups(batch * kv_heads, full, dev)
+        # the split each fixed cost a program (in groups) would pick
+        picks = {kv_attention_mma.split_groups(batch * kv_heads, full, dev, f) for f in FIXED}
         variants = [("triton", {"mma": False}, None), ("mma", {"mma": True}, None)]
         variants += [
             (f"mma, {g} groups", {"mma": True, "split_groups": g}, None)
-            for g in (1, 2, 4, 8, 16)
+            for g in sorted({1, 2, 4, 8, 16} | picks)
             if g <= full and g != auto
         ]
         # register caps and the programs an SM they allow (shared memory: 228 KiB an SM,
@@ -86,6 +88,9 @@ def main() -> None:
     path.write_text(json.dumps({"hbm_copy_gbps": hbm / 1e9, "rows": rows}, indent=1))
     print(f"wrote {path}")
 
+
+# fixed costs a program (in groups' time) whose splits (`split_groups`) are measured too
+FIXED = (0.0, 1.0, 1.5, 2.0)
 
 # the K q^T kernel's loop spills nothing at 184 registers (REP 1; 2 spills at REP 8) nor
 # at 168 (REP 1; 14 at REP 8): offline SASS, triton 3.6

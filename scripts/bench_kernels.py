@@ -154,6 +154,7 @@ def hbm_rate(dev: torch.device) -> float:
 # (model, batch, query heads, KV heads, head_dim, context, per-head bias)
 ATTENTION_SHAPES = [
     ("opt-30b", 12, 56, 56, 128, 544, False),
+    ("opt-30b", 14, 56, 56, 128, 544, False),  # W1c's
     ("opt-30b", 32, 56, 56, 128, 544, False),
     ("llama-2-70b", 32, 64, 8, 128, 4096, False),
     ("bloom", 16, 112, 112, 128, 1024, True),

@@ -167,15 +167,23 @@ def test_rows_of_a_host_table_cross_once_each_and_land_in_place(bits):
 
 
 def test_mma_attention_splits_each_rows_groups_for_the_fewest_full_waves(monkeypatch):
-    """`kv_attention_mma.split_groups` on a 132-SM GPU (8 programs an SM): Llama-2-70B's
-    256 rows of 64 groups in 4 splits (1024 programs, one wave; 5 splits would need a
-    second), OPT-30B's 672 rows of 8 groups in 3 (2016 programs, two waves), 2000 rows
-    unsplit, and a row with no full group is one program."""
+    """`kv_attention_mma.split_groups` on a 132-SM GPU (8 programs an SM), a program
+    costing its groups and 1.5 more: Llama-2-70B's 256 rows of 64 groups in 4 splits
+    (1024 programs, one wave; 5 splits would need a second), OPT-30B's 672 rows of 8
+    groups in 3 (2016 programs, two waves of 4.5 groups' time, where one wave of 8
+    groups takes 9.5), its 784 and 1792 rows unsplit (784 x 4 splits: three waves of
+    3.5), Llama-2-13B's 320 rows of 64 groups in 3 splits of 22 (one wave; 13 of 5
+    groups need four waves of 6.5), and a row with no full group is one program. Without
+    the fixed cost, 784 rows take 4 splits."""
     from offload.kernels import kv_attention_mma
 
     monkeypatch.setattr(kv_attention_mma, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")
     assert kv_attention_mma.split_groups(256, 64, cpu) == 16
     assert kv_attention_mma.split_groups(672, 8, cpu) == 3
+    assert kv_attention_mma.split_groups(784, 8, cpu) == 8
+    assert kv_attention_mma.split_groups(1792, 8, cpu) == 8
+    assert kv_attention_mma.split_groups(320, 64, cpu) == 22
     assert kv_attention_mma.split_groups(2000, 8, cpu) == 8
     assert kv_attention_mma.split_groups(4, 0, cpu) == 1
+    assert kv_attention_mma.split_groups(784, 8, cpu, fixed=0.0) == 2

@@ -61,6 +61,11 @@ REGISTERS: int | None = None
 PER_SM = 8
 # splits a row considered (each adds its partial to the merge)
 MAX_SPLITS = 16
+# a program's time besides its groups' (q, the first group's copies, the tail, the
+# partials and the merge), in groups' time: `split_groups`'s cost model. With 1.5 (or 1
+# or 2) it picks the fastest split measured on each of six shapes (docs/throughput.md,
+# probe runs 003700 and 003708); with none it chose the slower on four of them.
+PROGRAM_GROUPS = 1.5
 LOG2E = 1.4426950408889634
 
 
@@ -89,16 +94,20 @@ def eligible(q: torch.Tensor, cache: QuantKV) -> bool:
     )
 
 
-def split_groups(rows: int, full_groups: int, device: torch.device) -> int:
+def split_groups(
+    rows: int, full_groups: int, device: torch.device, fixed: float | None = None
+) -> int:
     """Groups a program takes: the split of each of rows (sequence, KV head) pairs' full
-    groups that needs the fewest waves of programs (`PER_SM` an SM) for its work, the
-    fewest splits where several tie. A program's time is about its groups', so a second
-    wave that is half full costs as much as a full one."""
+    groups whose waves of programs (`PER_SM` an SM) take the least time, the fewest
+    splits where several tie. A program takes its groups' time plus `fixed` groups'
+    (None: `PROGRAM_GROUPS`), so a second wave that is half full costs as much as a
+    full one."""
+    fixed = PROGRAM_GROUPS if fixed is None else fixed
     slots = PER_SM * sm_count(device)
     best, best_cost = 1, math.inf
     for splits in range(1, min(full_groups, MAX_SPLITS) + 1):
         groups = -(-full_groups // splits)
-        cost = -(-rows * -(-full_groups // groups) // slots) * groups
+        cost = -(-rows * -(-full_groups // groups) // slots) * (groups + fixed)
         if cost < best_cost:
             best, best_cost = groups, cost
     return best
