@@ -6,7 +6,8 @@
 Variants: `old` (the file given: another commit's `cpu_attention_c.py`), `new` (this
 tree's), and this tree's with the values pass, the key scores pass or the
 full-precision tail left out (`-no-values`, `-no-scores`, `-no-tail`: what each part
-costs), on OPT-30B's shape at 12 and 48 sequences (544 slots) and a grouped-query one
+costs), and this tree's built for AVX2 (`new-avx2`, -march=haswell: 256-bit vectors,
+which an AVX-512 core may run at a higher clock), on OPT-30B's shape at 12 and 48 sequences (544 slots) and a grouped-query one
 (64 query heads over 8 KV heads, 4096 slots). Each call reads another copy of the
 cache (at least 8 copies where they are small); the best of 3 rounds of 20 calls is
 kept. Prints ms a call; JSON to --out.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import time
 from pathlib import Path
 
@@ -39,7 +41,11 @@ PARTS = {
 }
 
 
-def _build(source: str) -> None:
+def _build(source: str, arch: str | None = None) -> None:
+    if arch is None:
+        os.environ.pop("OFFLOAD_NATIVE_ARCH", None)
+    else:
+        os.environ["OFFLOAD_NATIVE_ARCH"] = arch
     cpu_attention.SOURCE = source
     native.load_library.cache_clear()
     cpu_attention._library.cache_clear()
@@ -85,17 +91,18 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     new = cpu_attention_c.SOURCE
-    variants = {"old": _source(args.baseline), "new": new}
+    variants = {"old": (_source(args.baseline), None), "new": (new, None)}
     for name, text in PARTS.items():
         assert text in new, f"{name}: the source changed"
-        variants[f"new-{name}"] = new.replace(text, "")
+        variants[f"new-{name}"] = (new.replace(text, ""), None)
+    variants["new-avx2"] = (new, "haswell")
     results = []
     for shape_name in args.shapes.split(","):
         data = _case(*SHAPES[shape_name])
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
-            for name, source in variants.items():
-                _build(source)
+            for name, (source, arch) in variants.items():
+                _build(source, arch)
                 ms = _seconds(*data) * 1e3
                 results.append({"shape": shape_name, "threads": threads, "variant": name, "ms": ms})
                 print(f"{shape_name:12s} {threads:3d} {name:14s} {ms:8.3f} ms", flush=True)
