@@ -329,8 +329,9 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
         )
 
 
-def _k_loop(sass: str) -> list[str]:
-    """The opcodes of the innermost loop that issues wgmma (a label to a branch back)."""
+def _k_loop(sass: str, mma: str = "HGMMA") -> list[str]:
+    """The opcodes of the innermost loop that issues `mma` (wgmma's HGMMA, mma.sync's
+    HMMA): a label to a branch back."""
     ops: list[str] = []
     labels: dict[str, int] = {}
     loops = []
@@ -345,7 +346,7 @@ def _k_loop(sass: str) -> list[str]:
             target = re.search(r"(\.L_\w+)", instruction.group(2))
             if ops[-1].startswith("BRA") and target and target.group(1) in labels:
                 loops.append(ops[labels[target.group(1)] :])
-    with_mma = [loop for loop in loops if any(op.startswith("HGMMA") for op in loop)]
+    with_mma = [loop for loop in loops if any(op.startswith(mma) for op in loop)]
     return min(with_mma, key=len) if with_mma else []
 
 
