@@ -81,6 +81,9 @@ def stream_attention(
     if programs is None:
         programs = mma.PER_SM * sm_count(q.device)
     programs = min(programs, units)
+    # (every program needs a unit: an empty one between a row's first and last would
+    # never arrive, and the row would never be merged)
+    assert programs > 0, "programs: at least 1"
     # the most programs a row's units meet: its partials' slots
     slots = min(groups, -(-groups * programs // units) + 1)
     part_acc = torch.empty((batch, heads, slots, dim), dtype=torch.float32, device=q.device)
