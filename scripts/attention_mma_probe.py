@@ -23,28 +23,18 @@ from pathlib import Path
 import torch
 
 from offload.kernels import kv_attention_mma
-from offload.kernels.formats import Compression
-from offload.kernels.kv_attention import decode_attention, decode_attention_reference
-from offload.kernels.kv_cache import QuantKV
+from offload.kernels.kv_attention import decode_attention
 
 
 def main() -> None:
-    from bench_kernels import ATTENTION_SHAPES, hbm_rate, timed  # this script's folder
+    from bench_kernels import hbm_rate, int4_attention_cases, timed  # this script's folder
 
     dev = torch.device("cuda")
     profile = "--profile" in sys.argv[1:]
     hbm = 1.0 if profile else hbm_rate(dev) * 1e9
     rows = []
-    for model, batch, heads, kv_heads, dim, ctx, per_head in ATTENTION_SHAPES:
-        torch.manual_seed(0)
-        k = torch.randn(batch, kv_heads, ctx, dim, device=dev, dtype=torch.float16)
-        v = torch.randn_like(k)
-        q = torch.randn(batch, heads, 1, dim, device=dev, dtype=torch.float16)
-        bias = torch.zeros(batch, heads if per_head else 1, 1, ctx, device=dev, dtype=q.dtype)
-        cache = QuantKV(batch, kv_heads, dim, ctx, Compression(4, 64, False), q.dtype, dev)
-        cache.write(k, v, 0)
-        read = cache.slot_bytes(ctx) + bias.numel() * 2 + 2 * q.numel() * 2
-        reference = decode_attention_reference(q, cache, bias, ctx)
+    for shape, q, cache, bias, read, reference in int4_attention_cases(dev):
+        model, batch, _, kv_heads, _, ctx, _ = shape
         if profile:
             for _ in range(2):
                 decode_attention(q, cache, bias, ctx, mma=True)

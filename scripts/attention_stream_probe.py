@@ -269,24 +269,15 @@ if gluon is not None:
 
 
 def measure() -> None:
-    from bench_kernels import ATTENTION_SHAPES, hbm_rate, timed  # this script's folder
+    from bench_kernels import hbm_rate, int4_attention_cases, timed  # this script's folder
 
-    from offload.kernels.formats import Compression
-    from offload.kernels.kv_attention import decode_attention, decode_attention_reference
+    from offload.kernels.kv_attention import decode_attention
 
     dev = torch.device("cuda")
     hbm = hbm_rate(dev) * 1e9
     rows = []
-    for model, batch, heads, kv_heads, dim, ctx, per_head in ATTENTION_SHAPES:
-        torch.manual_seed(0)
-        k = torch.randn(batch, kv_heads, ctx, dim, device=dev, dtype=torch.float16)
-        v = torch.randn_like(k)
-        q = torch.randn(batch, heads, 1, dim, device=dev, dtype=torch.float16)
-        bias = torch.randn(batch, heads if per_head else 1, 1, ctx, device=dev, dtype=q.dtype)
-        cache = QuantKV(batch, kv_heads, dim, ctx, Compression(4, 64, False), q.dtype, dev)
-        cache.write(k, v, 0)
-        read = cache.slot_bytes(ctx) + bias.numel() * 2 + 2 * q.numel() * 2
-        reference = decode_attention_reference(q, cache, bias, ctx)
+    for shape, q, cache, bias, read, reference in int4_attention_cases(dev, random_bias=True):
+        model, batch, heads, _, dim, ctx, _ = shape
         out = torch.empty(batch, 1, heads * dim, device=dev, dtype=q.dtype)
         half = mma.PER_SM * sm_count(dev) // 2
         variants = {

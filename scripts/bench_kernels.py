@@ -162,6 +162,26 @@ ATTENTION_SHAPES = [
 ]
 
 
+def int4_attention_cases(dev: torch.device, random_bias: bool = False):
+    """For each `ATTENTION_SHAPES` shape (int4-g64 asymmetric cache of random K and V,
+    float16; seeded): the shape, q, the cache, the bias (zeros, or random where asked:
+    a kernel's per-row bias indexing then shows in its output), the bytes a call reads
+    (the slots that hold the context, the bias, q and the output) and
+    `decode_attention_reference`'s output."""
+    for shape in ATTENTION_SHAPES:
+        _, batch, heads, kv_heads, dim, ctx, per_head = shape
+        torch.manual_seed(0)
+        k = torch.randn(batch, kv_heads, ctx, dim, device=dev, dtype=torch.float16)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, heads, 1, dim, device=dev, dtype=torch.float16)
+        make = torch.randn if random_bias else torch.zeros
+        bias = make(batch, heads if per_head else 1, 1, ctx, device=dev, dtype=q.dtype)
+        cache = QuantKV(batch, kv_heads, dim, ctx, Compression(4, 64, False), q.dtype, dev)
+        cache.write(k, v, 0)
+        read = cache.slot_bytes(ctx) + bias.numel() * 2 + 2 * q.numel() * 2
+        yield shape, q, cache, bias, read, decode_attention_reference(q, cache, bias, ctx)
+
+
 # decode attention (--kernels attention-sweep): `decode_attention`'s (split_groups,
 # warps, stages, tile_groups, fused_merge, mma); split_groups None: the launcher's choice
 # from the SM count; mma None: `kv_attention_mma` where it is eligible. The first is the
