@@ -40,29 +40,23 @@ from offload.kernels.launch import Launcher, arrival_counters, sm_count
 
 gluon, gl = mma.gluon, getattr(mma, "gl", None)
 if gluon is not None:
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
     # the split kernel's layouts and steps, as this kernel's globals
-    from offload.kernels.kv_attention_mma import (  # noqa: F401 (the kernel's globals)
+    from offload.kernels.kv_attention_mma import (
         _D,
         _LOG2E,
-        A_OP,
         B_OP,
-        K_PAIRS,
-        MERGE,
         MMA,
         ROWS_1D,
         ROWS_2D,
         STAGES,
-        V_PARAMS,
-        V_WORDS,
         _channel,
+        _group,
         _issue,
-        _keys,
-        _softmax_step,
+        _merge,
         _stage,
         _tail,
-        _values,
     )
 
 
@@ -191,18 +185,8 @@ if gluon is not None:
                     + (ngrp * 64 + token)[:, None] * bias_ss,
                     mask=bias_ok & more, other=0.0,
                 )  # fmt: skip
-                async_copy.wait_group(1)
-                gl.thread_barrier()
-                kw, ksc, kmn, vw, vsc, vmn = _stage(ring, k % STAGES)
-                pairs: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, K_PAIRS))
-                keys = _keys(kw.load(B_OP), ksc.load(pairs), kmn.load(pairs))
-                s = mma_v2(keys, q, gl.zeros([64, 8], gl.float32, MMA))
-                s = s * qk_scale + bias.to(gl.float32) * _LOG2E
+                m_i, l_i, out = _group(_stage(ring, k % STAGES), q, bias, qk_scale, m_i, l_i, out)
                 bias = bias_next
-                m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
-                values = _values(vw.load(V_WORDS), vsc.load(V_PARAMS), vmn.load(V_PARAMS))
-                out = mma_v2(values, p, out * alpha[None, :])
-                gl.thread_barrier()  # the stage is read before the next step's copies into it
                 k += 1
             bias_row = bias_ptr + b * bias_sb + (kvh * REP + heads8)[None, :] * bias_sh
             if row_end == (row + 1) * full_groups and tail_len > 0:
@@ -229,41 +213,10 @@ if gluon is not None:
             gl.thread_barrier()  # every thread's partial stored before the release below
             count = (last - first + 1).to(gl.int32)
             if gl.atomic_add(count_ptr + row, 1, sem="acq_rel") == count - 1:
-                _merge_slots(acc_ptr, m_ptr, l_ptr, out_ptr, heads, slots, count, REP)
+                _merge(acc_ptr, m_ptr, l_ptr, out_ptr, heads, slots, count, REP)
                 gl.atomic_xchg(count_ptr + row, 0)
             u = row_end
         async_copy.wait_group(0)
-
-    @gluon.jit
-    def _merge_slots(acc_ptr, m_ptr, l_ptr, out_ptr, heads, slots, count, REP: gl.constexpr):
-        """Query heads heads .. + REP - 1's first `count` of `slots` partials merged into
-        their normalized output, in order (read past L1: other programs wrote them)."""
-        r = gl.arange(0, 8, layout=gl.SliceLayout(1, MERGE))
-        d = gl.arange(0, _D, layout=gl.SliceLayout(0, MERGE))
-        ok = r < REP
-        first = (heads + r) * slots
-        m_run = gl.full([8], -float("inf"), gl.float32, gl.SliceLayout(1, MERGE))
-        l_run = gl.zeros([8], gl.float32, gl.SliceLayout(1, MERGE))
-        o_run = gl.zeros([8, _D], gl.float32, MERGE)
-        for s in range(count):
-            m_s = gl.load(m_ptr + first + s, mask=ok, other=-float("inf"), cache_modifier=".cg")
-            l_s = gl.load(l_ptr + first + s, mask=ok, other=0.0, cache_modifier=".cg")
-            o_s = gl.load(
-                acc_ptr + (first + s)[:, None] * _D + d[None, :], mask=ok[:, None] & (d < _D)[None, :],
-                other=0.0, cache_modifier=".cg",
-            )  # fmt: skip
-            m_new = gl.maximum(m_run, m_s)
-            m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
-            old = gl.exp(m_run - m_safe)
-            new = gl.exp(m_s - m_safe)
-            l_run = l_run * old + l_s * new
-            o_run = o_run * old[:, None] + o_s * new[:, None]
-            m_run = m_new
-        gl.store(
-            out_ptr + (heads + r)[:, None] * _D + d[None, :],
-            (o_run / l_run[:, None]).to(gl.float16),
-            mask=ok[:, None] & (d < _D)[None, :],
-        )
 
     _launch = Launcher(_stream_kernel)
 

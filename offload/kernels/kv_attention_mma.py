@@ -441,20 +441,8 @@ if gluon is not None:
                 bias_row + ((grp + 1) * 64 + token)[:, None] * bias_ss, mask=bias_ok & more,
                 other=0.0,
             )  # fmt: skip
-            async_copy.wait_group(1)
-            gl.thread_barrier()
-            kw, ksc, kmn, vw, vsc, vmn = _stage(ring, stage)
-            pairs: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, K_PAIRS))
-            # (a [128, 8] tensor in B_OP: lane 4 g + j holds word g of channels 2 j,
-            # 2 j + 1 (+ 8 k), the words the asm pairs)
-            keys = _keys(kw.load(B_OP), ksc.load(pairs), kmn.load(pairs))
-            s = mma_v2(keys, q, gl.zeros([64, 8], gl.float32, MMA))
-            s = s * qk_scale + bias.to(gl.float32) * _LOG2E
+            m_i, l_i, out = _group(_stage(ring, stage), q, bias, qk_scale, m_i, l_i, out)
             bias = bias_next
-            m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
-            values = _values(vw.load(V_WORDS), vsc.load(V_PARAMS), vmn.load(V_PARAMS))
-            out = mma_v2(values, p, out * alpha[None, :])
-            gl.thread_barrier()  # the stage is read before the next step's copies into it
         async_copy.wait_group(0)
         if split == splits - 1 and tail_len > 0:
             m_i, l_i, out = _tail(
@@ -473,8 +461,28 @@ if gluon is not None:
         gl.store(acc_ptr + at, out, mask=(c < REP)[None, :] & (m < _D)[:, None])
         gl.thread_barrier()  # every thread's partial stored before the release below
         if gl.atomic_add(count_ptr + row, 1, sem="acq_rel") == splits - 1:
-            _merge(acc_ptr, m_ptr, l_ptr, out_ptr, heads, splits, REP)
+            _merge(acc_ptr, m_ptr, l_ptr, out_ptr, heads, splits, splits, REP)
             gl.atomic_xchg(count_ptr + row, 0)
+
+    @gluon.jit
+    def _group(stage, q, bias, qk_scale, m_i, l_i, out):
+        """One group of the ring's stage attended (its copies waited for, all but the
+        next group's): the running maximum, sum [8] and unnormalized output [128, 8]
+        after it."""
+        async_copy.wait_group(1)
+        gl.thread_barrier()
+        kw, ksc, kmn, vw, vsc, vmn = stage
+        pairs: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, K_PAIRS))
+        # (a [128, 8] tensor in B_OP: lane 4 g + j holds word g of channels 2 j, 2 j + 1
+        # (+ 8 k), the words the asm pairs)
+        keys = _keys(kw.load(B_OP), ksc.load(pairs), kmn.load(pairs))
+        s = mma_v2(keys, q, gl.zeros([64, 8], gl.float32, MMA))
+        s = s * qk_scale + bias.to(gl.float32) * _LOG2E
+        m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
+        values = _values(vw.load(V_WORDS), vsc.load(V_PARAMS), vmn.load(V_PARAMS))
+        out = mma_v2(values, p, out * alpha[None, :])
+        gl.thread_barrier()  # the stage is read before the next step's copies into it
+        return m_i, l_i, out
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i):
@@ -535,17 +543,18 @@ if gluon is not None:
         return m_i, l_i, mma_v2(gl.convert_layout(values, A_OP), p, out * alpha[None, :])
 
     @gluon.jit
-    def _merge(acc_ptr, m_ptr, l_ptr, out_ptr, heads, splits, REP: gl.constexpr):
-        """Query heads heads .. + REP - 1's partials merged into their normalized output,
-        in split order. The partials are read past L1 (.cg): other programs wrote them."""
+    def _merge(acc_ptr, m_ptr, l_ptr, out_ptr, heads, slots, count, REP: gl.constexpr):
+        """Query heads heads .. + REP - 1's first `count` partials (of `slots` a head)
+        merged into their normalized output, in slot order. The partials are read past L1
+        (.cg): other programs wrote them."""
         r = gl.arange(0, 8, layout=gl.SliceLayout(1, MERGE))
         d = gl.arange(0, _D, layout=gl.SliceLayout(0, MERGE))
         ok = r < REP
-        first = (heads + r) * splits
+        first = (heads + r) * slots
         m_run = gl.full([8], -float("inf"), gl.float32, gl.SliceLayout(1, MERGE))
         l_run = gl.zeros([8], gl.float32, gl.SliceLayout(1, MERGE))
         o_run = gl.zeros([8, _D], gl.float32, MERGE)
-        for s in range(splits):
+        for s in range(count):
             m_s = gl.load(m_ptr + first + s, mask=ok, other=-float("inf"), cache_modifier=".cg")
             l_s = gl.load(l_ptr + first + s, mask=ok, other=0.0, cache_modifier=".cg")
             o_s = gl.load(
