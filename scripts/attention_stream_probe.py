@@ -48,13 +48,12 @@ if gluon is not None:
         _LOG2E,
         B_OP,
         MMA,
-        ROWS_1D,
-        ROWS_2D,
         STAGES,
         _channel,
         _group,
         _issue,
         _merge,
+        _ring,
         _stage,
         _tail,
     )
@@ -121,14 +120,7 @@ if gluon is not None:
         pid = gl.program_id(0)
         u = (pid.to(gl.int64) * units // programs).to(gl.int32)
         stop = ((pid + 1).to(gl.int64) * units // programs).to(gl.int32)
-        ring = (
-            gl.allocate_shared_memory(gl.int32, [STAGES, _D, 8], ROWS_2D),  # K's codes
-            gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),  # scale pairs
-            gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),  # minimum pairs
-            gl.allocate_shared_memory(gl.int32, [STAGES, 64, 16], ROWS_2D),  # V's codes
-            gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),  # V's scales
-            gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),  # V's minimums
-        )
+        ring = _ring()
         d = gl.arange(0, _D, layout=gl.SliceLayout(1, B_OP))
         r = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
         n = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))

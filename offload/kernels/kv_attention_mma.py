@@ -327,6 +327,19 @@ if gluon is not None:
         return gl.broadcast(first, like)[0], gl.broadcast(second, like)[0]
 
     @gluon.jit
+    def _ring():
+        """The shared memory of STAGES groups' copies: K's codes, scale and minimum pairs,
+        V's codes, scales and minimums."""
+        return (
+            gl.allocate_shared_memory(gl.int32, [STAGES, _D, 8], ROWS_2D),
+            gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),
+            gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),
+            gl.allocate_shared_memory(gl.int32, [STAGES, 64, 16], ROWS_2D),
+            gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),
+            gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),
+        )
+
+    @gluon.jit
     def _stage(ring, i):
         """Stage i of each of the ring's buffers."""
         return (ring[0].index(i), ring[1].index(i), ring[2].index(i), ring[3].index(i),
@@ -401,14 +414,7 @@ if gluon is not None:
             mask=(r < REP)[None, :] & (d < _D)[:, None],
             other=0.0,
         )
-        ring = (
-            gl.allocate_shared_memory(gl.int32, [STAGES, _D, 8], ROWS_2D),  # K's codes
-            gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),  # scale pairs
-            gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),  # minimum pairs
-            gl.allocate_shared_memory(gl.int32, [STAGES, 64, 16], ROWS_2D),  # V's codes
-            gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),  # V's scales
-            gl.allocate_shared_memory(gl.int32, [STAGES, 64], ROWS_1D),  # V's minimums
-        )
+        ring = _ring()
         # the scores [64, 8 query heads]: row n = 8 nt + g is token 8 g + nt
         n = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
         token = 8 * (n % 8) + n // 8
