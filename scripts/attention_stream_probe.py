@@ -255,16 +255,12 @@ def compile_only() -> None:
     """Both kernels for sm_90 without a GPU (REP 1 and 8): registers, spills, shared
     memory, and the instructions of the loop that issues the MMAs."""
     import collections
-    import re
-    import subprocess
-    import tempfile
 
     import triton
-    from int4_gluon_probe import _k_loop  # this script's folder
+    from int4_gluon_probe import _k_loop, sass_of  # this script's folder
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     for name, kernel in (("split", mma._mma_attention_kernel), ("stream", _stream_kernel)):
         for rep in (1, 8):
             names = kernel.arg_names
@@ -282,20 +278,10 @@ def compile_only() -> None:
             compiled = triton.compile(
                 source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1}
             )
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(compiled.asm["cubin"])
-                f.flush()
-                sass, usage = (
-                    subprocess.run(
-                        [bin_dir / tool, *flags, f.name], capture_output=True, text=True,
-                        check=True,
-                    ).stdout
-                    for tool, flags in (("nvdisasm", ["-c"]), ("cuobjdump", ["--dump-resource-usage"]))
-                )  # fmt: skip
+            sass, resources = sass_of(compiled)
             loop = _k_loop(sass, "HMMA")
             spills = sum(op.startswith(("LDL", "STL")) for op in loop)
             mix = dict(collections.Counter(op.split(".")[0] for op in loop).most_common(8))
-            resources = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
             print(
                 f"{name}, REP {rep}: shared {compiled.metadata.shared} B, {resources}; the "
                 f"group loop: {len(loop)} instructions, {spills} local loads and stores, {mix}"

@@ -248,7 +248,6 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
     """The kernels for sm_90 without a GPU: shared memory, registers and the SASS of
     the K loop (written to dump, a folder, where given): this probe's, in both byte
     orders, and `qmatmul_wgmma`'s at each wgmma N."""
-    import subprocess
 
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -294,7 +293,6 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
         options = {"num_warps": 4 * warpgroups, "maxnreg": wgmma.registers(x_rows, warpgroups)}
         name = f"qmatmul_wgmma, x rows {x_rows}, {warpgroups} warpgroup(s)"
         variants.append((name, wgmma._wgmma_kernel, options, signature, constexprs))
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     for name, kernel, options, signature, constexprs in variants:
         names = kernel.arg_names
         signature = {"M": "i32", "N": "i32", "PER_TILE": "i32", **signature}
@@ -308,25 +306,34 @@ def compile_only(k: int = 7168, stages: int = 3, dump: Path | None = None) -> No
             attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned},
         )
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            sass, usage = (
-                subprocess.run(
-                    [bin_dir / tool, *flags, f.name], capture_output=True, text=True, check=True
-                ).stdout
-                for tool, flags in (("nvdisasm", ["-c"]), ("cuobjdump", ["--dump-resource-usage"]))
-            )
+        sass, resources = sass_of(compiled)
         if dump is not None:
             dump.mkdir(parents=True, exist_ok=True)
             (dump / (re.sub(r"\W+", "_", name) + ".sass")).write_text(sass)
         loop = _k_loop(sass)
         mix = dict(collections.Counter(op.split(".")[0] for op in loop).most_common(10))
-        resources = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
         print(
             f"{name}: shared {compiled.metadata.shared} B, {resources}; the K loop: "
             f"{len(loop)} instructions, {len(loop) / 64:.2f} a code byte a thread, {mix}"
         )
+
+
+def sass_of(compiled) -> tuple[str, str]:
+    """A compiled kernel's SASS (nvdisasm) and its registers and stack (cuobjdump's
+    "REG:n STACK:n"), by the tools Triton ships."""
+    import subprocess
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass, usage = (
+            subprocess.run(
+                [bin_dir / tool, *flags, f.name], capture_output=True, text=True, check=True
+            ).stdout
+            for tool, flags in (("nvdisasm", ["-c"]), ("cuobjdump", ["--dump-resource-usage"]))
+        )
+    return sass, " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
 
 
 def _k_loop(sass: str, mma: str = "HGMMA") -> list[str]:
