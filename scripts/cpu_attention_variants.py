@@ -41,7 +41,12 @@ PARTS = {
 }
 
 
+# the -march every variant but `new-avx2` is built for: the caller's, if set
+ARCH = os.environ.get("OFFLOAD_NATIVE_ARCH")
+
+
 def _build(source: str, arch: str | None = None) -> None:
+    arch = arch or ARCH
     if arch is None:
         os.environ.pop("OFFLOAD_NATIVE_ARCH", None)
     else:
