@@ -13,6 +13,7 @@ shape's default call twice, nothing timed, for a profiler.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -54,9 +55,23 @@ def main() -> None:
         # register caps and the programs an SM they allow (shared memory: 228 KiB an SM,
         # 18 KiB a program and the driver's 1 KiB, so 12 at most)
         variants += [
-            (f"mma, {r} registers", {"mma": True}, (r, min(65536 // (32 * r), 12)))
+            (
+                f"mma, {r} registers",
+                {"mma": True},
+                {"REGISTERS": r, "PER_SM": min(65536 // (32 * r), 12)},
+            )
             for r in (REGISTER_CAPS if "--caps" in sys.argv[1:] else ())
         ]
+        # deeper rings (more of a program's copies in flight), at the programs an SM
+        # their shared memory allows and the split `split_groups` picks for those
+        for stages, per_sm in RINGS.items():
+            with _patched({"STAGES": stages, "PER_SM": per_sm}):
+                own = kv_attention_mma.split_groups(batch * kv_heads, full, dev)
+            variants += [
+                (f"mma, {stages} stages, {g} groups", {"mma": True, "split_groups": g},
+                 {"STAGES": stages, "PER_SM": per_sm})
+                for g in sorted({own, full})
+            ]  # fmt: skip
         for name, kwargs, cap in variants:
             call = functools.partial(_capped, cap, q, cache, bias, ctx, **kwargs)
             seconds = timed(call)
@@ -82,21 +97,34 @@ def main() -> None:
 # fixed costs a program (in groups' time) whose splits (`split_groups`) are measured too
 FIXED = (0.0, 1.0, 1.5, 2.0)
 
+# ring stages: the programs an SM their shared memory allows (9 KiB a stage and the
+# driver's 1 KiB a program, of 228 KiB an SM: offline sm_90 compiles, triton 3.6), at
+# most the 8 that 255 registers a thread allow
+RINGS = {3: 8, 4: 6}
+
 # the K q^T kernel's loop spills nothing at 184 registers (REP 1; 2 spills at REP 8) nor
 # at 168 (REP 1; 14 at REP 8): offline SASS, triton 3.6
 REGISTER_CAPS = (224, 200, 184, 168)
 
 
-def _capped(cap: tuple[int, int] | None, *args, **kwargs) -> torch.Tensor:
-    """decode_attention(*args, **kwargs) with `kv_attention_mma` capped at cap (registers,
-    programs an SM), or as it stands (None)."""
-    saved = kv_attention_mma.REGISTERS, kv_attention_mma.PER_SM
-    if cap is not None:
-        kv_attention_mma.REGISTERS, kv_attention_mma.PER_SM = cap
-    try:
+def _capped(settings: dict | None, *args, **kwargs) -> torch.Tensor:
+    """decode_attention(*args, **kwargs) with `kv_attention_mma`'s settings (REGISTERS,
+    PER_SM, STAGES) replaced by those given, or as they stand (None)."""
+    with _patched(settings or {}):
         return decode_attention(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _patched(settings: dict):
+    """`kv_attention_mma`'s module settings replaced by these for a while."""
+    saved = {name: getattr(kv_attention_mma, name) for name in settings}
+    for name, value in settings.items():
+        setattr(kv_attention_mma, name, value)
+    try:
+        yield
     finally:
-        kv_attention_mma.REGISTERS, kv_attention_mma.PER_SM = saved
+        for name, value in saved.items():
+            setattr(kv_attention_mma, name, value)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,6 @@ if gluon is not None:
         _LOG2E,
         B_OP,
         MMA,
-        STAGES,
         _channel,
         _group,
         _issue,
@@ -57,6 +56,8 @@ if gluon is not None:
         _stage,
         _tail,
     )
+
+    RING = gl.constexpr(2)  # the ring's groups: the one attended, the next arriving
 
 
 def stream_attention(
@@ -120,7 +121,7 @@ if gluon is not None:
         pid = gl.program_id(0)
         u = (pid.to(gl.int64) * units // programs).to(gl.int32)
         stop = ((pid + 1).to(gl.int64) * units // programs).to(gl.int32)
-        ring = _ring()
+        ring = _ring(RING)
         d = gl.arange(0, _D, layout=gl.SliceLayout(1, B_OP))
         r = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
         n = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
@@ -168,7 +169,7 @@ if gluon is not None:
                 carry = (nkvh == kv_heads).to(gl.int32)
                 nkvh -= carry * kv_heads
                 _issue(
-                    _stage(ring, (k + 1) % STAGES),
+                    _stage(ring, (k + 1) % RING),
                     kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, nrow * num_groups + ngrp,
                     nrow * max_slots + ngrp * 64, more,
                 )  # fmt: skip
@@ -177,7 +178,9 @@ if gluon is not None:
                     + (ngrp * 64 + token)[:, None] * bias_ss,
                     mask=bias_ok & more, other=0.0,
                 )  # fmt: skip
-                m_i, l_i, out = _group(_stage(ring, k % STAGES), q, bias, qk_scale, m_i, l_i, out)
+                m_i, l_i, out = _group(
+                    _stage(ring, k % RING), q, bias, qk_scale, m_i, l_i, out, RING - 1
+                )
                 bias = bias_next
                 k += 1
             bias_row = bias_ptr + b * bias_sb + (kvh * REP + heads8)[None, :] * bias_sh
@@ -261,18 +264,21 @@ def compile_only() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    for name, kernel in (("split", mma._mma_attention_kernel), ("stream", _stream_kernel)):
+    kernels = [(f"split, {s} stages", mma._mma_attention_kernel, {"STAGES": s}) for s in (2, 3, 4)]
+    for name, kernel, constexprs in [*kernels, ("stream", _stream_kernel, {})]:
         for rep in (1, 8):
             names = kernel.arg_names
             pointers = {a: "*i32" if a.startswith(("kc", "ks", "km", "vc", "vs", "vm")) else "*fp16"
                         for a in names if a.endswith("_ptr")}  # fmt: skip
             pointers.update(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", count_ptr="*i32")
             signature = {a: pointers.get(a, "i32") for a in names}
-            signature.update(qk_scale="fp32", REP="constexpr")
+            signature.update(
+                qk_scale="fp32", REP="constexpr", **dict.fromkeys(constexprs, "constexpr")
+            )
             source = GluonASTSource(
                 fn=kernel,
                 signature=signature,
-                constexprs={"REP": rep},
+                constexprs={"REP": rep, **constexprs},
                 attrs={(names.index(a),): [["tt.divisibility", 16]] for a in pointers},
             )
             compiled = triton.compile(

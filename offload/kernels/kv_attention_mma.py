@@ -59,6 +59,9 @@ MAX_REP = 8  # query heads a KV head: the values' MMA has N = 8
 # SM that they allow (65536 registers an SM)
 REGISTERS: int | None = None
 PER_SM = 8
+# groups a program's ring holds in shared memory: the one attended and STAGES - 1
+# arriving (one program's copies in flight)
+STAGES = 2
 # splits a row considered (each adds its partial to the merge)
 MAX_SPLITS = 16
 # a program's time besides its groups' (q, the first group's copies, the tail, the
@@ -143,7 +146,7 @@ def decode_attention_mma(
         part_acc, part_ml, part_ml[1], out, arrival_counters("attention", q.device, batch * kv_heads),
         full_groups, end % GROUP, cache.k_codes.shape[2], cache.v_codes.shape[2], splits,
         groups, LOG2E / math.sqrt(dim),
-        heads // kv_heads,  # REP
+        heads // kv_heads, STAGES,  # REP, STAGES
         registers=REGISTERS,
     )  # fmt: skip
     return out
@@ -152,7 +155,6 @@ def decode_attention_mma(
 if gluon is not None:
     _D = gl.constexpr(HEAD_DIM)
     _LOG2E = gl.constexpr(LOG2E)
-    STAGES = gl.constexpr(2)  # groups in shared memory: the one attended, the next arriving
     MMA = gl.constexpr(
         gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     )
@@ -327,7 +329,7 @@ if gluon is not None:
         return gl.broadcast(first, like)[0], gl.broadcast(second, like)[0]
 
     @gluon.jit
-    def _ring():
+    def _ring(STAGES: gl.constexpr):
         """The shared memory of STAGES groups' copies: K's codes, scale and minimum pairs,
         V's codes, scales and minimums."""
         return (
@@ -392,15 +394,15 @@ if gluon is not None:
         kc_ptr, ks_ptr, km_ptr, kt_ptr, vc_ptr, vs_ptr, vm_ptr, vt_ptr,
         acc_ptr, m_ptr, l_ptr, out_ptr, count_ptr,
         full_groups, tail_len, num_groups, max_slots, splits, split_groups, qk_scale,
-        REP: gl.constexpr,
+        REP: gl.constexpr, STAGES: gl.constexpr,
     ):  # fmt: skip
         """One (sequence, KV head, split): its REP query heads over groups split x
         split_groups .. (up to full_groups), or, the last split where tail_len > 0, over
         the tail; the split's unnormalized output, maximum and sum (natural-log units) to
         the partials, and the row's last program to finish (an arrival counter) merges
         them into out, in split order. qk_scale: log2(e) / sqrt(D) (the softmax runs in
-        base 2). Each group's codes and parameters come by cp.async into shared memory a
-        group ahead."""
+        base 2). Each group's codes and parameters come by cp.async into shared memory
+        STAGES - 1 groups ahead."""
         b = gl.program_id(0)
         kvh = gl.program_id(1)
         split = gl.program_id(2)
@@ -414,7 +416,7 @@ if gluon is not None:
             mask=(r < REP)[None, :] & (d < _D)[:, None],
             other=0.0,
         )
-        ring = _ring()
+        ring = _ring(STAGES)
         # the scores [64, 8 query heads]: row n = 8 nt + g is token 8 g + nt
         n = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
         token = 8 * (n % 8) + n // 8
@@ -427,27 +429,29 @@ if gluon is not None:
         first = split * split_groups
         steps = gl.minimum(first + split_groups, full_groups) - first
         slot0 = row * max_slots + first * 64
-        _issue(
-            _stage(ring, 0),
-            kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, row * num_groups + first, slot0,
-            steps > 0,
-        )  # fmt: skip
+        for s in gl.static_range(STAGES - 1):  # the ring's first groups
+            _issue(
+                _stage(ring, s),
+                kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, row * num_groups + first + s,
+                slot0 + s * 64, s < steps,
+            )  # fmt: skip
         bias = gl.load(bias_row + (first * 64 + token)[:, None] * bias_ss, mask=bias_ok, other=0.0)
         for i in range(steps):
             grp = first + i
-            stage = i % STAGES
-            more = i + 1 < steps
-            nxt = (i + 1) % STAGES
+            ahead = i + STAGES - 1  # into the stage that step i - 1 read
             _issue(
-                _stage(ring, nxt),
-                kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, row * num_groups + grp + 1,
-                slot0 + (i + 1) * 64, more,
+                _stage(ring, ahead % STAGES),
+                kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, row * num_groups + first + ahead,
+                slot0 + ahead * 64, ahead < steps,
             )  # fmt: skip
+            more = i + 1 < steps
             bias_next = gl.load(
                 bias_row + ((grp + 1) * 64 + token)[:, None] * bias_ss, mask=bias_ok & more,
                 other=0.0,
             )  # fmt: skip
-            m_i, l_i, out = _group(_stage(ring, stage), q, bias, qk_scale, m_i, l_i, out)
+            m_i, l_i, out = _group(
+                _stage(ring, i % STAGES), q, bias, qk_scale, m_i, l_i, out, STAGES - 1
+            )
             bias = bias_next
         async_copy.wait_group(0)
         if split == splits - 1 and tail_len > 0:
@@ -471,11 +475,11 @@ if gluon is not None:
             gl.atomic_xchg(count_ptr + row, 0)
 
     @gluon.jit
-    def _group(stage, q, bias, qk_scale, m_i, l_i, out):
+    def _group(stage, q, bias, qk_scale, m_i, l_i, out, AHEAD: gl.constexpr):
         """One group of the ring's stage attended (its copies waited for, all but the
-        next group's): the running maximum, sum [8] and unnormalized output [128, 8]
-        after it."""
-        async_copy.wait_group(1)
+        next AHEAD groups'): the running maximum, sum [8] and unnormalized output
+        [128, 8] after it."""
+        async_copy.wait_group(AHEAD)
         gl.thread_barrier()
         kw, ksc, kmn, vw, vsc, vmn = stage
         pairs: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, K_PAIRS))
