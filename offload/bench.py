@@ -480,6 +480,7 @@ def _summary(record: dict[str, Any], block: int, prompt_len: int, gen_len: int) 
         "decode_step_s": seconds["decode"] / max(1, gen_len - 1),
         "prefill_tok_s": block * prompt_len / seconds["prefill"] if seconds["prefill"] else None,
         "peak_gpu_bytes": peak["gpu_bytes"],
+        "peak_gpu_reserved_bytes": peak.get("gpu_reserved_bytes"),
         "peak_rss_bytes": peak["cpu_rss_bytes"],
         "peak_disk_bytes": peak["disk_bytes"],
     }

@@ -27,7 +27,12 @@ from offload.front import Message, ModelFront, eos_ids
 from offload.io.atomic import exclusive
 from offload.outputs import GenerationStats, RequestOutput
 from offload.planning import Plan, plan_run
-from offload.policies.caps import Caps, check_block_fits
+from offload.policies.caps import (
+    Caps,
+    check_block_fits,
+    hold_gpu_allocator,
+    release_gpu_allocator,
+)
 from offload.policies.policy import Policy
 from offload.runner import PlainRunner, Runner
 from offload.sampling import SamplingParams
@@ -161,6 +166,9 @@ class LLM:
         self.batch_size = plan.batch_size
         self._seeds: random.Random | None = None  # (`LLM(seed=...)`)
         self.planned_for = (plan.prompt_len, plan.gen_len)  # prompt and new tokens
+        self._held = args.hold_gpu_mem and self.device.type == "cuda"
+        if self._held:
+            hold_gpu_allocator(plan.caps, plan.baseline, self.device)
         self.runner: Runner = self._load(progress, trace)
         self.eos_ids = eos_ids(front)
         self.stats = GenerationStats()
@@ -312,8 +320,11 @@ class LLM:
 
     # -- lifetime ---------------------------------------------------------------------
     def close(self) -> None:
-        """Release pinned memory, spill files and reader threads of the executor."""
+        """Release pinned memory, spill files and reader threads of the executor, and the
+        GPU allocator's limit (`hold_gpu_mem`)."""
         self.runner.close()
+        if self._held:
+            release_gpu_allocator(self.device)
 
     def __enter__(self) -> LLM:
         return self

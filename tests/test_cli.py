@@ -108,6 +108,7 @@ def test_preset_runs_with_dummy_weights(capsys):
         ),
         (["--model", "demo", "--prompts", "/no/such/prompts.jsonl"], "does not exist"),
         (["--model", "demo", "--prompt", "x", "--top-p", "2"], "top_p"),
+        (["--model", "demo", "--prompt", "x", "--hold-gpu-mem"], "give --gpu-mem"),
         (
             ["--model", "demo", "--prompt", "x", "--output", "/no/such/dir/out.jsonl"],
             "cannot write",

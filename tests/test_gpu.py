@@ -613,3 +613,36 @@ def test_vllms_gpu_memory_utilization_is_that_share_of_the_gpu_as_a_cap():
     assert rest == {} and parse_size(gpu_mem) == total // 2
     with pytest.raises(UserError, match="give one"):
         from_vllm_arguments({"gpu_memory_utilization": 0.5}, cuda, "24GB")
+
+
+def test_a_gpu_cap_holds_the_caching_allocator_until_the_engine_closes(tiny_checkpoints):
+    """With a GPU cap and `hold_gpu_mem` the engine holds the caching allocator to the
+    cap less the CUDA context (`caps.hold_gpu_allocator`): a run's reserved bytes and the
+    context stay within the cap, a tensor past it is refused while the engine is open,
+    and allowed once it is closed."""
+    from offload.policies.caps import Caps, cuda_context_bytes
+    from offload.sampling import SamplingParams
+    from tests.test_executor import PROMPTS as MANY
+
+    cuda = torch.device("cuda")
+    torch.cuda.empty_cache()
+    # what other tests of this process still hold, beside this test's 2 GiB
+    cap = torch.cuda.memory_allocated(cuda) + cuda_context_bytes(cuda) + (2 << 30)
+    torch.cuda.reset_peak_memory_stats(cuda)
+    directory, _ = tiny_checkpoints["llama-gqa"]
+    policy = Policy(gpu_batch_size=8, num_gpu_batches=1)
+    with LLM(
+        str(directory),
+        device="cuda",
+        dtype="float16",
+        policy=policy,
+        caps=Caps(gpu_bytes=cap),
+        hold_gpu_mem=True,
+    ) as llm:
+        llm.generate(MANY, SamplingParams(max_new_tokens=8))
+        assert torch.cuda.max_memory_reserved(cuda) + cuda_context_bytes(cuda) <= cap
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(cap, dtype=torch.uint8, device=cuda)
+    del llm
+    past = torch.empty(cap, dtype=torch.uint8, device=cuda)  # the limit went with it
+    assert past.numel() == cap

@@ -29,9 +29,10 @@ def peak_memory(llm: LLM) -> dict[str, int]:
     if llm.device.type == "cuda":
         from offload.policies.caps import cuda_context_bytes
 
-        out["gpu_bytes"] = torch.cuda.max_memory_allocated(llm.device) + cuda_context_bytes(
-            llm.device
-        )
+        context = cuda_context_bytes(llm.device)
+        out["gpu_bytes"] = torch.cuda.max_memory_allocated(llm.device) + context
+        # what the allocator held at most, with the context: what nvidia-smi shows
+        out["gpu_reserved_bytes"] = torch.cuda.max_memory_reserved(llm.device) + context
     return out
 
 
@@ -84,9 +85,11 @@ def report(llm: LLM, stats: JobStats, load_seconds: float, stats_path: Path | No
     trace = llm.runner.trace_report()
     if trace:
         print(trace, file=sys.stderr)
-    gpu = info["peak_memory"]["gpu_bytes"]
+    gpu, held = info["peak_memory"]["gpu_bytes"], info["peak_memory"].get("gpu_reserved_bytes")
     print(
-        f"peak GPU {gpu / 1e9:.2f} GB (allocated + CUDA context); peak host RSS "
+        f"peak GPU {gpu / 1e9:.2f} GB (allocated + CUDA context"
+        + (f"; {held / 1e9:.2f} GB reserved" if held else "")
+        + f"); peak host RSS "
         f"{info['peak_memory']['cpu_rss_bytes'] / 1e9:.2f} GB",
         file=sys.stderr,
     )

@@ -16,6 +16,7 @@ through `peak_bytes`, so the search and the engine never disagree on a plan.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import psutil
@@ -85,6 +86,43 @@ def cuda_context_bytes(device: torch.device) -> int:
     torch.cuda.init()
     free, total = torch.cuda.mem_get_info(device)
     return max(0, total - free - torch.cuda.memory_reserved(device))
+
+
+def hold_gpu_allocator(caps: Caps, base: Baseline, device: torch.device) -> None:
+    """Hold the CUDA caching allocator to the GPU cap less the context, with expandable
+    segments (`EngineArgs.hold_gpu_mem`): what it reserves (with the context, what
+    nvidia-smi shows) stays within the cap, not only what it hands out, which is what the
+    plan counts. Left to itself, W1c (24 GB cap, 23.48 GB allocated with the context)
+    reserved 27.25 GB; held, 23.85 GB, at 396-397 tok/s against 410-419 (H100,
+    gpu_allocator_hold_ab_h100_20261128-0147.json). At the limit the allocator frees its
+    cached blocks and retries (a synchronization); with expandable segments it maps
+    pages into a segment rather than keeping whole blocks no other size fits: held
+    without them, W1c and a BLOOM plan cut to 3 layers ran out of memory (memory_truth
+    013859). W1u held reserved 24.32 GB with the context measured at its end, which grew
+    after the plan's. The user's own allocator settings (`PYTORCH_ALLOC_CONF`,
+    `PYTORCH_CUDA_ALLOC_CONF`) naming expandable segments are kept."""
+    if device.type != "cuda" or caps.gpu_bytes is None:
+        return
+    settings = os.environ.get("PYTORCH_ALLOC_CONF", "") + os.environ.get(
+        "PYTORCH_CUDA_ALLOC_CONF", ""
+    )
+    if "expandable_segments" not in settings:
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
+    total = torch.cuda.get_device_properties(device).total_memory
+    share = (caps.gpu_bytes - base.gpu_context_bytes) / total
+    torch.cuda.set_per_process_memory_fraction(min(1.0, max(share, 0.0)), _index(device))
+
+
+def release_gpu_allocator(device: torch.device) -> None:
+    """The allocator free of `hold_gpu_allocator`'s limit (a closed engine's)."""
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(1.0, _index(device))
+
+
+def _index(device: torch.device) -> int:
+    """The CUDA device's index ("cuda": the current one)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def process_rss() -> int:
