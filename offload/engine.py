@@ -27,12 +27,7 @@ from offload.front import Message, ModelFront, eos_ids
 from offload.io.atomic import exclusive
 from offload.outputs import GenerationStats, RequestOutput
 from offload.planning import Plan, plan_run
-from offload.policies.caps import (
-    Caps,
-    check_block_fits,
-    hold_gpu_allocator,
-    release_gpu_allocator,
-)
+from offload.policies.caps import Caps, check_block_fits, hold_gpu_allocator
 from offload.policies.policy import Policy
 from offload.runner import PlainRunner, Runner
 from offload.sampling import SamplingParams
@@ -56,6 +51,8 @@ class LLM:
     ({"cuda:0": "24GB", "cpu": "100GB"}) and `offload_folder` (the weight store and KV
     spill directory): caps without a `policy` run the same plan search as offload-run.
     `policy` (a `Policy` or a JSON path) runs the offloading executor with that placement.
+    `hold_gpu_mem=True` holds this process's CUDA caching allocator to the GPU cap until
+    `close` (`caps.hold_gpu_allocator`: process-wide state, one held engine at a time).
     """
 
     def __init__(
@@ -166,10 +163,20 @@ class LLM:
         self.batch_size = plan.batch_size
         self._seeds: random.Random | None = None  # (`LLM(seed=...)`)
         self.planned_for = (plan.prompt_len, plan.gen_len)  # prompt and new tokens
-        self._held = args.hold_gpu_mem and self.device.type == "cuda"
-        if self._held:
-            hold_gpu_allocator(plan.caps, plan.baseline, self.device)
-        self.runner: Runner = self._load(progress, trace)
+        if args.hold_gpu_mem and parallel is not None:
+            raise UserError(
+                "--hold-gpu-mem is not supported with tensor parallelism (each rank's NCCL "
+                "buffers grow outside the allocator after the plan): drop it"
+            )
+        # process-wide allocator state, put back by `close` (or a failed load)
+        self._hold = (
+            hold_gpu_allocator(plan.caps, plan.baseline, self.device) if args.hold_gpu_mem else None
+        )
+        try:
+            self.runner: Runner = self._load(progress, trace)
+        except BaseException:
+            self._release_hold()
+            raise
         self.eos_ids = eos_ids(front)
         self.stats = GenerationStats()
         self.on_phase: Callable[[str], None] | None = None  # told "prefill" / "decode"
@@ -322,9 +329,15 @@ class LLM:
     def close(self) -> None:
         """Release pinned memory, spill files and reader threads of the executor, and the
         GPU allocator's limit (`hold_gpu_mem`)."""
-        self.runner.close()
-        if self._held:
-            release_gpu_allocator(self.device)
+        try:
+            self.runner.close()
+        finally:
+            self._release_hold()
+
+    def _release_hold(self) -> None:
+        if self._hold is not None:
+            self._hold.release()
+            self._hold = None
 
     def __enter__(self) -> LLM:
         return self

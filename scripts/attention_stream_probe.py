@@ -255,8 +255,9 @@ def measure() -> None:
 
 
 def compile_only() -> None:
-    """Both kernels for sm_90 without a GPU (REP 1 and 8): registers, spills, shared
-    memory, and the instructions of the loop that issues the MMAs."""
+    """The split kernel (at 2, 3 and 4 stages) and this one for sm_90 without a GPU (REP 1
+    and 8): registers, spills, shared memory, and the instructions of the loop that
+    issues the MMAs."""
     import collections
 
     import triton

@@ -8,9 +8,12 @@ plan's parts and the ledger. Prints a table and writes JSON (benchmarks/results/
 
 With --where, the run phase is recorded (`torch.cuda.memory._record_memory_history`) and
 replayed: the blocks live when the allocated total peaked, grouped by the innermost
-frame of this project that allocated them, go into each case's "live_at_peak".
+frame of this project that allocated them, go into each case's "live_at_peak". With
+--limit, the caching allocator is held to each plan's GPU peak less the context: whether
+the run fits its plan in reserved bytes.
 
-    python scripts/memory_truth.py [--layers 3] [--prompt-len 512] [--gen-len 4] [--where]
+    python scripts/memory_truth.py [--layers 3] [--prompt-len 512] [--gen-len 4]
+        [--where] [--limit]
 """
 
 from __future__ import annotations
@@ -258,7 +261,7 @@ def finish_recording(start: dict) -> dict:
     torch.cuda.memory._record_memory_history(None)
     trace = snapshot["device_traces"][torch.cuda.current_device()]
     stats = torch.cuda.memory_stats()
-    found = live_at_peak(trace, start["allocated"], PROJECT_DIRS, start["blocks"])
+    found = live_at_peak(trace, start["requested"], PROJECT_DIRS, start["blocks"])
     found["start"] = start
     found["truncated"] = len(trace) >= WHERE_MAX_EVENTS
     found["check"] = {
@@ -296,17 +299,17 @@ def run_case(name: str, preset: str, policy: Policy, args) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = Baseline.measure(device)
-    if args.limit:  # the caching allocator held to the plan's GPU peak, less the context
-        planned, _ = peak_bytes(
-            plan_memory(cfg, policy, dtype, args.prompt_len, args.gen_len), base
-        )
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction((planned - base.gpu_context_bytes) / total)
-    ex = Executor(DummySource(cfg), policy, dtype, device)
-    load_peak = torch.cuda.max_memory_allocated()
-    torch.cuda.reset_peak_memory_stats()  # from here on, the run's own peak
-    start = start_recording() if args.where else None
+    ex = start = None
     try:
+        if args.limit:  # the caching allocator held to the plan's GPU peak, less the context
+            plan = plan_memory(cfg, policy, dtype, args.prompt_len, args.gen_len)
+            total = torch.cuda.get_device_properties(device).total_memory
+            share = (peak_bytes(plan, base)[0] - base.gpu_context_bytes) / total
+            torch.cuda.set_per_process_memory_fraction(share)
+        ex = Executor(DummySource(cfg), policy, dtype, device)
+        load_peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()  # from here on, the run's own peak
+        start = start_recording() if args.where else None
         out = _measure(ex, cfg, policy, dtype, base, load_peak, name, preset, args)
         if start is not None:
             out["live_at_peak"] = finish_recording(start)
@@ -314,7 +317,8 @@ def run_case(name: str, preset: str, policy: Policy, args) -> dict:
     finally:
         if start is not None:
             torch.cuda.memory._record_memory_history(None)
-        ex.close()
+        if ex is not None:
+            ex.close()
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(1.0)
 

@@ -110,6 +110,20 @@ def test_preset_runs_with_dummy_weights(capsys):
         (["--model", "demo", "--prompt", "x", "--top-p", "2"], "top_p"),
         (["--model", "demo", "--prompt", "x", "--hold-gpu-mem"], "give --gpu-mem"),
         (
+            [
+                "--model",
+                "demo",
+                "--prompt",
+                "x",
+                "--device",
+                "cpu",
+                "--gpu-mem",
+                "2GB",
+                "--hold-gpu-mem",
+            ],
+            "has no GPU",
+        ),
+        (
             ["--model", "demo", "--prompt", "x", "--output", "/no/such/dir/out.jsonl"],
             "cannot write",
         ),

@@ -85,10 +85,10 @@ def report(llm: LLM, stats: JobStats, load_seconds: float, stats_path: Path | No
     trace = llm.runner.trace_report()
     if trace:
         print(trace, file=sys.stderr)
-    gpu, held = info["peak_memory"]["gpu_bytes"], info["peak_memory"].get("gpu_reserved_bytes")
+    gpu, reserved = info["peak_memory"]["gpu_bytes"], info["peak_memory"].get("gpu_reserved_bytes")
     print(
         f"peak GPU {gpu / 1e9:.2f} GB (allocated + CUDA context"
-        + (f"; {held / 1e9:.2f} GB reserved" if held else "")
+        + (f"; {reserved / 1e9:.2f} GB reserved" if reserved else "")
         + f"); peak host RSS "
         f"{info['peak_memory']['cpu_rss_bytes'] / 1e9:.2f} GB",
         file=sys.stderr,

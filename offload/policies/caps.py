@@ -88,36 +88,55 @@ def cuda_context_bytes(device: torch.device) -> int:
     return max(0, total - free - torch.cuda.memory_reserved(device))
 
 
-def hold_gpu_allocator(caps: Caps, base: Baseline, device: torch.device) -> None:
+@dataclass(frozen=True)
+class AllocatorHold:
+    """What `hold_gpu_allocator` changed in this process, to put back (`release`)."""
+
+    device_index: int
+    fraction: float  # the per-process memory fraction before
+    settings: str | None  # allocator settings that undo expandable segments (None: kept)
+
+    def release(self) -> None:
+        torch.cuda.set_per_process_memory_fraction(self.fraction, self.device_index)
+        if self.settings is not None:
+            _set_allocator(self.settings)
+
+
+def hold_gpu_allocator(caps: Caps, base: Baseline, device: torch.device) -> AllocatorHold | None:
     """Hold the CUDA caching allocator to the GPU cap less the context, with expandable
-    segments (`EngineArgs.hold_gpu_mem`): what it reserves (with the context, what
-    nvidia-smi shows) stays within the cap, not only what it hands out, which is what the
-    plan counts. Left to itself, W1c (24 GB cap, 23.48 GB allocated with the context)
-    reserved 27.25 GB; held, 23.85 GB, at 396-397 tok/s against 410-419 (H100,
-    gpu_allocator_hold_ab_h100_20261128-0147.json). At the limit the allocator frees its
-    cached blocks and retries (a synchronization); with expandable segments it maps
-    pages into a segment rather than keeping whole blocks no other size fits: held
-    without them, W1c and a BLOOM plan cut to 3 layers ran out of memory (memory_truth
-    013859). W1u held reserved 24.32 GB with the context measured at its end, which grew
-    after the plan's. The user's own allocator settings (`PYTORCH_ALLOC_CONF`,
-    `PYTORCH_CUDA_ALLOC_CONF`) naming expandable segments are kept."""
+    segments (`EngineArgs.hold_gpu_mem`), until the hold's `release`: what it reserves
+    (with the context, what nvidia-smi shows) is held under the cap, not only what it
+    hands out, which is what the plan counts. Left to itself, W1c (24 GB cap, 23.48 GB
+    allocated with the context) reserved 27.25 GB; held, 23.85 GB, at 396-397 tok/s
+    against 410-419 (H100, gpu_allocator_hold_ab_h100_20261128-0147.json). At the limit
+    the allocator frees its cached blocks and retries (a synchronization); with
+    expandable segments it maps pages into a segment rather than keeping whole blocks no
+    other size fits: held without them, W1c and a BLOOM plan cut to 3 layers ran out of
+    memory (memory_truth 013859). W1u held reserved 24.32 GB with the context measured
+    at its end, which grew after the plan's. The process's other allocator settings
+    (`PYTORCH_ALLOC_CONF`, `PYTORCH_CUDA_ALLOC_CONF`) are kept, and expandable segments
+    that they name are left as they say. None where there is nothing to hold (no GPU
+    cap)."""
     if device.type != "cuda" or caps.gpu_bytes is None:
-        return
-    settings = os.environ.get("PYTORCH_ALLOC_CONF", "") + os.environ.get(
-        "PYTORCH_CUDA_ALLOC_CONF", ""
-    )
-    if "expandable_segments" not in settings:
-        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-        (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
+        return None
+    index = _index(device)
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    before = getter(index) if getter is not None else 1.0
+    own = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    undo = None
+    if "expandable_segments" not in own:
+        # the settings string replaces the whole configuration: the user's go with it
+        _set_allocator(",".join(filter(None, (own, "expandable_segments:True"))))
+        undo = ",".join(filter(None, (own, "expandable_segments:False")))
     total = torch.cuda.get_device_properties(device).total_memory
     share = (caps.gpu_bytes - base.gpu_context_bytes) / total
-    torch.cuda.set_per_process_memory_fraction(min(1.0, max(share, 0.0)), _index(device))
+    torch.cuda.set_per_process_memory_fraction(min(1.0, max(share, 0.0)), index)
+    return AllocatorHold(index, before, undo)
 
 
-def release_gpu_allocator(device: torch.device) -> None:
-    """The allocator free of `hold_gpu_allocator`'s limit (a closed engine's)."""
-    if device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(1.0, _index(device))
+def _set_allocator(settings: str) -> None:
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    (setter or torch.cuda.memory._set_allocator_settings)(settings)
 
 
 def _index(device: torch.device) -> int:
