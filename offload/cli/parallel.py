@@ -55,6 +55,8 @@ def wanted(args: argparse.Namespace) -> bool:
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     """Start the ranks (from a plain command line) or run as one (inside a launcher)."""
+    if (args.tp or 1) > 1 and args.hold_gpu_mem:  # (`LLM._assemble` refuses it too)
+        raise UserError("--hold-gpu-mem is not supported with tensor parallelism: drop it")
     if env_world() is not None:
         return run_rank(args)
     if args.input is not None and str(args.input) == "-":
