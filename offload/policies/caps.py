@@ -115,7 +115,8 @@ def hold_gpu_allocator(caps: Caps, base: Baseline, device: torch.device) -> Allo
     memory (memory_truth 013859). W1u held reserved 24.32 GB with the context measured
     at its end, which grew after the plan's. The process's other allocator settings
     (`PYTORCH_ALLOC_CONF`, `PYTORCH_CUDA_ALLOC_CONF`) are kept, and expandable segments
-    that they name are left as they say. None where there is nothing to hold (no GPU
+    that they name (or CUDA's own asynchronous allocator, which has none) are left as
+    they say. None where there is nothing to hold (no GPU
     cap)."""
     if device.type != "cuda" or caps.gpu_bytes is None:
         return None
@@ -124,7 +125,7 @@ def hold_gpu_allocator(caps: Caps, base: Baseline, device: torch.device) -> Allo
     before = getter(index) if getter is not None else 1.0
     own = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     undo = None
-    if "expandable_segments" not in own:
+    if "expandable_segments" not in own and "cudaMallocAsync" not in own:
         # the settings string replaces the whole configuration: the user's go with it
         _set_allocator(",".join(filter(None, (own, "expandable_segments:True"))))
         undo = ",".join(filter(None, (own, "expandable_segments:False")))
