@@ -116,8 +116,7 @@ def hold_gpu_allocator(caps: Caps, base: Baseline, device: torch.device) -> Allo
     at its end, which grew after the plan's. The process's other allocator settings
     (`PYTORCH_ALLOC_CONF`, `PYTORCH_CUDA_ALLOC_CONF`) are kept, and expandable segments
     that they name (or CUDA's own asynchronous allocator, which has none) are left as
-    they say. None where there is nothing to hold (no GPU
-    cap)."""
+    they say. None where there is nothing to hold (no GPU cap)."""
     if device.type != "cuda" or caps.gpu_bytes is None:
         return None
     index = _index(device)
