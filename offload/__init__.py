@@ -1,10 +1,10 @@
 """offload: high-throughput offline generation with models larger than one GPU."""
 
-from offload.args import EngineArgs
-from offload.config import ModelConfig
-from offload.engine import LLM
-from offload.outputs import CompletionOutput, RequestOutput
-from offload.sampling import SamplingParams
+from offload.api.args import EngineArgs
+from offload.api.llm import LLM
+from offload.core.config import ModelConfig
+from offload.core.outputs import CompletionOutput, RequestOutput
+from offload.core.sampling import SamplingParams
 
 __all__ = [
     "LLM",

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from offload.batch import PaddedBatch
-from offload.engine import LLM
+from offload.api.llm import LLM
+from offload.core.sampling import SamplingParams
+from offload.executor.runner import PlainRunner
 from offload.kernels.formats import Compression
-from offload.runner import PlainRunner
-from offload.sampling import SamplingParams
+from offload.models.batch import PaddedBatch
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "public_domain.txt"
 QUESTIONS = [

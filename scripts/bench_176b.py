@@ -35,9 +35,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from offload import bench  # noqa: E402
-from offload.bench import GB, fmt  # noqa: E402
-from offload.runner import prefill_trace_path  # noqa: E402
+import benchlib as bench  # noqa: E402
+from benchlib import GB, fmt  # noqa: E402
+
+from offload.executor.runner import prefill_trace_path  # noqa: E402
 
 MODELS = ("bloom", "opt-175b")
 CEILINGS_MIN_S = 20
@@ -79,7 +80,7 @@ def lane_bytes(model: str, policy: dict, prompt_len: int, gen_len: int, profile:
     that crosses, on h2d; disk reads and writes, on disk)."""
     import dataclasses
 
-    from offload.config import resolve_dtype
+    from offload.core.config import resolve_dtype
     from offload.models.resolve import resolve_model
     from offload.policies.cost import estimate
     from offload.policies.hardware import HardwareProfile
@@ -210,7 +211,7 @@ def fmt_gb(nbytes: float | None) -> str:
 
 
 def _size(text: str) -> int:
-    from offload.args import parse_size
+    from offload.api.args import parse_size
 
     return parse_size(text)
 

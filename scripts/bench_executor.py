@@ -25,12 +25,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from offload.batch import PaddedBatch
 from offload.cli.common import parse_size
+from offload.core.sampling import SamplingParams, sample
 from offload.executor.executor import Executor
 from offload.executor.kv import KVManager
 from offload.io.layout import DISK_BUFFERS
 from offload.kernels.formats import Compression
+from offload.models.batch import PaddedBatch
 from offload.models.resolve import resolve_model
 from offload.policies.caps import (
     Baseline,
@@ -43,7 +44,6 @@ from offload.policies.caps import (
 from offload.policies.measure import disk_rates
 from offload.policies.memory import plan_memory
 from offload.policies.policy import Placement, Policy
-from offload.sampling import SamplingParams, sample
 
 GB = 1e9
 WEIGHTS = Placement(0.25, 0.75, 0.0)

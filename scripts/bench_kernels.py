@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from benchlib import Results
 
-from offload.bench import Results
 from offload.kernels import qmatmul, qmatmul_wgmma
 from offload.kernels.formats import Compression
 from offload.kernels.kv_attention import decode_attention, decode_attention_reference

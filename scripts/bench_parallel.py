@@ -29,9 +29,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from offload.batch import PaddedBatch  # noqa: E402
 from offload.cli.common import parse_size  # noqa: E402
-from offload.config import ModelConfig  # noqa: E402
+from offload.core.config import ModelConfig  # noqa: E402
+from offload.core.sampling import SamplingParams, sample  # noqa: E402
+from offload.models.batch import PaddedBatch  # noqa: E402
 from offload.models.resolve import ModelSpec, resolve_model  # noqa: E402
 from offload.parallel.comm import Topology, allreduce_bus_gbps  # noqa: E402
 from offload.parallel.rank import make_rank_runner, rank_nvme  # noqa: E402
@@ -40,7 +41,6 @@ from offload.policies.caps import process_rss  # noqa: E402
 from offload.policies.choose import choose_policy  # noqa: E402
 from offload.policies.memory_limit import node_memory_limit, rank_cpu_bytes  # noqa: E402
 from offload.policies.policy import Compression, Placement, Policy  # noqa: E402
-from offload.sampling import SamplingParams, sample  # noqa: E402
 
 GB = 1e9
 INT4 = Compression(4, 64)

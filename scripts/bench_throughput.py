@@ -37,8 +37,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from offload import bench  # noqa: E402
-from offload.bench import fmt  # noqa: E402
+import benchlib as bench  # noqa: E402
+from benchlib import fmt  # noqa: E402
 
 PARTS = ("ceilings", "ours-c", "ours-u", "flexgen-c", "flexgen-u")
 # part -> (timeout cap, the least time worth starting it with), seconds

@@ -16,9 +16,10 @@ import json
 import statistics
 import time
 
-from offload.bench import add_probe_args, probe_llm
-from offload.decode_loop import DecodeLoop
-from offload.sampling import SamplingParams
+from benchlib import add_probe_args, probe_llm
+
+from offload.api.decode_loop import DecodeLoop
+from offload.core.sampling import SamplingParams
 
 
 def main() -> None:

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from offload.batch import PaddedBatch
+from offload.core.sampling import SamplingParams, sample
 from offload.executor.executor import Executor
+from offload.models.batch import PaddedBatch
 from offload.models.resolve import resolve_model
 from offload.policies.policy import Policy
-from offload.sampling import SamplingParams, sample
 
 PROMPT, STEPS = 512, 31
 

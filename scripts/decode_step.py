@@ -19,10 +19,10 @@ import json
 import time
 
 import torch
+from benchlib import add_probe_args, probe_llm
 from torch.profiler import ProfilerActivity, profile
 
-from offload.batch import PaddedBatch
-from offload.bench import add_probe_args, probe_llm
+from offload.models.batch import PaddedBatch
 
 STEPS = 10
 

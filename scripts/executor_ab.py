@@ -22,9 +22,9 @@ import itertools
 from pathlib import Path
 
 import torch
+from benchlib import Results
 from validate_cost_model import hand_policies, measure_policy
 
-from offload.bench import Results
 from offload.io.spill import SWITCH_INTERVAL_S
 from offload.models.resolve import resolve_model
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 from bench_kernels import hbm_rate, timed
+from benchlib import Results
 
-from offload.bench import Results
 from offload.kernels.formats import Compression
 from offload.kernels.qmatmul import qlinear, qlinear_reference
 from offload.kernels.quant import quantize

@@ -409,8 +409,8 @@ def main() -> None:
         compile_only(stages=args.stages, dump=args.dump)
         return
     from bench_kernels import hbm_rate, int4_probe_cases, print_beside, time_beside
+    from benchlib import Results
 
-    from offload.bench import Results
     from offload.kernels import qmatmul, qmatmul_wgmma
 
     dev = torch.device("cuda")

@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 from bench_kernels import hbm_rate, int4_probe_cases, print_beside, time_beside
+from benchlib import Results
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from offload.bench import Results
 from offload.kernels import qmatmul
 from offload.kernels.dequant import dequant_nibbles
 from offload.kernels.launch import arrival_counters, shared_memory_limit, split_of

@@ -32,15 +32,15 @@ from pathlib import Path
 import torch
 
 import offload
-from offload.batch import PaddedBatch
+from offload.core.sampling import SamplingParams, sample
 from offload.executor.executor import Executor
 from offload.kernels.formats import Compression
+from offload.models.batch import PaddedBatch
 from offload.models.resolve import resolve_model
 from offload.models.weights import DummySource
 from offload.policies.caps import Baseline, peak_bytes
 from offload.policies.memory import plan_memory
 from offload.policies.policy import Placement, Policy
-from offload.sampling import SamplingParams, sample
 
 GB = 1e9
 INT4 = Compression(4, 64, False)

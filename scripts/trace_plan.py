@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from offload.batch import PaddedBatch
 from offload.executor.executor import Executor
 from offload.executor.lanes import layer_timeline, read_chrome
+from offload.models.batch import PaddedBatch
 from offload.models.resolve import resolve_model
 from offload.models.weights import DummySource
 from offload.policies.policy import Policy

@@ -28,20 +28,20 @@ from pathlib import Path
 
 import torch
 
+from offload.api.decode_loop import DecodeLoop
 from offload.cli.common import parse_compression, parse_kv_compression, parse_size
-from offload.decode_loop import DecodeLoop
+from offload.core.outputs import GenerationStats
+from offload.core.sampling import SamplingParams
 from offload.executor.executor import Executor
 from offload.executor.probe import measure_profile
 from offload.io.layout import DISK_BUFFERS
 from offload.kernels.formats import Compression
 from offload.models.resolve import resolve_model
-from offload.outputs import GenerationStats
 from offload.policies.caps import Baseline, Caps, cuda_context_bytes, gpu_phase_peaks
 from offload.policies.cost import estimate
 from offload.policies.hardware import HardwareProfile
 from offload.policies.policy import Placement, Policy
 from offload.policies.search import search
-from offload.sampling import SamplingParams
 
 GB = 1e9
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 from bench_kernels import hbm_rate, timed
+from benchlib import Results
 
-from offload.bench import Results
 from offload.kernels import qmatmul_wgmma
 from offload.kernels.formats import Compression
 from offload.kernels.launch import sm_count

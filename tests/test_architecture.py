@@ -10,34 +10,22 @@ PACKAGE = Path(__file__).resolve().parent.parent / "offload"
 
 # lowest first; a module may import its own layer and any layer below
 LAYERS = [
-    ("base", ["errors", "config", "presets", "sampling"]),
+    ("core", ["core"]),
     ("kernels", ["kernels"]),
-    ("models", ["models", "batch"]),
+    ("models", ["models"]),
     ("io", ["io"]),
     ("policies", ["policies"]),
-    ("executor", ["executor", "runner", "parallel"]),
-    (
-        "api",
-        [
-            "engine",
-            "front",
-            "planning",
-            "decode_loop",
-            "jobs",
-            "openai_batch",
-            "resultlog",
-            "args",
-            "outputs",
-            "data_parallel",
-        ],
-    ),
-    ("cli", ["cli", "bench"]),
+    ("executor", ["executor"]),
+    ("parallel", ["parallel"]),
+    ("api", ["api"]),
+    ("jobs", ["jobs"]),
+    ("cli", ["cli"]),
 ]
 RANK = {top: rank for rank, (_, tops) in enumerate(LAYERS) for top in tops}
 
 
 def _top(module: str) -> str:
-    """`offload.io.store` -> `io`; `offload.engine` -> `engine`."""
+    """`offload.io.store` -> `io`; `offload.api.llm` -> `engine`."""
     return module.split(".")[1]
 
 
@@ -61,8 +49,76 @@ def _modules() -> list[tuple[str, Path]]:
         parts = path.relative_to(PACKAGE).with_suffix("").parts
         if parts == ("__init__",):
             continue  # the package root re-exports the public API
+        assert len(parts) > 1, f"{path}: a module at the top of the package belongs in a layer"
         out.append((parts[0], path))
     return out
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(path: Path, known: set[str]) -> set[str]:
+    """The `offload` modules a file imports when it runs (`if TYPE_CHECKING:` left out);
+    `from offload.x import y` counts as importing `offload.x.y` where that is a module."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for n in ast.walk(node)
+    }
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                out.add(name if name in known else node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return {m for m in out if m in known}
+
+
+def _import_circles() -> list[list[str]]:
+    """Groups of modules that import each other, directly or around a loop (Tarjan)."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {name: _runtime_imports(p, set(paths)) - {name} for name, p in paths.items()}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(node: str) -> None:
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in order:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], order[nxt])
+        if low[node] == order[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in order:
+            visit(node)
+    return circles
+
+
+def test_no_import_circle():
+    circles = _import_circles()
+    assert not circles, "modules that import each other: " + "; ".join(map(str, circles))
 
 
 def test_every_module_has_a_layer():

@@ -15,7 +15,7 @@ import pytest
 
 from offload import LLM, SamplingParams
 from offload.cli.run import main
-from offload.errors import UserError
+from offload.core.errors import UserError
 from offload.io.atomic import atomic_write, exclusive
 
 TEMPLATE = (

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.engine import LLM
+from offload.api.llm import LLM
+from offload.core.sampling import SamplingParams
 from offload.models.demo import demo_model_path
-from offload.sampling import SamplingParams
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -14,8 +14,10 @@ import re
 import pytest
 import torch
 
-from offload.engine import LLM
-from offload.errors import UserError
+from offload.api.llm import LLM
+from offload.core.errors import UserError
+from offload.core.sampling import SamplingParams
+from offload.executor.runner import PlainRunner
 from offload.io.layout import store_bytes
 from offload.io.reader import CorruptExtent
 from offload.io.store import store_dir
@@ -23,8 +25,6 @@ from offload.kernels.formats import Compression
 from offload.models.resolve import resolve_model
 from offload.policies.caps import Caps
 from offload.policies.policy import Placement, Policy
-from offload.runner import PlainRunner
-from offload.sampling import SamplingParams
 from tests.tiny_models import decode_logits, prefill_logits
 
 PROMPTS = [
@@ -476,7 +476,7 @@ def test_a_trace_holds_the_last_step_and_the_last_prefill(tiny_checkpoints, tmp_
     layer's compute once a micro-batch in each, the KV loads of the off-GPU rows only
     in the decode step, the layer timeline readable from the file."""
     from offload.executor.lanes import layer_timeline, read_chrome
-    from offload.runner import prefill_trace_path
+    from offload.executor.runner import prefill_trace_path
 
     directory, _ = tiny_checkpoints["opt"]
     policy = POLICIES["kv-cpu-device-attention"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from offload.errors import UserError
+from offload.core.errors import UserError
 from offload.models.gguf_file import GGUFArray, GGUFHeader, open_gguf
 
 gguf = pytest.importorskip("gguf")

@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from offload.engine import LLM
+from offload.api.llm import LLM
+from offload.executor.runner import PlainRunner
 from offload.io.pinned import PinnedPool
 from offload.io.reader import ExtentReader
 from offload.io.store import WeightStore, write_stage_file
 from offload.policies.policy import Placement, Policy
-from offload.runner import PlainRunner
 from tests.test_executor import FAMILIES
 from tests.tiny_models import assert_prefill_logits_match
 
@@ -48,7 +48,7 @@ def test_unpadded_steps_through_flash_give_the_masked_logits(case, tiny_checkpoi
     """Prompts of one length: the prefill and every decode step are flagged causal and
     attend through SDPA's flash kernel without the bias (fp16 on CUDA); the same steps
     with the flag cleared take the masked kernels and give the same logits."""
-    from offload.batch import PaddedBatch
+    from offload.models.batch import PaddedBatch
     from tests.tiny_models import decode_logits
 
     directory, _ = tiny_checkpoints[case]
@@ -457,11 +457,11 @@ def test_a_job_after_the_warm_up_compiles_no_kernel(tiny_checkpoints, tmp_path):
     decode steps, which complete cache groups (W1c's first prefill took 2.25 s against
     0.70: the KV quantize kernel specialized on a slot count the warm-up's was not like).
     The counter itself is checked on a tiling nothing else uses."""
+    from offload.core.sampling import SamplingParams
     from offload.kernels.formats import Compression
     from offload.kernels.launch import CompileCount
     from offload.kernels.qmatmul import Tiles, qlinear
     from offload.kernels.quant import quantize
-    from offload.sampling import SamplingParams
     from tests.test_executor import INT4, KV4, _with
 
     w = quantize(torch.randn(96, 256, device="cuda"), Compression(4, 32, False))
@@ -489,10 +489,10 @@ def test_a_job_after_the_warm_up_compiles_no_kernel(tiny_checkpoints, tmp_path):
 
 _STREAMED_JOB = """
 import sys
-from offload.engine import LLM
+from offload.api.llm import LLM
 from offload.kernels.launch import CompileCount
 from offload.policies.policy import Placement, Policy
-from offload.sampling import SamplingParams
+from offload.core.sampling import SamplingParams
 
 policy = Policy(gpu_batch_size=4, num_gpu_batches=2, weights=Placement(0, 1, 0))
 with LLM(sys.argv[1], device="cuda", dtype="float16", policy=policy) as llm:
@@ -530,9 +530,9 @@ def test_a_steps_gpu_transients_are_a_layers_or_the_logits_as_planned():
     and two decode steps as the decode loop runs them (a step's logits dropped once
     sampled); the whole run within the plan as the cap check counts it."""
 
-    from offload.batch import PaddedBatch
-    from offload.config import ModelConfig
+    from offload.core.config import ModelConfig
     from offload.executor.executor import Executor
+    from offload.models.batch import PaddedBatch
     from offload.models.weights import DummySource
     from offload.policies.caps import GPU_SLACK
     from offload.policies.memory import plan_memory
@@ -574,8 +574,8 @@ def test_greedy_steps_issued_ahead_give_the_waited_for_tokens(tiny_checkpoints, 
     the host reads the tokens, and the executor returns without waiting (all on the GPU,
     graphs). The tokens are those of the loop that waits for every step, with a stop
     token that ends some rows early too; and the decode steps did not wait."""
-    from offload.decode_loop import DecodeLoop
-    from offload.sampling import SamplingParams
+    from offload.api.decode_loop import DecodeLoop
+    from offload.core.sampling import SamplingParams
     from tests.test_executor import PROMPTS as MANY
 
     directory, _ = tiny_checkpoints["llama-gqa"]
@@ -604,8 +604,8 @@ def test_greedy_steps_issued_ahead_give_the_waited_for_tokens(tiny_checkpoints, 
 def test_vllms_gpu_memory_utilization_is_that_share_of_the_gpu_as_a_cap():
     """vLLM's `LLM(gpu_memory_utilization=0.5)` is a GPU cap of half the device's memory
     (the plan search's, as a max_memory GPU entry), refused beside one."""
-    from offload.args import from_vllm_arguments, parse_size
-    from offload.errors import UserError
+    from offload.api.args import from_vllm_arguments, parse_size
+    from offload.core.errors import UserError
 
     cuda = torch.device("cuda")
     total = torch.cuda.get_device_properties(cuda).total_memory
@@ -620,8 +620,8 @@ def test_a_gpu_cap_holds_the_caching_allocator_until_the_engine_closes(tiny_chec
     cap less the CUDA context (`caps.hold_gpu_allocator`): a run's reserved bytes and the
     context stay within the cap, a tensor past it is refused while the engine is open,
     and allowed once it is closed."""
+    from offload.core.sampling import SamplingParams
     from offload.policies.caps import Caps, cuda_context_bytes
-    from offload.sampling import SamplingParams
     from tests.test_executor import PROMPTS as MANY
 
     cuda = torch.device("cuda")

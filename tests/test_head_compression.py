@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload.batch import PaddedBatch
-from offload.engine import LLM
+from offload.api.llm import LLM
 from offload.kernels.formats import Compression
 from offload.kernels.quant import assemble_stage, compress_stage
+from offload.models.batch import PaddedBatch
 from offload.models.decoder import stage_shapes
 
 TEXT = Path(__file__).parent / "data" / "public_domain.txt"

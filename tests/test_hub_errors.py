@@ -12,7 +12,7 @@ from huggingface_hub.errors import (
 )
 
 from offload.cli.run import main
-from offload.errors import UserError
+from offload.core.errors import UserError
 from offload.models.resolve import resolve_model
 
 

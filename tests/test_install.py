@@ -10,10 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from offload.engine import LLM
+from offload.api.llm import LLM
+from offload.core.sampling import SamplingParams
 from offload.kernels.formats import Compression
 from offload.policies.policy import Placement, Policy
-from offload.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 INT4 = Compression(bits=4, group_size=16)

@@ -16,8 +16,9 @@ import time
 import pytest
 import torch
 
-from offload.config import ModelConfig
-from offload.errors import UserError
+from offload.core.config import ModelConfig
+from offload.core.errors import UserError
+from offload.core.presets import PRESETS
 from offload.io import store as store_mod
 from offload.io.layout import stage_cuts, stage_image_bytes, stage_keys, store_bytes
 from offload.io.pinned import PinnedPool, PoolExhausted
@@ -27,7 +28,6 @@ from offload.io.store_source import StoreSource
 from offload.models.weights import DummySource
 from offload.policies.memory import weight_plan
 from offload.policies.policy import Placement, Policy
-from offload.presets import PRESETS
 
 CPU = torch.device("cpu")
 

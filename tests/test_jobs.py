@@ -169,13 +169,13 @@ def test_a_job_resumes_only_in_the_formats_it_began_with(tmp_path):
     int4 weights is not finished in full precision (every placement gives the same
     tokens, so the rest of the policy may change). A header from before a setting was
     recorded is not compared on it."""
-    from offload.cli.run import _fingerprint
-    from offload.engine import EngineArgs
-    from offload.errors import UserError
+    from offload.api.llm import EngineArgs
+    from offload.cli.common import fingerprint as _fingerprint
+    from offload.core.errors import UserError
+    from offload.core.sampling import SamplingParams
+    from offload.jobs.resultlog import ResultLog
     from offload.kernels.formats import Compression
     from offload.policies.policy import Policy
-    from offload.resultlog import ResultLog
-    from offload.sampling import SamplingParams
 
     args = SimpleNamespace(skip_invalid=False)
     engine, params = EngineArgs(model="demo"), SamplingParams()

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from offload.cli.common import parse_size
-from offload.config import ModelConfig
-from offload.errors import UserError
+from offload.core.config import ModelConfig
+from offload.core.errors import UserError
+from offload.core.presets import PRESETS, preset_for
 from offload.models.decoder import stage_shapes
 from offload.models.resolve import resolve_model
 from offload.models.weights import DummySource
-from offload.presets import PRESETS, preset_for
 
 # parameters in billions, from the models' published sizes
 EXPECTED_BILLIONS = {

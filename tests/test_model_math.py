@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.engine import LLM
-from offload.sampling import SamplingParams
+from offload.api.llm import LLM
+from offload.core.sampling import SamplingParams
 from tests import tiny_models
 from tests.tiny_models import assert_prefill_logits_match
 
@@ -34,7 +34,7 @@ def test_unpadded_prefill_runs_causal_and_matches_transformers(case, tiny_checkp
     """Without padding the prefill step is flagged causal (but for ALiBi, and a sliding
     window shorter than the prompts), and attention runs SDPA's causal kernel without
     the bias: the logits still match transformers'."""
-    from offload.batch import PaddedBatch
+    from offload.models.batch import PaddedBatch
 
     directory, model = tiny_checkpoints[case]
     llm = LLM(str(directory), device="cpu", dtype="float32")
@@ -51,8 +51,8 @@ def test_a_decode_steps_bias_is_the_one_built_for_its_slot(case, tiny_checkpoint
     """A decode step's bias is a prefix of the last slot's, built once for the block:
     at every slot of a padded batch (ALiBi's included) it is what `attention_bias`
     builds for that slot alone."""
-    from offload.batch import PaddedBatch
     from offload.models import ops
+    from offload.models.batch import PaddedBatch
 
     directory, _ = tiny_checkpoints[case]
     cfg = LLM(str(directory), device="cpu", dtype="float32").config

@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from offload.engine import LLM
-from offload.errors import UserError
+from offload.api.llm import LLM
+from offload.core.errors import UserError
+from offload.core.sampling import SamplingParams
 from offload.parallel.shard import RankShard, rank_config, split_sizes
 from offload.policies.policy import Compression, Placement, Policy
-from offload.sampling import SamplingParams
 from tests.tiny_models import CASES, decode_logits, prefill_logits
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34], [7, 8], [9] * 9]
@@ -172,7 +172,7 @@ def _fields(cfg) -> dict:
 
 def test_uneven_mlp_split_sums_to_the_full_mlp():
     """Row-parallel partial sums over an MLP width the ranks share unevenly."""
-    from offload.config import ModelConfig
+    from offload.core.config import ModelConfig
     from offload.models.decoder import stage_shapes
     from offload.models.weights import DummySource
 

@@ -8,11 +8,12 @@ import json
 import pytest
 import torch
 
+from offload.api.llm import LLM
 from offload.cli.plan import main as plan_main
 from offload.cli.run import main as run_main
-from offload.config import ModelConfig
-from offload.engine import LLM
-from offload.errors import UserError
+from offload.core.config import ModelConfig
+from offload.core.errors import UserError
+from offload.core.presets import PRESETS
 from offload.io.tiers import Tier
 from offload.kernels.formats import Compression
 from offload.policies.caps import Baseline, Caps, gpu_phase_peaks, peak_bytes
@@ -21,7 +22,6 @@ from offload.policies.hardware import HardwareProfile
 from offload.policies.memory import plan_memory
 from offload.policies.policy import Placement, Policy
 from offload.policies.search import search
-from offload.presets import PRESETS
 
 GB = 10**9
 
@@ -118,7 +118,7 @@ def test_predicted_memory_matches_what_the_executor_allocates(policy, tiny_check
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [1, 2, 3, 4], [3, 3], [4, 4, 4]]
     with LLM(str(directory), device="cpu", dtype="float32", policy=policy, nvme=tmp_path) as llm:
         plan = plan_memory(llm.config, policy, torch.float32, prompt_len=4, max_new_tokens=5)
-        from offload.batch import PaddedBatch
+        from offload.models.batch import PaddedBatch
 
         llm.runner.start(PaddedBatch(llm.config, prompts, 5, 0))
         ledger = llm.runner.ledger
@@ -451,12 +451,12 @@ def test_a_searched_plan_is_never_refused_by_the_engine(monkeypatch):
 LOAD_PEAK_CHILD = """
 import dataclasses, json, sys
 import torch
-from offload.config import ModelConfig
+from offload.core.config import ModelConfig
 from offload.executor.executor import Executor
 from offload.models.weights import DummySource
 from offload.policies.memory import plan_memory
 from offload.policies.policy import Placement, Policy
-from offload.presets import PRESETS
+from offload.core.presets import PRESETS
 
 def rss(field):
     with open("/proc/self/status") as status:

@@ -7,7 +7,7 @@ import inspect
 import pytest
 
 from offload.executor.executor import Executor
-from offload.runner import PlainRunner, Runner
+from offload.executor.runner import PlainRunner, Runner
 
 MEMBERS = [
     name for name in dir(Runner) if not name.startswith("_") and name not in dir(object)

@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from offload.sampling import SamplingParams, SequenceSampler, from_generation_config, sample
+from offload.core.sampling import SamplingParams, SequenceSampler, from_generation_config, sample
 
 
 def _kept(params: SamplingParams, logits: torch.Tensor) -> list[bool]:

@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
+from offload.api.llm import LLM
 from offload.cli.run import main
-from offload.engine import LLM
 from tests.test_policies import PROFILE
 
 # a CPU machine: "GPU" caps bound the executor's device buffers, sized by the plan
@@ -139,7 +139,7 @@ def test_a_cap_above_the_machine_is_refused_before_the_search(
     """A --cpu-mem above what the machine has (its cgroup limit or MemTotal) would be
     planned for and then not kept: the engine's check holds the smaller. Refused at once,
     naming both and where the machine's figure came from."""
-    from offload import planning
+    from offload.api import planning
     from offload.policies import caps as caps_module
 
     def searched(*args, **kwargs):

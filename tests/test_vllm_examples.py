@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from offload import LLM, SamplingParams
-from offload.errors import UserError
+from offload.core.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_vllm_constructor_arguments_map_or_are_refused_naming_the_fix():
     """A vLLM script's `LLM(...)` arguments: those with a meaning here are mapped, those at
     vLLM's defaults pass, the rest are refused before anything loads, each naming what to
     do instead (`docs/compat.md`); an argument neither knows is Python's TypeError."""
-    from offload.args import from_vllm_arguments
+    from offload.api.args import from_vllm_arguments
 
     cpu = torch.device("cpu")
     mapped, gpu = from_vllm_arguments(

@@ -113,7 +113,7 @@ def hf_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> 
 
 def prefill_logits(llm, prompts: list[list[int]]):
     """Our logits at every position of a left-padded batch: (logits [B, T, V], batch)."""
-    from offload.batch import PaddedBatch
+    from offload.models.batch import PaddedBatch
 
     batch = PaddedBatch(llm.config, prompts, max_new_tokens=4, pad_id=0)
     llm.runner.start(batch)
@@ -134,7 +134,7 @@ def assert_prefill_logits_match(llm, model, prompts: list[list[int]], case: str)
 def decode_logits(llm, prompts: list[list[int]], steps: int):
     """Logits [B, steps, V] of decode steps after a prefill, teacher-forced with fixed
     tokens (so two runs see the same inputs whatever they would have sampled)."""
-    from offload.batch import PaddedBatch
+    from offload.models.batch import PaddedBatch
 
     batch = PaddedBatch(llm.config, prompts, max_new_tokens=steps, pad_id=0)
     llm.runner.start(batch)

@@ -1,5 +1,6 @@
 """What every CLI shares: flags built from `EngineArgs` and `SamplingParams`, user-error
-handling, logging set-up.
+handling, logging set-up, and what one rank and many ranks of offload-run share: the exit
+codes, a job's fingerprint and the generation loop with its progress bar and trace.
 
 A flag is defined once: `add_engine_flags(parser, names)` makes `--gpu-mem` and friends
 from `EngineArgs`' fields (help and default from there), `add_sampling_flags` makes
@@ -16,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import fields
 from typing import Any
 
-from offload.args import (  # re-exported: scripts and tests import them from here
+from offload.api.args import (  # re-exported: scripts and tests import them from here
     COMPRESS_HELP,
     KV_COMPRESS_HELP,
     EngineArgs,
@@ -24,15 +25,25 @@ from offload.args import (  # re-exported: scripts and tests import them from he
     parse_kv_compression,
     parse_size,
 )
-from offload.errors import UserError
-from offload.sampling import SamplingParams, with_defaults
+from offload.cli import report
+from offload.core.errors import UserError
+from offload.core.sampling import SamplingParams, with_defaults
+from offload.jobs import job
 
 __all__ = [
     "COMPRESS_HELP",
+    "EXIT_ALL_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_SOME_FAILED",
+    "EXIT_USAGE",
     "KV_COMPRESS_HELP",
     "add_engine_flags",
     "add_sampling_flags",
     "engine_args",
+    "exit_code",
+    "fingerprint",
+    "generate",
     "parse_compression",
     "parse_kv_compression",
     "parse_size",
@@ -40,6 +51,10 @@ __all__ = [
     "sampling_params",
     "setup_logging",
 ]
+
+log = logging.getLogger("offload")
+
+EXIT_OK, EXIT_ALL_FAILED, EXIT_USAGE, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 # SamplingParams fields offered as flags: (help, argparse options)
 SAMPLING_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -133,3 +148,70 @@ def run_cli(prog: str, body: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+
+
+def exit_code(errors: int, total: int) -> int:
+    """offload-run's exit code for a job that ran to its end with this many error results."""
+    if errors == 0:
+        return EXIT_OK
+    return EXIT_ALL_FAILED if errors == total else EXIT_SOME_FAILED
+
+
+def fingerprint(args: argparse.Namespace, engine, params, input_sha: str, policy) -> dict:
+    """What must match for a job to resume: the input bytes and the generation settings,
+    the formats the plan computes with among them (a job's results are never a mix of
+    int4 and full-precision ones; every placement gives the same tokens, so the rest of
+    the policy may change)."""
+    from offload.api.args import compression_text
+
+    return {
+        "input_sha256": input_sha,
+        "model": engine.model,
+        "revision": engine.revision,
+        "dummy": engine.dummy,
+        "dtype": engine.dtype,
+        "sampling": params.to_dict(),
+        "chat_template": engine.chat_template,
+        "skip_invalid": args.skip_invalid,
+        "compress": compression_text(policy.weight_compression if policy else None),
+        "kv_compress": compression_text(policy.kv_compression if policy else None),
+    }
+
+
+def generate(
+    args: argparse.Namespace,
+    llm,
+    todo,
+    sink,
+    stats: job.JobStats,
+    prompt_limit: int | None = None,
+    *,
+    show_bar: bool = True,
+    agree_to_stop: Callable[[bool], bool] | None = None,
+    write_trace: bool = True,
+) -> None:
+    """Run the job's requests through `job.run_job` with a progress bar (unless --quiet or
+    not `show_bar`); Ctrl-C stops after the block in flight. `agree_to_stop(requested)`
+    (the ranks of a group) returns whether every rank stops after this block. The trace
+    is written at the end, also after an interruption."""
+    bar = report.Progress(stats, llm) if show_bar and not args.quiet else None
+    try:
+        with job.StopFlag() as stop:
+
+            def on_block() -> None:
+                if bar:
+                    bar.update()
+                if agree_to_stop is not None:
+                    stop.requested = agree_to_stop(stop.requested)
+
+            job.run_job(llm, todo, sink, stats, stop, on_block, prompt_limit)
+    except KeyboardInterrupt:
+        stats.interrupted = True
+    finally:
+        if bar:
+            bar.close()
+        if write_trace and args.trace is not None and not llm.runner.write_trace(args.trace):
+            log.warning(
+                "--trace %s: only the offloading executor traces (give a policy or caps)",
+                args.trace,
+            )

@@ -6,10 +6,10 @@ import argparse
 import sys
 import time
 
-from offload.args import resolve_device
+from offload.api.args import resolve_device
 from offload.cli.common import add_engine_flags, engine_args, run_cli, setup_logging
-from offload.config import resolve_dtype
-from offload.errors import UserError
+from offload.core.config import resolve_dtype
+from offload.core.errors import UserError
 from offload.io.atomic import exclusive
 from offload.io.store import ensure_store
 from offload.models.resolve import resolve_model

@@ -3,7 +3,7 @@
 `main` either starts the ranks (`launch.launch`, when not already inside a launcher) or
 is one of them (`run_rank`): join the process groups, agree on the policy and the job's
 sampling seed, take this data-parallel group's requests, run the engine over this
-rank's shard. The pieces are offload-run's own (`sources`, `jobs.run_job`, the flags'
+rank's shard. The pieces are offload-run's own (`sources`, `job.run_job`, the flags'
 `EngineArgs` and `SamplingParams`). TP rank 0 of each group alone writes results,
 world rank 0 alone shows progress, writes the trace, merges the groups' results and
 decides the exit code (offload-run's EXIT_*), which it hands to the launching process.
@@ -18,19 +18,21 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from offload import data_parallel as data
-from offload import jobs
-from offload.args import EngineArgs, resolve_device
-from offload.cli import report, sources
-from offload.cli.common import engine_args, sampling_params
-from offload.config import resolve_dtype
-from offload.engine import LLM
-from offload.errors import UserError
+from offload.api.args import EngineArgs, resolve_device
+from offload.api.llm import LLM
+from offload.cli import common, report, sources
+from offload.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, engine_args, sampling_params
+from offload.core.config import resolve_dtype
+from offload.core.errors import UserError
+from offload.jobs import data_parallel as data
+from offload.jobs import job
+from offload.jobs.resultlog import MemorySink, ResultLog
 from offload.models.resolve import resolve_model
 from offload.parallel.comm import Topology, env_world
 from offload.parallel.launch import PEER_LOST
@@ -38,7 +40,6 @@ from offload.parallel.rank import rank_nvme
 from offload.parallel.shard import check_divisible, rank_config
 from offload.policies.memory_limit import node_memory_limit, rank_cpu_bytes
 from offload.policies.policy import Policy
-from offload.resultlog import MemorySink, ResultLog
 
 log = logging.getLogger("offload")
 
@@ -53,8 +54,9 @@ def wanted(args: argparse.Namespace) -> bool:
     return (args.tp or 1) * args.dp > 1 or (found is not None and found[1] > 1)
 
 
-def main(args: argparse.Namespace, argv: list[str]) -> int:
-    """Start the ranks (from a plain command line) or run as one (inside a launcher)."""
+def main(args: argparse.Namespace, argv: list[str], entry: Callable[[list[str]], int]) -> int:
+    """Start the ranks (from a plain command line) or run as one (inside a launcher).
+    entry: offload-run's own `main`, which each rank runs with the same argv."""
     if (args.tp or 1) > 1 and args.hold_gpu_mem:  # (`LLM._assemble` refuses it too)
         raise UserError("--hold-gpu-mem is not supported with tensor parallelism: drop it")
     if env_world() is not None:
@@ -62,15 +64,13 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     if args.input is not None and str(args.input) == "-":
         raise UserError("-i - (standard input) cannot feed several ranks; use a file")
     check_divisible(resolve_model(args.model, dummy=True).config, args.tp or 1)
-    from offload.cli.run import EXIT_OK
-    from offload.cli.run import main as cli_main
     from offload.parallel.launch import launch
 
     fd, status = tempfile.mkstemp(prefix="offload-run-status-")
     os.close(fd)
     os.environ[STATUS_ENV] = status
     try:
-        code = launch("offload-run", cli_main, argv, (args.tp or 1) * args.dp, args.device == "cpu")
+        code = launch("offload-run", entry, argv, (args.tp or 1) * args.dp, args.device == "cpu")
         text = Path(status).read_text().strip()
         return int(text) if text else code or EXIT_OK
     finally:
@@ -79,8 +79,6 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def run_rank(args: argparse.Namespace) -> int:
-    from offload.cli.run import EXIT_USAGE
-
     device = resolve_device(args.device)
     topo = Topology.from_env(args.tp, args.dp, device)
     if topo.rank != 0:
@@ -169,7 +167,6 @@ class _RankSink(MemorySink):
 
 
 def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
-    from offload.cli.run import _fingerprint
 
     engine = engine_args(args)
     flag_params = sampling_params(args, {})  # sampling flags judged before any long work
@@ -204,21 +201,21 @@ def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
         params = sampling_params(args, llm.default_sampling)
         if topo.is_leader:
             path = data.group_output(output, topo.dp, topo.dp_index) if output else None
-            fingerprint = _fingerprint(args, engine, params, source.sha256, policy)
+            fingerprint = common.fingerprint(args, engine, params, source.sha256, policy)
             sink = sources.open_sink(path, fingerprint, args.restart)
         done = {i for i in range(source.total) if sink is not None and sink.done(i)}
         done = topo.share(done, tp_only=True)
         sink = sink or _RankSink(done, keep_rows=False)
-        requests = data.group_requests(source.requests(params), topo.dp, topo.dp_index)
-        requests = data.seeded(requests, topo.share(random.getrandbits(63)))
+        todo = data.group_requests(source.requests(params), topo.dp, topo.dp_index)
+        todo = data.seeded(todo, topo.share(random.getrandbits(63)))
         if source.from_flags:  # command-line prompts: a bad one fails the run
-            requests = list(requests)
-            for req in requests:
-                llm.check_prompt(jobs.encode_request(llm, req))
-        stats = jobs.JobStats(total=source.total, skipped=len(done))
+            todo = list(todo)
+            for req in todo:
+                llm.check_prompt(job.encode_request(llm, req))
+        stats = job.JobStats(total=source.total, skipped=len(done))
         if stats.skipped and topo.is_leader:
             log.info("group %d resuming: %d requests already done", topo.dp_index, stats.skipped)
-        _generate(args, topo, llm, requests, sink, stats)
+        _generate(args, topo, llm, todo, sink, stats)
         return _finish(args, topo, llm, sink, stats, output, source.total, load_seconds)
     finally:
         llm.close()
@@ -226,32 +223,26 @@ def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
             sink.close()
 
 
-def _generate(args, topo: Topology, llm: LLM, requests, sink, stats: jobs.JobStats) -> None:
-    bar = report.Progress(stats, llm) if topo.rank == 0 and not args.quiet else None
-    try:
-        with jobs.StopFlag() as stop:
+def _generate(args, topo: Topology, llm: LLM, todo, sink, stats: job.JobStats) -> None:
+    def agree_to_stop(requested: bool) -> bool:  # every rank of a group stops after one block
+        flag = torch.tensor([int(requested)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=topo.tp_control)
+        return bool(flag.item())
 
-            def on_block() -> None:  # every rank of a group stops after the same block
-                if bar:
-                    bar.update()
-                flag = torch.tensor([int(stop.requested)])
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=topo.tp_control)
-                stop.requested = bool(flag.item())
-
-            jobs.run_job(llm, requests, sink, stats, stop, on_block=on_block)
-    except KeyboardInterrupt:
-        stats.interrupted = True
-    finally:
-        if bar:
-            bar.close()
-        if args.trace is not None and topo.rank == 0 and not llm.runner.write_trace(args.trace):
-            log.warning("--trace %s: this rank's executor wrote no trace", args.trace)
+    common.generate(
+        args,
+        llm,
+        todo,
+        sink,
+        stats,
+        show_bar=topo.rank == 0,
+        agree_to_stop=agree_to_stop,
+        write_trace=topo.rank == 0,
+    )
 
 
 def _finish(args, topo: Topology, llm, sink, stats, output: Path | None, total: int,
             load_seconds: float) -> int:  # fmt: skip
-    from offload.cli.run import EXIT_ALL_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED
-
     counts = torch.tensor([int(stats.interrupted), sink.error_count if topo.is_leader else 0])
     dist.all_reduce(counts[:1], op=dist.ReduceOp.MAX, group=topo.control)
     dist.all_reduce(counts[1:], op=dist.ReduceOp.SUM, group=topo.control)
@@ -282,6 +273,4 @@ def _finish(args, topo: Topology, llm, sink, stats, output: Path | None, total: 
         )
         if args.stats is not None:
             report.report(llm, stats, load_seconds, args.stats)
-    if errors == 0:
-        return EXIT_OK
-    return EXIT_ALL_FAILED if errors == total else EXIT_SOME_FAILED
+    return common.exit_code(errors, total)

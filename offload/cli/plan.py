@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from offload.api.planning import VERIFY_TOP
 from offload.cli.common import (
     add_engine_flags,
     add_sampling_flags,
@@ -17,12 +18,11 @@ from offload.cli.common import (
     sampling_params,
     setup_logging,
 )
-from offload.errors import UserError
+from offload.core.errors import UserError
 from offload.executor.probe import PROBE_DEPTHS, measure_profile, verify
 from offload.io.layout import store_bytes
 from offload.io.store import find_store, free_bytes, space_problem
 from offload.models.resolve import resolve_model
-from offload.planning import VERIFY_TOP
 from offload.policies.caps import Caps
 from offload.policies.choose import choose_policy
 from offload.policies.cost import Estimate, estimate

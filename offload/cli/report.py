@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from offload.engine import LLM
+from offload.api.llm import LLM
 from offload.io.atomic import atomic_write
-from offload.jobs import JobStats
+from offload.jobs.job import JobStats
 
 
 def peak_rss() -> int:

@@ -19,10 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-from offload import jobs
-from offload.args import ENGINE_FIELDS, compression_text, resolve_device
-from offload.cli import report, sizing, sources
+from offload.api.args import ENGINE_FIELDS, resolve_device
+from offload.api.front import ModelFront
+from offload.api.llm import LLM
+from offload.cli import common, report, sizing, sources
 from offload.cli.common import (
+    EXIT_INTERRUPTED,
     add_engine_flags,
     add_sampling_flags,
     engine_args,
@@ -30,13 +32,10 @@ from offload.cli.common import (
     sampling_params,
     setup_logging,
 )
-from offload.engine import LLM
-from offload.front import ModelFront
-from offload.resultlog import ResultLog
+from offload.jobs import job
+from offload.jobs.resultlog import ResultLog
 
 log = logging.getLogger("offload")
-
-EXIT_OK, EXIT_ALL_FAILED, EXIT_USAGE, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,27 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if parallel_job.wanted(args):  # several ranks: start them, or run as one
         argv = sys.argv[1:] if argv is None else argv
-        return run_cli("offload-run", lambda: parallel_job.main(args, argv))
+        return run_cli("offload-run", lambda: parallel_job.main(args, argv, main))
     return run_cli("offload-run", lambda: _run(args))
-
-
-def _fingerprint(args: argparse.Namespace, engine, params, input_sha: str, policy) -> dict:
-    """What must match for a job to resume: the input bytes and the generation settings,
-    the formats the plan computes with among them (a job's results are never a mix of
-    int4 and full-precision ones; every placement gives the same tokens, so the rest of
-    the policy may change)."""
-    return {
-        "input_sha256": input_sha,
-        "model": engine.model,
-        "revision": engine.revision,
-        "dummy": engine.dummy,
-        "dtype": engine.dtype,
-        "sampling": params.to_dict(),
-        "chat_template": engine.chat_template,
-        "skip_invalid": args.skip_invalid,
-        "compress": compression_text(policy.weight_compression if policy else None),
-        "kv_compress": compression_text(policy.kv_compression if policy else None),
-    }
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -116,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
     params = sampling_params(args, front.default_sampling)
     shape = sizing.measure(front, source.requests(params), source.from_flags, args.skip_invalid)
     sized = sizing.plan_for_job(front, engine, shape, flag_params.max_tokens, args.skip_invalid)
-    fingerprint = _fingerprint(args, engine, params, source.sha256, sized.plan.policy)
+    fingerprint = common.fingerprint(args, engine, params, source.sha256, sized.plan.policy)
     sink = sources.open_sink(output, fingerprint, args.restart)
     started = time.perf_counter()
     try:
@@ -138,11 +118,11 @@ def _run(args: argparse.Namespace) -> int:
     )
     if llm.policy is not None:
         log.info("policy %s", llm.policy.to_json())
-    stats = jobs.JobStats(total=source.total, skipped=sink.done_count)
+    stats = job.JobStats(total=source.total, skipped=sink.done_count)
     if stats.skipped:
         log.info("resuming: %d of %d requests already done", stats.skipped, source.total)
     try:
-        _generate(args, llm, source.requests(params), sink, stats, sized.prompt_limit)
+        common.generate(args, llm, source.requests(params), sink, stats, sized.prompt_limit)
     except BaseException:
         llm.close()
         _close(sink)
@@ -162,32 +142,12 @@ def _run(args: argparse.Namespace) -> int:
     sources.write_results(sink, source.total, args.output == "-")
     report.report(llm, stats, load_seconds, args.stats)
     llm.close()
-    if sink.error_count == 0:
-        return EXIT_OK
-    return EXIT_ALL_FAILED if sink.error_count == source.total else EXIT_SOME_FAILED
+    return common.exit_code(sink.error_count, source.total)
 
 
 def _close(sink) -> None:
     if isinstance(sink, ResultLog):
         sink.close()
-
-
-def _generate(args, llm: LLM, requests, sink, stats: jobs.JobStats, prompt_limit) -> None:
-    bar = None if args.quiet else report.Progress(stats, llm)
-    try:
-        with jobs.StopFlag() as stop:
-            on_block = bar.update if bar else None
-            jobs.run_job(llm, requests, sink, stats, stop, on_block, prompt_limit)
-    except KeyboardInterrupt:
-        stats.interrupted = True
-    finally:
-        if bar:
-            bar.close()
-        if args.trace is not None and not llm.runner.write_trace(args.trace):
-            log.warning(
-                "--trace %s: only the offloading executor traces (give a policy or caps)",
-                args.trace,
-            )
 
 
 if __name__ == "__main__":

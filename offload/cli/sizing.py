@@ -8,7 +8,7 @@
 So a job whose prompts are longer than the plan allows is refused in seconds, not after
 a load of minutes. A prompt past the model's context, or longer than any plan fits in
 the memory caps, stops the run unless --skip-invalid, which records it as an error
-result (`jobs.run_job`) and runs the rest.
+result (`job.run_job`) and runs the rest.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from offload import jobs
-from offload.args import EngineArgs
-from offload.errors import PromptTooLong, UserError
-from offload.front import ModelFront
-from offload.planning import Plan, plan_run
+from offload.api.args import EngineArgs
+from offload.api.front import ModelFront
+from offload.api.planning import Plan, plan_run
+from offload.core.errors import PromptTooLong, UserError
+from offload.jobs import job
 
 log = logging.getLogger("offload")
 
@@ -63,9 +63,9 @@ class JobShape:
 
 
 def measure(
-    front: ModelFront, requests: Iterable[jobs.JobRequest], from_flags: bool, skip_invalid: bool
+    front: ModelFront, requests: Iterable[job.JobRequest], from_flags: bool, skip_invalid: bool
 ) -> JobShape:
-    """Encode every valid request the way `jobs.run_job` will (`jobs.encode_request`,
+    """Encode every valid request the way `job.run_job` will (`job.encode_request`,
     `ModelFront.check_prompt`) and record its length and budget.
 
     Token ids are not kept: run_job encodes each request again as it goes, so memory
@@ -79,7 +79,7 @@ def measure(
         if req.error is not None:
             continue
         try:
-            ids = jobs.encode_request(front, req)
+            ids = job.encode_request(front, req)
             front.check_prompt(ids)
         except PromptTooLong as exc:
             if from_flags:

@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from offload import jobs
-from offload.errors import UserError
-from offload.resultlog import MemorySink, ResultLog
-from offload.sampling import SamplingParams
+from offload.core.errors import UserError
+from offload.core.sampling import SamplingParams
+from offload.jobs import job
+from offload.jobs.resultlog import MemorySink, ResultLog
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Source:
 
     total: int
     sha256: str
-    requests: Callable[[SamplingParams], Iterator[jobs.JobRequest]]
+    requests: Callable[[SamplingParams], Iterator[job.JobRequest]]
     from_flags: bool  # --prompt / --chat: a bad one fails the run
     spooled: Path | None = None
 
@@ -64,8 +64,8 @@ def open_source(args: argparse.Namespace, output: Path | None) -> Source:
             raise UserError("nothing to generate: give --prompt TEXT, --chat TEXT or -i FILE")
         sha = hashlib.sha256(json.dumps(flags).encode()).hexdigest()
 
-        def from_flags(defaults: SamplingParams) -> Iterator[jobs.JobRequest]:
-            return (jobs.make_request(i, obj, defaults) for i, obj in enumerate(flags))
+        def from_flags(defaults: SamplingParams) -> Iterator[job.JobRequest]:
+            return (job.make_request(i, obj, defaults) for i, obj in enumerate(flags))
 
         for req in from_flags(SamplingParams()):
             if req.error:
@@ -73,12 +73,12 @@ def open_source(args: argparse.Namespace, output: Path | None) -> Source:
         return Source(len(flags), sha, from_flags, from_flags=True)
     path, spooled = args.input, None
     if str(path) == "-":
-        path = spooled = jobs.spool_stdin(output.parent if output else Path(tempfile.gettempdir()))
-    scan = jobs.scan(path, args.skip_invalid)
+        path = spooled = job.spool_stdin(output.parent if output else Path(tempfile.gettempdir()))
+    scan = job.scan(path, args.skip_invalid)
     return Source(
         scan.count,
         scan.sha256,
-        lambda defaults: jobs.iter_requests(path, defaults, scan.format),
+        lambda defaults: job.iter_requests(path, defaults, scan.format),
         from_flags=False,
         spooled=spooled,
     )

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from offload.batch import PaddedBatch
-from offload.config import ModelConfig
+from offload.core.config import ModelConfig
 from offload.executor.graphs import DecodeGraphs
 from offload.executor.kv import KVManager
 from offload.executor.lanes import Lanes, Tracer, busy_seconds
+from offload.executor.runner import LaneReports
 from offload.executor.weights import WeightFetcher, WeightHomes
 from offload.io.layout import DISK_BUFFERS
 from offload.io.pinned import PinnedPool, PoolBlock
@@ -45,11 +45,11 @@ from offload.io.store import ensure_store
 from offload.io.tiers import MemoryLedger, Tier
 from offload.kernels import cpu_attention, qmatmul
 from offload.models import decoder, ops
+from offload.models.batch import PaddedBatch
 from offload.models.decoder import Parallel, StepInputs, Weights
 from offload.models.weights import WeightSource
 from offload.policies.memory import row_splits, weight_plan
 from offload.policies.policy import Policy
-from offload.runner import LaneReports
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from offload.config import ModelConfig
+from offload.core.config import ModelConfig
 from offload.models import decoder
 from offload.models.decoder import StepInputs, Weights
 

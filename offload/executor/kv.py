@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from offload.config import ModelConfig
+from offload.core.config import ModelConfig
 from offload.executor.kv_homes import KVBlock, KVHomes
 from offload.executor.kv_transfer import KVTransfer, _wait_all, _wait_future
 from offload.executor.lanes import Lanes

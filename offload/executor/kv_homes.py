@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from offload.config import ModelConfig
+from offload.core.config import ModelConfig
 from offload.io.layout import KVLayout
 from offload.io.pinned import PinnedPool, PoolBlock, align_up
 from offload.io.spill import SpillFile

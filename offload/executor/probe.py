@@ -28,16 +28,16 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from offload.batch import PaddedBatch
-from offload.config import ModelConfig
+from offload.core.config import ModelConfig
+from offload.core.presets import PRESETS
 from offload.executor.executor import Executor
 from offload.kernels.formats import Compression
+from offload.models.batch import PaddedBatch
 from offload.models.decoder import LAYER_MATMULS
 from offload.models.weights import DummySource
 from offload.policies.hardware import HardwareProfile
 from offload.policies.measure import measure
 from offload.policies.policy import Placement, Policy
-from offload.presets import PRESETS
 
 # the narrow model the fixed costs are measured on (OPT's layer: its launches are the
 # executor's typical; 128 wide, so a layer's copies and kernels are microseconds)

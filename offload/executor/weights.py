@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from offload.errors import UserError
+from offload.core.errors import UserError
 from offload.executor.lanes import Lanes
 from offload.io.layout import (
     EMBED_TABLE,

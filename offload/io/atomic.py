@@ -20,7 +20,7 @@ from typing import IO, Any
 
 from filelock import FileLock, Timeout
 
-from offload.errors import UserError
+from offload.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

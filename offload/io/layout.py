@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from offload.config import ModelConfig
+from offload.core.config import ModelConfig
 from offload.io.pinned import align_up
 from offload.kernels.kv_cache import kv_buffer_bytes
 from offload.kernels.quant import stored_layout

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.errors import UserError
+from offload.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

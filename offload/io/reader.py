@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from offload.errors import UserError
+from offload.core.errors import UserError
 from offload.io.direct import open_direct
 from offload.io.pinned import PoolBlock
 from offload.io.store import Extent

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from offload.errors import UserError
+from offload.core.errors import UserError
 from offload.io.direct import open_direct
 from offload.io.pinned import ALIGN, align_up
 

@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 import xxhash
 
-from offload.config import ModelConfig
-from offload.errors import UserError
+from offload.core.config import ModelConfig
+from offload.core.errors import UserError
 from offload.io.atomic import atomic_write, fsync_dir
 from offload.io.layout import (
     TensorSlot,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from offload.config import ModelConfig
-from offload.errors import UserError
+from offload.core.config import ModelConfig
+from offload.core.errors import UserError
 from offload.io.layout import EMBED_TABLE, HEAD_TABLE, shares_table
 from offload.io.pinned import PinnedPool
 from offload.io.reader import ExtentReader

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from offload.config import ModelConfig
-from offload.errors import UserError
+from offload.core.config import ModelConfig
+from offload.core.errors import UserError
 from offload.models.decoder import Weights
 from offload.models.weights import WeightSource
 

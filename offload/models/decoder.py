@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from offload.config import OPT_POSITION_OFFSET, ModelConfig
+from offload.core.config import OPT_POSITION_OFFSET, ModelConfig
 from offload.kernels import qmatmul
 from offload.kernels.cpu_attention import decode_attention_dense
 from offload.kernels.formats import Compression

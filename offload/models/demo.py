@@ -16,7 +16,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from offload.errors import UserError
+from offload.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from offload.config import ModelConfig
-from offload.errors import UserError
+from offload.core.config import ModelConfig
+from offload.core.errors import UserError
 from offload.models.decoder import Weights
 from offload.models.weights import WeightSource
 

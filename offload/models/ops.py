@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from offload.config import ModelConfig, alibi_slopes
+from offload.core.config import ModelConfig, alibi_slopes
 
 
 def mlp_activation(x: torch.Tensor, kind: str, gated: bool) -> torch.Tensor:

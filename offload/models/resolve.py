@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from offload.config import ModelConfig
-from offload.errors import UserError
+from offload.core.config import ModelConfig
+from offload.core.errors import UserError
+from offload.core.presets import DEMO_NAME, PRESETS, preset_for
 from offload.models.weights import DummySource, WeightSource
-from offload.presets import DEMO_NAME, PRESETS, preset_for
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from offload.config import ModelConfig
+from offload.core.config import ModelConfig
 from offload.models.decoder import Weights, stage_shapes
 
 

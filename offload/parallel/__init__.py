@@ -5,7 +5,7 @@ rank's `ModelConfig`; `comm.py` holds the process groups and the three collectiv
 decoder's seam needs; `rank.py` wraps the executor for one rank; `launch.py` starts the
 ranks through torch.distributed's elastic launcher. The job side lives above: a
 rank's job driver in `offload.cli.parallel`, the data-parallel split and merge of a
-job's requests in `offload.data_parallel`.
+job's requests in `offload.jobs.data_parallel`.
 """
 
 from offload.parallel.shard import ShardSource, rank_config, split_sizes

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from offload.errors import UserError
+from offload.core.errors import UserError
 from offload.kernels.quant import QTensor, embedding
 from offload.parallel.shard import RankShard
 

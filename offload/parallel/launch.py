@@ -16,7 +16,7 @@ import sys
 import uuid
 from collections.abc import Callable
 
-from offload.errors import UserError
+from offload.core.errors import UserError
 
 # a rank's exit status when another rank went away under a collective (cli.parallel);
 # apart from offload-run's own exit codes (0-3, 130)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from offload.batch import PaddedBatch
 from offload.executor.executor import Executor
+from offload.models.batch import PaddedBatch
 from offload.models.decoder import StepInputs
 from offload.models.weights import WeightSource
 from offload.parallel.comm import TensorParallel

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.config import ModelConfig
-from offload.errors import UserError
+from offload.core.config import ModelConfig
+from offload.core.errors import UserError
 from offload.models.decoder import Weights
 from offload.models.weights import WeightSource
 

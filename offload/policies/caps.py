@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from offload.config import ModelConfig
-from offload.errors import UserError
+from offload.core.config import ModelConfig
+from offload.core.errors import UserError
 from offload.policies.hardware import HardwareProfile
 from offload.policies.memory import MemoryPlan, plan_memory, weight_plan
 from offload.policies.memory_limit import node_memory_limit

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from offload.config import ModelConfig, resolve_dtype
-from offload.errors import UserError
+from offload.core.config import ModelConfig, resolve_dtype
+from offload.core.errors import UserError
 from offload.kernels.formats import Compression
 from offload.policies.caps import Caps
 from offload.policies.cost import Estimate

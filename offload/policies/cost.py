@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.config import ModelConfig
+from offload.core.config import ModelConfig
 from offload.io.layout import gathered, stage_cuts, stage_image_bytes
 from offload.kernels.kv_cache import kv_row_bytes
 from offload.kernels.qmatmul import DENSE_ROWS

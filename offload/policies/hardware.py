@@ -23,7 +23,7 @@ from pathlib import Path
 
 import xxhash
 
-from offload.errors import UserError
+from offload.core.errors import UserError
 from offload.io.atomic import atomic_write
 from offload.kernels.formats import Compression
 from offload.models.demo import cache_dir

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.config import ModelConfig
+from offload.core.config import ModelConfig
 from offload.io.layout import (
     DISK_BUFFERS,
     KVLayout,

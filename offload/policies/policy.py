@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from offload.errors import UserError
+from offload.core.errors import UserError
 from offload.kernels.formats import KV_GROUPS, Compression
 
 TOLERANCE = 1e-6

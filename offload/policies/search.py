@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from offload.config import ModelConfig
-from offload.errors import UserError
+from offload.core.config import ModelConfig
+from offload.core.errors import UserError
 from offload.io.layout import stage_image_bytes
 from offload.kernels.formats import Compression
 from offload.policies.caps import Baseline, Caps, fit_problem, plan_budget

@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from offload.args import EngineArgs
-from offload.config import ModelConfig
-from offload.errors import UserError
-from offload.front import ModelFront
+from offload.api.args import EngineArgs
+from offload.api.front import ModelFront
+from offload.core.config import ModelConfig
+from offload.core.errors import UserError
 from offload.policies.caps import (
     Baseline,
     Caps,

@@ -17,7 +17,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from offload.errors import UserError
+from offload.core.errors import UserError
 from offload.io.atomic import atomic_writer, exclusive
 
 log = logging.getLogger(__name__)

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from offload.args import EngineArgs
-from offload.config import resolve_dtype
-from offload.errors import PromptTooLong, UserError
+from offload.api.args import EngineArgs
+from offload.core.config import resolve_dtype
+from offload.core.errors import PromptTooLong, UserError
+from offload.core.sampling import SamplingParams, from_generation_config
 from offload.models.resolve import resolve_model
-from offload.sampling import SamplingParams, from_generation_config
 
 Message = dict[str, str]
 

@@ -2,11 +2,11 @@
 
 A job reads requests lazily, a window at a time, from one of three formats: our flat
 JSONL (`prompt` raw text or `messages` a chat, with sampling fields), OpenAI Batch API
-lines (spotted by `custom_id`; `offload.openai_batch`), or plain text, one prompt a
+lines (spotted by `custom_id`; `offload.jobs.openai_batch`), or plain text, one prompt a
 line. Every line is checked against its format's schema by `scan` before the model
 loads: duplicate ids are refused, and a file of nothing but bad lines is an error.
 Each window is sorted by prompt length and cut into blocks of the engine's batch size;
-finished blocks go to a `ResultLog` (`offload.resultlog`), durable and resumable.
+finished blocks go to a `ResultLog` (`offload.jobs.resultlog`), durable and resumable.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from offload import openai_batch
-from offload.errors import UserError
-from offload.sampling import SAMPLING_FIELDS, SamplingParams
+from offload.core.errors import UserError
+from offload.core.sampling import SAMPLING_FIELDS, SamplingParams
+from offload.jobs import openai_batch
 
 log = logging.getLogger(__name__)
 

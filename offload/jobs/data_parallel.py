@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from offload.io.atomic import atomic_writer, lock_path
-from offload.jobs import JobRequest
+from offload.jobs.job import JobRequest
 
 
 def group_requests(requests: Iterator[JobRequest], dp: int, index: int) -> Iterator[JobRequest]:

@@ -4,7 +4,7 @@ one time budget, the machine's copy ceilings are measured beside the runs, promp
 have an exact length, and the results JSON is rewritten after every part, so a part
 that fails, hangs or is cut off by the budget still leaves the others' numbers.
 
-    python -m offload.bench ceilings OUT.json [--disk-dir DIR] [--bytes N]
+    python scripts/benchlib.py ceilings OUT.json [--disk-dir DIR] [--bytes N]
 
 measures the ceilings in a process of its own (the parent never touches CUDA: a CUDA
 context in it would count in its children's GPU peaks, which read the device's free
@@ -293,7 +293,14 @@ def ceilings_part(
 ) -> dict[str, Any]:
     """The ceilings, measured in a child process (at most 120 s)."""
     out = log_dir / "ceilings.json"
-    cmd = [sys.executable, "-m", "offload.bench", "ceilings", str(out), "--bytes", str(nbytes)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "ceilings",
+        str(out),
+        "--bytes",
+        str(nbytes),
+    ]
     if disk_dir is not None:
         cmd += ["--disk-dir", str(disk_dir)]
     record = run_part("ceilings", cmd, min(120.0, budget.left()), log_dir, env)
@@ -317,7 +324,7 @@ def add_probe_args(p: argparse.ArgumentParser) -> None:
 def probe_llm(args: argparse.Namespace, gen_len: int):
     """The engine on `add_probe_args`' model and policy, fp16 dummy weights (loaded and
     warmed up)."""
-    from offload.engine import LLM
+    from offload.api.llm import LLM
 
     return LLM(
         args.model,
@@ -348,7 +355,7 @@ def write_prompts(path: Path, count: int, length: int) -> None:
 
 def smoke_model(preset: str, directory: Path) -> Path:
     """A Hugging Face config directory of `preset`'s architecture at toy sizes."""
-    from offload.presets import PRESETS
+    from offload.core.presets import PRESETS
 
     config = {k: SMOKE_SIZES.get(k, v) for k, v in PRESETS[preset].items()}
     path = directory / f"smoke-{preset}"
@@ -430,7 +437,7 @@ def plan_and_run(
 
 def _profile() -> dict[str, Any] | None:
     """The hardware profile the plan searched with (cached by the plan's child)."""
-    from offload.errors import UserError
+    from offload.core.errors import UserError
     from offload.policies.hardware import load_profile
 
     try:
@@ -499,7 +506,7 @@ def fmt(value: float | None, spec: str = ".1f", unit: str = "") -> str:
 
 
 def _ceilings_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m offload.bench ceilings")
+    p = argparse.ArgumentParser(prog="python scripts/benchlib.py ceilings")
     p.add_argument("out", type=Path)
     p.add_argument("--disk-dir", type=Path)
     p.add_argument("--bytes", type=int, default=2**29)
@@ -512,7 +519,7 @@ def _ceilings_main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["ceilings"]:
-        sys.exit("usage: python -m offload.bench ceilings OUT.json [--disk-dir DIR] [--bytes N]")
+        sys.exit("usage: python scripts/benchlib.py ceilings OUT.json [--disk-dir DIR] [--bytes N]")
     sys.exit(_ceilings_main(sys.argv[2:]))
 
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.batch import PaddedBatch
-from offload.config import ModelConfig
-from offload.outputs import CompletionOutput, GenerationStats, RequestOutput
-from offload.runner import Runner
-from offload.sampling import SamplingParams, SequenceSampler, sample_rows
+from offload.core.config import ModelConfig
+from offload.core.outputs import CompletionOutput, GenerationStats, RequestOutput
+from offload.core.sampling import SamplingParams, SequenceSampler, sample_rows
+from offload.executor.runner import Runner
+from offload.models.batch import PaddedBatch
 
 
 @dataclass

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from offload.config import DTYPE_CHOICES
-from offload.errors import UserError
+from offload.core.config import DTYPE_CHOICES
+from offload.core.errors import UserError
 from offload.kernels.formats import KV_GROUPS, Compression
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}

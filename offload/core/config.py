@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from offload.errors import UserError
+from offload.core.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)

@@ -19,18 +19,18 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from offload.args import EngineArgs, caps_from_max_memory, from_vllm_arguments, resolve_device
-from offload.config import DTYPES, resolve_dtype
-from offload.decode_loop import DecodeLoop
-from offload.errors import UserError
-from offload.front import Message, ModelFront, eos_ids
+from offload.api.args import EngineArgs, caps_from_max_memory, from_vllm_arguments, resolve_device
+from offload.api.decode_loop import DecodeLoop
+from offload.api.front import Message, ModelFront, eos_ids
+from offload.api.planning import Plan, plan_run
+from offload.core.config import DTYPES, resolve_dtype
+from offload.core.errors import UserError
+from offload.core.outputs import GenerationStats, RequestOutput
+from offload.core.sampling import SamplingParams
+from offload.executor.runner import PlainRunner, Runner
 from offload.io.atomic import exclusive
-from offload.outputs import GenerationStats, RequestOutput
-from offload.planning import Plan, plan_run
 from offload.policies.caps import Caps, check_block_fits, hold_gpu_allocator
 from offload.policies.policy import Policy
-from offload.runner import PlainRunner, Runner
-from offload.sampling import SamplingParams
 
 __all__ = ["DTYPES", "LLM", "GenerationStats", "RequestOutput", "resolve_device", "resolve_dtype"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from offload.config import ModelConfig
+from offload.core.config import ModelConfig
 from offload.models import ops
 from offload.models.decoder import StepInputs
 

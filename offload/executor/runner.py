@@ -15,13 +15,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from offload.batch import PaddedBatch
-from offload.config import ModelConfig
+from offload.core.config import ModelConfig
 from offload.io.tiers import Tier
 from offload.kernels import cpu_attention
 from offload.kernels.formats import Compression
 from offload.kernels.quant import fake_quantize, is_quantized
 from offload.models import decoder, ops
+from offload.models.batch import PaddedBatch
 from offload.models.decoder import LayerKV, StepInputs, Weights
 from offload.models.weights import WeightSource
 

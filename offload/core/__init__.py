@@ -1,0 +1,1 @@
+"""The base layer: errors, the model config, presets, sampling parameters and outputs."""

@@ -1,0 +1,1 @@
+"""Batch jobs: requests read from files, OpenAI Batch lines, the result log, data-parallel groups."""
