@@ -278,7 +278,7 @@ def test_block_over_the_cap_is_refused_before_generating(tiny_checkpoints):
     ) as llm:
         need = llm.runner.ledger.snapshot()
         assert need["cpu"]["used"] == 0  # no CPU weights
-        llm.caps = Caps(cpu_bytes=1)
+        llm.plan = dataclasses.replace(llm.plan, caps=Caps(cpu_bytes=1))
         with pytest.raises(UserError, match="CPU needs"):
             llm.generate(PROMPTS, PARAMS)
 

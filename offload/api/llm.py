@@ -89,10 +89,8 @@ class LLM:
             policy=Path(policy) if as_path else None,
             **engine_args,
         )
-        self._build(args, None if as_path else policy, gen_len, progress, trace, parallel)
-        # vLLM's seed: the sampled requests without a seed of their own draw one from it,
-        # in the order they come, so the same script samples the same text again
-        self._seeds = None if seed is None else random.Random(seed)
+        front, plan = _front_and_plan(args, None if as_path else policy, gen_len, parallel)
+        self._open(args, front, plan, progress, trace, parallel, seed)
 
     @classmethod
     def from_engine_args(
@@ -106,9 +104,8 @@ class LLM:
     ) -> LLM:
         """policy: a placement chosen already (a TP job's, shared by its ranks);
         parallel: this process is one tensor-parallel rank."""
-        llm = cls.__new__(cls)
-        llm._build(args, policy, gen_len, progress, trace, parallel)
-        return llm
+        front, plan = _front_and_plan(args, policy, gen_len, parallel)
+        return cls.from_plan(args, front, plan, progress, trace, parallel)
 
     @classmethod
     def from_plan(
@@ -118,32 +115,17 @@ class LLM:
         plan: Plan,
         progress: bool = False,
         trace: bool = False,
+        parallel: TensorParallel | None = None,
+        seed: int | None = None,
     ) -> LLM:
         """Load the weights for a plan made already (`planning.plan_run`) with this front:
-        offload-run judges its job and plans before anything long runs."""
+        offload-run judges its job and plans before anything long runs. Every `LLM` is
+        built here (`LLM(...)` and `from_engine_args` plan, then come through `_open`)."""
         llm = cls.__new__(cls)
-        llm._assemble(args, front, plan, progress, trace, None)
+        llm._open(args, front, plan, progress, trace, parallel, seed)
         return llm
 
-    def _build(
-        self,
-        args: EngineArgs,
-        policy: Policy | None,
-        gen_len: int | None,
-        progress: bool,
-        trace: bool,
-        parallel: TensorParallel | None = None,
-    ) -> None:
-        """parallel: this process is one tensor-parallel rank (`offload.parallel`): the
-        executor runs over the rank's shard, and caps and nvme are the rank's own."""
-        device = resolve_device(args.device) if parallel is None else parallel.device
-        front = ModelFront(args, device)
-        # tensor parallelism: memory is planned and checked for the rank's shard
-        rank_config = None if parallel is None else parallel.shard.config
-        plan = plan_run(front, args, policy, gen_len, rank_config, parallel is not None)
-        self._assemble(args, front, plan, progress, trace, parallel)
-
-    def _assemble(
+    def _open(
         self,
         args: EngineArgs,
         front: ModelFront,
@@ -151,23 +133,18 @@ class LLM:
         progress: bool,
         trace: bool,
         parallel: TensorParallel | None,
+        seed: int | None,
     ) -> None:
         """front -> plan -> load: the engine over a checked plan."""
-        self.args, self.front, self.parallel = args, front, parallel
-        self.spec, self.config, self.tokenizer = front.spec, front.config, front.tokenizer
-        self.device, self.dtype = front.device, front.dtype
-        self.rank_config = self.config if parallel is None else parallel.shard.config
-        self.default_sampling = front.default_sampling
-        self.chat_template = front.chat_template
-        self.policy, self.caps, self.baseline = plan.policy, plan.caps, plan.baseline
-        self.batch_size = plan.batch_size
-        self._seeds: random.Random | None = None  # (`LLM(seed=...)`)
-        self.planned_for = (plan.prompt_len, plan.gen_len)  # prompt and new tokens
         if args.hold_gpu_mem and parallel is not None:
             raise UserError(
                 "--hold-gpu-mem is not supported with tensor parallelism (each rank's NCCL "
                 "buffers grow outside the allocator after the plan): drop it"
             )
+        self.args, self.front, self.plan, self.parallel = args, front, plan, parallel
+        # vLLM's seed: the sampled requests without a seed of their own draw one from it,
+        # in the order they come, so the same script samples the same text again
+        self._seeds = None if seed is None else random.Random(seed)
         # process-wide allocator state, put back by `close` (or a failed load)
         self._hold = (
             hold_gpu_allocator(plan.caps, plan.baseline, self.device) if args.hold_gpu_mem else None
@@ -181,13 +158,63 @@ class LLM:
         self.stats = GenerationStats()
         self.on_phase: Callable[[str], None] | None = None  # told "prefill" / "decode"
         self.loop = DecodeLoop(
-            self.config,
-            self.tokenizer,
-            self.eos_ids,
-            self.stats,
-            self._phase,
-            self.device,
+            self.config, self.tokenizer, self.eos_ids, self.stats, self._phase, self.device
         )
+
+    # -- what the front and the plan hold ---------------------------------------------
+    @property
+    def spec(self):
+        return self.front.spec
+
+    @property
+    def config(self):
+        return self.front.config
+
+    @property
+    def tokenizer(self):
+        return self.front.tokenizer
+
+    @property
+    def device(self):
+        return self.front.device
+
+    @property
+    def dtype(self):
+        return self.front.dtype
+
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        return self.front.default_sampling
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.front.chat_template
+
+    @property
+    def rank_config(self):
+        """The model config this process computes: a tensor-parallel rank's shard, or all."""
+        return self.config if self.parallel is None else self.parallel.shard.config
+
+    @property
+    def policy(self) -> Policy | None:
+        return self.plan.policy
+
+    @property
+    def caps(self) -> Caps:
+        return self.plan.caps
+
+    @property
+    def baseline(self):
+        return self.plan.baseline
+
+    @property
+    def batch_size(self) -> int:
+        return self.plan.batch_size
+
+    @property
+    def planned_for(self) -> tuple[int, int]:
+        """The prompt length and new tokens the plan was sized for."""
+        return self.plan.prompt_len, self.plan.gen_len
 
     def _load(self, progress: bool, trace: bool) -> Runner:
         nvme, policy = self.args.nvme, self.policy
@@ -348,3 +375,18 @@ class LLM:
     def _phase(self, name: str) -> None:
         if self.on_phase is not None:
             self.on_phase(name)
+
+
+def _front_and_plan(
+    args: EngineArgs,
+    policy: Policy | None,
+    gen_len: int | None,
+    parallel: TensorParallel | None,
+) -> tuple[ModelFront, Plan]:
+    """The model's front (config, tokenizer; no weights) and the run's checked plan.
+    parallel: this process is one tensor-parallel rank: the executor runs over the rank's
+    shard, memory is planned and checked for it, and caps and nvme are the rank's own."""
+    device = resolve_device(args.device) if parallel is None else parallel.device
+    front = ModelFront(args, device)
+    rank_config = None if parallel is None else parallel.shard.config
+    return front, plan_run(front, args, policy, gen_len, rank_config, parallel is not None)

@@ -57,7 +57,7 @@ def wanted(args: argparse.Namespace) -> bool:
 def main(args: argparse.Namespace, argv: list[str], entry: Callable[[list[str]], int]) -> int:
     """Start the ranks (from a plain command line) or run as one (inside a launcher).
     entry: offload-run's own `main`, which each rank runs with the same argv."""
-    if (args.tp or 1) > 1 and args.hold_gpu_mem:  # (`LLM._assemble` refuses it too)
+    if (args.tp or 1) > 1 and args.hold_gpu_mem:  # (`LLM._open` refuses it too)
         raise UserError("--hold-gpu-mem is not supported with tensor parallelism: drop it")
     if env_world() is not None:
         return run_rank(args)
