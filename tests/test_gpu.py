@@ -417,7 +417,7 @@ def test_masked_grouped_query_prefill_attention_holds_no_scores():
     """SDPA's own GQA path falls back to the math backend under a mask and holds fp32
     scores [B, H, T, S] (28.5 GB under a 10 GB cap in an H100 run); `decoder.attend`
     expands K/V instead, which `policies.memory` counts. Same values as grouping."""
-    from offload.models.decoder import attend
+    from offload.models.attention import attend
 
     q, k, v, bias = _grouped_prefill(64, seed=0)
     batch, heads, tokens, dim = q.shape
@@ -440,7 +440,7 @@ def test_causal_prefill_attention_reads_grouped_heads_in_place():
     """A prefill without padding (`StepInputs.causal`) runs SDPA's causal kernel without
     the bias: grouped-query K/V are read in place, not expanded to every query head,
     and the values are the masked path's."""
-    from offload.models.decoder import attend
+    from offload.models.attention import attend
 
     q, k, v, bias = _grouped_prefill(16, seed=1)
     batch, heads, tokens, dim = q.shape

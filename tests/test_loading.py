@@ -13,8 +13,8 @@ from offload.cli.common import parse_size
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
 from offload.core.presets import PRESETS, preset_for
-from offload.models.decoder import stage_shapes
 from offload.models.resolve import resolve_model
+from offload.models.shapes import stage_shapes
 from offload.models.weights import DummySource
 
 # parameters in billions, from the models' published sizes

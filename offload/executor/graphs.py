@@ -23,7 +23,8 @@ import torch
 
 from offload.core.config import ModelConfig
 from offload.models import decoder
-from offload.models.decoder import StepInputs, Weights
+from offload.models.decoder import StepInputs
+from offload.models.shapes import Weights
 
 
 class DecodeGraphs:

@@ -21,8 +21,10 @@ from offload.kernels import cpu_attention
 from offload.kernels.formats import Compression
 from offload.kernels.quant import fake_quantize, is_quantized
 from offload.models import decoder, ops
+from offload.models.attention import LayerKV
 from offload.models.batch import PaddedBatch
-from offload.models.decoder import LayerKV, StepInputs, Weights
+from offload.models.decoder import StepInputs
+from offload.models.shapes import Weights
 from offload.models.weights import WeightSource
 
 

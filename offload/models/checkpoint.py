@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
-from offload.models.decoder import Weights
+from offload.models.shapes import Weights
 from offload.models.weights import WeightSource
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -1,18 +1,8 @@
 """The decoder stack as plain functions of inputs and explicitly handed-in weights.
 
-No function here knows where a weight lives: callers (the plain runner, later the
-offloading executor) pass a dict of tensors per stage. Canonical weight names:
-
-    embed stage:  tok.weight [V, E]; pos.weight [P, hidden] (OPT);
-                  embed_norm.weight/.bias (BLOOM); proj_in.weight [hidden, E] (OPT-350m)
-    layer i:      attn_norm.weight(/.bias); qkv.weight [(H + 2*Hkv)*D, hidden](/.bias);
-                  o.weight [hidden, H*D](/.bias); mlp_norm.weight(/.bias);
-                  mlp_in.weight [I or 2*I (gate | up), hidden](/.bias);
-                  mlp_out.weight [hidden, I](/.bias)
-    head stage:   final_norm.weight(/.bias) (absent for OPT-350m);
-                  proj_out.weight [E, hidden] (OPT-350m); lm_head.weight [V, E]
-                  (for tied embeddings a source hands out tok.weight under this name,
-                  and the executor's embedding reads its rows from it: `io.layout`)
+No function here knows where a weight lives: callers (the plain runner, the offloading
+executor) pass a dict of tensors per stage, under the canonical names of `models.shapes`.
+Attention over a cache lives in `models.attention`.
 
 A layer is split at its attention so an executor can run `attend` elsewhere (e.g. on
 the CPU next to a CPU-resident KV cache): `attn_in` -> `attend` -> `attn_out_and_mlp`.
@@ -32,22 +22,15 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from offload.core.config import OPT_POSITION_OFFSET, ModelConfig
 from offload.kernels import qmatmul
-from offload.kernels.cpu_attention import decode_attention_dense
-from offload.kernels.formats import Compression
-from offload.kernels.kv_attention import decode_attention
-from offload.kernels.kv_cache import QuantKV
 from offload.kernels.norm import norm, norm_reference
 from offload.kernels.qmatmul import qlinear
 from offload.kernels.quant import QTensor, embedding
 from offload.models import ops
-
-# A quantized layer matrix arrives as a `QTensor` (compressed weights); `_linear` runs
-# it through the dequantize-and-multiply kernel.
-Weights = dict[str, torch.Tensor | QTensor]
+from offload.models.attention import LayerKV, attend
+from offload.models.shapes import Weights, stage_shapes
 
 
 def _linear(
@@ -112,49 +95,6 @@ class StepInputs:
     causal: bool = False
 
 
-def stage_shapes(cfg: ModelConfig, stage: str) -> dict[str, tuple[int, ...]]:
-    """Canonical tensor names and shapes of a stage: "embed", "layer" or "head"."""
-    hidden, inter = cfg.hidden_size, cfg.intermediate_size
-    if stage == "embed":
-        shapes: dict[str, tuple[int, ...]] = {"tok.weight": (cfg.vocab_size, cfg.embed_dim)}
-        if cfg.family == "opt":
-            shapes["pos.weight"] = (cfg.max_position_embeddings + OPT_POSITION_OFFSET, hidden)
-        if cfg.word_embed_proj_dim:
-            shapes["proj_in.weight"] = (hidden, cfg.embed_dim)
-        if cfg.family == "bloom":
-            shapes["embed_norm.weight"] = (hidden,)
-            shapes["embed_norm.bias"] = (hidden,)
-        return shapes
-    if stage == "head":
-        shapes = {}
-        if cfg.do_layer_norm_before:
-            shapes["final_norm.weight"] = (hidden,)
-            if cfg.norm_kind == "layer":
-                shapes["final_norm.bias"] = (hidden,)
-        if cfg.word_embed_proj_dim:
-            shapes["proj_out.weight"] = (cfg.embed_dim, hidden)
-        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.embed_dim)
-        return shapes
-    assert stage == "layer", stage
-    mlp_in = inter * (2 if cfg.gated_mlp else 1)
-    shapes = {
-        "attn_norm.weight": (hidden,),
-        "qkv.weight": (cfg.qkv_out_features, hidden),
-        "o.weight": (hidden, cfg.num_heads * cfg.head_dim),
-        "mlp_norm.weight": (hidden,),
-        "mlp_in.weight": (mlp_in, hidden),
-        "mlp_out.weight": (hidden, inter),
-    }
-    if cfg.norm_kind == "layer":
-        shapes["attn_norm.bias"] = (hidden,)
-        shapes["mlp_norm.bias"] = (hidden,)
-    if cfg.has_qkv_bias:
-        shapes["qkv.bias"] = (cfg.qkv_out_features,)
-    if cfg.has_linear_bias:
-        shapes.update({"o.bias": (hidden,), "mlp_in.bias": (mlp_in,), "mlp_out.bias": (hidden,)})
-    return shapes
-
-
 def embed(
     cfg: ModelConfig,
     w: Weights,
@@ -206,73 +146,13 @@ def attn_in(cfg: ModelConfig, w: Weights, x: torch.Tensor, step: StepInputs):
     return q, k, v, residual
 
 
-# Not cuDNN: with a bias over a cache that grows every decode step it spends about 8 ms
-# of host time per call (profiled on the H100: 92% of a decode step's CPU time).
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def attend(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    bias: torch.Tensor,
-    causal: bool = False,
-):
-    """Scaled dot-product attention of q [B,H,T,D] over keys/values [B,Hkv,S,D].
-
-    Returns [B, T, H*D]. Grouped-query heads share KV heads. causal (`StepInputs`): the
-    bias is the plain causal mask. Then SDPA runs its flash kernel without the bias,
-    with grouped-query heads read in place:
-    - where the keys are the T new tokens (a prefill), causally: half the scores. With
-      a bias, the memory-efficient kernel computes every score: 0.80 ms a layer against
-      the matmuls' 9.9 for W1c's prefill (12 x 512 tokens, H100);
-    - for one new token on the GPU (a decode step), over every slot.
-    """
-    batch, heads, num_new, dim = q.shape
-    kv_heads = keys.shape[1]
-    fresh = num_new > 1 and keys.shape[2] == num_new
-    if causal and (fresh or (num_new == 1 and q.is_cuda)):
-        with sdpa_kernel(SDPA_BACKENDS):
-            out = F.scaled_dot_product_attention(
-                q, keys, values, is_causal=fresh, enable_gqa=kv_heads != heads
-            )
-        return out.transpose(1, 2).reshape(batch, num_new, heads * dim)
-    if num_new == 1 and q.device.type == "cpu":
-        # decode on the CPU (the executor's CPU attention, the plain CPU run): the C
-        # kernel reads each K/V byte once on every core, grouped-query heads together
-        # (2x SDPA at the profile's shape, 1.4x at Llama-2-70B's: docs/cpu_attention.md);
-        # None where it does not run
-        out = decode_attention_dense(q, keys, values, bias)
-        if out is not None:
-            return out
-    if kv_heads != heads and num_new == 1 and bias.shape[1] == 1:
-        # decode with grouped-query heads: the query heads of one KV head become rows of
-        # one attention over it (same math; SDPA's own GQA path copies K/V per query
-        # head, 4-9x slower on the CPU where the executor's CPU attention runs)
-        grouped = q.view(batch, kv_heads, heads // kv_heads, dim)
-        with sdpa_kernel(SDPA_BACKENDS):
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bias)
-        return out.reshape(batch, 1, heads * dim)
-    if kv_heads != heads:
-        # prefill with grouped-query heads: SDPA's own GQA path runs in the flash backend
-        # only, which takes no mask; with one it falls back to the math backend and holds
-        # fp32 scores [B, H, T, S] (Llama-3.1-8B, 192 x 512 prompt rows: 28.5 GB peak under
-        # a 10 GB cap, H100 run validate_cost_model 223254). K/V expanded to every query
-        # head keep the memory-efficient backend (`policies.memory` counts them).
-        group = heads // kv_heads
-        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-    with sdpa_kernel(SDPA_BACKENDS):
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
-    return out.transpose(1, 2).reshape(batch, num_new, heads * dim)
-
-
 # Prefill pushes tens of thousands of token rows through the MLP at once; in slices of
 # this many rows its intermediate (4-8x the hidden size) stays small on the GPU...
 MLP_CHUNK_ROWS = 4096
 # ...except up to this many rows of a compressed layer, which go at once: its prefill
 # dequantizes the MLP's weights for every call (`qmatmul.DENSE_ROWS`), so a second
-# slice dequantizes them again. W1c (OPT-30B int4, 14 x 512 rows): 0.42 ms and a 0.07 ms
-# copy of a 14 ms prefill layer (H100, trace_plan --kernels).
+# slice dequantizes them again; one slice's intermediate at this size is a small part of
+# a compressed plan's prefill transients (docs/throughput.md, "Prefill").
 MLP_WHOLE_ROWS = 8192
 
 
@@ -371,11 +251,10 @@ def head(cfg: ModelConfig, w: Weights, x: torch.Tensor) -> torch.Tensor:
 def warm_kernels(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
     """Launch, on a few rows at the model's widths, what a process pays for at its first
     prefill whatever the plan: the Triton runtime's start (its driver, the key of its
-    cache: 0.4-0.7 s on the H200 machine, c106), the norm kernel's compile or cache load at
-    this width, with and without a residual, the plain layer norm's first launch (the
-    head's strided last rows take it), cuBLAS's handle and SDPA's flash kernel. No
-    weights are read. Without it a streamed plan's first prefill took 1.0-1.2 s more
-    than its warm one (c106, c108)."""
+    cache: most of a second), the norm kernel's compile or cache load at this width,
+    with and without a residual, the plain layer norm's first launch (the head's strided
+    last rows take it), cuBLAS's handle and SDPA's flash kernel. No weights are read.
+    Without it a streamed plan's first prefill pays all of these (docs/executor.md)."""
     hidden = cfg.hidden_size
     x = torch.zeros(2, hidden, dtype=dtype, device=device)
     weight = torch.ones(hidden, dtype=dtype, device=device)
@@ -390,79 +269,6 @@ def warm_kernels(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
     attend(q, kv, kv, torch.zeros(1, 1, 16, 16, dtype=dtype, device=device), causal=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class LayerKV:
-    """One layer's KV cache for a batch on one device: k, v [B, Hkv, max_slots, D], or
-    with `compression` a `kernels.kv_cache.QuantKV` (read by the quantized decode
-    attention kernel)."""
-
-    def __init__(
-        self,
-        batch: int,
-        cfg: ModelConfig,
-        max_slots: int,
-        dtype,
-        device,
-        compression: Compression | None = None,
-    ) -> None:
-        self.quant: QuantKV | None = None
-        if compression is not None:
-            self.quant = QuantKV(
-                batch, cfg.num_kv_heads, cfg.head_dim, max_slots, compression, dtype, device
-            )
-            return
-        shape = (batch, cfg.num_kv_heads, max_slots, cfg.head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-
-    @property
-    def nbytes(self) -> int:
-        if self.quant is not None:
-            return self.quant.nbytes
-        return 2 * self.k.numel() * self.k.element_size()
-
-    def attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        bias: torch.Tensor,
-        start: int,
-        causal: bool = False,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Store the new entries k, v at slots start.. and attend q over the cache
-        (a compressed one: `quant_attention`); causal as `attend`'s. out: a buffer the
-        decode attention over a compressed cache writes into (others return their own)."""
-        end = start + k.shape[2]
-        if self.quant is not None:
-            return quant_attention(self.quant, q, k, v, bias, start, causal, out)
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return attend(q, self.k[:, :, :end], self.v[:, :, :end], bias, causal)
-
-
-def quant_attention(
-    cache: QuantKV,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bias,
-    start: int,
-    causal: bool = False,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Store k, v in the compressed cache at slots start.. and attend q: a prefill
-    (start 0) over its fresh entries at full precision, a decode step over the cache
-    (into out where given)."""
-    cache.write(k, v, start)
-    if start == 0:
-        return attend(q, k, v, bias, causal)
-    end = start + k.shape[2]
-    if q.shape[2] == 1:
-        return decode_attention(q, cache, bias, end, out=out)
-    return attend(q, *cache.dequantized(end), bias)
 
 
 def layer_forward(
