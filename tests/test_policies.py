@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -493,3 +494,29 @@ def test_the_load_phase_host_peak_is_planned():
         f"the load grew the process {grew / 1e9:.2f} GB; the plan: pool {pool / 1e9:.2f} GB "
         f"+ transient {detail['load_stage_cpu'] / 1e9:.2f} GB"
     )
+
+
+def test_kv_goes_to_disk_only_where_the_cpu_has_no_room():
+    """The CPU's share is counted from the GPU's whole rows: a block whose GPU share is
+    rounded down puts the rounding's row in CPU memory when the CPU has room for it, not
+    on disk (where the host would read it in every layer)."""
+    from offload.parallel.shard import rank_config
+    from offload.policies.search import _kv_placement
+
+    cfg = rank_config(cfg_of("llama-2-13b"), 2, 0)
+    checked = tight_checked = 0
+    for rows, gpu_gb in itertools.product((80, 160), range(6, 16)):
+        base = Policy(rows, 1, weights=Placement(0.5, 0.5, 0.0), attention_on_cpu=True)
+        with_room = _kv_placement(cfg, base, torch.float16, 400, 32, PROFILE, Caps(gpu_gb * GB, 135 * GB, True))  # fmt: skip
+        if with_room is None or with_room.gpu == 1.0:
+            continue
+        checked += 1
+        assert with_room.disk == 0.0, (rows, gpu_gb, with_room)
+        assert with_room.split(rows)[0] == round(with_room.gpu * rows)  # whole rows
+        # a CPU too small for the rest: the rows it cannot hold go to disk, whole
+        tight = _kv_placement(cfg, base, torch.float16, 400, 32, PROFILE, Caps(gpu_gb * GB, 16 * GB, True))  # fmt: skip
+        if tight is not None:
+            tight_checked += 1
+            _, cpu_rows, disk_rows = tight.split(rows)
+            assert disk_rows > 0 and abs(tight.cpu * rows - cpu_rows) < 1e-6, tight
+    assert checked >= 4 and tight_checked >= 2, (checked, tight_checked)

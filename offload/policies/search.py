@@ -57,19 +57,24 @@ def _kv_placement(
         return Placement(1.0, 0.0, 0.0)
     if gpu_left < 0 or cpu_left < 0:  # over a cap before any KV is placed: none fits
         return None
-    gpu = min(1.0, max(0.0, gpu_left / kv_total))
-    cpu = min(1.0 - gpu, max(0.0, cpu_left / kv_total))
-    disk_ok = caps.nvme
-    if 1.0 - gpu - cpu > 1e-9 and not disk_ok:
-        return None
-    # whole sequences, rounded down: a fraction's rows are rounded to the nearest
-    # (`Placement.split`), which could place one more sequence than the budget holds
-    rows = base.block_size
-    gpu = math.floor(gpu * rows) / rows
-    if not disk_ok:  # the rounding's remainder goes to the CPU (checked against the cap later)
-        return Placement(gpu, round(1.0 - gpu, 6), 0.0)
-    cpu = math.floor(cpu * rows) / rows
-    return Placement(gpu, cpu, round(1.0 - gpu - cpu, 6))
+    return _whole_rows(base.block_size, gpu_left / kv_total, cpu_left / kv_total, caps.nvme)
+
+
+def _whole_rows(rows: int, gpu_room: float, cpu_room: float, disk_ok: bool) -> Placement | None:
+    """KV fractions of whole sequences out of `rows`: as many on the GPU as its room
+    holds (rounded down: a fraction's rows are rounded to the nearest by
+    `Placement.split`, which could place one more sequence than the budget holds), then
+    the CPU's out of the rows the GPU leaves (counted after the GPU's rounding, so a
+    CPU with room leaves nothing for the disk), the rest on disk. Without a disk the
+    CPU takes the rest (its cap is checked later); None where that needs a disk. Room
+    is in multiples of the whole cache."""
+    gpu = min(rows, math.floor(max(0.0, gpu_room) * rows + 1e-9))
+    cpu = min(rows - gpu, math.floor(max(0.0, cpu_room) * rows + 1e-9))
+    if not disk_ok:
+        if min(1.0, gpu_room) + cpu_room < 1.0 - 1e-9:
+            return None
+        return Placement(gpu / rows, (rows - gpu) / rows, 0.0)
+    return Placement(gpu / rows, cpu / rows, round(1.0 - (gpu + cpu) / rows, 6))
 
 
 def _with(p: Policy, kv: Placement | None = None, weights: Placement | None = None) -> Policy:
