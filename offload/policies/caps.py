@@ -48,11 +48,14 @@ GPU_WORKSPACE_BYTES = 32 << 20
 
 @dataclass(frozen=True)
 class Caps:
-    """Byte caps per tier (None: the device's own size) and whether a disk is given."""
+    """Byte caps per tier (None: the device's own size) and whether a disk is given.
+    shared_weights: processes of this node that share one pinned copy of the weights'
+    CPU homes (the data-parallel groups of `--dp`), each counting its share of it."""
 
     gpu_bytes: int | None = None
     cpu_bytes: int | None = None
     nvme: bool = False
+    shared_weights: int = 1
 
     def __post_init__(self) -> None:
         for name in ("gpu_bytes", "cpu_bytes"):
@@ -148,10 +151,19 @@ def process_rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def peak_bytes(plan: MemoryPlan, base: Baseline) -> tuple[int, int]:
-    """(GPU, CPU) peak of a run of this plan: the one accounting."""
+def peak_bytes(plan: MemoryPlan, base: Baseline, shared_weights: int = 1) -> tuple[int, int]:
+    """(GPU, CPU) peak of a run of this plan: the one accounting. shared_weights: the
+    processes that share the weights' CPU homes (`Caps.shared_weights`)."""
     gpu = max(gpu_phase_peaks(plan, base))
-    return gpu, plan.cpu_bytes + base.process_bytes + HOST_SLACK_BYTES
+    cpu = plan.cpu_bytes - others_weight_bytes(plan, shared_weights)
+    return gpu, cpu + base.process_bytes + HOST_SLACK_BYTES
+
+
+def others_weight_bytes(plan: MemoryPlan, shared_weights: int) -> int:
+    """The part of a plan's CPU weight homes that the other processes sharing them count
+    (`Caps.shared_weights`): a node holds one copy, each process its share."""
+    weights = plan.detail.get("weights_cpu", 0)
+    return weights - weights // max(1, shared_weights)
 
 
 def gpu_phase_peaks(plan: MemoryPlan, base: Baseline) -> tuple[int, int]:
@@ -209,7 +221,7 @@ def fit_problem(
 ) -> str | None:
     """None when the plan's peaks fit the caps (and the devices' sizes, where given);
     else which tier overflows, by how much, and with what in it."""
-    gpu, cpu = peak_bytes(plan, base)
+    gpu, cpu = peak_bytes(plan, base, caps.shared_weights)
     gpu_limit, cpu_limit = _limits(caps, limits)
     if gpu_limit is not None and gpu > gpu_limit:
         return (

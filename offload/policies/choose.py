@@ -9,6 +9,7 @@ measurement.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from offload.policies.hardware import (
     save_profile,
 )
 from offload.policies.measure import measure
+from offload.policies.node import rank_profile
 from offload.policies.search import ranked
 
 log = logging.getLogger(__name__)
@@ -100,10 +102,15 @@ def choose_policy(
     tp: int = 1,
     measure_machine: Callable[[Path | None], HardwareProfile] | None = None,
     top: int = 1,
+    dp: int = 1,
 ) -> Choice:
     """The placement and batch shape with the highest predicted throughput in the caps.
 
-    dtype may be a flag's name ("auto": as offload-run would pick on the profiled machine)."""
+    dtype may be a flag's name ("auto": as offload-run would pick on the profiled machine).
+    tp: tensor-parallel ranks (cfg is one rank's shard); dp: data-parallel groups of them
+    on this node. The node's cores, DRAM and disk are divided among its tp x dp ranks
+    (`node.rank_profile`: the choice's profile is one rank's view), and its groups share
+    one pinned copy of the weights (`Caps.shared_weights`)."""
     if gpu_bytes is None:
         raise UserError(
             "the plan search needs a GPU budget: give --gpu-mem (in Python, max_memory="
@@ -111,13 +118,15 @@ def choose_policy(
         )
     if prompt_len < 1 or gen_len < 1:
         raise UserError("--prompt-len and --max-tokens must be positive")
-    hw = hardware_profile(profile, nvme, announce, measure_machine)
+    hw = rank_profile(hardware_profile(profile, nvme, announce, measure_machine), tp * dp)
     if tp > 1 and not hw.allreduce_gbps:
         log.warning(
             "the hardware profile has no all-reduce figure (offload-profile measures it on a "
             "node with two or more GPUs): the plan leaves the all-reduce out"
         )
-    caps = plan_caps(gpu_bytes, cpu_bytes, nvme is not None, hw)
+    caps = dataclasses.replace(
+        plan_caps(gpu_bytes, cpu_bytes, nvme is not None, hw), shared_weights=dp
+    )
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype, hw.has_gpu, cfg.checkpoint_dtype)
     plans = ranked(

@@ -25,6 +25,9 @@ Lanes per layer (bytes over the profile's measured rates, `policies.hardware`):
     host     the executor's own time: a fixed cost per layer and per micro-batch of a
              layer (launches, Python, stream waits), measured by `executor.probe`; a
              step replayed from CUDA graphs pays the graph's cost instead
+    rank_wait  under tensor parallelism, a rank's wait for the slowest of its group at
+             the layer's all-reduces (`rank_wait_s`); a rank's rates are its share of
+             the node's (`policies.node.rank_profile`)
 How the executor overlaps them (measured on OPT-30B, docs/executor.md): with attention
 on the GPU a layer takes its busiest lane; with attention on the CPU the first micro-
 batch's output waits for the layer's weight copy, so a layer takes
@@ -188,6 +191,8 @@ def estimate(
         h2d, layer = _layer_with_cpu_attention_s(lanes, shape, hw)
     else:
         h2d, layer = lanes.h2d, _layer_with_gpu_attention_s(lanes)
+    wait = rank_wait_s(lanes, hw, tp)
+    layer += wait
     head_flops = 2 * shape.n_seqs * cfg.vocab_size * cfg.embed_dim
     ends_h2d = shape.ends / (hw.h2d_gbps * GB)
     step = cfg.num_layers * layer + (ends_h2d + head_flops / (hw.decode_tflops * 1e12))
@@ -198,6 +203,8 @@ def estimate(
         "cpu_attn": cfg.num_layers * lanes.cpu_attn,
         "host": cfg.num_layers * lanes.host,
     }
+    if wait:
+        step_lanes["rank_wait"] = cfg.num_layers * wait
     prefill = _prefill_s(cfg, policy, hw, shape, prompt_len, tp)
     prefill += ends_h2d + head_flops / (hw.prefill_tflops * 1e12)
     decode = (gen_len - 1) * step
@@ -407,6 +414,16 @@ def _offgpu_chain_s(policy: Policy, hw: HardwareProfile, tp: int, disk: bool = F
     if disk:  # (0: not measured, as in a profile from before the figure)
         return hw.disk_kv_graph_s if graphs and hw.disk_kv_graph_s else hw.disk_kv_s
     return hw.offgpu_kv_graph_s if graphs and hw.offgpu_kv_graph_s else hw.offgpu_kv_s
+
+
+def rank_wait_s(lanes: _DecodeLanes, hw: HardwareProfile, tp: int) -> float:
+    """A decode layer's wait of a tensor-parallel rank for the slowest of its group at the
+    layer's all-reduces: the measured skew (`rank_skew`) of the host-side work between
+    them, the CPU attention and the executor's issue (the GPU's kernels take the same
+    time on every rank). 0 for one rank, or where the profile has no skew figure."""
+    if tp == 1:
+        return 0.0
+    return hw.rank_skew * (lanes.cpu_attn + lanes.host)
 
 
 def _allreduce_s(

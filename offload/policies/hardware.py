@@ -58,6 +58,8 @@ OPTIONAL_FIGURES = (
     "graph_layer_s",
     "allreduce_gbps",
     "allreduce_latency_s",
+    "rank_skew",
+    "h2d_all_gbps",
     "h2d_under_cpu_attention_gbps",
     "disk_kv_read_gbps",
     "prefill_attention_tflops",
@@ -201,6 +203,17 @@ class HardwareProfile:
     # GPUs (measured where there are two or more)
     allreduce_gbps: float = 0.0
     allreduce_latency_s: float = 0.0
+    # ranks meeting at an all-reduce: the mean time a rank waits there for the slowest,
+    # as a share of the host-side work since the last one (the same CPU work on every
+    # rank, with each rank's threads on its share of the cores: `parallel.bandwidth`);
+    # 0: not measured (the cost model leaves the wait out)
+    rank_skew: float = 0.0
+    # pinned host -> GPU, each GPU's rate while every GPU of the node copies at once
+    # (`parallel.bandwidth`); 0: not measured (each link's own rate, h2d_gbps, stands)
+    h2d_all_gbps: float = 0.0
+    # how many ranks of a node this profile is the view of (`policies.node.rank_profile`:
+    # the shared rates divided among them); a measured profile is the node's, 1
+    node_ranks: int = 1
     code_version: str = ""
 
     def __post_init__(self) -> None:

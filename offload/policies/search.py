@@ -19,7 +19,7 @@ from offload.core.config import ModelConfig
 from offload.core.errors import UserError
 from offload.io.layout import stage_image_bytes
 from offload.kernels.formats import Compression
-from offload.policies.caps import Baseline, Caps, fit_problem, plan_budget
+from offload.policies.caps import Baseline, Caps, fit_problem, others_weight_bytes, plan_budget
 from offload.policies.cost import Estimate, estimate
 from offload.policies.hardware import HardwareProfile
 from offload.policies.memory import plan_memory
@@ -53,6 +53,7 @@ def _kv_placement(
     gpu_budget, cpu_budget = plan_budget(caps, Baseline.from_profile(hw))
     gpu_left = gpu_budget - (probe.run_bytes("gpu") - probe.detail["kv_gpu"])
     cpu_left = cpu_budget - (probe.run_bytes("cpu") - probe.detail["kv_cpu"])
+    cpu_left += others_weight_bytes(probe, caps.shared_weights)
     if gpu_left + scratch >= kv_total:  # all on the GPU, which needs no scratch
         return Placement(1.0, 0.0, 0.0)
     if gpu_left < 0 or cpu_left < 0:  # over a cap before any KV is placed: none fits
@@ -137,6 +138,8 @@ def candidates(
                 if max_block is not None and size * count > max(max_block, 1) and count > 1:
                     continue
                 for cpu_attention in (False, True):
+                    if not _overlaps(cpu_attention, count, hw):
+                        continue
                     for placement in weights:
                         yield Policy(
                             size,
@@ -147,6 +150,13 @@ def candidates(
                             weight_compression=compression,
                             kv_compression=kv_compression,
                         )
+
+
+def _overlaps(cpu_attention: bool, micro_batches: int, hw: HardwareProfile) -> bool:
+    """Whether a block of `micro_batches` overlaps its CPU attention with GPU work where a
+    rank shares its node (`hw.node_ranks`): one micro-batch leaves the GPU idle while the
+    CPU attends, and under tensor parallelism the group's all-reduces wait for it."""
+    return not cpu_attention or hw.node_ranks == 1 or micro_batches >= 2
 
 
 def search(
