@@ -114,13 +114,14 @@ class LLM:
         front: ModelFront,
         plan: Plan,
         progress: bool = False,
-        trace: bool = False,
+        trace: bool | int = False,
         parallel: TensorParallel | None = None,
         seed: int | None = None,
     ) -> LLM:
         """Load the weights for a plan made already (`planning.plan_run`) with this front:
         offload-run judges its job and plans before anything long runs. Every `LLM` is
-        built here (`LLM(...)` and `from_engine_args` plan, then come through `_open`)."""
+        built here (`LLM(...)` and `from_engine_args` plan, then come through `_open`).
+        trace: lane traces of every forward step (True), or of one in N (N)."""
         llm = cls.__new__(cls)
         llm._open(args, front, plan, progress, trace, parallel, seed)
         return llm
@@ -131,7 +132,7 @@ class LLM:
         front: ModelFront,
         plan: Plan,
         progress: bool,
-        trace: bool,
+        trace: bool | int,
         parallel: TensorParallel | None,
         seed: int | None,
     ) -> None:
@@ -216,7 +217,7 @@ class LLM:
         """The prompt length and new tokens the plan was sized for."""
         return self.plan.prompt_len, self.plan.gen_len
 
-    def _load(self, progress: bool, trace: bool) -> Runner:
+    def _load(self, progress: bool, trace: bool | int) -> Runner:
         nvme, policy = self.args.nvme, self.policy
         # one process at a time builds or opens a weight store directory
         lock = exclusive(nvme / "store", "weight store directory") if nvme else nullcontext()
@@ -224,24 +225,26 @@ class LLM:
             if self.parallel is not None:
                 from offload.parallel.rank import make_rank_runner
 
-                return make_rank_runner(
+                runner = make_rank_runner(
                     source, self.parallel, policy, self.dtype, self.device, nvme, trace, progress
                 )
-            if policy is None:
+                executor = runner.executor
+            elif policy is None:
                 return PlainRunner(source, self.dtype, self.device, progress=progress)
-            from offload.executor.executor import Executor
+            else:
+                from offload.executor.executor import Executor
 
-            executor = Executor(
-                source,
-                policy,
-                self.dtype,
-                self.device,
-                nvme_dir=nvme,
-                trace=trace,
-                progress=progress,
-            )
-        executor.warm_up(progress)
-        return executor
+                runner = executor = Executor(
+                    source,
+                    policy,
+                    self.dtype,
+                    self.device,
+                    nvme_dir=nvme,
+                    trace=trace,
+                    progress=progress,
+                )
+        executor.warm_up(progress)  # (a rank's too: its kernels load before the job)
+        return runner
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (vLLM's)."""
@@ -388,5 +391,6 @@ def _front_and_plan(
     shard, memory is planned and checked for it, and caps and nvme are the rank's own."""
     device = resolve_device(args.device) if parallel is None else parallel.device
     front = ModelFront(args, device)
-    rank_config = None if parallel is None else parallel.shard.config
-    return front, plan_run(front, args, policy, gen_len, rank_config, parallel is not None)
+    return front, plan_run(
+        front, args, policy, gen_len, None if parallel is None else parallel.layout
+    )

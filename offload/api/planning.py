@@ -17,6 +17,7 @@ from offload.api.args import EngineArgs
 from offload.api.front import ModelFront
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
+from offload.parallel.shard import rank_config
 from offload.policies.caps import (
     Baseline,
     Caps,
@@ -24,6 +25,7 @@ from offload.policies.caps import (
     check_caps_within_machine,
     check_weights_fit,
 )
+from offload.policies.node import Layout
 from offload.policies.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -51,24 +53,25 @@ def plan_run(
     args: EngineArgs,
     policy: Policy | None = None,
     gen_len: int | None = None,
-    rank_config: ModelConfig | None = None,
-    tensor_parallel: bool = False,
+    layout: Layout | None = None,
 ) -> Plan:
     """The run's plan for prompts of `args.planned_prompt_len` tokens and `gen_len` new
-    tokens; `UserError` when it cannot fit. policy: one chosen already (a TP job's);
-    rank_config: a tensor-parallel rank's shard, planned and checked in its place."""
-    cfg = rank_config or front.config
+    tokens; `UserError` when it cannot fit. policy: one chosen already; layout: this
+    process is one rank of a parallel job on this node (its caps are a rank's): the plan
+    is rank 0's shard's (the largest), searched with the rank's share of the node."""
+    cfg = front.config if layout is None else rank_config(front.config, layout.tp, 0)
     prompt_len = args.planned_prompt_len
     gen_len = gen_len or front.get_default_sampling_params().max_tokens or PLAN_GEN_LEN
     if args.policy is not None:
         policy = Policy.from_file(args.policy)
     if policy is None and not args.wants_search:
         _refuse_compression_without_a_plan(args)
-    caps = Caps(args.gpu_bytes, args.cpu_bytes, nvme=args.nvme is not None)
+    shared = layout.dp if layout is not None else 1
+    caps = Caps(args.gpu_bytes, args.cpu_bytes, args.nvme is not None, shared_weights=shared)
     check_caps_within_machine(caps, front.device)
     if policy is None and args.wants_search:
-        policy = _search(front, args, cfg, prompt_len, gen_len)
-    if tensor_parallel and policy is None:
+        policy = _search(front, args, cfg, prompt_len, gen_len, layout or Layout())
+    if layout is not None and policy is None:
         policy = Policy(gpu_batch_size=args.batch_size, num_gpu_batches=1)
     # what the process holds before any weights: the baseline of the one accounting
     baseline = Baseline.measure(front.device)
@@ -97,7 +100,12 @@ def _refuse_compression_without_a_plan(args: EngineArgs) -> None:
 
 
 def _search(
-    front: ModelFront, args: EngineArgs, cfg: ModelConfig, prompt_len: int, gen_len: int
+    front: ModelFront,
+    args: EngineArgs,
+    cfg: ModelConfig,
+    prompt_len: int,
+    gen_len: int,
+    layout: Layout,
 ) -> Policy:
     from offload.executor.probe import measure_profile, verify
     from offload.policies.choose import choose_policy
@@ -115,6 +123,8 @@ def _search(
         kv_compressions=args.kv_compressions(),
         measure_machine=measure_profile,
         top=VERIFY_TOP if args.verify_plan else 1,
+        tp=layout.tp,
+        dp=layout.dp,
     )
     best = choice.best
     log.info(

@@ -15,6 +15,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from offload.api.args import (  # re-exported: scripts and tests import them from here
@@ -150,6 +151,16 @@ def run_cli(prog: str, body: Callable[[], int]) -> int:
         return 130
 
 
+def trace_sampling(args: argparse.Namespace) -> int:
+    """The engine's `trace` for --trace and --trace-every: 0 (off), else one forward step
+    traced in N."""
+    if args.trace is None:
+        return 0
+    if args.trace_every < 1:
+        raise UserError(f"--trace-every must be at least 1, got {args.trace_every}")
+    return args.trace_every
+
+
 def exit_code(errors: int, total: int) -> int:
     """offload-run's exit code for a job that ran to its end with this many error results."""
     if errors == 0:
@@ -188,12 +199,13 @@ def generate(
     *,
     show_bar: bool = True,
     agree_to_stop: Callable[[bool], bool] | None = None,
-    write_trace: bool = True,
+    trace_path: Path | None = None,
 ) -> None:
     """Run the job's requests through `job.run_job` with a progress bar (unless --quiet or
     not `show_bar`); Ctrl-C stops after the block in flight. `agree_to_stop(requested)`
     (the ranks of a group) returns whether every rank stops after this block. The trace
-    is written at the end, also after an interruption."""
+    is written at the end (to `trace_path`, default --trace), also after an interruption."""
+    trace_path = trace_path or args.trace
     bar = report.Progress(stats, llm) if show_bar and not args.quiet else None
     try:
         with job.StopFlag() as stop:
@@ -210,8 +222,8 @@ def generate(
     finally:
         if bar:
             bar.close()
-        if write_trace and args.trace is not None and not llm.runner.write_trace(args.trace):
+        if trace_path is not None and not llm.runner.write_trace(trace_path):
             log.warning(
                 "--trace %s: only the offloading executor traces (give a policy or caps)",
-                args.trace,
+                trace_path,
             )

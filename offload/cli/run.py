@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-o", "--output", help="write results as JSONL here ('-' for stdout)")
     add_sampling_flags(p)
-    p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the last step here (and of the last prefill beside it, <name>_prefill.json)")  # fmt: skip
+    p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the last traced step here (and of the last traced prefill beside it, <name>_prefill.json); with --tp/--dp one file a rank, <name>.rank<i>.json")  # fmt: skip
+    p.add_argument("--trace-every", type=int, default=1, help="with --trace: trace one forward step in N (the others run untraced, with CUDA graphs where the plan has them)")  # fmt: skip
     p.add_argument("--restart", action="store_true", help="discard an unfinished job's results and start over")  # fmt: skip
     p.add_argument("--skip-invalid", action="store_true", help="record unparsable lines, and prompts too long for the context or the memory caps, as errors and go on")  # fmt: skip
     p.add_argument("--stats", type=Path, help="write the run's summary as JSON here")  # fmt: skip
@@ -101,7 +102,11 @@ def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         llm = LLM.from_plan(
-            sized.engine, front, sized.plan, progress=not args.quiet, trace=args.trace is not None
+            sized.engine,
+            front,
+            sized.plan,
+            progress=not args.quiet,
+            trace=common.trace_sampling(args),
         )
     except BaseException:
         _close(sink)

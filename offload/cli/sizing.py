@@ -23,6 +23,7 @@ from offload.api.front import ModelFront
 from offload.api.planning import Plan, plan_run
 from offload.core.errors import PromptTooLong, UserError
 from offload.jobs import job
+from offload.policies.node import Layout
 
 log = logging.getLogger("offload")
 
@@ -112,13 +113,15 @@ def plan_for_job(
     shape: JobShape,
     gen_len: int | None,
     skip_invalid: bool,
+    layout: Layout | None = None,
 ) -> SizedPlan:
     """The plan for the job's prompts: --prompt-len when given (never below the job's
     longest prompt), else the job's longest. gen_len: new tokens to plan for when the
-    job has nothing to generate."""
+    job has nothing to generate; layout: the plan of one rank of a parallel job
+    (`planning.plan_run`)."""
     longest = shape.longest
     if longest is None:  # nothing to generate: the flags' lengths, or the defaults
-        return SizedPlan(engine, plan_run(front, engine, gen_len=gen_len))
+        return SizedPlan(engine, plan_run(front, engine, gen_len=gen_len, layout=layout))
     if engine.prompt_len is not None:
         if engine.prompt_len < longest:
             raise UserError(
@@ -126,20 +129,25 @@ def plan_for_job(
                 f"--prompt-len is {engine.prompt_len}; raise --prompt-len to {longest} or "
                 "omit it (the plan is then sized for the job's longest prompt)"
             )
-        plan = plan_run(front, engine, gen_len=shape.gen_len(engine.prompt_len))
+        plan = plan_run(front, engine, gen_len=shape.gen_len(engine.prompt_len), layout=layout)
         _log_sizing(plan, f"--prompt-len; the job's longest prompt has {longest}")
         return SizedPlan(engine, plan)
     sized = engine.replace(prompt_len=longest)
     try:
-        plan = plan_run(front, sized, gen_len=shape.gen_len(longest))
+        plan = plan_run(front, sized, gen_len=shape.gen_len(longest), layout=layout)
     except UserError as exc:
-        return _plan_what_fits(front, engine, shape, skip_invalid, exc)
+        return _plan_what_fits(front, engine, shape, skip_invalid, exc, layout)
     _log_sizing(plan, "the job's longest")
     return SizedPlan(sized, plan)
 
 
 def _plan_what_fits(
-    front: ModelFront, engine: EngineArgs, shape: JobShape, skip_invalid: bool, error: UserError
+    front: ModelFront,
+    engine: EngineArgs,
+    shape: JobShape,
+    skip_invalid: bool,
+    error: UserError,
+    layout: Layout | None = None,
 ) -> SizedPlan:
     """The job's longest prompt has no plan: find the longest of its prompts that has
     one (a plan search or fit check a try, halving), and refuse the longer ones, or with
@@ -150,7 +158,7 @@ def _plan_what_fits(
     def attempt(prompt_tokens: int) -> SizedPlan | None:
         sized = engine.replace(prompt_len=prompt_tokens)
         try:
-            plan = plan_run(front, sized, gen_len=shape.gen_len(prompt_tokens))
+            plan = plan_run(front, sized, gen_len=shape.gen_len(prompt_tokens), layout=layout)
         except UserError:
             return None
         return SizedPlan(sized, plan, prompt_tokens)

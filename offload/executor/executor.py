@@ -100,7 +100,7 @@ class Executor(LaneReports):  # implements runner.Runner
         self.cfg: ModelConfig = source.config
         self.policy, self.dtype, self.device = policy, dtype, device
         self.ledger = MemoryLedger()
-        self.tracer = Tracer(enabled=trace)
+        self.tracer = Tracer(enabled=bool(trace), every=max(1, int(trace)))
         self.lanes = Lanes(device, self.tracer)
         self._load_weights(source, nvme_dir, progress)
         spill_dir = nvme_dir if nvme_dir is not None else Path(".")
@@ -120,7 +120,8 @@ class Executor(LaneReports):  # implements runner.Runner
         self._micro: list[slice] = []
         self.acts = ActivationHomes(self.lanes, device, dtype)
         self.traces: list[StepTrace] = []
-        self.prefill_spans: list | None = None  # the last prefill's, while tracing
+        self.prefill_spans: list | None = None  # the last traced prefill's
+        self.last_spans: list | None = None  # the last traced step's
         # (the graphs capture no collectives: tensor-parallel ranks run eagerly)
         self.cuda_graphs = cuda_graphs and device.type == "cuda" and parallel is None
         self._graphs: list[DecodeGraphs] = []
@@ -190,8 +191,10 @@ class Executor(LaneReports):  # implements runner.Runner
             cpu_attention.available(compressed=self.policy.kv_compression is not None)
         if self.device.type == "cuda":
             decoder.warm_kernels(self.cfg, self.dtype, self.device)
-        if not (self.cuda_graphs and self.policy.decode_graphs) or self.tracer.enabled:
-            seconds = time.perf_counter() - started  # (a traced run replays no graphs)
+        if not (self.cuda_graphs and self.policy.decode_graphs) or (
+            self.tracer.every == 1 and self.tracer.enabled
+        ):
+            seconds = time.perf_counter() - started  # (a run traced whole replays no graphs)
             self.load_seconds += seconds
             if progress and seconds > 0.5:
                 log.info("warmed up in %.1f s (kernels loaded)", seconds)
@@ -246,6 +249,7 @@ class Executor(LaneReports):  # implements runner.Runner
         returns once issued (no host buffer or transfer thread takes part in it), so the
         caller can issue the next step while this one runs (`decode_loop`); every other
         step waits for the GPU, as all do with wait=True."""
+        self.tracer.next_step()
         self.tracer.spans.clear()
         self.tracer.begin(self.device.type == "cuda")
         started = time.perf_counter()
@@ -293,6 +297,7 @@ class Executor(LaneReports):  # implements runner.Runner
             self.traces.append(
                 StepTrace(time.perf_counter() - started, busy_seconds(spans), prefill)
             )
+            self.last_spans = spans
             if prefill:
                 self.prefill_spans = spans
         return out[:, -1] if last_only else out

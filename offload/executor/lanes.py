@@ -37,9 +37,28 @@ class Tracer:
     """Collects spans; device spans hold CUDA events resolved when the step ends."""
 
     enabled: bool = False
+    # with tracing asked for (`enabled` at construction): one step traced in `every`
+    # (`next_step`), the others run untraced (and replay CUDA graphs where they can)
+    every: int = 1
     spans: list[_Span] = field(default_factory=list)
     _base_event: torch.cuda.Event | None = None
     _base_time: float = 0.0
+    _asked: bool = False
+    _steps: int = 0
+
+    def __post_init__(self) -> None:
+        self._asked = self.enabled
+
+    @property
+    def asked(self) -> bool:
+        """Whether a trace was asked for (some steps record spans)."""
+        return self._asked
+
+    def next_step(self) -> None:
+        """A step starts: sampled tracing records one step in `every` (from the first)."""
+        if self._asked and self.every > 1:
+            self.enabled = self._steps % self.every == 0
+            self._steps += 1
 
     def begin(self, cuda: bool) -> None:
         self._base_time = time.perf_counter()

@@ -90,18 +90,19 @@ def prefill_trace_path(path: Path) -> Path:
 
 
 class LaneReports:
-    """The memory and trace reports of a runner with a `ledger`, `tracer`, `traces` and
-    `prefill_spans` (the last prefill's resolved spans, kept while tracing)."""
+    """The memory and trace reports of a runner with a `ledger`, `tracer`, `traces`,
+    `last_spans` and `prefill_spans` (the last traced step's and prefill's resolved
+    spans)."""
 
     def peak_disk_bytes(self) -> int:
         return self.ledger.peak(Tier.DISK)
 
     def write_trace(self, path: Path) -> bool:
-        """The last step's trace at path, and the last prefill's beside it
-        (<stem>_prefill<suffix>) when the last step was not that prefill."""
-        if not self.tracer.enabled:
+        """The last traced step's trace at path, and the last traced prefill's beside it
+        (<stem>_prefill<suffix>) when that step was not that prefill."""
+        if not (self.tracer.enabled or self.tracer.asked):
             return False
-        self.tracer.write_chrome(path)
+        self.tracer.write_chrome(path, self.last_spans)
         if self.prefill_spans is not None and self.traces and not self.traces[-1].prefill:
             self.tracer.write_chrome(prefill_trace_path(path), self.prefill_spans)
         return True

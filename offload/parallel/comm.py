@@ -24,6 +24,7 @@ import torch.distributed as dist
 from offload.core.errors import UserError
 from offload.kernels.quant import QTensor, embedding
 from offload.parallel.shard import RankShard
+from offload.policies.node import Layout
 
 # overrides the backend (nccl on CUDA, gloo on the CPU): gloo lets two ranks share one
 # GPU, which NCCL refuses (a correctness run on a one-GPU machine)
@@ -90,7 +91,9 @@ class Topology:
             torch.cuda.set_device(device)
         backend = os.environ.get(BACKEND_ENV) or ("nccl" if device.type == "cuda" else "gloo")
         if not dist.is_initialized():
-            dist.init_process_group(backend, init_method="env://")
+            # bound to its GPU, NCCL makes its communicator now, not in the first step
+            bound = {"device_id": device} if backend == "nccl" else {}
+            dist.init_process_group(backend, init_method="env://", **bound)
         topo = cls(rank, world, local_rank, local_world, tp, dp, device)
         # every rank creates every group, in the same order (torch.distributed's rule)
         for index in range(dp):
@@ -100,7 +103,16 @@ class Topology:
             if index == topo.dp_index:
                 topo.tp_group, topo.tp_control = group, control
         topo.control = None if backend == "gloo" else dist.new_group(backend="gloo")
+        topo.warm_up()
         return topo
+
+    def warm_up(self) -> None:
+        """One all-reduce in this rank's TP group: its communicator and buffers are set
+        up here, before the load, so none of that falls in the job's first step."""
+        if self.tp > 1:
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.tp_group)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     # -- agreeing on Python objects -------------------------------------------------------
     def share(self, obj, tp_only: bool = False):
@@ -118,7 +130,12 @@ class Topology:
     def tensor_parallel(self, shard_of, timing: bool = False) -> TensorParallel:
         """This rank's `TensorParallel` for model config `shard_of` (a full config)."""
         shard = RankShard.of(shard_of, self.tp, self.tp_rank)
-        return TensorParallel(shard, self.tp_group, self.device, timing)
+        return TensorParallel(shard, self.tp_group, self.device, self.layout, timing)
+
+    @property
+    def layout(self) -> Layout:
+        """This node's ranks: the TP groups that run on it share its cores and memory."""
+        return Layout(self.tp, max(1, self.local_world // self.tp))
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -135,6 +152,7 @@ class TensorParallel:
     shard: RankShard
     group: dist.ProcessGroup | None
     device: torch.device  # the rank's compute device (its own GPU)
+    layout: Layout = field(default_factory=Layout)  # the job's ranks on this node
     timing: bool = False
     reduce_seconds: float = 0.0
     reduce_count: int = 0

@@ -77,18 +77,21 @@ def make_rank_runner(
     dtype: torch.dtype,
     device: torch.device,
     nvme: Path | None,
-    trace: bool = False,
+    trace: bool | int = False,
     progress: bool = False,
 ) -> RankRunner:
-    """The executor over this rank's shard of `source` (nvme: the rank's own directory)."""
+    """The executor over this rank's shard of `source` (nvme: the rank's own directory).
+    A group of one rank (data parallelism alone) runs the plain executor over the whole
+    model: no collective, so decode steps replay CUDA graphs where the plan allows."""
+    alone = parallel.size == 1
     executor = Executor(
-        ShardSource(source, parallel.shard),
+        source if alone else ShardSource(source, parallel.shard),
         policy,
         dtype,
         device,
         nvme_dir=nvme,
         trace=trace,
         progress=progress,
-        parallel=parallel,
+        parallel=None if alone else parallel,
     )
     return RankRunner(executor, parallel)

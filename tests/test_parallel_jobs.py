@@ -1,0 +1,65 @@
+"""offload-run --tp / --dp: a job goes the one-GPU road (its prompts sized by
+`cli.sizing` on world rank 0, the plan shared, every rank's engine built from it) and a
+job that cannot run is refused before any weight loads (CPU, gloo, forked ranks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from offload.cli.run import main
+from tests.test_sizing import CPU_PROFILE, _jobs
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoints):
+    return tiny_checkpoints["llama-gqa"][0]  # 4 heads, 2 KV heads; byte tokenizer
+
+
+def _argv(model_dir, tmp_path, jobs: str, out, *extra: str) -> list[str]:
+    profile = tmp_path / "hw.json"
+    profile.write_text(CPU_PROFILE.to_json())
+    caps = ["--gpu-mem", "2MB", "--cpu-mem", "3GB", "--profile", str(profile)]
+    return ["--model", str(model_dir), "--device", "cpu", *caps, "-i", jobs, "-o", str(out), "-q", *extra]  # fmt: skip
+
+
+def test_tp_and_dp_jobs_are_sized_for_the_job_and_match_one_gpu(model_dir, tmp_path):
+    prompts = {"a": "x" * 5, "b": "y" * 30, "c": "z" * 11, "d": "w" * 8}
+    jobs = _jobs(tmp_path / "jobs.jsonl", prompts, c={"max_tokens": 5})
+    results = {}
+    for name, layout in (("one", []), ("tp2", ["--tp", "2"]), ("dp2", ["--tp", "1", "--dp", "2"])):
+        out, stats = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
+        argv = _argv(model_dir, tmp_path, jobs, out, "--max-tokens", "3", "--stats", str(stats))
+        assert main([*argv, *layout]) == 0, name
+        planned = json.loads(stats.read_text())["planned_for"]
+        results[name] = (
+            planned,
+            [json.loads(line)["text"] for line in out.read_text().splitlines()],
+        )
+    # the job's longest prompt and largest budget, on every layout; the same text
+    assert results["one"][0] == {"prompt_tokens": 30, "new_tokens": 5}
+    assert results["tp2"] == results["one"] == results["dp2"]
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--tp", "1", "--dp", "2"]], ids=["tp2", "dp2"])
+def test_a_prompt_past_the_context_is_refused_before_any_rank_loads(
+    layout, model_dir, tmp_path, capfd, monkeypatch
+):
+    from offload.models.resolve import ModelSpec
+
+    def refuse(self):
+        raise AssertionError("weights were loaded before the job was judged")
+
+    monkeypatch.setattr(ModelSpec, "open_weights", refuse)  # the forked ranks inherit it
+    jobs = _jobs(tmp_path / "jobs.jsonl", {"ok": "hello", "long": "x" * 300})  # context 256
+    out = tmp_path / "out.jsonl"
+    assert main([*_argv(model_dir, tmp_path, jobs, out), *layout]) == 2
+    err = capfd.readouterr().err
+    assert "weights were loaded" not in err and "Traceback" not in err, err
+    refusals = [line for line in err.splitlines() if "error:" in line]
+    assert refusals == [
+        "offload-run: error: request long: a prompt has 300 tokens but the model's context "
+        "is 256; shorten it, or pass --skip-invalid to record such requests as errors and go on"
+    ], err
+    assert not out.exists() and not list(tmp_path.glob("out.jsonl.*"))
