@@ -43,7 +43,7 @@ from offload.io.tiers import MemoryLedger, Tier
 from offload.kernels.formats import Compression
 from offload.kernels.quant import assemble_stage, compress_stage
 from offload.models.shapes import Weights, stage_shapes
-from offload.models.weights import DummySource, WeightSource
+from offload.models.weights import WeightSource
 from offload.policies.policy import Placement
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class WeightHomes:
     ) -> torch.Tensor:
         stage, _, index = image.key.partition(".")
         # dummy weights are made on the compute device (a GPU draws them far faster)
-        make_on = device if isinstance(source, DummySource) else torch.device("cpu")
+        make_on = device if source.draws_on_device else torch.device("cpu")
         weights = compress_stage(
             source.stage(stage, int(index or 0), dtype, make_on), image.compression
         )

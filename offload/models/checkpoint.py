@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
-from offload.models.shapes import Weights
+from offload.models.shapes import Part, Parts, Weights
 from offload.models.weights import WeightSource
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -115,6 +115,7 @@ class SafetensorsReader:
             )
         self._file_of = weight_map
         self._handles: dict[str, object] = {}
+        self.bytes_read = 0  # tensor bytes handed out (whole tensors and slices)
         self._prefix = self._detect_prefix()
 
     @staticmethod
@@ -145,7 +146,8 @@ class SafetensorsReader:
     def has(self, name: str) -> bool:
         return self.stored_name(name) in self._file_of
 
-    def get(self, name: str) -> torch.Tensor:
+    def _slice(self, name: str):
+        """safetensors' lazy slice of a tensor (nothing read yet), and the file's path."""
         stored = self.stored_name(name)
         file_name = self._file_of[stored]
         handle = self._handles.get(file_name)
@@ -154,11 +156,29 @@ class SafetensorsReader:
             if handle is None:
                 handle = safe_open(str(path), framework="pt")
                 self._handles[file_name] = handle
-            return handle.get_tensor(stored)
+            return handle.get_slice(stored), path
         except (SafetensorError, OSError) as exc:
             raise UserError(
                 f"cannot read tensor {stored} from {path}: {exc}; the file is damaged or truncated"
             ) from exc
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name)[0].get_shape())
+
+    def get(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The tensor, or its rows (dim 0) or columns (dim 1) [start, stop): only those
+        bytes are read (`bytes_read` counts what was handed out)."""
+        piece, path = self._slice(name)
+        stop = piece.get_shape()[dim] if stop is None else stop
+        try:
+            tensor = piece[start:stop] if dim == 0 else piece[:, start:stop]
+        except (SafetensorError, OSError) as exc:
+            raise UserError(
+                f"cannot read tensor {self.stored_name(name)} from {path}: {exc}; the file "
+                "is damaged or truncated"
+            ) from exc
+        self.bytes_read += tensor.nbytes
+        return tensor
 
     def close(self) -> None:
         """Drop open files; their mapped pages leave this process's RSS."""
@@ -175,43 +195,96 @@ class CheckpointSource(WeightSource):
     def stored_stage(
         self, stage: str, index: int, dtype: torch.dtype, device: torch.device
     ) -> Weights:
+        return self.stored_parts(stage, index, dtype, device, {})
+
+    def stored_parts(
+        self, stage: str, index: int, dtype: torch.dtype, device: torch.device, parts: Parts
+    ) -> Weights:
+        """Each tensor whole, or only the rows or columns of its part (slices of the
+        files: a tensor-parallel rank reads its share of the checkpoint)."""
         wanted = self.stored_shapes(stage)
         names = _expand(_hf_names(self.config, stage, index), wanted)
         out: Weights = {}
         try:
             for canon, hf_names in names.items():
-                out[canon] = self._load(canon, hf_names, wanted[canon], stage, dtype, device)
+                self._check_present(canon, hf_names, stage)
+                part = parts.get(canon, Part(0, ((0, wanted[canon][0]),)))
+                out[canon] = self._load(canon, hf_names, wanted[canon], part, dtype, device)
         finally:
             # safetensors maps shards; closing after each stage keeps the touched pages
             # of earlier stages out of RSS, so it stays near one layer.
             self.reader.close()
         return out
 
-    def _load(
-        self,
-        canon: str,
-        hf_names: list[str],
-        shape: tuple[int, ...],
-        stage: str,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
+    def _check_present(self, canon: str, hf_names: list[str], stage: str) -> None:
         missing = [n for n in hf_names if not self.reader.has(n)]
         if missing:
             raise UserError(
                 f"checkpoint {self.reader.directory} lacks tensor {missing[0]} "
                 f"({stage} weight {canon}); is it a {self.config.model_type} checkpoint?"
             )
-        parts = [self.reader.get(n) for n in hf_names]
-        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        if self.config.family == "bloom" and canon.startswith("qkv."):
-            tensor = _bloom_qkv_to_blocks(tensor, self.config)
-        if tuple(tensor.shape) != shape:
+
+    def _load(
+        self,
+        canon: str,
+        hf_names: list[str],
+        shape: tuple[int, ...],
+        part: Part,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        stored = self._stored_shape(hf_names)
+        if stored != shape:
             raise UserError(
-                f"tensor {hf_names[0]} in {self.reader.directory} has shape "
-                f"{tuple(tensor.shape)}, config.json implies {shape}"
+                f"tensor {hf_names[0]} in {self.reader.directory} has shape {stored}, "
+                f"config.json implies {shape}"
             )
+        if part.zeros:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        pieces = [p for start, stop in part.ranges for p in self._range(canon, hf_names, part.dim, start, stop)]  # fmt: skip
+        tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=part.dim)
         return tensor.to(device=device, dtype=dtype)
+
+    def _stored_shape(self, hf_names: list[str]) -> tuple[int, ...]:
+        shapes = [self.reader.shape(n) for n in hf_names]
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+    def _range(
+        self, canon: str, hf_names: list[str], dim: int, start: int, stop: int
+    ) -> list[torch.Tensor]:
+        """Rows (dim 0) or columns (dim 1) [start, stop) of the canonical tensor, which is
+        the checkpoint's tensors one under the other (BLOOM's qkv: its heads reordered),
+        as the pieces the files hold."""
+        read = self.reader.get
+        if dim == 1:
+            return [torch.cat([read(n, 1, start, stop) for n in hf_names])]
+        if self.config.family == "bloom" and canon.startswith("qkv."):
+            return self._bloom_qkv_rows(hf_names[0], start, stop)
+        pieces, offset = [], 0
+        for name in hf_names:
+            rows = self.reader.shape(name)[0]
+            lo, hi = max(start, offset), min(stop, offset + rows)
+            if lo < hi:
+                pieces.append(read(name, 0, lo - offset, hi - offset))
+            offset += rows
+        return pieces
+
+    def _bloom_qkv_rows(self, name: str, start: int, stop: int) -> list[torch.Tensor]:
+        """Canonical qkv rows [start, stop) from BLOOM's per-head layout [H, 3, D]: the
+        whole tensor in one read, reordered; a part a read a head."""
+        cfg = self.config
+        if (start, stop) == (0, cfg.qkv_out_features):
+            return [_bloom_qkv_to_blocks(self.reader.get(name), cfg)]
+        dim, block_rows = cfg.head_dim, cfg.num_heads * cfg.head_dim
+        pieces, at = [], start
+        while at < stop:
+            block, row = divmod(at, block_rows)  # q, k or v; its row there
+            head, offset = divmod(row, dim)
+            end = min(stop, at + dim - offset)
+            first = head * 3 * dim + block * dim + offset
+            pieces.append(self.reader.get(name, 0, first, first + end - at))
+            at = end
+        return pieces
 
     def close(self) -> None:
         self.reader.close()

@@ -15,6 +15,8 @@ out and every layer reads:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from offload.core.config import OPT_POSITION_OFFSET, ModelConfig
@@ -66,3 +68,35 @@ def stage_shapes(cfg: ModelConfig, stage: str) -> dict[str, tuple[int, ...]]:
     if cfg.has_linear_bias:
         shapes.update({"o.bias": (hidden,), "mlp_in.bias": (mlp_in,), "mlp_out.bias": (hidden,)})
     return shapes
+
+
+@dataclass(frozen=True)
+class Part:
+    """A piece of a canonical tensor that one tensor-parallel rank holds: the ranges
+    [start, stop) along `dim`, concatenated in order (a rank's q, k and v heads of the
+    fused qkv rows; its columns of a row-parallel matrix). zeros: a tensor of zeros of
+    the whole shape instead (a row-parallel bias off the first rank: the all-reduce adds
+    the first rank's once)."""
+
+    dim: int = 0
+    ranges: tuple[tuple[int, int], ...] = ()
+    zeros: bool = False
+
+    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
+        if self.zeros:
+            return full
+        size = sum(stop - start for start, stop in self.ranges)
+        return (*full[: self.dim], size, *full[self.dim + 1 :])
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This part of the whole `tensor`, in fresh memory of its own."""
+        if self.zeros:
+            return torch.zeros_like(tensor)
+        pieces = [tensor.narrow(self.dim, start, stop - start) for start, stop in self.ranges]
+        if len(pieces) > 1:
+            return torch.cat(pieces, dim=self.dim)
+        return pieces[0].clone(memory_format=torch.contiguous_format)
+
+
+# canonical name -> the part of it wanted (a name not in it: the whole tensor)
+Parts = dict[str, Part]
