@@ -63,3 +63,22 @@ def test_a_prompt_past_the_context_is_refused_before_any_rank_loads(
         "is 256; shorten it, or pass --skip-invalid to record such requests as errors and go on"
     ], err
     assert not out.exists() and not list(tmp_path.glob("out.jsonl.*"))
+
+
+def test_data_parallel_groups_share_one_pinned_copy_of_the_weights(model_dir, tmp_path):
+    """Every layer's weights in CPU memory: the second group makes none of them, it maps
+    the first group's copy (`rank.share_weights`), so its tokens equal one process's only
+    if it reads what the first group wrote there."""
+    policy = tmp_path / "policy.json"
+    policy.write_text(
+        json.dumps({"gpu_batch_size": 2, "num_gpu_batches": 1, "weights": {"gpu": 0, "cpu": 1, "disk": 0}})
+    )  # fmt: skip
+    jobs = _jobs(tmp_path / "jobs.jsonl", {f"r{i}": f"tell me {i * 13}" for i in range(6)})
+    texts = {}
+    for name, layout in (("one", []), ("dp2", ["--tp", "1", "--dp", "2"])):
+        out = tmp_path / f"{name}.jsonl"
+        argv = ["--model", str(model_dir), "--device", "cpu", "--dtype", "float32", "-q"]
+        argv += ["--policy", str(policy), "-i", jobs, "-o", str(out), "--max-tokens", "4"]
+        assert main([*argv, *layout]) == 0, name
+        texts[name] = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    assert texts["dp2"] == texts["one"]

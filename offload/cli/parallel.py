@@ -37,8 +37,9 @@ from offload.models.resolve import resolve_model
 from offload.parallel.affinity import pin_rank
 from offload.parallel.comm import Topology, env_world
 from offload.parallel.launch import PEER_LOST
-from offload.parallel.rank import rank_nvme
+from offload.parallel.rank import rank_nvme, share_weights
 from offload.parallel.shard import check_divisible
+from offload.policies.memory import weight_plan
 from offload.policies.memory_limit import node_memory_limit, rank_cpu_bytes
 
 log = logging.getLogger("offload")
@@ -199,13 +200,17 @@ def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
     params = sampling_params(args, front.default_sampling)
     sized = _sized_plan(args, topo, front, rank_args, source, params, where)
     started = time.perf_counter()
+    parallel = topo.tensor_parallel(front.config)
+    policy = sized.plan.policy
+    cpu_weights = weight_plan(parallel.shard.config, policy, front.dtype)["weights_cpu"] if policy else 0  # fmt: skip
+    parallel.shared_weights = share_weights(topo, cpu_weights)
     llm = LLM.from_plan(
         sized.engine,
         front,
         sized.plan,
         progress=topo.rank == 0 and not args.quiet,
         trace=common.trace_sampling(args),
-        parallel=topo.tensor_parallel(front.config),
+        parallel=parallel,
     )
     topo.barrier()  # every rank is loaded (a shared copy of the weights is complete)
     load_seconds = time.perf_counter() - started

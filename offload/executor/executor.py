@@ -36,13 +36,10 @@ from offload.executor.activations import ActivationHomes, StoredAct
 from offload.executor.graphs import DecodeGraphs
 from offload.executor.kv import KVManager
 from offload.executor.lanes import Lanes, Tracer, busy_seconds
+from offload.executor.placing import SharedWeights, place_weights
 from offload.executor.runner import LaneReports
-from offload.executor.weights import WeightFetcher, WeightHomes
 from offload.io.layout import DISK_BUFFERS
-from offload.io.pinned import PinnedPool
-from offload.io.reader import ExtentReader
 from offload.io.spill import SWITCH_INTERVAL_S
-from offload.io.store import ensure_store
 from offload.io.tiers import MemoryLedger, Tier
 from offload.kernels import cpu_attention, qmatmul
 from offload.models import decoder, ops
@@ -50,7 +47,7 @@ from offload.models.batch import PaddedBatch
 from offload.models.decoder import Parallel, StepInputs
 from offload.models.shapes import Weights
 from offload.models.weights import WeightSource
-from offload.policies.memory import row_splits, weight_plan
+from offload.policies.memory import row_splits
 from offload.policies.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -86,13 +83,15 @@ class Executor(LaneReports):  # implements runner.Runner
         cuda_graphs: bool = True,
         parallel: Parallel | None = None,
         disk_buffers: int = DISK_BUFFERS,
+        shared_weights: SharedWeights | None = None,
     ) -> None:
         """cuda_graphs: replay decode steps from CUDA graphs where every stage's weights
         are on the GPU (`graphs.DecodeGraphs`); False runs every step eagerly.
         parallel: a tensor-parallel rank's collectives (`decoder.Parallel`); None is one
         device. disk_buffers: the KV manager's disk staging blocks; the memory plan
         counts `io.layout.DISK_BUFFERS` (another depth is for measuring one against it,
-        `scripts/executor_ab.py`)."""
+        `scripts/executor_ab.py`). shared_weights: the weights' CPU homes in one pinned
+        copy shared with other processes of the node (`placing.SharedWeights`)."""
         self.parallel = parallel
         # the GIL's switch interval while the executor runs (`spill.SWITCH_INTERVAL_S`)
         self._switch_interval = sys.getswitchinterval()
@@ -102,7 +101,12 @@ class Executor(LaneReports):  # implements runner.Runner
         self.ledger = MemoryLedger()
         self.tracer = Tracer(enabled=bool(trace), every=max(1, int(trace)))
         self.lanes = Lanes(device, self.tracer)
-        self._load_weights(source, nvme_dir, progress)
+        self.weights = place_weights(
+            source, policy, dtype, device, self.lanes, self.ledger, nvme_dir, progress,
+            shared_weights,
+        )  # fmt: skip
+        self.homes, self.fetcher = self.weights.homes, self.weights.fetcher
+        self.load_seconds = self.weights.seconds
         spill_dir = nvme_dir if nvme_dir is not None else Path(".")
         self.kv = KVManager(
             self.cfg,
@@ -128,46 +132,6 @@ class Executor(LaneReports):  # implements runner.Runner
         self._graph_rows: tuple[int, ...] = ()  # micro-batch rows the graphs are for
         self._warm_rows: tuple[int, ...] = ()  # ran one eager decode step (compiled)
         self._graph_bytes = 0  # what the graphs' buffers hold, in the ledger
-
-    def _load_weights(self, source: WeightSource, nvme_dir: Path | None, progress: bool) -> None:
-        """The weight store (for weights on disk), the pinned pool and every stage's
-        homes (`WeightHomes`), and the fetcher that streams them in."""
-        policy, dtype, device = self.policy, self.dtype, self.device
-        started = time.perf_counter()
-        store = None
-        if policy.weights.disk > 0:  # first: a disk short of room fails before pinning
-            assert nvme_dir is not None, "the caller checks --nvme for disk policies"
-            store = ensure_store(
-                source, nvme_dir, dtype, progress, policy.weight_compression, policy.weights
-            )
-        stored = time.perf_counter()
-        plan = weight_plan(self.cfg, policy, dtype)
-        self.pool = PinnedPool(max(4096, plan["weights_cpu"] + plan["weight_staging_cpu"]))
-        self.reader = ExtentReader(threads=8)
-        pinned = time.perf_counter()
-        self.homes = WeightHomes(
-            source,
-            policy.weights,
-            dtype,
-            device,
-            self.pool,
-            self.ledger,
-            store,
-            policy.weight_compression,
-            progress,
-        )
-        self.fetcher = WeightFetcher(
-            self.homes, self.lanes, device, self.pool, self.reader, self.ledger
-        )
-        self.load_seconds = time.perf_counter() - started
-        if progress:
-            log.info(
-                "loaded in %.1f s: weight store %.1f s, pinning %.1f s, placing weights %.1f s",
-                self.load_seconds,
-                stored - started,
-                pinned - stored,
-                started + self.load_seconds - pinned,
-            )
 
     # -- before the job -------------------------------------------------------------------
     def warm_up(self, progress: bool = False) -> float:
@@ -428,7 +392,7 @@ class Executor(LaneReports):  # implements runner.Runner
 
     def memory_report(self) -> dict[str, dict[str, int]]:
         report = self.ledger.snapshot()
-        report["weights_pool"] = self.pool.stats()
+        report["weights_pool"] = self.weights.pool.stats()
         if self.kv.pool is not None:
             report["kv_pool"] = self.kv.pool.stats()
         return report
@@ -437,9 +401,7 @@ class Executor(LaneReports):  # implements runner.Runner
         sys.setswitchinterval(self._switch_interval)
         self._drop_graphs()
         self.kv.close()
-        self.fetcher.close()
-        self.reader.close()
-        self.pool.close()
+        self.weights.close()
 
 
 def _slice_step(step: StepInputs, rows: slice) -> StepInputs:

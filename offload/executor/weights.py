@@ -125,7 +125,11 @@ class WeightHomes:
         store: WeightStore | None,
         compression: Compression | None = None,
         progress: bool = False,
+        fill_cpu: bool = True,
     ) -> None:
+        """fill_cpu: False where another process writes the pool's pages (one pinned copy
+        shared by a node's processes, `placing.SharedWeights`): a stage held wholly in
+        CPU memory is then not made at all, and no stage's CPU part is written here."""
         cfg = source.config
         if placement.disk > 0 and store is None:
             raise UserError("the policy puts weights on disk; give --nvme DIR for the weight store")
@@ -147,13 +151,16 @@ class WeightHomes:
             image = StageImage(key, layout, size, gpu_end, cpu_end, shapes, dtype, compression)
             image.gathered = gathered(key, placement)
             image.tail_start = store.tail_start(key) if store is not None else 0
-            host = self._host_image(source, image, dtype, device)
+            write = fill_cpu or image.gathered  # (its views are taken now: identical bytes)
+            make = write or gpu_end > 0 or size > cpu_end
+            host = self._host_image(source, image, dtype, device) if make else None
             if gpu_end:
                 image.gpu_home = host[:gpu_end].to(device, copy=True)
                 ledger.add(Tier.GPU, gpu_end)
             if cpu_end > gpu_end:
                 image.cpu_home = pool.alloc(cpu_end - gpu_end)
-                image.cpu_home.tensor.copy_(host[gpu_end:cpu_end])
+                if write:
+                    image.cpu_home.tensor.copy_(host[gpu_end:cpu_end])
                 ledger.add(Tier.CPU, image.cpu_home.reserved)
             if size > cpu_end:
                 assert store is not None

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from offload.core.errors import UserError
+from offload.executor.placing import SharedWeights
 from offload.kernels.quant import QTensor, embedding
 from offload.parallel.shard import RankShard
 from offload.policies.node import Layout
@@ -154,6 +155,8 @@ class TensorParallel:
     device: torch.device  # the rank's compute device (its own GPU)
     layout: Layout = field(default_factory=Layout)  # the job's ranks on this node
     timing: bool = False
+    # the weights' CPU homes shared with the node's other groups (`rank.share_weights`)
+    shared_weights: SharedWeights | None = None
     reduce_seconds: float = 0.0
     reduce_count: int = 0
     _events: list = field(default_factory=list)
