@@ -101,3 +101,30 @@ def test_shared_nodes_search_blocks_that_overlap_cpu_attention():
     alone = [p for p in candidates(cfg, torch.float16, NODE, caps, None) if p.attention_on_cpu]
     assert shared and min(p.num_gpu_batches for p in shared) == 2
     assert min(p.num_gpu_batches for p in alone) == 1
+
+
+def test_offload_plan_compares_one_gpu_tp_and_dp_for_the_node(tmp_path, capsys):
+    """A node whose CPU attention is slow: the plans stream weights over each GPU's
+    link, so two GPUs pay about twice, and the recommendation says which layout and why."""
+    import json
+
+    from offload.cli.plan import main as plan_main
+
+    profile = tmp_path / "hw.json"
+    profile.write_text(
+        dataclasses.replace(NODE, cpu_attention_gbps=1.0, cpu_mem_bytes=256 * GB).to_json()
+    )
+    argv = ["--model", "opt-6.7b", "--gpu-mem", "8GB", "--profile", str(profile)]
+    assert (
+        plan_main([*argv, "--prompt-len", "256", "--max-tokens", "16", "--gpus", "2", "--json"])
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    rows = {row["layout"]: row for row in out["layouts"]}
+    assert set(rows) == {"one GPU", "TP=2", "DP=2"}
+    one, best = rows["one GPU"], max(rows.values(), key=lambda row: row["node_tok_s"])
+    assert rows["DP=2"]["node_tok_s"] == pytest.approx(2 * rows["DP=2"]["rank_tok_s"])
+    assert best["node_tok_s"] >= 1.8 * one["node_tok_s"], rows
+    assert out["recommendation"].startswith(f"recommended: {best['layout']} ")
+    assert "h2d (each GPU's own)" in out["recommendation"]
+    assert plan_main([*argv, "--gpus", "1"]) == 2  # one GPU compares nothing

@@ -731,7 +731,9 @@ def test_plan_verify_probes_and_keeps_the_measured_best(tmp_path, tiny_checkpoin
 
 
 def test_all_reduce_is_measured_between_ranks():
-    from offload.parallel.bandwidth import measure_allreduce
+    from offload.parallel.bandwidth import measure_node
 
-    gbps, latency = measure_allreduce(2, large_bytes=2**20)  # gloo on the CPU here
-    assert gbps > 0 and 0 < latency < 1.0
+    node = measure_node(2, large_bytes=2**20)  # gloo on the CPU here
+    assert node["allreduce_gbps"] > 0 and 0 < node["allreduce_latency_s"] < 1.0
+    assert node["rank_skew"] >= 0 and node["h2d_all_gbps"] == 0.0  # (no GPUs)
+    dataclasses.replace(PROFILE, **node)  # figures a profile takes

@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel ranks: plan one rank's shard, --gpu-mem per GPU, --cpu-mem "
         "for the node shared by the ranks (the all-reduce as offload-profile measured it)",
     )
+    p.add_argument("--gpus", type=int, help="compare one GPU, tensor parallelism over N and N data-parallel groups on this node, and recommend one (docs/parallel.md)")  # fmt: skip
     p.add_argument(
         "--verify",
         action="store_true",
@@ -88,6 +89,10 @@ def _plan(args) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before any search
         raise UserError("--plot needs matplotlib: pip install 'offload[plot]' (or matplotlib)")
     model_cfg = cfg = resolve_model(engine.model, dummy=True, revision=engine.revision).config
+    if args.gpus is not None:
+        from offload.cli import layouts
+
+        return layouts.main(cfg, engine, args)
     cpu_bytes = engine.cpu_bytes
     if args.tp > 1:  # tensor parallelism: the per-rank plan (offload.parallel)
         from offload.parallel import rank_config
