@@ -9,6 +9,7 @@ import json
 import pytest
 
 from offload.cli.run import main
+from offload.executor.lanes import read_chrome
 from tests.test_sizing import CPU_PROFILE, _jobs
 
 
@@ -28,7 +29,8 @@ def test_tp_and_dp_jobs_are_sized_for_the_job_and_match_one_gpu(model_dir, tmp_p
     prompts = {"a": "x" * 5, "b": "y" * 30, "c": "z" * 11, "d": "w" * 8}
     jobs = _jobs(tmp_path / "jobs.jsonl", prompts, c={"max_tokens": 5})
     results = {}
-    for name, layout in (("one", []), ("tp2", ["--tp", "2"]), ("dp2", ["--tp", "1", "--dp", "2"])):
+    trace = ["--trace", str(tmp_path / "t.json"), "--trace-every", "2"]  # one file a rank
+    for name, layout in (("one", []), ("tp2", ["--tp", "2", *trace]), ("dp2", ["--tp", "1", "--dp", "2"])):  # fmt: skip
         out, stats = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
         argv = _argv(model_dir, tmp_path, jobs, out, "--max-tokens", "3", "--stats", str(stats))
         assert main([*argv, *layout]) == 0, name
@@ -40,6 +42,9 @@ def test_tp_and_dp_jobs_are_sized_for_the_job_and_match_one_gpu(model_dir, tmp_p
     # the job's longest prompt and largest budget, on every layout; the same text
     assert results["one"][0] == {"prompt_tokens": 30, "new_tokens": 5}
     assert results["tp2"] == results["one"] == results["dp2"]
+    for rank in range(2):  # each rank's last traced step, its all-reduces among its lanes
+        lanes = {span[0] for span in read_chrome(tmp_path / f"t.rank{rank}.json")}
+        assert {"compute", "allreduce"} <= lanes, lanes
 
 
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--tp", "1", "--dp", "2"]], ids=["tp2", "dp2"])

@@ -128,3 +128,20 @@ def test_offload_plan_compares_one_gpu_tp_and_dp_for_the_node(tmp_path, capsys):
     assert out["recommendation"].startswith(f"recommended: {best['layout']} ")
     assert "h2d (each GPU's own)" in out["recommendation"]
     assert plan_main([*argv, "--gpus", "1"]) == 2  # one GPU compares nothing
+
+
+def test_each_rank_takes_its_share_of_its_gpu_s_numa_node():
+    from offload.parallel.affinity import cpu_list, rank_cpus
+
+    nodes = {0: list(range(0, 8)), 1: list(range(8, 16))}
+    allowed = list(range(16))
+    assert cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    # two GPUs on two NUMA nodes: each rank its node's cores
+    assert rank_cpus(1, [0, 1], allowed, nodes.get) == list(range(8, 16))
+    # four ranks, two a node: each half of its node's cores
+    assert rank_cpus(3, [0, 0, 1, 1], allowed, nodes.get) == list(range(12, 16))
+    # no NUMA node known (a VM): all allowed cores split evenly, the first ranks one more
+    assert rank_cpus(0, [None, None, None], list(range(7)), nodes.get) == [0, 1, 2]
+    assert rank_cpus(2, [None, None, None], list(range(7)), nodes.get) == [5, 6]
+    # a node whose cores this process may not use: the allowed ones, split
+    assert rank_cpus(1, [0, 1], list(range(4)), nodes.get) == [2, 3]

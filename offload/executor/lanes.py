@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
-LANES = ("compute", "h2d", "h2d_kv", "d2h", "disk", "cpu_attn", "cpu_copy", "host_wait")
+LANES = (
+    "compute", "h2d", "h2d_kv", "d2h", "disk", "cpu_attn", "cpu_copy", "host_wait", "allreduce",
+)  # fmt: skip
 # lanes that share one physical link: their union is the link's busy time
 LINKS = {"pcie_h2d": ("h2d", "h2d_kv")}
 
@@ -66,7 +68,15 @@ class Tracer:
             self._base_event = torch.cuda.Event(enable_timing=True)
             self._base_event.record()
 
-    def host_span(self, lane: str, name: str, start: float, end: float, nbytes: int = 0) -> None:
+    def host_span(
+        self,
+        lane: str,
+        name: str,
+        start: float | torch.cuda.Event,
+        end: float | torch.cuda.Event,
+        nbytes: int = 0,
+    ) -> None:
+        """A span timed by the caller: host seconds, or CUDA events on a stream."""
         if self.enabled:
             self.spans.append(_Span(lane, name, start, end, nbytes))
 

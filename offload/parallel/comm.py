@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from offload.core.errors import UserError
+from offload.executor.lanes import Tracer
 from offload.executor.placing import SharedWeights
 from offload.kernels.quant import QTensor, embedding
 from offload.parallel.shard import RankShard
@@ -128,10 +129,10 @@ class Topology:
     def barrier(self) -> None:
         dist.barrier(group=self.control)
 
-    def tensor_parallel(self, shard_of, timing: bool = False) -> TensorParallel:
+    def tensor_parallel(self, shard_of) -> TensorParallel:
         """This rank's `TensorParallel` for model config `shard_of` (a full config)."""
         shard = RankShard.of(shard_of, self.tp, self.tp_rank)
-        return TensorParallel(shard, self.tp_group, self.device, self.layout, timing)
+        return TensorParallel(shard, self.tp_group, self.device, self.layout)
 
     @property
     def layout(self) -> Layout:
@@ -147,19 +148,18 @@ class Topology:
 class TensorParallel:
     """One rank's collectives over its TP group (implements `decoder.Parallel`).
 
-    `reduce_seconds` adds up the time spent in all-reduces when `timing` is on (CUDA
-    events on the GPU), for the all-reduce share of a step."""
+    Where its executor traces a step (`tracer`, set by `rank.make_rank_runner`), each
+    all-reduce is a span on the "allreduce" lane: on the GPU its events on the compute
+    stream, so a span is the collective's time there, the wait for the slowest rank
+    included (the per-rank traces show the skew)."""
 
     shard: RankShard
     group: dist.ProcessGroup | None
     device: torch.device  # the rank's compute device (its own GPU)
     layout: Layout = field(default_factory=Layout)  # the job's ranks on this node
-    timing: bool = False
     # the weights' CPU homes shared with the node's other groups (`rank.share_weights`)
     shared_weights: SharedWeights | None = None
-    reduce_seconds: float = 0.0
-    reduce_count: int = 0
-    _events: list = field(default_factory=list)
+    tracer: Tracer | None = None
 
     @property
     def size(self) -> int:
@@ -173,20 +173,19 @@ class TensorParallel:
         """Sum the ranks' partial outputs of a row-parallel matmul, in place."""
         if self.size == 1:  # data parallelism alone: nothing to sum
             return x
-        if not self.timing:
+        if self.tracer is None or not self.tracer.enabled:
             dist.all_reduce(x, group=self.group)
             return x
-        self.reduce_count += 1
         if x.is_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             dist.all_reduce(x, group=self.group)
             end.record()
-            self._events.append((start, end))
         else:
-            started = time.perf_counter()
+            start = time.perf_counter()
             dist.all_reduce(x, group=self.group)
-            self.reduce_seconds += time.perf_counter() - started
+            end = time.perf_counter()
+        self.tracer.host_span("allreduce", f"all-reduce {tuple(x.shape)}", start, end, x.nbytes)
         return x
 
     def embed(self, token_ids: torch.Tensor, table: torch.Tensor | QTensor) -> torch.Tensor:
@@ -210,15 +209,6 @@ class TensorParallel:
         pieces = [torch.empty_like(logits) for _ in sizes]
         dist.all_gather(pieces, logits.contiguous(), group=self.group)
         return torch.cat([p[..., :n] for p, n in zip(pieces, sizes, strict=True)], dim=-1)
-
-    def take_reduce_seconds(self) -> float:
-        """All-reduce seconds since the last call (waits for the GPU's events)."""
-        if self._events:
-            self._events[-1][1].synchronize()
-            self.reduce_seconds += sum(s.elapsed_time(e) for s, e in self._events) / 1e3
-            self._events.clear()
-        seconds, self.reduce_seconds = self.reduce_seconds, 0.0
-        return seconds
 
 
 def allreduce_bus_gbps(

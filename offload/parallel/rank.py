@@ -132,4 +132,5 @@ def make_rank_runner(
         parallel=None if alone else parallel,
         shared_weights=parallel.shared_weights,
     )
+    parallel.tracer = executor.tracer  # its all-reduces are spans of the rank's trace
     return RankRunner(executor, parallel)
