@@ -34,11 +34,11 @@ def test_tp_and_dp_jobs_are_sized_for_the_job_and_match_one_gpu(model_dir, tmp_p
         out, stats = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
         argv = _argv(model_dir, tmp_path, jobs, out, "--max-tokens", "3", "--stats", str(stats))
         assert main([*argv, *layout]) == 0, name
-        planned = json.loads(stats.read_text())["planned_for"]
-        results[name] = (
-            planned,
-            [json.loads(line)["text"] for line in out.read_text().splitlines()],
-        )
+        summary = json.loads(stats.read_text())
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        results[name] = (summary["planned_for"], [row["text"] for row in rows])
+        if layout:  # the node's tokens: every group's
+            assert summary["node"]["generated_tokens"] == sum(r["completion_tokens"] for r in rows)
     # the job's longest prompt and largest budget, on every layout; the same text
     assert results["one"][0] == {"prompt_tokens": 30, "new_tokens": 5}
     assert results["tp2"] == results["one"] == results["dp2"]

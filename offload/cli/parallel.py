@@ -12,6 +12,7 @@ decides the exit code (offload-run's EXIT_*), which it hands to the launching pr
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import random
@@ -30,6 +31,7 @@ from offload.api.llm import LLM
 from offload.cli import common, report, sizing, sources
 from offload.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, engine_args, sampling_params
 from offload.core.errors import UserError
+from offload.io.atomic import atomic_write
 from offload.jobs import data_parallel as data
 from offload.jobs import job
 from offload.jobs.resultlog import MemorySink, ResultLog
@@ -142,6 +144,7 @@ def _sized_plan(
     rank_args: EngineArgs,
     source: sources.Source,
     params,
+    gen_len: int | None,
     where: str,
 ) -> sizing.SizedPlan:
     """The job's plan on every rank: world rank 0 measures the job and plans one rank's
@@ -156,7 +159,7 @@ def _sized_plan(
                 front, source.requests(params), source.from_flags, args.skip_invalid
             )
             sized = sizing.plan_for_job(
-                front, rank_args, shape, args.max_tokens, args.skip_invalid, topo.layout
+                front, rank_args, shape, gen_len, args.skip_invalid, topo.layout
             )
             found = (sized.plan, sized.engine.prompt_len, sized.prompt_limit)
         except UserError as exc:
@@ -190,7 +193,7 @@ class _RankSink(MemorySink):
 def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
     """source -> front -> the job's plan (world rank 0's, shared) -> load -> run -> merge."""
     engine = engine_args(args)
-    sampling_params(args, {})  # sampling flags judged before any long work
+    flag_params = sampling_params(args, {})  # sampling flags judged before any long work
     output = sources.check_output(args.output, args.restart)
     if topo.dp > 1 and output is None:
         raise UserError("--dp needs --output FILE (the groups' results are merged there)")
@@ -198,7 +201,7 @@ def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
     rank_args, where = _rank_engine(engine, topo)
     front = ModelFront(rank_args, topo.device)  # config and tokenizer only
     params = sampling_params(args, front.default_sampling)
-    sized = _sized_plan(args, topo, front, rank_args, source, params, where)
+    sized = _sized_plan(args, topo, front, rank_args, source, params, flag_params.max_tokens, where)
     started = time.perf_counter()
     parallel = topo.tensor_parallel(front.config)
     policy = sized.plan.policy
@@ -288,14 +291,35 @@ def _finish(args, topo: Topology, llm, sink, stats, output: Path | None, total: 
     if topo.rank == 0 and topo.dp > 1:
         assert output is not None
         data.merge_groups(output, topo.dp, total)
+    node = _node_stats(topo, llm)
     if topo.rank == 0:
-        s = llm.stats
         print(
             f"offload-run: {total} requests on {topo.world} ranks (tp {topo.tp} x dp "
-            f"{topo.dp}); group 0 generated {s.generated_tokens} tokens in {s.seconds:.2f} s "
-            f"({s.tokens_per_second:.1f} tok/s)",
+            f"{topo.dp}); {node['generated_tokens']} tokens generated in {node['seconds']:.2f} s "
+            f"({node['tokens_per_second']:.1f} tok/s for the node)",
             file=sys.stderr,
         )
         if args.stats is not None:
-            report.report(llm, stats, load_seconds, args.stats)
+            report.report(llm, stats, load_seconds, args.stats)  # group 0's, and the node's:
+            summary = json.loads(args.stats.read_text())
+            atomic_write(args.stats, json.dumps({**summary, "node": node}, indent=1, default=str))
     return common.exit_code(errors, total)
+
+
+def _node_stats(topo: Topology, llm: LLM) -> dict:
+    """Every group's generated tokens and seconds (from its TP rank 0), and the node's:
+    the tokens of all groups over the longest group's time (they run side by side)."""
+    s = llm.stats
+    mine = {"generated_tokens": s.generated_tokens, "seconds": s.seconds,
+            "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds}  # fmt: skip
+    every: list = [None] * topo.world
+    dist.all_gather_object(every, mine if topo.is_leader else None, group=topo.control)
+    groups = [g for g in every if g is not None]
+    tokens, seconds = sum(g["generated_tokens"] for g in groups), max(g["seconds"] for g in groups)
+    rate = tokens / seconds if seconds else 0.0
+    return {
+        "generated_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": rate,
+        "groups": groups,
+    }

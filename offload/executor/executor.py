@@ -125,7 +125,7 @@ class Executor(LaneReports):  # implements runner.Runner
         self.acts = ActivationHomes(self.lanes, device, dtype)
         self.traces: list[StepTrace] = []
         self.prefill_spans: list | None = None  # the last traced prefill's
-        self.last_spans: list | None = None  # the last traced step's
+        self.last_spans: list | None = None  # the last traced decode step's
         # (the graphs capture no collectives: tensor-parallel ranks run eagerly)
         self.cuda_graphs = cuda_graphs and device.type == "cuda" and parallel is None
         self._graphs: list[DecodeGraphs] = []
@@ -261,9 +261,10 @@ class Executor(LaneReports):  # implements runner.Runner
             self.traces.append(
                 StepTrace(time.perf_counter() - started, busy_seconds(spans), prefill)
             )
-            self.last_spans = spans
             if prefill:
                 self.prefill_spans = spans
+            else:
+                self.last_spans = spans
         return out[:, -1] if last_only else out
 
     # -- a decode step from CUDA graphs ----------------------------------------------------

@@ -91,19 +91,23 @@ def prefill_trace_path(path: Path) -> Path:
 
 class LaneReports:
     """The memory and trace reports of a runner with a `ledger`, `tracer`, `traces`,
-    `last_spans` and `prefill_spans` (the last traced step's and prefill's resolved
-    spans)."""
+    `last_spans` and `prefill_spans` (the last traced decode step's and prefill's
+    resolved spans)."""
 
     def peak_disk_bytes(self) -> int:
         return self.ledger.peak(Tier.DISK)
 
     def write_trace(self, path: Path) -> bool:
-        """The last traced step's trace at path, and the last traced prefill's beside it
-        (<stem>_prefill<suffix>) when that step was not that prefill."""
+        """The last traced decode step's trace at path (the last traced prefill's where
+        no decode step was traced), and the last traced prefill's beside it
+        (<stem>_prefill<suffix>)."""
         if not (self.tracer.enabled or self.tracer.asked):
             return False
+        if self.last_spans is None:
+            self.tracer.write_chrome(path, self.prefill_spans)
+            return True
         self.tracer.write_chrome(path, self.last_spans)
-        if self.prefill_spans is not None and self.traces and not self.traces[-1].prefill:
+        if self.prefill_spans is not None:
             self.tracer.write_chrome(prefill_trace_path(path), self.prefill_spans)
         return True
 
