@@ -83,11 +83,10 @@ def main(args: argparse.Namespace, argv: list[str], entry: Callable[[list[str]],
 
 def run_rank(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    found = env_world()
-    assert found is not None, "run_rank runs under a launcher"
-    # first: the pools every later thread (OpenMP's, the readers') is made from
-    pin_rank(found[2], found[3], device)
-    topo = Topology.from_env(args.tp, args.dp, device)
+    topo = Topology.from_env(args.tp, args.dp, device)  # (its GPU set: no other's context)
+    # before any pool starts: the threads made from now on (OpenMP's, the readers')
+    # inherit the rank's cores
+    pin_rank(topo.local_rank, topo.local_world, topo.device)
     if topo.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
     try:
