@@ -247,9 +247,10 @@ def norm_failures(device: str, dtypes: list[torch.dtype], shapes=NORM_SHAPES) ->
     the reference's bit for bit."""
     failures = []
     gen = torch.Generator().manual_seed(7)
-    for dtype, (rows, width), kind in itertools.product(dtypes, shapes, ("layer", "rms")):
+    kinds = ("layer", "rms", "rms_offset")
+    for dtype, (rows, width), kind in itertools.product(dtypes, shapes, kinds):
         for with_residual, with_bias in itertools.product((False, True), repeat=2):
-            if with_bias and kind == "rms":
+            if with_bias and kind != "layer":
                 continue
             x = (torch.randn(rows, width, generator=gen) * 3 + 1).to(dtype)
             residual = torch.randn(rows, width, generator=gen).to(dtype)
@@ -260,9 +261,9 @@ def norm_failures(device: str, dtypes: list[torch.dtype], shapes=NORM_SHAPES) ->
                 ref_x, weight, bias, kind, 1e-5, residual if with_residual else None
             )
             summed = ref_x.double()
-            if kind == "rms":
+            if kind != "layer":
                 truth = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5)
-                truth = truth * weight.double()
+                truth = truth * (weight.double() + (kind == "rms_offset"))
             else:
                 truth = F.layer_norm(
                     summed, (width,), weight.double(), None if bias is None else bias.double(), 1e-5

@@ -162,7 +162,7 @@ class PlainRunner:
             # reported 1.0 tok/s, 6.8 s of its 7.5 s decode the build (2-core CI machine)
             cpu_attention.available(compressed=kv_compression is not None)
         self.load_seconds = time.perf_counter() - started
-        self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.rotary else None
+        self.rotary = ops.Rotary.of(self.cfg, device)
         self._cache: list[LayerKV] = []
 
     kv_pool_bytes = 0
@@ -196,7 +196,7 @@ class PlainRunner:
         ]
 
     def step_inputs(self, batch: PaddedBatch, cache_start: int, num_new: int) -> StepInputs:
-        return batch.step_inputs(cache_start, num_new, self.dtype, self.device, self.inv_freq)
+        return batch.step_inputs(cache_start, num_new, self.dtype, self.device, self.rotary)
 
     @torch.inference_mode()
     def forward(
@@ -209,8 +209,9 @@ class PlainRunner:
         """Run new tokens [B, T] through the stack; fp32 logits [B, V] (or [B, T, V]).
         (Stream-ordered where wait is False: no synchronize either way.)"""
         x = decoder.embed(self.cfg, self.embed_w, token_ids.to(self.device), step.positions)
-        for weights, kv in zip(self.layer_w, self._cache, strict=True):
-            x = decoder.layer_forward(self.cfg, weights, x, step, kv)
+        for layer, (weights, kv) in enumerate(zip(self.layer_w, self._cache, strict=True)):
+            layer_step = decoder.layer_step(self.cfg, step, layer)
+            x = decoder.layer_forward(self.cfg, weights, x, layer_step, kv)
         if last_only:
             x = x[:, -1:]
         logits = decoder.head(self.cfg, self.head_w, x)
