@@ -57,8 +57,14 @@ QLINEAR_TILES = [None, Tiles(16, 32, 64, 4, 2, split=4)]
 
 
 def qlinear_failures(
-    bits: int, symmetric: bool, device: str, dtypes: list[torch.dtype], shapes=QLINEAR_SHAPES
+    bits: int,
+    symmetric: bool,
+    device: str,
+    dtypes: list[torch.dtype],
+    shapes=QLINEAR_SHAPES,
+    zero_point: bool = False,
 ) -> list[str]:
+    """zero_point: asymmetric with integer zero points (pre-quantized checkpoints')."""
     failures = []
     gen = torch.Generator().manual_seed(bits * 10 + symmetric)
     # the epilogue's (bias, ReLU, residual)
@@ -76,7 +82,9 @@ def qlinear_failures(
                 w = torch.randn(n, k, generator=gen)
                 x = torch.randn(rows, k, generator=gen).to(dtype)
                 bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-                q = quantize(w.to(device), Compression(bits, group, symmetric))
+                q = quantize(
+                    w.to(device), Compression(bits, group, symmetric, zero_point=zero_point)
+                )
                 x, bias = x.to(device), bias.to(device) if bias is not None else None
                 weight = dequantize(q).to(dtype)
                 truth = F.linear(
@@ -307,6 +315,9 @@ def wgmma_permute_failures(device: str) -> list[str]:
 
 if __name__ == "__main__":  # the interpreter tests' subprocess
     kind, bits, symmetric = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "sym"
+    if sys.argv[3] == "zp":  # integer zero points: qlinear only
+        print(json.dumps(qlinear_failures(bits, False, "cpu", [torch.float16], zero_point=True)))
+        sys.exit()
     cases = {"qlinear": qlinear_failures, "attention": attention_failures}
     if kind == "norm":
         print(json.dumps(norm_failures("cpu", [torch.float32, torch.float16])))

@@ -19,7 +19,7 @@ from offload.core.config import ModelConfig
 from offload.io.tiers import Tier
 from offload.kernels import cpu_attention
 from offload.kernels.formats import Compression
-from offload.kernels.quant import fake_quantize, is_quantized
+from offload.kernels.quant import QTensor, fake_quantize, is_quantized
 from offload.models import decoder, ops
 from offload.models.attention import LayerKV
 from offload.models.batch import PaddedBatch
@@ -29,11 +29,14 @@ from offload.models.weights import WeightSource
 
 
 def _compressed(weights: Weights, config: Compression | None) -> Weights:
-    """The values a compressed run computes with (quantize, dequantize)."""
+    """The values a compressed run computes with (quantize, dequantize); a pre-quantized
+    checkpoint's matrices (`QTensor`s) are those values already."""
     if config is None:
         return weights
     return {
-        k: fake_quantize(v, config) if is_quantized(k, tuple(v.shape), config) else v
+        k: fake_quantize(v, config)
+        if is_quantized(k, tuple(v.shape), config) and not isinstance(v, QTensor)
+        else v
         for k, v in weights.items()
     }
 

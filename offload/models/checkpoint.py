@@ -16,7 +16,8 @@ from safetensors import SafetensorError, safe_open
 
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
-from offload.models import family_names
+from offload.kernels.quant import is_quantized
+from offload.models import family_names, prequant
 from offload.models.shapes import Weights
 from offload.models.weights import WeightSource
 
@@ -169,6 +170,7 @@ class CheckpointSource(WeightSource):
     def __init__(self, directory: Path, config: ModelConfig) -> None:
         self.config = config
         self.reader = SafetensorsReader(directory)
+        self.quant = prequant.format_of(directory)  # GPTQ, AWQ, compressed-tensors
 
     def stored_stage(
         self, stage: str, index: int, dtype: torch.dtype, device: torch.device
@@ -194,6 +196,9 @@ class CheckpointSource(WeightSource):
         dtype: torch.dtype,
         device: torch.device,
     ) -> torch.Tensor:
+        if self.quant is not None and is_quantized(canon, shape, self.quant.compression):
+            q = prequant.load_matrix(self.reader, self.config, self.quant, canon, hf_names, shape)
+            return prequant.to(q, dtype, device)
         missing = [n for n in hf_names if not self.reader.has(n)]
         if missing:
             raise UserError(
