@@ -9,6 +9,7 @@ fp32 logits within 1e-5 of its, greedy tokens equal."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -22,6 +23,7 @@ from offload.kernels.formats import Compression
 from offload.kernels.quant import QTensor
 from offload.policies.policy import Placement, Policy
 from tests import quantized_checkpoints, tiny_models
+from tests.test_policies import PROFILE
 from tests.tiny_models import hf_logits, prefill_logits
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34], [300, 1, 2, 250]]
@@ -199,3 +201,30 @@ def test_cuda_runs_compute_the_dequantized_weights(method, symmetric, case, chec
                     weight_compression=fmt)  # fmt: skip
     with LLM(str(directory), device="cuda", dtype="float16", policy=policy, nvme=tmp_path) as llm:
         assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == want
+
+
+def test_offload_plan_and_convert_keep_the_checkpoints_format(checkpoints, tmp_path, capsys):
+    """offload-plan plans the checkpoint's format, and offload-convert writes a store in
+    it (a run reading its disk part: `test_offloaded_runs_keep_the_checkpoints_codes`)."""
+    from offload.cli import convert, plan
+
+    directory, _ = checkpoints["awq", False, "llama-gqa"]
+    profile = tmp_path / "profile.json"
+    profile.write_text(
+        dataclasses.replace(
+            PROFILE, has_gpu=False, gpu_context_bytes=0, process_base_bytes=0
+        ).to_json()
+    )
+    rc = plan.main(
+        ["--model", str(directory), "--gpu-mem", "2GB", "--cpu-mem", "3GB", "--json",
+         "--prompt-len", "8", "--gen-len", "4", "--num-prompts", "8", "--profile", str(profile)]
+    )  # fmt: skip
+    assert rc == 0
+    chosen = json.loads(capsys.readouterr().out)["policy"]["weight_compression"]
+    assert Compression(**chosen) == ZERO_POINTS
+    assert convert.main(["--model", str(directory), "--nvme", str(tmp_path), "-q"]) == 0
+    stores = list(tmp_path.glob("*-int4-g32-zp-dense-head"))
+    assert len(stores) == 1, list(tmp_path.iterdir())
+    capsys.readouterr()
+    assert convert.main(["--model", str(directory), "--nvme", str(tmp_path), "--compress", "int8"])
+    assert "already quantized" in capsys.readouterr().err

@@ -91,23 +91,34 @@ def checkpoint_formats(
     checkpoint's own (`models.prequant`), whose matrices stay as they are; a --compress
     or --policy asking for another format is refused then."""
     fixed = front.spec.weight_format()
+    formats = weight_formats(fixed, args.compress, args.compressions())
     if fixed is None:
-        return args.compressions()
-    text = compression_text(fixed)
+        return formats
     if tensor_parallel:
         raise UserError(
-            f"--tp with a pre-quantized ({text}) checkpoint is not supported; run it on one "
-            "GPU with offloading (--gpu-mem, --cpu-mem, --nvme)"
-        )
-    if args.compress not in ("none", "auto", text):
-        raise UserError(
-            f"--compress {args.compress}: the checkpoint is already quantized ({text}) "
-            "and runs in its own format; drop --compress"
+            f"--tp with a pre-quantized ({compression_text(fixed)}) checkpoint is not "
+            "supported; run it on one GPU with offloading (--gpu-mem, --cpu-mem, --nvme)"
         )
     if policy is not None and policy.weight_compression != fixed:
         raise UserError(
             f"the policy's weight_compression {policy.weight_compression} is not the "
             f"pre-quantized checkpoint's; set it to {fixed.__dict__}"
+        )
+    return formats
+
+
+def weight_formats(
+    fixed: Compression | None, compress: str, requested: tuple[Compression | None, ...]
+) -> tuple[Compression | None, ...]:
+    """The weight formats a plan may use: --compress's (`requested`), or a pre-quantized
+    checkpoint's own (`fixed`), refusing a --compress that names another."""
+    if fixed is None:
+        return requested
+    text = compression_text(fixed)
+    if compress not in ("none", "auto", text):
+        raise UserError(
+            f"--compress {compress}: the checkpoint is already quantized ({text}) "
+            "and runs in its own format; drop --compress"
         )
     return (fixed,)
 

@@ -51,7 +51,12 @@ class ModelSpec:
     def weight_format(self) -> Compression | None:
         """A pre-quantized checkpoint's format, which its plan must keep (None: the
         checkpoint is not quantized, or runs with dummy weights)."""
-        if self.kind != "safetensors" or self.path is None:
+        return self.checkpoint_format() if self.kind == "safetensors" else None
+
+    def checkpoint_format(self) -> Compression | None:
+        """The format of the checkpoint directory's weights, whatever this run loads
+        (offload-plan resolves a model without its weights)."""
+        if self.path is None or not self.path.is_dir():
             return None
         from offload.models.prequant import format_of
 
