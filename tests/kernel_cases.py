@@ -315,8 +315,11 @@ def wgmma_permute_failures(device: str) -> list[str]:
 
 if __name__ == "__main__":  # the interpreter tests' subprocess
     kind, bits, symmetric = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "sym"
-    if sys.argv[3] == "zp":  # integer zero points: qlinear only
-        print(json.dumps(qlinear_failures(bits, False, "cpu", [torch.float16], zero_point=True)))
+    if sys.argv[3] == "zp":  # integer zero points: qlinear only, a decode shape of one
+        # group and of several, and prefill's dequantized slices
+        shapes = [QLINEAR_SHAPES[0], QLINEAR_SHAPES[1], QLINEAR_SHAPES[-1]]
+        failures = qlinear_failures(bits, False, "cpu", [torch.float16], shapes, zero_point=True)
+        print(json.dumps(failures))
         sys.exit()
     cases = {"qlinear": qlinear_failures, "attention": attention_failures}
     if kind == "norm":
