@@ -91,13 +91,13 @@ def main() -> None:
     py = sys.executable
     parts = {
         "gpu-tests": ([py, "-m", "pytest", "-q", "-m", "gpu", "tests/test_families.py",
-                       "tests/test_prequant.py"], 240),
+                       "tests/test_prequant.py"], 220),
         "kernel-tests": ([py, "-m", "pytest", "-q",
                           "tests/test_gpu.py::test_norm_kernel_compiled_matches_layer_and_rms_norm",
                           "tests/test_gpu.py::test_qlinear_kernel_compiled_matches_reference[False-4]"],
-                         200),
+                         170),
         "qlinear": ([py, __file__, "--part", "qlinear", *(["--smoke"] if args.smoke else [])],
-                    120),
+                    90),
     }  # fmt: skip
     results: dict = {"smoke": args.smoke, "parts": {}}
     for name, (cmd, limit) in parts.items():
