@@ -107,6 +107,8 @@ def test_qlinear_kernel_compiled_matches_reference(bits, symmetric):
     shapes += WGMMA_SHAPES
     dtypes = [torch.float16, torch.bfloat16, torch.float32]
     assert qlinear_failures(bits, symmetric, "cuda", dtypes, shapes) == []
+    if bits == 4 and not symmetric:  # integer zero points (pre-quantized checkpoints')
+        assert qlinear_failures(4, False, "cuda", dtypes, shapes, zero_point=True) == []
 
 
 @pytest.mark.parametrize("bits", [4, 8])

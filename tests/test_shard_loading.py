@@ -23,7 +23,7 @@ def _stages(source, cfg):
     yield "head", source.stage("head", 0, torch.float32, CPU)
 
 
-@pytest.mark.parametrize("family", ["opt", "llama-gqa", "bloom"])
+@pytest.mark.parametrize("family", ["opt", "llama-gqa", "bloom", "falcon-40b-like"])
 def test_a_rank_reads_only_its_slices_of_the_checkpoint(family, tiny_checkpoints):
     directory = tiny_checkpoints[family][0]
     cfg = resolve_model(str(directory)).config

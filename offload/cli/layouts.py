@@ -27,6 +27,7 @@ from offload.api.args import EngineArgs
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
 from offload.executor.probe import measure_profile
+from offload.kernels.formats import Compression
 from offload.parallel.shard import rank_config
 from offload.policies.choose import choose_policy
 from offload.policies.cost import Estimate
@@ -56,12 +57,23 @@ class Option:
         }
 
 
-def compare(cfg: ModelConfig, engine: EngineArgs, args: argparse.Namespace, gpus: int) -> list[Option]:  # fmt: skip
-    """One GPU, TP=gpus and DP=gpus, each searched for this node (`choose_policy`)."""
+def compare(
+    cfg: ModelConfig,
+    engine: EngineArgs,
+    args: argparse.Namespace,
+    gpus: int,
+    formats: tuple[Compression | None, ...],
+    prequantized: bool = False,
+) -> list[Option]:
+    """One GPU, TP=gpus and DP=gpus, each searched for this node (`choose_policy`) with
+    the weight formats the plan may use (a pre-quantized checkpoint's own: no TP)."""
     prompts = args.num_prompts
     out = []
     for name, tp, dp in (("one GPU", 1, 1), (f"TP={gpus}", gpus, 1), (f"DP={gpus}", 1, gpus)):
         ranks = tp * dp
+        if tp > 1 and prequantized:
+            out.append(Option(name, tp, dp, None, None, "--tp with a pre-quantized checkpoint is not supported"))  # fmt: skip
+            continue
         try:
             choice = choose_policy(
                 rank_config(cfg, tp, 0) if tp > 1 else cfg,
@@ -75,7 +87,7 @@ def compare(cfg: ModelConfig, engine: EngineArgs, args: argparse.Namespace, gpus
                 args.gen_len,
                 engine.profile,
                 None if prompts is None else math.ceil(prompts / dp),
-                engine.compressions(),
+                formats,
                 engine.kv_compressions(),
                 tp=tp,
                 measure_machine=measure_profile,
@@ -107,10 +119,16 @@ def _bound(layout: Option) -> str:
     return f"{lane} ({whose})" if layout.tp * layout.dp > 1 else lane
 
 
-def main(cfg: ModelConfig, engine: EngineArgs, args: argparse.Namespace) -> int:
+def main(
+    cfg: ModelConfig,
+    engine: EngineArgs,
+    args: argparse.Namespace,
+    formats: tuple[Compression | None, ...],
+    prequantized: bool = False,
+) -> int:
     if args.gpus < 2:
         raise UserError(f"--gpus compares layouts over two or more GPUs, got {args.gpus}")
-    layouts = compare(cfg, engine, args, args.gpus)
+    layouts = compare(cfg, engine, args, args.gpus, formats, prequantized)
     verdict = recommendation(layouts)
     if args.json:
         print(json.dumps({"layouts": [lay.to_dict() for lay in layouts], "recommendation": verdict}, indent=1))  # fmt: skip

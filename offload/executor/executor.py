@@ -120,7 +120,7 @@ class Executor(LaneReports):  # implements runner.Runner
             policy.kv_compression,
             disk_buffers,
         )
-        self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.rotary else None
+        self.rotary = ops.Rotary.of(self.cfg, device)
         self._micro: list[slice] = []
         self.acts = ActivationHomes(self.lanes, device, dtype)
         self.traces: list[StepTrace] = []
@@ -197,7 +197,7 @@ class Executor(LaneReports):  # implements runner.Runner
         self.acts.start(act_gpu_rows, self.kv.start(splits, batch.max_slots, act_bytes))
 
     def step_inputs(self, batch: PaddedBatch, cache_start: int, num_new: int) -> StepInputs:
-        return batch.step_inputs(cache_start, num_new, self.dtype, self.device, self.inv_freq)
+        return batch.step_inputs(cache_start, num_new, self.dtype, self.device, self.rotary)
 
     @torch.inference_mode()
     def forward(
@@ -290,10 +290,9 @@ class Executor(LaneReports):  # implements runner.Runner
             self._drop_graphs()  # the old sizes' graphs and memory go first
             self.kv.settle()  # no transfer thread's CUDA call inside the capture
             stages = [self.fetcher.get(s) for s in range(len(self.homes.images))]
-            rope = self.inv_freq is not None
             before = torch.cuda.memory_allocated(self.device)
             self._graphs = [
-                DecodeGraphs(self.cfg, stages, n, self.dtype, self.device, rope) for n in rows
+                DecodeGraphs(self.cfg, stages, n, self.dtype, self.device, step) for n in rows
             ]
             self._graph_rows = rows
             self._graph_bytes = max(0, torch.cuda.memory_allocated(self.device) - before)
@@ -318,7 +317,7 @@ class Executor(LaneReports):  # implements runner.Runner
                 self.kv.load_layer(layer, steps[0].cache_start, copy_follows=False)
 
             def begin(k: int, layer=layer):
-                graph, step = graphs[k], steps[k]
+                graph, step = graphs[k], decoder.layer_step(self.cfg, steps[k], layer)
                 q, k_new, v_new = graph.qkv(layer)
                 return self.kv.attention(
                     layer, k, q, k_new, v_new, step.bias, step.cache_start, step.causal,
@@ -338,9 +337,9 @@ class Executor(LaneReports):  # implements runner.Runner
 
         def begin(k: int):
             x = self.acts.load(k, hidden[k])
+            step = decoder.layer_step(self.cfg, steps[k], layer)
             with self.lanes.on("compute", f"L{layer} mb{k} qkv"):
-                q, k_new, v_new, residual = decoder.attn_in(self.cfg, w, x, steps[k])
-            step = steps[k]
+                q, k_new, v_new, residual = decoder.attn_in(self.cfg, w, x, step)
             context = self.kv.attention(
                 layer, k, q, k_new, v_new, step.bias, step.cache_start, step.causal
             )
@@ -407,6 +406,7 @@ class Executor(LaneReports):  # implements runner.Runner
 
 def _slice_step(step: StepInputs, rows: slice) -> StepInputs:
     rope = None if step.rope is None else (step.rope[0][rows], step.rope[1][rows])
+    local = None if step.local is None else _slice_step(step.local, rows)
     return dataclasses.replace(
-        step, positions=step.positions[rows], bias=step.bias[rows], rope=rope
+        step, positions=step.positions[rows], bias=step.bias[rows], rope=rope, local=local
     )

@@ -16,6 +16,8 @@ from safetensors import SafetensorError, safe_open
 
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
+from offload.kernels.quant import is_quantized
+from offload.models import family_names, prequant
 from offload.models.shapes import Part, Parts, Weights
 from offload.models.weights import WeightSource
 
@@ -27,7 +29,9 @@ NameMap = dict[str, list[str]]
 
 
 def _hf_names(cfg: ModelConfig, stage: str, index: int) -> NameMap:
-    if cfg.family == "llama":
+    if cfg.family == "falcon":
+        return family_names.falcon(cfg, stage, index)
+    if cfg.family in ("llama", "gemma"):
         p = f"model.layers.{index}."
         layer = {
             "attn_norm.weight": [p + "input_layernorm.weight"],
@@ -39,7 +43,9 @@ def _hf_names(cfg: ModelConfig, stage: str, index: int) -> NameMap:
         }
         embed = {"tok.weight": ["model.embed_tokens.weight"]}
         head = {"final_norm.weight": ["model.norm.weight"], "lm_head.weight": ["lm_head.weight"]}
-    elif cfg.family == "bloom":
+        stages = {"embed": embed, "layer": layer, "head": head}
+        return family_names.llama_variant(cfg, stage, index, stages[stage])
+    if cfg.family == "bloom":
         p = f"transformer.h.{index}."
         layer = {
             "attn_norm": [p + "input_layernorm"],
@@ -91,13 +97,6 @@ def _expand(names: NameMap, wanted: dict[str, tuple[int, ...]]) -> NameMap:
     return out
 
 
-def _bloom_qkv_to_blocks(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """BLOOM stores qkv per head as [H, 3, D, ...]; reorder to [q heads | k heads | v heads]."""
-    rest = t.shape[1:]
-    t = t.view(cfg.num_heads, 3, cfg.head_dim, *rest).transpose(0, 1)
-    return t.reshape(3 * cfg.num_heads * cfg.head_dim, *rest)
-
-
 class SafetensorsReader:
     """Lazy tensor access to a single or sharded safetensors checkpoint directory."""
 
@@ -135,7 +134,7 @@ class SafetensorsReader:
             mapping["transformer."] = ""
         if any(n.startswith("decoder.") for n in names):
             mapping["model.decoder."] = "decoder."
-        return mapping
+        return mapping | family_names.language_model_prefix(names)
 
     def stored_name(self, name: str) -> str:
         for full, short in self._prefix.items():
@@ -191,6 +190,7 @@ class CheckpointSource(WeightSource):
     def __init__(self, directory: Path, config: ModelConfig) -> None:
         self.config = config
         self.reader = SafetensorsReader(directory)
+        self.quant = prequant.format_of(directory)  # GPTQ, AWQ, compressed-tensors
 
     def stored_stage(
         self, stage: str, index: int, dtype: torch.dtype, device: torch.device
@@ -207,9 +207,15 @@ class CheckpointSource(WeightSource):
         out: Weights = {}
         try:
             for canon, hf_names in names.items():
+                shape = wanted[canon]
+                if self.quant is not None and is_quantized(canon, shape, self.quant.compression):
+                    assert canon not in parts, "a pre-quantized checkpoint is read whole (no --tp)"
+                    q = prequant.load_matrix(self.reader, self.config, self.quant, canon, hf_names, shape)  # fmt: skip
+                    out[canon] = prequant.to(q, dtype, device)
+                    continue
                 self._check_present(canon, hf_names, stage)
-                part = parts.get(canon, Part(0, ((0, wanted[canon][0]),)))
-                out[canon] = self._load(canon, hf_names, wanted[canon], part, dtype, device)
+                part = parts.get(canon, Part(0, ((0, shape[0]),)))
+                out[canon] = self._load(canon, hf_names, shape, part, dtype, device)
         finally:
             # safetensors maps shards; closing after each stage keeps the touched pages
             # of earlier stages out of RSS, so it stays near one layer.
@@ -258,8 +264,8 @@ class CheckpointSource(WeightSource):
         read = self.reader.get
         if dim == 1:
             return [torch.cat([read(n, 1, start, stop) for n in hf_names])]
-        if self.config.family == "bloom" and canon.startswith("qkv."):
-            return self._bloom_qkv_rows(hf_names[0], start, stop)
+        if family_names.grouped_qkv(self.config) and canon.startswith("qkv."):
+            return self._grouped_qkv_rows(hf_names[0], start, stop)
         pieces, offset = [], 0
         for name in hf_names:
             rows = self.reader.shape(name)[0]
@@ -269,19 +275,26 @@ class CheckpointSource(WeightSource):
             offset += rows
         return pieces
 
-    def _bloom_qkv_rows(self, name: str, start: int, stop: int) -> list[torch.Tensor]:
-        """Canonical qkv rows [start, stop) from BLOOM's per-head layout [H, 3, D]: the
+    def _grouped_qkv_rows(self, name: str, start: int, stop: int) -> list[torch.Tensor]:
+        """Canonical qkv rows [start, stop) from a layout grouped per KV head
+        (`family_names.grouped_qkv`: each group its query heads, its key, its value): the
         whole tensor in one read, reordered; a part a read a head."""
         cfg = self.config
         if (start, stop) == (0, cfg.qkv_out_features):
-            return [_bloom_qkv_to_blocks(self.reader.get(name), cfg)]
-        dim, block_rows = cfg.head_dim, cfg.num_heads * cfg.head_dim
+            return [family_names.grouped_qkv_to_blocks(self.reader.get(name), cfg)]
+        dim, per_group = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+        q_rows, kv_rows = cfg.num_heads * dim, cfg.num_kv_heads * dim
         pieces, at = [], start
         while at < stop:
-            block, row = divmod(at, block_rows)  # q, k or v; its row there
-            head, offset = divmod(row, dim)
-            end = min(stop, at + dim - offset)
-            first = head * 3 * dim + block * dim + offset
+            if at < q_rows:  # q: head h is the (h % per_group)-th of group h // per_group
+                head, offset = divmod(at, dim)
+                group, slot, block_end = head // per_group, head % per_group, q_rows
+            else:  # k, then v: one head a group, after the group's query heads
+                block, row = divmod(at - q_rows, kv_rows)
+                (group, offset), slot = divmod(row, dim), per_group + block
+                block_end = q_rows + (block + 1) * kv_rows
+            end = min(stop, at + dim - offset, block_end)
+            first = (group * (per_group + 2) + slot) * dim + offset
             pieces.append(self.reader.get(name, 0, first, first + end - at))
             at = end
         return pieces

@@ -4,9 +4,12 @@ out and every layer reads:
     embed stage:  tok.weight [V, E]; pos.weight [P, hidden] (OPT);
                   embed_norm.weight/.bias (BLOOM); proj_in.weight [hidden, E] (OPT-350m)
     layer i:      attn_norm.weight(/.bias); qkv.weight [(H + 2*Hkv)*D, hidden](/.bias);
-                  o.weight [hidden, H*D](/.bias); mlp_norm.weight(/.bias);
+                  o.weight [hidden, H*D](/.bias); mlp_norm.weight(/.bias) (absent where a
+                  parallel layer's MLP shares attn_norm: Falcon-7B);
                   mlp_in.weight [I or 2*I (gate | up), hidden](/.bias);
-                  mlp_out.weight [hidden, I](/.bias)
+                  mlp_out.weight [hidden, I](/.bias); q_norm.weight, k_norm.weight [D]
+                  (`qk_norm`); post_attn_norm.weight, post_mlp_norm.weight [hidden]
+                  (`sandwich_norms`)
     head stage:   final_norm.weight(/.bias) (absent for OPT-350m);
                   proj_out.weight [E, hidden] (OPT-350m); lm_head.weight [V, E]
                   (for tied embeddings a source hands out tok.weight under this name,
@@ -63,6 +66,13 @@ def stage_shapes(cfg: ModelConfig, stage: str) -> dict[str, tuple[int, ...]]:
     if cfg.norm_kind == "layer":
         shapes["attn_norm.bias"] = (hidden,)
         shapes["mlp_norm.bias"] = (hidden,)
+    if not cfg.has_mlp_norm:  # a parallel layer's MLP reads the attention's norm
+        shapes.pop("mlp_norm.weight")
+        shapes.pop("mlp_norm.bias", None)
+    if cfg.qk_norm:
+        shapes["q_norm.weight"] = shapes["k_norm.weight"] = (cfg.head_dim,)
+    if cfg.sandwich_norms:
+        shapes["post_attn_norm.weight"] = shapes["post_mlp_norm.weight"] = (hidden,)
     if cfg.has_qkv_bias:
         shapes["qkv.bias"] = (cfg.qkv_out_features,)
     if cfg.has_linear_bias:

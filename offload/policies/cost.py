@@ -282,7 +282,7 @@ def _decode_compute_s(
     )
     kernels += hw.attention_seconds(policy.kv_compression, kv_hbm, gpu_attended, gpu_pairs)
     # the layer's other kernels and the gaps between them, a micro-batch
-    kernels += micro * hw.decode_elementwise_s.get(cfg.family, 0.0)
+    kernels += micro * hw.decode_elementwise_s.get(_probed_family(cfg), 0.0)
     params = cfg.layer_param_count()
     compute = max(2 * n_seqs * params / (hw.decode_tflops * 1e12), kernels)
     compute += _allreduce_s(cfg, hw, tp, n_seqs, micro, shape.elt)
@@ -336,7 +336,7 @@ def _prefill_s(
     compute = (
         _prefill_matmul_s(cfg, policy, hw, shape.sizes, prompt_len, shape.layer_w)
         + attn_flops / (hw.prefill_attention_rate() * 1e12)
-        + tokens * cfg.hidden_size * hw.prefill_elementwise_s.get(cfg.family, 0.0)
+        + tokens * cfg.hidden_size * hw.prefill_elementwise_s.get(_probed_family(cfg), 0.0)
         + _allreduce_s(cfg, hw, tp, tokens, micro, shape.elt)
     )
     rows_off = shape.rows(1) + shape.rows(2)
@@ -438,3 +438,13 @@ def _allreduce_s(
     return 2 * (
         micro * hw.allreduce_latency_s + 2 * (tp - 1) / tp * nbytes / (hw.allreduce_gbps * GB)
     )
+
+
+# families the elementwise probe does not run (`executor.probe.elementwise`), rated as
+# the probed family nearest in their layers' work besides matmuls and attention: Gemma
+# as Llama (RMS norms, a gated MLP, RoPE), Falcon as BLOOM (LayerNorm, GELU)
+_ELEMENTWISE_LIKE = {"gemma": "llama", "falcon": "bloom"}
+
+
+def _probed_family(cfg: ModelConfig) -> str:
+    return _ELEMENTWISE_LIKE.get(cfg.family, cfg.family)
