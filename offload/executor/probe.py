@@ -57,7 +57,7 @@ PROBE_DEPTHS = (2, 4)  # layers of a plan probe's two runs
 PREFILL_TURNS, DECODE_TURNS = 3, 9
 # the layers a prefill's non-matmul time is measured on, one a model family (their
 # norms, activations, position encodings and residuals differ: Llama-3.1-8B's cost 9x
-# OPT's a token and hidden unit on the H100 machine, validate_cost_model 000155):
+# OPT's a token and hidden unit on the H100; docs/cost_model.md):
 # 4096 wide on the GPU (its matmuls at a realistic width), 256 where the CPU computes;
 # (rows, prompt tokens) of the block
 _CPU_WIDTH = {"hidden_size": 256, "num_attention_heads": 4, "vocab_size": 512}
@@ -184,8 +184,8 @@ def _stage_seconds(
 # decode steps of each policy in a chain probe (`_chains`). Its figures are differences
 # between decode steps of a few ms. Timed apart (each policy's median over 8 steps in an
 # executor of its own, the median of three rounds) they spread 9-46% between processes
-# on one machine; paired step by step, 8-30% (H100 call c91, three processes each,
-# `overheads_paired_ab_h100_20261125-1620.json`). What is left is the host's own speed
+# on one machine; paired step by step, 8-30% (H100, three processes each;
+# docs/cost_model.md). What is left is the host's own speed
 # from process to process: the graph replay's fixed cost, timed alike in both, spread
 # 40-45%
 CHAIN_STEPS = 32
@@ -384,7 +384,7 @@ def _run_depths(
     speed during the probe (clocks, the host) falls on both alike: the probe takes
     their difference a layer and multiplies it by the model's layers. Run one after the
     other, a W1c plan's 4-layer step drifted between 1.73 and 2.20 ms, and the probe
-    read 0.115 ms a layer at gen 256 against 0.295 at gen 32 (H100, 2026-11-25).
+    read 0.115 ms a layer at gen 256 against 0.295 at gen 32 (H100; docs/cost_model.md).
     Untimed first: a prefill (it compiles what the job's warm-up would) and two decode
     steps (they compile and capture graphs). Timed: the median of PREFILL_TURNS turns of
     the prefill, and of `steps` turns of decode steps at the middle of the generation,

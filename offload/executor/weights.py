@@ -64,7 +64,7 @@ class StageImage:
     disk_extents: tuple[Extent, ...] = ()  # cover [cpu_end, size), offsets in the store file
     tail_start: int = 0  # where the store file begins in the image
     # a GPU-resident stage's views, built once (50 tensors' views cost 0.15 ms of host
-    # time a stage, 7 ms a decode step of OPT-30B: measured with scripts/profile_step.py)
+    # time a stage, 7 ms a decode step of OPT-30B; scripts/profile_step.py shows it)
     resident_views: Weights | None = None
     # the embedding's stage when not every weight is on the GPU (`io.layout.gathered`):
     # whole in pinned memory, its table read there a few rows a step

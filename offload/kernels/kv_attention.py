@@ -50,7 +50,7 @@ def decode_attention_reference(
 # batch fills the GPU; the row's last program to finish merges the splits' softmax
 # partials (fused_merge), or a second kernel does. Splits are sized for about
 # SPLIT_WAVES programs an SM (`_split_groups`). H100 sweep (`bench_kernels --kernels
-# attention-sweep`, run 232230, OPT-30B, Llama-2-70B/13B, BLOOM shapes): fixed split
+# attention-sweep`, OPT-30B, Llama-2-70B/13B, BLOOM shapes; docs/throughput.md): fixed split
 # sizes of 4-32 groups came within 3-8% of this either way; 4 warps lost 40%. The fused
 # merge is the default: its time was within -3.5%..+2.6% of the two kernels', it saves
 # a launch a layer in the eager decode attention, and the merge kernel's BLOCK_S (the

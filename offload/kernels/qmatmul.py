@@ -9,8 +9,8 @@ few hundred rows of x; the W read dominates, so tiles are wide in N) and mid-siz
 (tiles in M and N); the launcher picks the tiles from the shape.
 
 Prefill shapes (`DENSE_ROWS` rows or more) are compute-bound, and there the fused kernel
-reached 364 TFLOP/s at int4 against cuBLAS fp16's 751 on the H100 machine (profile run
-154500). So they dequantize W into an fp16 scratch and multiply it with cuBLAS: the
+reached 364 TFLOP/s at int4 against cuBLAS fp16's 751 on the H100 machine
+(docs/throughput.md). So they dequantize W into an fp16 scratch and multiply it with cuBLAS: the
 whole matrix at once where the layer's largest fits `DENSE_WHOLE_BYTES`, else a slice
 of rows at a time (`DENSE_SLICE_BYTES`) into its columns of the output
 (`dense_scratch_bytes`: the memory plan counts it). The dequantization reads 0.5-1 and writes 2 bytes

@@ -73,8 +73,8 @@ def kernel_seconds(fn, repeat: int = 10) -> float:
     and replayed, timed with CUDA events, as `scripts/bench_kernels.py` times kernels.
     Timed from the host, the int4 matmul at 16 rows read 125 us a call over 10 calls
     and 67 over 100 (its kernel: 67, from a graph), and CUDA events around eager calls
-    varied 2-3x between two runs (H100 probes this session); with the host figure the
-    profile predicted W1c's decode step 33% slow (21.9 ms against 16.5, run 235824).
+    varied 2-3x between two runs (H100); with the host figure the profile predicts W1c's
+    decode step 33% slow (21.9 ms against 16.5; docs/cost_model.md).
     On the CPU: `_timed`."""
     if not torch.cuda.is_available():
         return _timed(fn, repeat)
@@ -183,7 +183,7 @@ CPU_ATTENTION_SWEEP_BYTES = 256 * 2**20
 # the most of the long call's time a fitted time a pair may explain: beyond it the two
 # calls' noise made the fit, not a cost (3.0 and 3.3 ms would fit 670 GB/s and 5.7 us a
 # pair), and the long call's own rate stands. Llama-3.1-8B's executor shapes fitted 43%
-# (H100 c103: 140 GB/s and 2.8 us a pair)
+# (H100: 140 GB/s and 2.8 us a pair)
 CPU_PAIR_MAX_SHARE = 2 / 3
 
 
@@ -238,12 +238,12 @@ def _cpu_attention_call(
 
 
 # The CPU attention is timed over CPU_TIMED_S of calls after CPU_WARM_S of calls back
-# to back. On the lent H100 machine's 16-core VM the first calls after the host idled
-# ran 7-12x slow and the rate ramped up over about 0.1 s (call c96: 8.7, 27.2, then 107
-# GB/s a round of 3 calls after a 1 s sleep; a quick profile's figure 11.7 GB/s, 85.3
-# measured again in the same process). A profile that held the cold figure (19.7)
-# made the search pick GPU attention for OPT-30B fp16, 42.0 tok/s (bench_throughput
-# 20261125-163936), where the CPU-attention plan measured 61.6 on the same machine start.
+# to back. On an H100 machine's 16-core VM the first calls after the host idles run
+# 7-12x slow and the rate ramps up over about 0.1 s (8.7, 27.2, then 107 GB/s a round
+# of 3 calls after a 1 s sleep; a quick profile's figure 11.7 GB/s, 85.3 measured again
+# in the same process). A profile that holds the cold figure (19.7) makes the search
+# pick GPU attention for OPT-30B fp16, 42.0 tok/s, where the CPU-attention plan runs
+# at 61.6 on the same machine (docs/cost_model.md).
 # A shape's two lengths are timed in turn, CPU_ROUNDS rounds of CPU_TIMED_S / CPU_ROUNDS
 # each, and the median taken: the fit is a difference of the two, and a drift of the
 # host's speed between them would be read as a cost
@@ -362,7 +362,7 @@ def _h2d_rate_under_cpu_attention(
     """GB/s of pinned host -> GPU copies while the CPU attention (`_cpu_attention_call`'s)
     runs beside them without pause, as a CPU-attention policy's weight stream does: both
     read DRAM. W1u's layer (0.93 GB of weights beside 1.3 GB of KV) copied at 48-50 GB/s
-    where the copy alone ran at 53 (H100 machine, 2026-11-25)."""
+    where the copy alone ran at 53 (H100 machine; docs/cost_model.md)."""
     _run_for(attention, CPU_WARM_S)
     copies = max(2, int(0.2 * h2d_gbps * GB / host.numel()))  # about 0.2 s of copies
     first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -416,12 +416,12 @@ class MatmulRates:
 # (N, K) of the four matmuls of two layers that a profile times at decode rows: a
 # 4096-wide (Llama-3.1-8B's: qkv, out, gate and up, down) and an 8192-wide one (a
 # 70B-class model's), so the fitted rate and call time are those of whole layers,
-# which is what the cost model charges a layer (one 8192 x 28672 matrix stood for
-# every layer before). The fused kernel's rate depends on a matrix's shape, not only
+# which is what the cost model charges a layer (one 8192 x 28672 matrix alone does not
+# stand for every layer). The fused kernel's rate depends on a matrix's shape, not only
 # its bytes: at 16 rows on the H100, OPT-30B's qkv (21504 x 7168) read 55% of HBM and
 # Llama-2-70B's gate and up (57344 x 8192) 74% (docs/throughput.md). OPT-30B's layer
-# is slower than both of these (about 1.7 TB/s in W1c's job against 2.31 fitted, call
-# c65): a rate by matrix shape is not modeled
+# is slower than both of these (about 1.7 TB/s in W1c's job against 2.31 fitted): a
+# rate by matrix shape is not modeled
 LAYER_MATRICES = {
     "cuda": (
         ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)),
