@@ -11,7 +11,7 @@ from offload.api.llm import LLM
 from offload.executor.runner import PlainRunner
 from offload.io.pinned import PinnedPool
 from offload.io.reader import ExtentReader
-from offload.io.store import WeightStore, write_stage_file
+from offload.io.store_format import WeightStore, write_stage_file
 from offload.policies.policy import Placement, Policy
 from tests.test_executor import FAMILIES
 from tests.tiny_models import assert_prefill_logits_match

@@ -38,7 +38,7 @@ from offload.io.layout import (
 )
 from offload.io.pinned import PinnedPool, PoolBlock
 from offload.io.reader import ExtentReader
-from offload.io.store import Extent, WeightStore
+from offload.io.store_format import Extent, WeightStore
 from offload.io.tiers import MemoryLedger, Tier
 from offload.kernels.formats import Compression
 from offload.kernels.quant import assemble_stage, compress_stage
