@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from offload.cli.plan import main as plan_main
-from offload.executor.probe import _turns, elementwise, overheads, probe_plan
+from offload.executor.fixed_costs import elementwise, overheads
+from offload.executor.probe import _turns, probe_plan
 from offload.kernels.formats import Compression
 from offload.kernels.kv_cache import kv_row_bytes
 from offload.policies import measure
@@ -699,7 +700,7 @@ def test_the_probes_cuts_take_turns_so_a_drift_falls_on_both(monkeypatch):
     from offload.executor import probe
 
     calls = []
-    monkeypatch.setattr(probe, "_synced_seconds", lambda device, fn: fn())
+    monkeypatch.setattr(probe, "synced_seconds", lambda device, fn: fn())
 
     def run(ex, batch) -> float:
         calls.append(ex.name)

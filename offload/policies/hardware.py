@@ -188,13 +188,13 @@ class HardwareProfile:
     # attention (norms, activations, residuals, the KV's quantization and store, the
     # gaps between kernels) per token and hidden unit, per model family
     # (`ModelConfig.family`): on CUDA the wall time beyond the matmul and attention
-    # kernels' GPU time (`executor.probe.elementwise`)
+    # kernels' GPU time (`executor.fixed_costs.elementwise`)
     prefill_attention_tflops: float = 0.0
     prefill_elementwise_s: dict[str, float] = field(default_factory=dict)
     # decode, per model family: a layer's GPU time a micro-batch beyond its matmuls and
     # attention: the other kernels' (norms, activations, residuals, the KV's write) and
     # the short gaps between kernels, measured by kernel name on a full-width layer
-    # replayed from CUDA graphs (`executor.probe._decode_kernels`). W1c: 0.7 ms of such
+    # replayed from CUDA graphs (`executor.timing.decode_kernels`). W1c: 0.7 ms of such
     # kernels and 0.8 ms of gaps in a 14.3 ms step (H100; docs/cost_model.md)
     decode_elementwise_s: dict[str, float] = field(default_factory=dict)
     # tensor parallelism: NCCL all-reduce bus bandwidth and latency between this node's
