@@ -1,6 +1,6 @@
 """`decoder.attend` at decode shapes over an fp16 cache on the GPU: the masked path
 (the bias) against `causal=True` (SDPA's flash kernel without the bias, split over the
-slots, grouped-query heads in place). CUDA-graph timing (`measure.kernel_seconds`),
+slots, grouped-query heads in place). CUDA-graph timing (`timers.kernel_seconds`),
 GB/s of K and V read, and the largest difference between the two outputs. JSON in $OUT
 (or the working directory).
 
@@ -18,7 +18,7 @@ import os
 import torch
 
 from offload.models.decoder import attend
-from offload.policies.measure import kernel_seconds
+from offload.policies.timers import kernel_seconds
 
 # [rows, heads, KV heads, slots], head_dim 128: Llama-3.1-8B's plan at two contexts,
 # the profile's two points, OPT-30B's W1c batch, a 70B-like grouped shape

@@ -36,7 +36,7 @@ from offload.kernels.kv_attention_cpu import decode_attention_cpu
 from offload.kernels.kv_cache import QuantKV
 from offload.kernels.qmatmul import Tiles, qlinear
 from offload.kernels.quant import quantize
-from offload.policies.measure import kernel_seconds
+from offload.policies.timers import kernel_seconds
 
 GB = 1e9
 # (model, matrix, N, K)
@@ -55,7 +55,7 @@ ROWS = [1, 16, 64, 256]
 def timed(fn, repeat: int = 20) -> float:
     """GPU seconds a call: `repeat` calls captured in one CUDA graph and replayed, so the
     host's launch cost (measured apart: --kernels launch) does not hide the kernel's
-    (`measure.kernel_seconds`, as the profile times its kernel rates)."""
+    (`timers.kernel_seconds`, as the profile times its kernel rates)."""
     return kernel_seconds(fn, repeat)
 
 

@@ -53,11 +53,12 @@ def measure_ceilings(disk_dir: Path | None, nbytes: int = 2**29) -> dict[str, An
     """This machine's copy rates now, GB/s: pinned host -> GPU and GPU -> host (PCIe),
     GPU -> GPU and host -> host (HBM and DRAM, bytes read + written, as the hardware
     profile counts them) and O_DIRECT disk read and write in `disk_dir`. Without CUDA,
-    host copies stand in for PCIe and HBM (as in `hardware.measure`). A figure that
+    host copies stand in for PCIe and HBM (as in `policies.measure`). A figure that
     cannot be measured is None, with the reason under "errors"."""
     import torch
 
-    from offload.policies.measure import copy_rate, disk_rates
+    from offload.policies.measure_disk import disk_rates
+    from offload.policies.timers import copy_rate
 
     out: dict[str, Any] = {"bytes": nbytes, "torch": torch.__version__, "errors": {}}
     out["cuda"] = torch.version.cuda

@@ -5,7 +5,7 @@
 A decode step over disk KV homes reads each home whole (`SpillFile.transfer`: requests
 of up to `spill.CHUNK_BYTES`, the calling thread doing the last) and writes back a few
 pages of it. This times, in one process:
-- the profile's measurement (`measure.disk_rates`: 16 MiB requests, one at a time);
+- the profile's measurement (`measure_disk.disk_rates`: 16 MiB requests, one at a time);
 - reads of one home size after another through the homes (alone);
 - the page write-backs alone (two spans of `--write-kb` each, as K and V);
 - reads and write-backs together, as the executor issues them: one thread reads home
@@ -30,7 +30,7 @@ import torch
 
 from offload.io import spill
 from offload.io.pinned import ALIGN, PinnedPool, align_up
-from offload.policies.measure import beside_busy_host, disk_rates
+from offload.policies.measure_disk import beside_busy_host, disk_rates
 
 MB = 1e6
 

@@ -45,6 +45,10 @@ VERSIONED_SOURCES = (
     "models/decoder.py",
     "models/ops.py",
     "policies/measure.py",
+    "policies/measure_cpu_attention.py",
+    "policies/measure_disk.py",
+    "policies/measure_kernels.py",
+    "policies/timers.py",
 )
 # figures that may be zero: "not measured" (the cost model then leaves the term out)
 OPTIONAL_FIGURES = (
@@ -111,7 +115,7 @@ class HardwareProfile:
     # per group ("1", "4", "8"): the CPU attention's time a (sequence, KV head) beyond
     # its bytes at the rates above (each work item's query load, softmax, output and
     # last partial block), fitted with the rate from 1024 and 256 slots
-    # (`measure._cpu_attention_rates`). Llama-3.1-8B's executor attended 88 x 8 KV heads
+    # (`measure_cpu_attention.cpu_attention_rates`). Llama-3.1-8B's executor attended 88 x 8 KV heads
     # x 528 slots at 57.6 GB/s where 64 x 8 x 1024 read 80.5 (H100): about 2.8 us
     # a pair beyond 140 GB/s. Missing or 0: not measured
     cpu_attention_pair_s: dict[str, float] = field(default_factory=dict)
@@ -147,7 +151,7 @@ class HardwareProfile:
     attention_call_s: dict[str, float] = field(default_factory=dict)
     # per format: a decode attention's time a (sequence, KV head) beyond its bytes (the
     # query's load, the tail's program, the splits' merge, the output's store), fitted
-    # with the two figures above from three calls (`measure._gpu_attention_rates`). On
+    # with the two figures above from three calls (`measure_kernels.gpu_attention_rates`). On
     # the H100 dense's is 22 ns and int4's and int8's come out 0:
     # the fit's calls do not show what W1c's shape costs (its int4 attention, 14 x 56
     # heads x 544 slots, read about 1.6 TB/s against the fitted 1.92). 0: not measured
@@ -175,7 +179,7 @@ class HardwareProfile:
     # weights on the GPU beyond offgpu_kv_graph_s's chain
     disk_kv_graph_s: float = 0.0
     # disk KV homes read whole, one after another, beside the launching host thread
-    # (`measure.kv_disk_read_rate`): OPT-30B int4, 8 x 2, read 4.4 MB homes in 2.6-2.9
+    # (`measure_disk.kv_disk_read_rate`): OPT-30B int4, 8 x 2, read 4.4 MB homes in 2.6-2.9
     # ms where the profile's 16 MiB sequential reads measured 2.7 GB/s (H100 machine;
     # docs/io.md); 0: not measured (disk_read_gbps is used)
     disk_kv_read_gbps: float = 0.0
