@@ -1,9 +1,10 @@
 """Time the CPU decode attention over an int4 cache for variants of its C source.
 
-    git show REV:offload/kernels/cpu_attention_c.py > /tmp/old_c.py
-    python scripts/cpu_attention_variants.py /tmp/old_c.py --threads 1,8,16 --out FILE
+    git show REV:offload/kernels/cpu_attention.c > /tmp/old.c
+    python scripts/cpu_attention_variants.py /tmp/old.c --threads 1,8,16 --out FILE
 
-Variants: `old` (the file given: another commit's `cpu_attention_c.py`), `new` (this
+Variants: `old` (the file given: another commit's `cpu_attention.c`, or a module that
+holds its text as `SOURCE`), `new` (this
 tree's), and this tree's with the values pass, the key scores pass or the
 full-precision tail left out (`-no-values`, `-no-scores`, `-no-tail`: what each part
 costs), and this tree's built for AVX2 (`new-avx2`, -march=haswell: 256-bit vectors,
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from offload.kernels import cpu_attention, cpu_attention_c, native
+from offload.kernels import cpu_attention, native
 from offload.kernels.formats import Compression
 from offload.kernels.kv_cache import QuantKV
 
@@ -82,6 +83,8 @@ def _seconds(caches, q, bias, end, calls: int = 20) -> float:
 
 
 def _source(path: Path) -> str:
+    if path.suffix != ".py":
+        return path.read_text()
     spec = importlib.util.spec_from_file_location("baseline", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -90,12 +93,12 @@ def _source(path: Path) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("baseline", type=Path, help="another commit's cpu_attention_c.py")
+    p.add_argument("baseline", type=Path, help="another commit's cpu_attention.c")
     p.add_argument("--threads", default=str(torch.get_num_threads()))
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--out", type=Path)
     args = p.parse_args()
-    new = cpu_attention_c.SOURCE
+    new = cpu_attention.SOURCE
     variants = {"old": (_source(args.baseline), None), "new": (new, None)}
     for name, text in PARTS.items():
         assert text in new, f"{name}: the source changed"

@@ -12,7 +12,7 @@
 - `norm.py`: LayerNorm and RMSNorm a row in one kernel, the residual add before them
   fused.
 - `cpu_attention.py`: decode attention on the CPU in C (fp16/bf16/fp32 and compressed
-  caches; the source is `cpu_attention_c.py`), built once per machine by `native.py`
+  caches; the source is `cpu_attention.c`), built once per machine by `native.py`
   (the system's C compiler, cached; the torch paths where it cannot be built).
 - `launch.py`: when kernels run (`use_kernel`) and how they launch (`Launcher`).
 

@@ -341,7 +341,10 @@ def code_version() -> str:
     digest = xxhash.xxh3_64(f"torch {torch.__version__} triton {triton_version}".encode())
     for name in VERSIONED_SOURCES:
         path = root / name
-        for source in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+        sources = [path]  # a folder's Python and C sources (the C kernels' too)
+        if path.is_dir():
+            sources = sorted(p for p in path.rglob("*") if p.suffix in (".py", ".c"))
+        for source in sources:
             digest.update(source.relative_to(root).as_posix().encode())
             digest.update(source.read_bytes())
     return digest.hexdigest()

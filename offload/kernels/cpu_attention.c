@@ -1,24 +1,23 @@
-"""The C source of the CPU decode attention (`cpu_attention.py` builds and calls it).
+/* Decode attention on the CPU: one query token a sequence over its cached keys and
+   values, each byte read once, all threads. `cpu_attention.py` calls it; `native.py`
+   compiles this file (shipped as package data) once per machine.
 
-One work item is a (sequence, KV head) pair over a range of its tokens; OpenMP spreads
-the items over torch's threads. Each item streams its tokens once, a block at a time
-(64 tokens of a full-precision cache, one token group of a compressed one), all the
-query heads of the KV head (grouped-query) against each block: scores, an online
-softmax (a running maximum and sum), then the values, so every byte of K and V is read
-from DRAM once and reused from L1 by the query heads. Compressed blocks are used as
-stored: key scores are sum_d (q[d] scale[d]) c'[d, t] + sum_d q[d] centre[d] over the
-centred codes c' (`kv_attention_cpu.py` gives the algebra), values likewise with the
-probabilities folded into their per-token scales. The values of a block and the keys
-of the next are prefetched (into L2: prefetcht2 was 1.14x as fast as prefetcht0 and
-1.6x as fast as none, one core, fp16, Llama-2-70B's shape). Long contexts are split
-into ranges of SPLIT_TOKENS (`cpu_attention.py`) merged after, so a sequence's result
-depends on its context length only, never on the batch or the thread count.
-"""
+   One work item is a (sequence, KV head) pair over a range of its tokens; OpenMP spreads
+   the items over torch's threads. Each item streams its tokens once, a block at a time
+   (64 tokens of a full-precision cache, one token group of a compressed one), all the
+   query heads of the KV head (grouped-query) against each block: scores, an online
+   softmax (a running maximum and sum), then the values, so every byte of K and V is read
+   from DRAM once and reused from L1 by the query heads. Compressed blocks are used as
+   stored: key scores are sum_d (q[d] scale[d]) c'[d, t] + sum_d q[d] centre[d] over the
+   centred codes c' (`kv_attention_cpu.py` gives the algebra), values likewise with the
+   probabilities folded into their per-token scales. The values of a block and the keys
+   of the next are prefetched (into L2: prefetcht2 was 1.14x as fast as prefetcht0 and
+   1.6x as fast as none, one core, fp16, Llama-2-70B's shape). Long contexts are split
+   into ranges of SPLIT_TOKENS (`cpu_attention.py`) merged after, so a sequence's result
+   depends on its context length only, never on the batch or the thread count.
 
-SOURCE = r"""/* Decode attention on the CPU: one query token a sequence over its cached keys and
-   values, each byte read once, all threads (offload/kernels/cpu_attention.py). Vectors
-   are one register: VL = 16 floats with AVX-512, else 8 (AVX2; wider generic vectors
-   gcc keeps in memory: 16 floats on AVX2 ran 2.7x (fp16) to 5x (int4) slower). */
+   Vectors are one register: VL = 16 floats with AVX-512, else 8 (AVX2; wider generic
+   vectors gcc keeps in memory: 16 floats on AVX2 ran 2.7x (fp16) to 5x (int4) slower). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -807,4 +806,3 @@ int vector_bits(void) {
     return 0;
 #endif
 }
-"""
