@@ -29,12 +29,13 @@ import torch
 import torch.nn.functional as F
 from benchlib import Results
 
-from offload.kernels import qmatmul, qmatmul_wgmma
+from offload.kernels import qmatmul, qmatmul_tiles, qmatmul_wgmma
 from offload.kernels.formats import Compression
 from offload.kernels.kv_attention import decode_attention, decode_attention_reference
 from offload.kernels.kv_attention_cpu import decode_attention_cpu
 from offload.kernels.kv_cache import QuantKV
-from offload.kernels.qmatmul import Tiles, qlinear
+from offload.kernels.qmatmul import qlinear
+from offload.kernels.qmatmul_tiles import Tiles
 from offload.kernels.quant import quantize
 from offload.policies.timers import kernel_seconds
 
@@ -283,8 +284,8 @@ PREFILL_TILES = [  # Tiles(BLOCK_M, BLOCK_N, K step, warps, stages); the first i
 
 # decode and mid-sized shapes (--kernels decode): the fused kernel's tiles by rows of x,
 # (block_m, block_n, K step, warps, stages, programs an SM, registers); the split
-# is the launcher's rule for that many programs an SM (`qmatmul._split`). The launcher's
-# own choice (`qmatmul.ROW_TILES`) runs first at every row count.
+# is the launcher's rule for that many programs an SM (`qmatmul_tiles.split_for`). The launcher's
+# own choice (`qmatmul_tiles.ROW_TILES`) runs first at every row count.
 DECODE_SHAPES = [
     ("opt-30b", "qkv", 3 * 7168, 7168),
     ("opt-30b", "mlp_out", 7168, 28672),
@@ -350,7 +351,7 @@ def bench_decode(dev: torch.device, hbm: float, baseline=None) -> list[dict]:
             flops, read = 2 * m * n * k, q.nbytes + x.numel() * 2 + m * n * 2
             dense = timed(functools.partial(F.linear, x, w), repeat=10)
             reference = qlinear(x, q)
-            chosen = qmatmul._tiles(m, n, k, 64, dev)
+            chosen = qmatmul_tiles.tiles_for(m, n, k, 64, dev)
             # the launcher's choice: `qmatmul_wgmma` where it takes the shape (Hopper, 1-32
             # rows), then the Triton kernel at the tiles it would have had
             variants = [("launcher", chosen, qlinear)]
@@ -358,7 +359,7 @@ def bench_decode(dev: torch.device, hbm: float, baseline=None) -> list[dict]:
                 variants = [("launcher: wgmma", None, qlinear), ("Triton kernel", chosen, qlinear)]
             for block_m, block_n, max_k, warps, stages, per_sm, registers in sweep:
                 tiles = Tiles(block_m, block_n, max_k, warps, stages)
-                split = qmatmul._split(m, n, k, tiles, dev, per_sm)
+                split = qmatmul_tiles.split_for(m, n, k, tiles, dev, per_sm)
                 tiles = tiles._replace(split=split, registers=registers)
                 label = f"{block_m}x{block_n}x{max_k} w{warps} s{stages} p{per_sm}"
                 label += f" r{registers}" if registers else ""
@@ -407,7 +408,7 @@ def bench_sweep(dev: torch.device, shapes, tiles_list, hbm: float) -> list[dict]
         dense = timed(functools.partial(F.linear, x, w), repeat=10)
         reference = qlinear(x, q, None, tiles_list[0])
         for tiles in tiles_list:
-            chosen = tiles or qmatmul._tiles(m, n, k, 64, dev)
+            chosen = tiles or qmatmul_tiles.tiles_for(m, n, k, 64, dev)
             row = {"shape": f"{model} {name} m{m}", "tiles": list(chosen), "default": tiles is None}
             try:
                 diff = (qlinear(x, q, None, tiles) - reference).abs().max().item()

@@ -411,7 +411,7 @@ def main() -> None:
     from bench_kernels import hbm_rate, int4_probe_cases, print_beside, time_beside
     from benchlib import Results
 
-    from offload.kernels import qmatmul, qmatmul_wgmma
+    from offload.kernels import qmatmul, qmatmul_tiles, qmatmul_wgmma
 
     dev = torch.device("cuda")
     baseline = None
@@ -431,7 +431,7 @@ def main() -> None:
     columns: dict[str, None] = {}
     for record, x, q, reference, read in int4_probe_cases(dev, map(int, args.rows.split(","))):
         (m, k), n = x.shape, q.shape[0]
-        tiles = qmatmul._tiles(m, n, k, GROUP, dev)
+        tiles = qmatmul_tiles.tiles_for(m, n, k, GROUP, dev)
         order = permute_codes(q.codes.view(n, -1))
         split_k = functools.partial(gluon_qlinear, x, q, tiles.split, args.stages, False, order)
         out = torch.empty((m, n), dtype=x.dtype, device=dev)

@@ -9,7 +9,7 @@ and with --x-tma x's tile too, comes from a host-built `TensorDescriptor`, which
 Triton 3.6 pipelines as TMA copies completing on an mbarrier, where the committed
 kernel issues cp.async from every thread. The scales and minimums stay pointer loads
 (a K step's 4 groups are 8 bytes a row, under TMA's 16-byte box). Tiles, split and
-register cap are the launcher's (`qmatmul._tiles`, `_fitted`).
+register cap are the launcher's (`qmatmul_tiles.tiles_for`, `fit_tiles`).
 
 Each kernel is timed from a CUDA graph (`bench_kernels.timed`), twice, interleaved
 with the others; the best of the two is the share of the HBM copy rate measured in the
@@ -31,7 +31,7 @@ from bench_kernels import hbm_rate, int4_probe_cases, print_beside, time_beside
 from benchlib import Results
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from offload.kernels import qmatmul
+from offload.kernels import qmatmul, qmatmul_tiles
 from offload.kernels.dequant import dequant_nibbles
 from offload.kernels.launch import arrival_counters, shared_memory_limit, split_of
 from offload.kernels.quant import QTensor
@@ -109,9 +109,9 @@ def tma_qlinear(x: torch.Tensor, w: QTensor, x_tma: bool) -> torch.Tensor:
     n, k = w.shape
     m = x.shape[0]
     cfg = w.config
-    t = qmatmul._tiles(m, n, k, cfg.group_size, x.device)
-    block_k = qmatmul._block_k(k, cfg.group_size, t.max_k)
-    t = qmatmul._fitted(t, block_k, x.element_size(), cfg, shared_memory_limit(x.device))
+    t = qmatmul_tiles.tiles_for(m, n, k, cfg.group_size, x.device)
+    block_k = qmatmul_tiles.block_k_of(k, cfg.group_size, t.max_k)
+    t = qmatmul_tiles.fit_tiles(t, block_k, x.element_size(), cfg, shared_memory_limit(x.device))
     steps = k // block_k
     split = split_of(t.split, steps)
     grid = (-(-m // t.block_m), -(-n // t.block_n), split)

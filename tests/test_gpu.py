@@ -181,12 +181,13 @@ def test_split_k_qlinear_replays_in_a_cuda_graph(kernel):
     `qmatmul_wgmma`'s (its x preparation captured too)."""
     from offload.kernels import qmatmul_wgmma
     from offload.kernels.formats import Compression
-    from offload.kernels.qmatmul import _tiles, qlinear
+    from offload.kernels.qmatmul import qlinear
+    from offload.kernels.qmatmul_tiles import tiles_for
     from offload.kernels.quant import quantize
 
     w = quantize(torch.randn(1024, 4096, device="cuda"), Compression(4, 64, False))
     x = torch.randn(12, 4096, device="cuda", dtype=torch.float16)
-    tiles = _tiles(12, 1024, 4096, 64, x.device)
+    tiles = tiles_for(12, 1024, 4096, 64, x.device)
     if kernel == "wgmma":
         if not qmatmul_wgmma.eligible(x, w, None):
             pytest.skip("qmatmul_wgmma: Hopper GPUs only")
@@ -460,7 +461,8 @@ def test_a_job_after_the_warm_up_compiles_no_kernel(tiny_checkpoints, tmp_path):
     from offload.core.sampling import SamplingParams
     from offload.kernels.formats import Compression
     from offload.kernels.launch import CompileCount
-    from offload.kernels.qmatmul import Tiles, qlinear
+    from offload.kernels.qmatmul import qlinear
+    from offload.kernels.qmatmul_tiles import Tiles
     from offload.kernels.quant import quantize
     from tests.test_executor import INT4, KV4, _with
 

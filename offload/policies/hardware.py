@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 GB = 1e9
 # the rows of x at which the decode matmul rates are measured (`matmul_gbps`,
 # `matmul_gbps_mid`, `matmul_gbps_wide`): the row tiles of the dequantizing kernel
-# (`qmatmul.ROW_TILES`; on Hopper, int4 up to 64 rows: `qmatmul_wgmma`'s wgmma N of 16,
+# (`qmatmul_tiles.ROW_TILES`; on Hopper, int4 up to 64 rows: `qmatmul_wgmma`'s wgmma N of 16,
 # 32 and 64), each of which runs every row count up to it at its own rate
 DECODE_ROWS, MID_DECODE_ROWS, WIDE_DECODE_ROWS = 16, 32, 64
 # what the profile's figures depend on (relative to the package): the code they time,
