@@ -60,69 +60,6 @@ def timed(fn, repeat: int = 20) -> float:
     return kernel_seconds(fn, repeat)
 
 
-# the int4 decode matmul's probes (`int4_tma_probe.py`, `int4_gluon_probe.py`): (model,
-# matrix, N, K)
-INT4_PROBE_SHAPES = [
-    ("opt-30b", "qkv", 3 * 7168, 7168),
-    ("opt-30b", "mlp_in", 28672, 7168),
-    ("opt-30b", "mlp_out", 7168, 28672),
-    ("opt-30b", "out_proj", 7168, 7168),
-    ("llama-2-70b", "mlp_in", 2 * 28672, 8192),
-]
-
-
-def int4_probe_cases(dev: torch.device, rows):
-    """For each `INT4_PROBE_SHAPES` matrix (int4-g64 asymmetric, random) and row count of
-    x (fp16): the case's record, x, W, `qlinear_reference`'s output in float32 and the
-    bytes a call reads (W, x and the output). rows may be an iterator: it is read once."""
-    rows = list(rows)
-    for model, matrix, n, k in INT4_PROBE_SHAPES:
-        q = quantize(torch.randn(n, k, device=dev, dtype=torch.float16), Compression(4, 64, False))
-        for m in rows:
-            x = torch.randn(m, k, device=dev, dtype=torch.float16)
-            record = {"shape": f"{model} {matrix}", "n": n, "k": k, "rows": m}
-            reference = qmatmul.qlinear_reference(x, q, None).float()
-            yield record, x, q, reference, q.nbytes + x.numel() * 2 + m * n * 2
-
-
-def time_beside(calls: dict, reference: torch.Tensor, read: int, hbm: float, outputs=None) -> dict:
-    """Each of `calls` (name: a function) timed twice, interleaved with the others, so the
-    spread between repeats shows: its times (us), the best one's share of the HBM copy
-    rate for `read` bytes, and the largest difference of its output (`outputs[name]()`
-    where given, else the call's) from reference. A call that raises is recorded, and the
-    rest go on (the probes' kernels are experiments)."""
-    record: dict = {name: {"us": []} for name in calls}
-    for _ in range(2):
-        for name, call in calls.items():
-            try:
-                result = (outputs or {}).get(name, call)()
-                record[name]["max_diff"] = (result.float() - reference).abs().max().item()
-                record[name]["us"].append(timed(call) * 1e6)
-            except Exception as exc:
-                record[name]["error"] = str(exc)[:300]
-    for name in calls:
-        if record[name]["us"]:
-            record[name]["hbm_share"] = read / (min(record[name]["us"]) / 1e6) / GB / hbm
-    return record
-
-
-def print_beside(rows: list[dict], names, hbm: float) -> None:
-    """`time_beside`'s records as one table: us a call (share of HBM) and largest difference."""
-    print(f"HBM copy {hbm:.0f} GB/s; us a call (share of the HBM copy rate), largest difference")
-    print(f"{'matrix':22s} {'rows':>4s}" + "".join(f"{name:>24s}" for name in names))
-    for r in rows:
-        cells = []
-        for name in names:
-            v = r.get(name, {"us": [], "error": "not run"})  # (columns only some rows have)
-            if v["us"]:
-                cells.append(
-                    f"{min(v['us']):8.1f} ({v['hbm_share'] * 100:2.0f}%) {v['max_diff']:7.3g}"
-                )
-            else:
-                cells.append(f"error: {v.get('error', '?')[:16]}")
-        print(f"{r['shape']:22s} {r['rows']:4d}" + "".join(f"{c:>24s}" for c in cells))
-
-
 def _rates(read: int, seconds: float, hbm: float, dense: float) -> dict[str, float]:
     """A kernel's record: its time, bytes read per second and as a share of the HBM
     copy rate, and its speed-up over the uncompressed torch baseline's time."""

@@ -130,10 +130,11 @@ def machine_info() -> dict[str, Any]:
 
 
 def source_digest() -> str:
-    """sha256 over offload/ and scripts/ (*.py, by path): the code's version where the
-    tree was copied without its .git."""
+    """sha256 over offload/ (*.py and the C kernels' *.c) and scripts/ (*.py), by path:
+    the code's version where the tree was copied without its .git."""
     digest = hashlib.sha256()
-    for path in sorted([*(ROOT / "offload").rglob("*.py"), *SCRIPTS.glob("*.py")]):
+    package = [p for p in (ROOT / "offload").rglob("*") if p.suffix in (".py", ".c")]
+    for path in sorted([*package, *SCRIPTS.glob("*.py")]):
         digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
@@ -313,7 +314,7 @@ def ceilings_part(
 # -- our engine: plan, then run one block ---------------------------------------------
 def add_probe_args(p: argparse.ArgumentParser) -> None:
     """The flags of the scripts that probe a policy's steps on a model with dummy
-    weights (scripts/decode_step.py, scripts/decode_ahead_ab.py)."""
+    weights (scripts/lab/decode_step.py)."""
     p.add_argument("--model", default="opt-30b", help="a preset (dummy weights)")
     p.add_argument("--policy", type=Path, required=True, help="policy JSON (offload-plan's)")
     p.add_argument("--compress", default="none")

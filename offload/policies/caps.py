@@ -35,7 +35,7 @@ GPU_SLACK = 0.02
 # Nor does it count what the process's heap grows by as a run goes on: glibc keeps the
 # freed memory of a step's host temporaries (CPU attention's fp32 query, output and
 # split partials, logits) and libraries load on first use. Measured outside the pools
-# with scripts/rss_watch.py on the H100 machine, OPT-30B at prompt 512: +0.14 GB over
+# with scripts/lab/rss_watch.py on the H100 machine, OPT-30B at prompt 512: +0.14 GB over
 # the profile's baseline with GPU attention (6 x 16), +0.64 GB with CPU attention
 # (96 x 1, which breaks its CPU cap by 0.56 GB without this; docs/cost_model.md).
 HOST_SLACK_BYTES = 1 << 30

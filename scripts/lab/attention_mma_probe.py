@@ -2,8 +2,8 @@
 and each of 1-16 groups a program) against the Triton kernel, over `bench_kernels`'s
 attention shapes (int4-g64 asymmetric, float16), on one GPU.
 
-    PYTHONPATH=.:scripts python scripts/attention_mma_probe.py   # about a minute, H100
-    PYTHONPATH=.:scripts ncu --clock-control none ... python scripts/attention_mma_probe.py --profile
+    PYTHONPATH=. python scripts/lab/attention_mma_probe.py   # about a minute, H100
+    PYTHONPATH=. ncu --clock-control none ... python scripts/lab/attention_mma_probe.py --profile
 
 Prints a row a variant (us, share of the HBM copy rate measured first, largest
 difference from `decode_attention_reference`) and writes the JSON under $OUT (else
@@ -28,7 +28,8 @@ from offload.kernels.kv_attention import decode_attention
 
 
 def main() -> None:
-    from bench_kernels import hbm_rate, int4_attention_cases, timed  # this script's folder
+    import _path  # noqa: F401  (scripts/ on the path)
+    from bench_kernels import hbm_rate, int4_attention_cases, timed
 
     dev = torch.device("cuda")
     profile = "--profile" in sys.argv[1:]

@@ -1,6 +1,6 @@
 """Where a decode step's time goes: host issue, GPU busy by kernel, the step's wall time.
 
-    python scripts/decode_step.py --policy policy.json [--model opt-30b] [--rows 12]
+    python scripts/lab/decode_step.py --policy policy.json [--model opt-30b] [--rows 12]
         [--compress int4-g64 --kv-compress int4-g64]
 
 Loads the model (dummy weights) through the engine with the policy (its warm-up
@@ -18,6 +18,7 @@ import argparse
 import json
 import time
 
+import _path  # noqa: F401  (scripts/ on the path)
 import torch
 from benchlib import add_probe_args, probe_llm
 from torch.profiler import ProfilerActivity, profile

@@ -4,7 +4,7 @@ slots, grouped-query heads in place). CUDA-graph timing (`timers.kernel_seconds`
 GB/s of K and V read, and the largest difference between the two outputs. JSON in $OUT
 (or the working directory).
 
-    python scripts/attn_decode_flash.py
+    python scripts/lab/attn_decode_flash.py
 
 Run of `benchmarks/results/attn_decode_flash_20261125-0822.json` (H100).
 """

@@ -1,6 +1,6 @@
 """The spill disk under the executor's access pattern: a diagnostic, not a benchmark.
 
-    python scripts/disk_pattern.py --dir /mnt/nvme --home-mb 4.4 --homes 96 --out DIR
+    python scripts/lab/disk_pattern.py --dir /mnt/nvme --home-mb 4.4 --homes 96 --out DIR
 
 A decode step over disk KV homes reads each home whole (`SpillFile.transfer`: requests
 of up to `spill.CHUNK_BYTES`, the calling thread doing the last) and writes back a few

@@ -1,6 +1,6 @@
 """Where a command's host memory goes: its resident bytes over time, by mapping, at the peak.
 
-    python scripts/rss_watch.py [--every 0.05] [--out DIR] [--name NAME] -- offload-run ...
+    python scripts/lab/rss_watch.py [--every 0.05] [--out DIR] [--name NAME] -- offload-run ...
 
 Runs the command and samples the child's (and its children's) VmRSS from /proc. Each time
 the resident total passes the last breakdown's by 256 MB (and every 10 s), it reads

@@ -1,6 +1,6 @@
 """Peak RSS while streaming a sharded safetensors checkpoint layer by layer.
 
-    python scripts/measure_loading.py [--layers 16] [--hidden 1024]
+    python scripts/lab/measure_loading.py [--layers 16] [--hidden 1024]
 
 Builds a Llama-shaped checkpoint with transformers (sharded at 50 MB), then, in a fresh
 process, loads every stage through our CheckpointSource one at a time and reports the

@@ -1,6 +1,6 @@
 """Where the host's decode time goes: Python's profiler over a plan's decode steps.
 
-    python scripts/host_profile.py --model llama-3.1-8b \
+    python scripts/lab/host_profile.py --model llama-3.1-8b \
         --policies w4gpu-kv4-cpu-disk-gpuattn-8x2,w4gpu-kv4-cpu-gpuattn-8x2 --nvme DIR
 
 Each hand policy (`validate_cost_model.py`'s) generates one block through the engine's
@@ -22,6 +22,7 @@ import pstats
 import time
 from pathlib import Path
 
+import _path  # noqa: F401  (scripts/ on the path)
 import torch
 from validate_cost_model import hand_policies, measure_policy
 

@@ -1,8 +1,8 @@
 """Executor settings of the host side, one against another in one process (a diagnostic).
 
-    python scripts/executor_ab.py --model llama-3.1-8b \
+    python scripts/lab/executor_ab.py --model llama-3.1-8b \
         --policies w4gpu-kv4-cpu-disk-gpuattn-8x2,w4gpu-kv-cpu-disk-gpuattn-8x2 --reps 2
-    python scripts/executor_ab.py --model llama-3.1-8b --depths 4 \
+    python scripts/lab/executor_ab.py --model llama-3.1-8b --depths 4 \
         --switch-intervals 0.005,0.0002 --policies w4gpu-kv4-cpu-disk-gpuattn-8x2
 
 The settings: the disk-KV staging depth (`Executor(disk_buffers=...)`) and the
@@ -21,6 +21,7 @@ import argparse
 import itertools
 from pathlib import Path
 
+import _path  # noqa: F401  (scripts/ on the path)
 import torch
 from benchlib import Results
 from validate_cost_model import hand_policies, measure_policy

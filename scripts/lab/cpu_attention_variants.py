@@ -1,7 +1,7 @@
 """Time the CPU decode attention over an int4 cache for variants of its C source.
 
     git show REV:offload/kernels/cpu_attention.c > /tmp/old.c
-    python scripts/cpu_attention_variants.py /tmp/old.c --threads 1,8,16 --out FILE
+    python scripts/lab/cpu_attention_variants.py /tmp/old.c --threads 1,8,16 --out FILE
 
 Variants: `old` (the file given: another commit's `cpu_attention.c`, or a module that
 holds its text as `SOURCE`), `new` (this

@@ -3,7 +3,7 @@ sample, the next step's inputs (`Executor.step_inputs`), and the executor's forw
 with its sync. Medians over 31 steps from context 512, printed for two repetitions
 (the second is the steady one).
 
-    python scripts/decode_loop_parts.py llama-3.1-8b policy.json
+    python scripts/lab/decode_loop_parts.py llama-3.1-8b policy.json
 
 The A/B of `benchmarks/results/decode_loop_parts_ab_20261125-0852.json` ran this on two
 trees in turn (PYTHONPATH to each tree's `offload`).
