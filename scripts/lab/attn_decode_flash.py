@@ -5,8 +5,6 @@ GB/s of K and V read, and the largest difference between the two outputs. JSON i
 (or the working directory).
 
     python scripts/lab/attn_decode_flash.py
-
-Run of `benchmarks/results/attn_decode_flash_20261125-0822.json` (H100).
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ with its sync. Medians over 31 steps from context 512, printed for two repetitio
 
     python scripts/lab/decode_loop_parts.py llama-3.1-8b policy.json
 
-The A/B of `benchmarks/results/decode_loop_parts_ab_20261125-0852.json` ran this on two
-trees in turn (PYTHONPATH to each tree's `offload`).
+For an A/B of two trees, run it on each in turn (PYTHONPATH to each tree's `offload`).
 """
 
 from __future__ import annotations
