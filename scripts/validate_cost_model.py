@@ -132,7 +132,7 @@ def measure_policy(
     if switch_interval is not None:  # (the executor puts the process's back at close)
         sys.setswitchinterval(switch_interval)
     # each phase's time as it ends: a run cut off by the call's limit still tells where
-    # its time went (the 70B-class runs of earlier calls returned nothing)
+    # its time went (a 70B-class load and block can outlast one call)
     print(f"  weights placed in {time.perf_counter() - began:.1f} s", flush=True)
     load_peak = 0
     if device.type == "cuda":

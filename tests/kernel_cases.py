@@ -21,7 +21,8 @@ from offload.kernels.kv_attention import decode_attention
 from offload.kernels.kv_cache import QuantKV
 from offload.kernels.kv_quantize import quantize_groups_reference
 from offload.kernels.norm import norm, norm_reference
-from offload.kernels.qmatmul import DENSE_ROWS, Tiles, _dense_slices, qlinear
+from offload.kernels.qmatmul import _dense_slices, qlinear
+from offload.kernels.qmatmul_tiles import DENSE_ROWS, Tiles
 from offload.kernels.quant import dequantize, quantize
 
 # (rows, out features, in features, group): odd rows and out features not a multiple

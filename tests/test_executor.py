@@ -20,7 +20,7 @@ from offload.core.sampling import SamplingParams
 from offload.executor.runner import PlainRunner
 from offload.io.layout import store_bytes
 from offload.io.reader import CorruptExtent
-from offload.io.store import store_dir
+from offload.io.store_format import store_dir
 from offload.kernels.formats import Compression
 from offload.models.resolve import resolve_model
 from offload.policies.caps import Caps

@@ -23,7 +23,8 @@ from offload.io import store as store_mod
 from offload.io.layout import stage_cuts, stage_image_bytes, stage_keys, store_bytes
 from offload.io.pinned import PinnedPool, PoolExhausted
 from offload.io.reader import CorruptExtent, ExtentReader
-from offload.io.store import WeightStore, ensure_store, store_dir, write_stage_file
+from offload.io.store import ensure_store
+from offload.io.store_format import WeightStore, store_dir, write_stage_file
 from offload.io.store_source import StoreSource
 from offload.models.weights import DummySource
 from offload.policies.memory import weight_plan

@@ -14,24 +14,25 @@ import pytest
 import torch
 
 from offload.cli.plan import main as plan_main
-from offload.executor.probe import _turns, elementwise, overheads, probe_plan
+from offload.executor.fixed_costs import elementwise, overheads
+from offload.executor.probe import _turns, probe_plan
 from offload.kernels.formats import Compression
 from offload.kernels.kv_cache import kv_row_bytes
-from offload.policies import measure
+from offload.policies import measure_cpu_attention
 from offload.policies.caps import Caps
 from offload.policies.cost import _layer_bytes, estimate
 from offload.policies.hardware import HardwareProfile, code_version, load_profile, save_profile
-from offload.policies.measure import (
+from offload.policies.measure_cpu_attention import (
     CPU_ATTENTION_GROUPS,
-    _cpu_attention_call,
-    _cpu_attention_rates,
-    fit_attention,
-    fit_call,
+    cpu_attention_call,
+    cpu_attention_rates,
     fit_cpu_attention,
-    kv_disk_read_rate,
 )
+from offload.policies.measure_disk import kv_disk_read_rate
+from offload.policies.measure_kernels import fit_attention
 from offload.policies.policy import Placement, Policy
 from offload.policies.search import ranked, search
+from offload.policies.timers import fit_call
 from tests.test_policies import GB, PROFILE, cfg_of
 
 INT4 = Compression(4, 64, False)
@@ -255,14 +256,14 @@ def test_the_profile_times_the_cpu_attention_at_each_group(monkeypatch):
     caches) at one query head a KV head and at each of CPU_ATTENTION_GROUPS, over the
     same (sequence, KV head) pairs at two context lengths, and fits a rate and a time a
     pair for each; the calls compute grouped attention."""
-    calls = {g: _cpu_attention_call(torch.float32, False, g) for g in (1, *CPU_ATTENTION_GROUPS)}
+    calls = {g: cpu_attention_call(torch.float32, False, g) for g in (1, *CPU_ATTENTION_GROUPS)}
     assert len({nbytes for _, nbytes in calls.values()}) == 1
     out = calls[4][0]()  # [rows, 1, heads x dim]
     assert out.shape == (64, 1, 32 * 128)
-    short = _cpu_attention_call(torch.float32, False, 4, slots=256)
+    short = cpu_attention_call(torch.float32, False, 4, slots=256)
     assert short[1] * 4 == calls[4][1]
-    monkeypatch.setattr(measure, "CPU_ATTENTION_PAIRS", 64)  # (a quicker profile)
-    rates = _cpu_attention_rates(torch.float32)
+    monkeypatch.setattr(measure_cpu_attention, "CPU_ATTENTION_PAIRS", 64)  # (a quicker profile)
+    rates = cpu_attention_rates(torch.float32)
     groups = {str(g) for g in (1, *CPU_ATTENTION_GROUPS)}
     for figures in (rates.gbps, rates.quant_gbps):
         assert set(figures) == groups and all(rate > 0 for rate in figures.values())
@@ -397,12 +398,12 @@ def test_the_cpu_attention_calls_take_copies_of_their_cache_in_turn(monkeypatch,
     def quant(q, cache, bias, slots):
         seen.append(cache.k_codes.data_ptr())
 
-    monkeypatch.setattr(measure, "attend", dense)
-    monkeypatch.setattr(measure, "decode_attention_cpu", quant)
-    monkeypatch.setattr(measure, "CPU_ATTENTION_PAIRS", 64)
-    one = _cpu_attention_call(torch.float32, compressed, 4, slots=256)
+    monkeypatch.setattr(measure_cpu_attention, "attend", dense)
+    monkeypatch.setattr(measure_cpu_attention, "decode_attention_cpu", quant)
+    monkeypatch.setattr(measure_cpu_attention, "CPU_ATTENTION_PAIRS", 64)
+    one = cpu_attention_call(torch.float32, compressed, 4, slots=256)
     home = torch.zeros(64 * 2**20, dtype=torch.uint8)
-    call, nbytes = _cpu_attention_call(torch.float32, compressed, 4, home, slots=256)
+    call, nbytes = cpu_attention_call(torch.float32, compressed, 4, home, slots=256)
     assert nbytes == one[1] == 2 * 64 * 256 * 128 * 4
     seen.clear()
     for _ in range(24):
@@ -699,7 +700,7 @@ def test_the_probes_cuts_take_turns_so_a_drift_falls_on_both(monkeypatch):
     from offload.executor import probe
 
     calls = []
-    monkeypatch.setattr(probe, "_synced_seconds", lambda device, fn: fn())
+    monkeypatch.setattr(probe, "synced_seconds", lambda device, fn: fn())
 
     def run(ex, batch) -> float:
         calls.append(ex.name)

@@ -1,9 +1,10 @@
 """`EngineArgs`: every engine option, defined once with its default and help.
 
 `LLM(...)` and every CLI (offload-run, offload-plan, offload-convert) build from this
-dataclass (`offload.cli.flags` turns its fields into argparse flags), so a flag means
-the same everywhere, dtype default included. Like vLLM's `EngineArgs`; memory caps use
-our flag names here and accelerate's (`max_memory`, `offload_folder`) in `LLM`.
+dataclass (`offload.cli.common.add_engine_flags` turns its fields into argparse flags),
+so a flag means the same everywhere, dtype default included. Like vLLM's `EngineArgs`;
+memory caps use our flag names here and accelerate's (`max_memory`, `offload_folder`) in
+`LLM`.
 """
 
 from __future__ import annotations

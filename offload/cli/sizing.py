@@ -72,7 +72,7 @@ def measure(
     Token ids are not kept: run_job encodes each request again as it goes, so memory
     stays flat however long the job. Requests an earlier run finished are measured too:
     the job is judged the same on every run, before the result log is opened. A bad
-    command-line prompt stops the run (as before); in a file, a prompt past the context
+    command-line prompt stops the run; in a file, a prompt past the context
     stops it unless skip_invalid, and other bad requests are left to run_job, which
     records them as error results."""
     shape = JobShape(front.config.max_position_embeddings)

@@ -194,14 +194,14 @@ class Lanes:
         # engine drains one stream's queue before it turns to another's, so the order
         # of copies on one stream is the only order there is (a layer's KV loads go
         # before the next layer's weights: `KVManager.load_layer`). On a stream of
-        # their own they waited for a whole queued weight copy (BLOOM-176B, H100 run
-        # 193922, H200 runs 195008 and 200257)
+        # their own they waited for a whole queued weight copy (BLOOM-176B, H100 and
+        # H200; docs/executor.md)
         self.h2d_kv = self.h2d
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
         self._copy_lanes = {"h2d": self.h2d, "h2d_kv": self.h2d_kv, "d2h": self.d2h}
         # the device by number: `torch.cuda.current_stream` resolves a torch.device
         # through several Python calls (about 800 a decode step of Llama-3.1-8B with
-        # two micro-batches of off-GPU KV, H100 profile 20261125)
+        # two micro-batches of off-GPU KV, H100 profile; docs/executor.md)
         self._index = None
         if self.cuda:
             self._index = device.index if device.index is not None else torch.cuda.current_device()

@@ -38,7 +38,7 @@ from offload.io.layout import (
 )
 from offload.io.pinned import PinnedPool, PoolBlock
 from offload.io.reader import ExtentReader
-from offload.io.store import Extent, WeightStore
+from offload.io.store_format import Extent, WeightStore
 from offload.io.tiers import MemoryLedger, Tier
 from offload.kernels.formats import Compression
 from offload.kernels.quant import assemble_stage, compress_stage
@@ -64,7 +64,7 @@ class StageImage:
     disk_extents: tuple[Extent, ...] = ()  # cover [cpu_end, size), offsets in the store file
     tail_start: int = 0  # where the store file begins in the image
     # a GPU-resident stage's views, built once (50 tensors' views cost 0.15 ms of host
-    # time a stage, 7 ms a decode step of OPT-30B: measured with scripts/profile_step.py)
+    # time a stage, 7 ms a decode step of OPT-30B; scripts/profile_step.py shows it)
     resident_views: Weights | None = None
     # the embedding's stage when not every weight is on the GPU (`io.layout.gathered`):
     # whole in pinned memory, its table read there a few rows a step

@@ -41,8 +41,8 @@ if triton is not None:
         it (exact for c < 1024), and one fused multiply-add in float16 gives the correctly
         rounded c x scale + minimum: no integer-to-float conversions, the slow part of
         the float32 way, and the reference's values (float32, then rounded to float16)
-        up to double-rounding ties. A float16 multiply and a separate add instead, tried
-        earlier, measured up to 17x torch's error on groups with large minimums. Other
+        up to double-rounding ties. A float16 multiply and a separate add instead make up
+        to 17x torch's error on groups with large minimums. Other
         dtypes, and the interpreter (its fma rounds the product first): float32
         arithmetic, then the cast.
 

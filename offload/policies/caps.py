@@ -35,14 +35,14 @@ GPU_SLACK = 0.02
 # Nor does it count what the process's heap grows by as a run goes on: glibc keeps the
 # freed memory of a step's host temporaries (CPU attention's fp32 query, output and
 # split partials, logits) and libraries load on first use. Measured outside the pools
-# with scripts/rss_watch.py on the H100 machine, OPT-30B at prompt 512: +0.14 GB over
-# the profile's baseline with GPU attention (6 x 16, run 031129), +0.64 GB with CPU
-# attention (96 x 1, run 021705, which broke its CPU cap by 0.56 GB without this).
+# with scripts/lab/rss_watch.py on the H100 machine, OPT-30B at prompt 512: +0.14 GB over
+# the profile's baseline with GPU attention (6 x 16), +0.64 GB with CPU attention
+# (96 x 1, which breaks its CPU cap by 0.56 GB without this; docs/cost_model.md).
 HOST_SLACK_BYTES = 1 << 30
 # Nor the libraries' workspaces (cuBLAS, cuBLASLt), which the caching allocator hands out
 # on first use: a run's allocations held 25-26 MB beyond the plan's parts, the same at
-# 12, 14 and 16 sequences (OPT-30B int4 W + KV cut to 3 layers, memory_truth 075644 and
-# 101131, H100). Counted where there is a GPU (a CUDA context).
+# 12, 14 and 16 sequences (OPT-30B int4 W + KV cut to 3 layers, scripts/memory_truth.py,
+# H100; docs/cost_model.md). Counted where there is a GPU (a CUDA context).
 GPU_WORKSPACE_BYTES = 32 << 20
 
 
@@ -111,11 +111,11 @@ def hold_gpu_allocator(caps: Caps, base: Baseline, device: torch.device) -> Allo
     (with the context, what nvidia-smi shows) is held under the cap, not only what it
     hands out, which is what the plan counts. Left to itself, W1c (24 GB cap, 23.48 GB
     allocated with the context) reserved 27.25 GB; held, 23.85 GB, at 396-397 tok/s
-    against 410-419 (H100, gpu_allocator_hold_ab_h100_20261128-0147.json). At the limit
+    against 410-419 (H100; docs/throughput.md). At the limit
     the allocator frees its cached blocks and retries (a synchronization); with
     expandable segments it maps pages into a segment rather than keeping whole blocks no
     other size fits: held without them, W1c and a BLOOM plan cut to 3 layers ran out of
-    memory (memory_truth 013859). W1u held reserved 24.32 GB with the context measured
+    memory (scripts/memory_truth.py). W1u held reserved 24.32 GB with the context measured
     at its end, which grew after the plan's. The process's other allocator settings
     (`PYTORCH_ALLOC_CONF`, `PYTORCH_CUDA_ALLOC_CONF`) are kept, and expandable segments
     that they name (or CUDA's own asynchronous allocator, which has none) are left as

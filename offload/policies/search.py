@@ -26,11 +26,11 @@ from offload.policies.memory import plan_memory
 from offload.policies.policy import Placement, Policy
 
 # rows a micro-batch and micro-batches a block: fine enough that memory, not the grid,
-# sets the block (the 7.2 GB that the tied table freed on BLOOM-176B hold 40 sequences,
-# between the old grid's 32 and 48, which does not fit: run 222029; OPT-30B fp16 at
-# 24 GB, whose 96 x 1 no longer fits once the host heap is counted, predicts 88 x 1 at
-# 90.5 tok/s where the old grid's best was 48 x 2 at 69.8, on run 021705's profile;
-# W1c, OPT-30B int4 W + KV all on the GPU at 24 GB: 14 sequences fit where 16 do not)
+# sets the block (the 7.2 GB that the tied table frees on BLOOM-176B hold 40 sequences,
+# between 32 and 48, which does not fit; OPT-30B fp16 at 24 GB, where 96 x 1 does not
+# fit once the host heap is counted, predicts 88 x 1 at 90.5 tok/s where a grid of
+# powers of two's best is 48 x 2 at 69.8; W1c, OPT-30B int4 W + KV all on the GPU at
+# 24 GB: 14 sequences fit where 16 do not; docs/cost_model.md)
 BATCH_SIZES = (1, 2, 4, 5, 6, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32, 40, 48, 56, 64, 72)
 BATCH_SIZES += (80, 88, 96)
 BATCH_SIZES += (112, 128, 160, 192, 224, 256)
