@@ -144,6 +144,14 @@ class EngineArgs:
     batch_size: int = field(
         default=16, metadata=_meta("sequences per batch (a policy sets its own)", type=int)
     )
+    byte_tokenizer: bool = field(
+        default=False,
+        metadata=_meta(
+            "a checkpoint without tokenizer files takes UTF-8 bytes as token ids (0-255); "
+            "without it such a checkpoint is refused (its outputs would be garbage unless "
+            "the model was trained on bytes)"
+        ),
+    )
     chat_template: str | None = field(
         default=None,
         metadata=_meta("a Jinja chat template, or a file holding one, instead of the model's"),

@@ -15,6 +15,7 @@ import argparse
 import logging
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -79,6 +80,7 @@ def main(args: argparse.Namespace, argv: list[str], entry: Callable[[list[str]],
 
 
 def run_rank(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher stops ranks with it
     device = resolve_device(args.device)
     topo = Topology.from_env(args.tp, args.dp, device)
     if topo.rank != 0:

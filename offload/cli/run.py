@@ -9,6 +9,8 @@ report. Every check that can fail runs before the load (`cli.sizing`).
 Exit codes: 0 every request succeeded; 1 every request failed; 2 a usage or input
 error (bad flag, unreadable or all-invalid file, duplicate ids), nothing generated;
 3 finished, some requests failed (their result lines carry the error); 130 interrupted.
+SIGTERM is taken as Ctrl-C: the run stops after the block in flight, keeps its results
+and says how to resume (a second signal abandons the block).
 """
 
 from __future__ import annotations
@@ -91,13 +93,22 @@ def _run(args: argparse.Namespace) -> int:
     engine = engine_args(args)
     flag_params = sampling_params(args, {})  # sampling flags judged before any long work
     output = sources.check_output(args.output, args.restart)
+    sources.check_reports(args)
     source = sources.open_source(args, output)
+    try:
+        return _run_job(args, engine, flag_params, output, source)
+    finally:  # a copy of standard input is the run's own: never left behind
+        if source.spooled is not None:
+            source.spooled.unlink(missing_ok=True)
+
+
+def _run_job(args, engine, flag_params, output, source: sources.Source) -> int:
     front = ModelFront(engine, resolve_device(engine.device))  # config and tokenizer only
     params = sampling_params(args, front.default_sampling)
     shape = sizing.measure(front, source.requests(params), source.from_flags, args.skip_invalid)
     sized = sizing.plan_for_job(front, engine, shape, flag_params.max_tokens, args.skip_invalid)
     fingerprint = common.fingerprint(args, engine, params, source.sha256, sized.plan.policy)
-    sink = sources.open_sink(output, fingerprint, args.restart)
+    sink = sources.open_sink(output, fingerprint, args.restart, source.total)
     started = time.perf_counter()
     try:
         llm = LLM.from_plan(
@@ -127,8 +138,6 @@ def _run(args: argparse.Namespace) -> int:
         llm.close()
         _close(sink)
         raise
-    if source.spooled is not None and not stats.interrupted:
-        source.spooled.unlink(missing_ok=True)
     if stats.interrupted:
         llm.close()
         if isinstance(sink, ResultLog):
