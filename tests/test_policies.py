@@ -310,7 +310,7 @@ def test_plan_tells_the_weight_store_and_the_free_space(tmp_path, capsys, monkey
     text = capsys.readouterr()
     assert f"weight store: {disk / GB:.1f} GB on {tmp_path} (6.0 GB free)" in text.out
     problem = [line for line in text.err.splitlines() if "problem" in line]
-    assert len(problem) == 1 and "GB free, the weight store needs" in problem[0]
+    assert len(problem) == 1 and "GB free; the weight store needs" in problem[0]
 
 
 def test_plan_counts_decode_graph_buffers_only_where_graphs_run():

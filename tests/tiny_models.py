@@ -112,7 +112,7 @@ def save_byte_tokenizer(directory: Path) -> None:
     # GPT-2's printable stand-in for each byte (the byte-level pre-tokenizer's alphabet)
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     others = [b for b in range(256) if b not in printable]
-    stand_in = dict(zip(printable + others, printable + [256 + i for i in range(len(others))]))
+    stand_in = {b: b for b in printable} | {b: 256 + i for i, b in enumerate(others)}
     vocab = {chr(stand_in[b]): b for b in range(256)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

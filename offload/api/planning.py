@@ -23,6 +23,7 @@ from offload.policies.caps import (
     check_block_fits,
     check_caps_within_machine,
     check_weights_fit,
+    cpu_only_caps,
 )
 from offload.policies.policy import Policy
 
@@ -66,8 +67,11 @@ def plan_run(
         _refuse_compression_without_a_plan(args)
     caps = Caps(args.gpu_bytes, args.cpu_bytes, nvme=args.nvme is not None)
     check_caps_within_machine(caps, front.device)
+    if front.device.type == "cpu" and caps.gpu_bytes is None and caps.cpu_bytes is not None:
+        # one memory: the cap split as the search splits it (`caps.cpu_only_caps`)
+        caps = Caps(*cpu_only_caps(caps.cpu_bytes), nvme=caps.nvme)
     if policy is None and args.wants_search:
-        policy = _search(front, args, cfg, prompt_len, gen_len)
+        policy = _search(front, args, caps, cfg, prompt_len, gen_len)
     if tensor_parallel and policy is None:
         policy = Policy(gpu_batch_size=args.batch_size, num_gpu_batches=1)
     # what the process holds before any weights: the baseline of the one accounting
@@ -97,7 +101,7 @@ def _refuse_compression_without_a_plan(args: EngineArgs) -> None:
 
 
 def _search(
-    front: ModelFront, args: EngineArgs, cfg: ModelConfig, prompt_len: int, gen_len: int
+    front: ModelFront, args: EngineArgs, caps: Caps, cfg: ModelConfig, prompt_len: int, gen_len: int
 ) -> Policy:
     from offload.executor.probe import measure_profile, verify
     from offload.policies.choose import choose_policy
@@ -105,8 +109,8 @@ def _search(
     choice = choose_policy(
         cfg,
         front.dtype,
-        args.gpu_bytes,
-        args.cpu_bytes,
+        caps.gpu_bytes,
+        caps.cpu_bytes,
         args.nvme,
         prompt_len,
         gen_len,

@@ -36,7 +36,7 @@ from offload.jobs import job
 from offload.jobs.resultlog import MemorySink, ResultLog
 from offload.models.resolve import resolve_model
 from offload.parallel.comm import Topology, env_world
-from offload.parallel.launch import PEER_LOST
+from offload.parallel.launch import PEER_LOST, report_failure
 from offload.parallel.rank import rank_nvme
 from offload.parallel.shard import check_divisible, rank_config
 from offload.policies.memory_limit import node_memory_limit, rank_cpu_bytes
@@ -62,9 +62,7 @@ def main(args: argparse.Namespace, argv: list[str], entry: Callable[[list[str]],
         raise UserError("--hold-gpu-mem is not supported with tensor parallelism: drop it")
     if env_world() is not None:
         return run_rank(args)
-    if args.input is not None and str(args.input) == "-":
-        raise UserError("-i - (standard input) cannot feed several ranks; use a file")
-    check_divisible(resolve_model(args.model, dummy=True).config, args.tp or 1)
+    _check_before_ranks(args)
     from offload.parallel.launch import launch
 
     fd, status = tempfile.mkstemp(prefix="offload-run-status-")
@@ -79,6 +77,26 @@ def main(args: argparse.Namespace, argv: list[str], entry: Callable[[list[str]],
         Path(status).unlink(missing_ok=True)
 
 
+def _check_before_ranks(args: argparse.Namespace) -> None:
+    """What every rank would refuse, refused once before any starts: the flags, the
+    input, the output paths, and a --tp the model's shapes cannot be cut into."""
+    if args.input is not None and str(args.input) == "-":
+        raise UserError("-i - (standard input) cannot feed several ranks; use a file")
+    if args.dp > 1 and args.output in (None, "-"):
+        raise UserError("--dp needs --output FILE (the groups' results are merged there)")
+    engine = engine_args(args)
+    sampling_params(args, {})
+    output = sources.check_output(args.output, args.restart)
+    sources.check_reports(args)
+    sources.open_source(args, output)
+    check_divisible(_model_config(engine), args.tp or 1)
+
+
+def _model_config(engine: EngineArgs):
+    """The model's own config (the one its weights have), as every rank resolves it."""
+    return resolve_model(engine.model, dummy=engine.dummy, revision=engine.revision).config
+
+
 def run_rank(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher stops ranks with it
     device = resolve_device(args.device)
@@ -89,8 +107,8 @@ def run_rank(args: argparse.Namespace) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // topo.local_world))
     try:
         code = _run_rank(args, topo)
-    except UserError as exc:
-        print(f"offload-run[rank {topo.rank}]: error: {exc}", file=sys.stderr)
+    except UserError as exc:  # its one line, which the launcher prints as the cause
+        report_failure(f"offload-run[rank {topo.rank}]: error: {exc}", str(exc))
         return EXIT_USAGE
     except dist.DistError as exc:  # a peer died under a collective: the cause is elsewhere
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -131,7 +149,7 @@ def _policy(engine: EngineArgs, rank_args: EngineArgs, topo: Topology, gen_len: 
         from offload.policies.choose import choose_policy
 
         log.info("CPU cap from %s, %.1f GB per rank", where, (rank_args.cpu_bytes or 0) / 1e9)
-        cfg = resolve_model(engine.model, dummy=engine.dummy, revision=engine.revision).config
+        cfg = _model_config(engine)
         choice = choose_policy(
             rank_config(cfg, topo.tp, 0),
             resolve_dtype(engine.dtype, topo.device.type == "cuda", cfg.checkpoint_dtype),
@@ -186,7 +204,7 @@ def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
         progress=topo.rank == 0 and not args.quiet,
         trace=topo.rank == 0 and args.trace is not None,
         policy=policy,
-        parallel=topo.tensor_parallel(resolve_model(engine.model, dummy=True).config),
+        parallel=topo.tensor_parallel(_model_config(engine)),
     )
     load_seconds = time.perf_counter() - started
     log.info(

@@ -42,8 +42,8 @@ import torch
 import xxhash
 
 from offload.core.config import ModelConfig
-from offload.core.errors import UserError
-from offload.io.atomic import atomic_write, fsync_dir
+from offload.core.errors import DiskFull, UserError
+from offload.io.atomic import atomic_write, fsync_dir, size_text
 from offload.io.layout import (
     TensorSlot,
     shares_table,
@@ -291,8 +291,9 @@ def space_problem(nvme_dir: Path, need: int) -> str | None:
     if free >= need + SPACE_MARGIN:
         return None
     return (
-        f"{nvme_dir} has {free / 1e9:.1f} GB free, the weight store needs {need / 1e9:.1f} GB; "
-        "free space or choose another --nvme directory"
+        f"{nvme_dir} has {size_text(free)} free; the weight store needs {size_text(need)} and "
+        f"a margin of {size_text(SPACE_MARGIN)} ({size_text(need + SPACE_MARGIN)} in all); free "
+        "space or choose another --nvme directory"
     )
 
 
@@ -367,11 +368,12 @@ def convert(
             kept = _file_bytes(stages.values())
             if writing is not None:
                 writing.unlink(missing_ok=True)  # the stage cut short
-            raise UserError(
+            raise DiskFull(
                 f"disk full while writing the weight store in {nvme_dir} ({len(stages)} of "
-                f"{len(wanted)} stages written, {kept / 1e9:.1f} GB, kept in {partial.name}); "
-                f"free {(need - kept) / 1e9:.1f} GB and run again to resume, or choose another "
-                "--nvme directory and delete that one (existing stores are intact)"
+                f"{len(wanted)} stages written, {size_text(kept)}, kept in {partial.name}); "
+                f"free {size_text(need - kept + SPACE_MARGIN)} and run the same command again to "
+                "resume, or choose another --nvme directory and delete that one (existing "
+                "stores are intact)"
             ) from None
         shutil.rmtree(partial, ignore_errors=True)
         raise UserError(f"cannot write the weight store in {nvme_dir}: {exc}") from None

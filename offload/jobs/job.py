@@ -36,7 +36,7 @@ KNOWN_FIELDS = {"id", "prompt", "messages", *SAMPLING_FIELDS}
 FORMATS = ("text", "jsonl", "openai")
 FORMAT_NAMES = {
     "text": "plain text, one prompt a line",
-    "jsonl": "JSON lines (ours)",
+    "jsonl": "JSON lines in offload's format",
     "openai": "OpenAI Batch lines",
 }
 # a request's id as the input line gives it: a JSON scalar, written back unchanged
@@ -147,7 +147,7 @@ def scan(path: Path, skip_invalid: bool) -> Scan:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     fmt = file_format(path)
-    log.info("input %s: %s (detected from its content)", path, FORMAT_NAMES[fmt])
+    log.info("input %s: %s, detected from its content", path, FORMAT_NAMES[fmt])
     seen: dict[str, int] = {}
     duplicates: list[str] = []
     bad: list[str] = []

@@ -185,6 +185,13 @@ def device_limits(device: torch.device) -> tuple[int, int]:
     return cpu, cpu
 
 
+def cpu_only_caps(cpu_bytes: int) -> tuple[int, int]:
+    """(device, host) budgets of a run without a GPU given only a CPU cap: the CPU
+    computes, so the plan's device tier is host memory too, and the two share the one
+    cap in halves."""
+    return cpu_bytes // 2, cpu_bytes - cpu_bytes // 2
+
+
 def check_caps_within_machine(caps: Caps, device: torch.device) -> None:
     """A cap above what the machine has is a promise the search would plan for and the
     engine could not keep (its fit check holds the smaller): refused before any search.

@@ -19,7 +19,7 @@ import torch
 from offload.core.config import ModelConfig, resolve_dtype
 from offload.core.errors import UserError
 from offload.kernels.formats import Compression
-from offload.policies.caps import Caps
+from offload.policies.caps import Caps, cpu_only_caps
 from offload.policies.cost import Estimate
 from offload.policies.hardware import (
     HardwareProfile,
@@ -84,6 +84,13 @@ def plan_caps(gpu_bytes: int, cpu_bytes: int | None, nvme: bool, hw: HardwarePro
     return Caps(gpu_bytes, cpu, nvme)
 
 
+def _needs_gpu_cap() -> UserError:
+    return UserError(
+        "the plan search needs a GPU budget: give --gpu-mem (in Python, max_memory="
+        '{"cuda:0": "24GB", ...}) along with the CPU cap or store directory'
+    )
+
+
 def choose_policy(
     cfg: ModelConfig,
     dtype: torch.dtype | str,
@@ -103,15 +110,18 @@ def choose_policy(
 ) -> Choice:
     """The placement and batch shape with the highest predicted throughput in the caps.
 
-    dtype may be a flag's name ("auto": as offload-run would pick on the profiled machine)."""
-    if gpu_bytes is None:
-        raise UserError(
-            "the plan search needs a GPU budget: give --gpu-mem (in Python, max_memory="
-            '{"cuda:0": "24GB", ...}) along with the CPU cap or store directory'
-        )
+    dtype may be a flag's name ("auto": as offload-run would pick on the profiled machine).
+    On a machine without a GPU, no GPU cap is needed: the plan's device share and its
+    host share are the same memory, and split the CPU cap in halves (`cpu_only_caps`)."""
+    if gpu_bytes is None and profile is None and torch.cuda.is_available():  # (not measured)
+        raise _needs_gpu_cap()
     if prompt_len < 1 or gen_len < 1:
         raise UserError("--prompt-len and --max-tokens must be positive")
     hw = hardware_profile(profile, nvme, announce, measure_machine)
+    if gpu_bytes is None:
+        if hw.has_gpu:
+            raise _needs_gpu_cap()
+        gpu_bytes, cpu_bytes = cpu_only_caps(cpu_bytes or hw.default_cpu_cap)
     if tp > 1 and not hw.allreduce_gbps:
         log.warning(
             "the hardware profile has no all-reduce figure (offload-profile measures it on a "
