@@ -68,8 +68,9 @@ def plan_run(
     caps = Caps(args.gpu_bytes, args.cpu_bytes, nvme=args.nvme is not None)
     check_caps_within_machine(caps, front.device)
     if front.device.type == "cpu" and caps.gpu_bytes is None and caps.cpu_bytes is not None:
-        # one memory: the cap split as the search splits it (`caps.cpu_only_caps`)
-        caps = Caps(*cpu_only_caps(caps.cpu_bytes), nvme=caps.nvme)
+        # one memory: the device's and the host's tiers share the CPU cap
+        split = cpu_only_caps(caps.cpu_bytes, Baseline.measure(front.device))
+        caps = Caps(*split, nvme=caps.nvme)
     if policy is None and args.wants_search:
         policy = _search(front, args, caps, cfg, prompt_len, gen_len)
     if tensor_parallel and policy is None:

@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(p)
     p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the last step here (and of the last prefill beside it, <name>_prefill.json)")  # fmt: skip
     p.add_argument("--restart", action="store_true", help="discard an unfinished job's results and start over")  # fmt: skip
-    p.add_argument("--skip-invalid", action="store_true", help="record unparsable lines, and prompts too long for the context or the memory caps, as errors and go on")  # fmt: skip
+    p.add_argument("--skip-invalid", action="store_true", help="record unparsable lines, prompts too long for the context or the memory caps, and token ids outside the vocabulary, as errors and go on")  # fmt: skip
     p.add_argument("--stats", type=Path, help="write the run's summary as JSON here")  # fmt: skip
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar; errors and results only")  # fmt: skip
     # tensor / data parallelism (offload.parallel, docs/parallel.md)

@@ -121,7 +121,7 @@ def disk_full(path: Path, needed_bytes: int, fix: str, at_least: bool = False) -
     free = shutil.disk_usage(folder).free
     return DiskFull(
         f"no space left for {path}: it needs {'at least' if at_least else 'about'} "
-        f"{size_text(needed_bytes)} more and the drive "
+        f"{size_text(needed_bytes)} and the drive "
         f"has {size_text(free)} free; {fix}"
     )
 

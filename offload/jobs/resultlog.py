@@ -198,9 +198,13 @@ class ResultLog:
         except OSError as exc:
             if exc.errno not in NO_SPACE:
                 raise
-            # the rest of the job and the final copy, at this block's bytes a result
-            left = len(rows) if self.total is None else self.total - self.done_count
-            need = len(data) // len(rows) * left + self._size
+            # the rest of the results and the final copy of them all, at this block's
+            # bytes a result (this block and a copy of what is written, job size unknown)
+            per_row = len(data) // len(rows)
+            if self.total is None:
+                need = len(data) + self._size + len(data)
+            else:
+                need = per_row * (self.total - self.done_count) + per_row * self.total
             raise disk_full(
                 self.partial,
                 need,

@@ -19,7 +19,7 @@ import torch
 from offload.core.config import ModelConfig, resolve_dtype
 from offload.core.errors import UserError
 from offload.kernels.formats import Compression
-from offload.policies.caps import Caps, cpu_only_caps
+from offload.policies.caps import Baseline, Caps, cpu_only_caps
 from offload.policies.cost import Estimate
 from offload.policies.hardware import (
     HardwareProfile,
@@ -112,7 +112,7 @@ def choose_policy(
 
     dtype may be a flag's name ("auto": as offload-run would pick on the profiled machine).
     On a machine without a GPU, no GPU cap is needed: the plan's device share and its
-    host share are the same memory, and split the CPU cap in halves (`cpu_only_caps`)."""
+    host share are the same memory, and share the CPU cap (`caps.cpu_only_caps`)."""
     if gpu_bytes is None and profile is None and torch.cuda.is_available():  # (not measured)
         raise _needs_gpu_cap()
     if prompt_len < 1 or gen_len < 1:
@@ -121,7 +121,9 @@ def choose_policy(
     if gpu_bytes is None:
         if hw.has_gpu:
             raise _needs_gpu_cap()
-        gpu_bytes, cpu_bytes = cpu_only_caps(cpu_bytes or hw.default_cpu_cap)
+        gpu_bytes, cpu_bytes = cpu_only_caps(
+            cpu_bytes or hw.default_cpu_cap, Baseline.from_profile(hw)
+        )
     if tp > 1 and not hw.allreduce_gbps:
         log.warning(
             "the hardware profile has no all-reduce figure (offload-profile measures it on a "
