@@ -19,6 +19,7 @@ from offload.api.llm import LLM
 from offload.cli.run import main
 from offload.core.errors import UserError
 from offload.jobs.resultlog import ResultLog
+from tests.test_guarantees import tmpfs
 from tests.test_jobs import _cli, _rows, _wait_for_partial, _write_jobs
 
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
@@ -29,14 +30,24 @@ def model_dir(tiny_checkpoints):
     return tiny_checkpoints["llama-gqa"][0]
 
 
+def _job(model_dir, root: Path, count: int) -> tuple[Path, Path]:
+    jobs, reference = root / "jobs.jsonl", root / "reference.jsonl"
+    _write_jobs(jobs, count, seed=3)
+    assert main(_cli(model_dir, jobs, reference)[3:]) == 0
+    return jobs, reference
+
+
 @pytest.fixture(scope="module")
 def job(model_dir, tmp_path_factory):
-    """1500 requests and their results from a run that met no fault."""
-    root = tmp_path_factory.mktemp("job")
-    jobs, reference = root / "jobs.jsonl", root / "reference.jsonl"
-    _write_jobs(jobs, 1500, seed=3)
-    subprocess.run(_cli(model_dir, jobs, reference), check=True, capture_output=True, env=ENV)
-    return jobs, reference
+    """400 requests (a run lasts for some blocks after its 50th result) and their
+    results from a run that met no fault."""
+    return _job(model_dir, tmp_path_factory.mktemp("job"), 400)
+
+
+@pytest.fixture(scope="module")
+def small_job(model_dir, tmp_path_factory):
+    """40 requests and their results from a run that met no fault."""
+    return _job(model_dir, tmp_path_factory.mktemp("small_job"), 40)
 
 
 def _start(model_dir, jobs, out, *more) -> subprocess.Popen:
@@ -53,20 +64,12 @@ def _paused_with_results(proc, partial, lines=50) -> None:
 
 
 @contextlib.contextmanager
-def _tmpfs(path: Path, size: int):
-    """A small file system of its own at `path` (root only), to fill."""
+def _small_drive(path: Path, size: int):
+    """A drive of `size` bytes at `path`, to fill: a tmpfs, which only root can mount."""
     if os.geteuid() != 0:
         pytest.skip("filling a drive needs a small tmpfs, which only root can mount")
-    path.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(path, f"size={size}"):
         yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def _resize(path: Path, size: int) -> None:
@@ -86,7 +89,7 @@ def test_sigterm_stops_after_the_block_and_says_how_to_resume(model_dir, job, tm
     assert proc.returncode == 130, err
     assert "SIGTERM: stopping after the current block" in err
     assert "run the same command again to resume" in err and "Traceback" not in err
-    subprocess.run(_cli(model_dir, jobs, out), check=True, capture_output=True, env=ENV)
+    assert main(_cli(model_dir, jobs, out)[3:]) == 0  # (resumed in this process)
     assert out.read_text() == reference.read_text()
 
 
@@ -163,7 +166,7 @@ def test_a_result_log_replaced_during_the_run_stops_it_with_its_results_kept(
     assert f"results kept in {kept}" in line
     assert partial.read_text() == "someone else's file\n", "the other file was touched"
     os.replace(kept, partial)
-    subprocess.run(_cli(model_dir, jobs, out), check=True, capture_output=True, env=ENV)
+    assert main(_cli(model_dir, jobs, out)[3:]) == 0  # (resumed in this process)
     assert out.read_text() == reference.read_text()
 
 
@@ -217,9 +220,9 @@ def _result_log_with_damage(model_dir, jobs, reference, tmp_path, damage, monkey
     ids=["bad line", "blank line", "no index"],
 )
 def test_a_damaged_result_log_names_the_line_and_keeps_the_results_before_it(
-    model_dir, job, tmp_path, monkeypatch, caplog, damage, line
+    model_dir, small_job, tmp_path, monkeypatch, caplog, damage, line
 ):
-    jobs, reference = job
+    jobs, reference = small_job
     out = _result_log_with_damage(model_dir, jobs, reference, tmp_path, damage, monkeypatch)
     assert main(_cli(model_dir, jobs, out)[3:]) == 0
     message = f"out.jsonl.partial line {line} is damaged"
@@ -229,9 +232,9 @@ def test_a_damaged_result_log_names_the_line_and_keeps_the_results_before_it(
 
 
 def test_a_damaged_header_is_named_not_taken_for_another_job(
-    model_dir, job, tmp_path, monkeypatch, capsys
+    model_dir, small_job, tmp_path, monkeypatch, capsys
 ):
-    jobs, reference = job
+    jobs, reference = small_job
     cut = lambda lines: [lines[0][:30], *lines[1:10]]  # noqa: E731
     out = _result_log_with_damage(model_dir, jobs, reference, tmp_path, cut, monkeypatch)
     partial = (tmp_path / "out.jsonl.partial").read_text()
@@ -258,17 +261,20 @@ def test_a_result_line_past_the_job_is_damaged_not_a_crash(tmp_path):
 
 
 # -- a full disk -------------------------------------------------------------------------------
-def test_a_full_disk_is_one_line_and_the_same_command_resumes(model_dir, job, tmp_path):
+def test_a_full_disk_is_one_line_and_the_same_command_resumes(model_dir, job, tmp_path, capsys):
     """Three chained ENOSPC tracebacks became one line naming the path, the space it
     needs and the fix; what was written stays, and the same command finishes the job
     once there is room: first the results' drive fills, then the final copy's."""
     jobs, reference = job
     size = reference.stat().st_size
-    with _tmpfs(tmp_path / "small", 64 * 1024) as drive:
+    with _small_drive(tmp_path / "small", 16 * 1024) as drive:
         out = drive / "out.jsonl"
-        run = subprocess.run(_cli(model_dir, jobs, out), capture_output=True, text=True, env=ENV)
-        assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
-        line = run.stderr.strip().splitlines()[-1]
+        argv = _cli(model_dir, jobs, out)[3:]
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        line = err.strip().splitlines()[-1]
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
         assert line.startswith(
             f"offload-run: error: no space left for {out}.partial: it needs about "
         )
@@ -276,14 +282,13 @@ def test_a_full_disk_is_one_line_and_the_same_command_resumes(model_dir, job, tm
         kept = (drive / "out.jsonl.partial").read_text()
         assert kept.endswith("\n") and kept.count("\n") > 1, "nothing kept, or a torn line"
         _resize(drive, (int(size * 1.7) // 4096 + 1) * 4096)  # the results fit, not the copy
-        run = subprocess.run(_cli(model_dir, jobs, out), capture_output=True, text=True, env=ENV)
-        assert run.returncode == 2, run.stderr
-        line = run.stderr.strip().splitlines()[-1]
+        assert main(argv) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
         assert line.startswith(f"offload-run: error: no space left for {out}: it needs about ")
         assert f"the results are kept in {out}.partial" in line
         assert not out.exists()
         _resize(drive, 4 * size)
-        subprocess.run(_cli(model_dir, jobs, out), check=True, capture_output=True, env=ENV)
+        assert main(argv) == 0
         assert out.read_text() == reference.read_text()
         assert sorted(p.name for p in drive.iterdir()) == ["out.jsonl"]
 
@@ -308,20 +313,19 @@ def test_dp_without_an_output_and_bad_input_are_refused_before_any_rank_starts(
     assert "--tp 3 does not divide llama-gqa's 4 attention heads" in capsys.readouterr().err
 
 
-def test_the_demo_runs_on_three_ranks_as_on_one(tmp_path):
+def test_the_demo_runs_on_three_ranks_as_on_one(tmp_path, capsys):
     """The demo's --tp 3 failed every time ("its message is above", and nothing above):
     the ranks sharded the preset's config, not the GGUF file's own."""
     argv = ["--model", "demo", "--device", "cpu", "--prompt", "The capital of France is"]
     argv += ["--max-tokens", "4", "-q", "--output"]
-    one = subprocess.run([sys.executable, "-m", "offload.cli.run", *argv, "-"],
-                         capture_output=True, text=True, env=ENV, timeout=300)  # fmt: skip
-    assert one.returncode == 0, one.stderr
+    assert main([*argv, "-"]) == 0
+    one = capsys.readouterr()
     three = subprocess.run(
         [sys.executable, "-m", "offload.cli.run", *argv, str(tmp_path / "o.jsonl"), "--tp", "3"],
         capture_output=True, text=True, env=ENV, timeout=300,
     )  # fmt: skip
     assert three.returncode == 0, three.stderr
-    assert _rows(tmp_path / "o.jsonl")[0]["text"] == json.loads(one.stdout)["text"]
+    assert _rows(tmp_path / "o.jsonl")[0]["text"] == json.loads(one.out)["text"]
 
 
 def _refusing_rank(argv: list[str]) -> int:

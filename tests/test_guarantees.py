@@ -61,26 +61,34 @@ def _batch_line(custom_id: str, prompt) -> str:
 
 
 @contextlib.contextmanager
-def read_only_dir(path):
-    """A directory this process cannot write: a read-only tmpfs as root (who writes
-    through permissions), else one without write permission."""
+def tmpfs(path: Path, options: str):
+    """A small file system of its own at `path`, mounted with `options` (root only)."""
     path.mkdir()
-    if os.geteuid() != 0:
-        path.chmod(0o555)
-        try:
-            yield path
-        finally:
-            path.chmod(0o755)
-        return
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
     )
     if mounted.returncode != 0:
-        pytest.skip(f"running as root, and cannot mount a tmpfs: {mounted.stderr.decode()}")
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@contextlib.contextmanager
+def read_only_dir(path: Path):
+    """A directory this process cannot write: a read-only tmpfs as root (who writes
+    through permissions), else one without write permission."""
+    if os.geteuid() == 0:
+        with tmpfs(path, "ro,size=64k"):
+            yield path
+        return
+    path.mkdir()
+    path.chmod(0o555)
+    try:
+        yield path
+    finally:
+        path.chmod(0o755)
 
 
 # -- token ids ------------------------------------------------------------------------------

@@ -148,9 +148,12 @@ def _run_job(args, engine, flag_params, output, source: sources.Source) -> int:
                 file=sys.stderr,
             )
         return EXIT_INTERRUPTED
-    sources.write_results(sink, source.total, args.output == "-")
-    report.report(llm, stats, load_seconds, args.stats)
-    llm.close()
+    try:
+        sources.write_results(sink, source.total, args.output == "-")
+        report.report(llm, stats, load_seconds, args.stats)
+    finally:  # (a full disk at the end leaves the results for the same command)
+        llm.close()
+        _close(sink)
     return common.exit_code(sink.error_count, source.total)
 
 
