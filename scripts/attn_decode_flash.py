@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from offload.models.decoder import attend
+from offload.models.attention import attend
 from offload.policies.measure import kernel_seconds
 
 # [rows, heads, KV heads, slots], head_dim 128: Llama-3.1-8B's plan at two contexts,

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from offload.kernels.cpu_attention import read_gbps
-from offload.models.decoder import attend
+from offload.models.attention import attend
 
 GB = 1e9
 

@@ -21,7 +21,7 @@ from offload.kernels import cpu_attention, native
 from offload.kernels.formats import Compression
 from offload.kernels.kv_attention_cpu import decode_attention_cpu, decode_attention_cpu_torch
 from offload.kernels.kv_cache import QuantKV
-from offload.models.decoder import attend
+from offload.models.attention import attend
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parent.parent

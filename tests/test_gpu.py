@@ -107,6 +107,8 @@ def test_qlinear_kernel_compiled_matches_reference(bits, symmetric):
     shapes += WGMMA_SHAPES
     dtypes = [torch.float16, torch.bfloat16, torch.float32]
     assert qlinear_failures(bits, symmetric, "cuda", dtypes, shapes) == []
+    if bits == 4 and not symmetric:  # integer zero points (pre-quantized checkpoints')
+        assert qlinear_failures(4, False, "cuda", dtypes, shapes, zero_point=True) == []
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -417,7 +419,7 @@ def test_masked_grouped_query_prefill_attention_holds_no_scores():
     """SDPA's own GQA path falls back to the math backend under a mask and holds fp32
     scores [B, H, T, S] (28.5 GB under a 10 GB cap in an H100 run); `decoder.attend`
     expands K/V instead, which `policies.memory` counts. Same values as grouping."""
-    from offload.models.decoder import attend
+    from offload.models.attention import attend
 
     q, k, v, bias = _grouped_prefill(64, seed=0)
     batch, heads, tokens, dim = q.shape
@@ -440,7 +442,7 @@ def test_causal_prefill_attention_reads_grouped_heads_in_place():
     """A prefill without padding (`StepInputs.causal`) runs SDPA's causal kernel without
     the bias: grouped-query K/V are read in place, not expanded to every query head,
     and the values are the masked path's."""
-    from offload.models.decoder import attend
+    from offload.models.attention import attend
 
     q, k, v, bias = _grouped_prefill(16, seed=1)
     batch, heads, tokens, dim = q.shape

@@ -14,7 +14,7 @@ from offload.api.llm import LLM
 from offload.kernels.formats import Compression
 from offload.kernels.quant import assemble_stage, compress_stage
 from offload.models.batch import PaddedBatch
-from offload.models.decoder import stage_shapes
+from offload.models.shapes import stage_shapes
 
 TEXT = Path(__file__).parent / "data" / "public_domain.txt"
 # measured on this model and text (CPU, fp32, 16 lines cut at 32 tokens): relative L2

@@ -41,6 +41,11 @@ def test_qlinear_kernel_matches_reference_interpreted(bits, symmetric):
     assert _interpreted("tests.kernel_cases", "qlinear", str(bits), symmetric) == []
 
 
+def test_qlinear_kernel_with_zero_points_matches_reference_interpreted():
+    """int4 with integer zero points, (c - z) x scale: pre-quantized checkpoints' format."""
+    assert _interpreted("tests.kernel_cases", "qlinear", "4", "zp") == []
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", ["asym", "sym"])
 def test_quantized_decode_attention_matches_reference_interpreted(bits, symmetric):

@@ -173,7 +173,7 @@ def _fields(cfg) -> dict:
 def test_uneven_mlp_split_sums_to_the_full_mlp():
     """Row-parallel partial sums over an MLP width the ranks share unevenly."""
     from offload.core.config import ModelConfig
-    from offload.models.decoder import stage_shapes
+    from offload.models.shapes import stage_shapes
     from offload.models.weights import DummySource
 
     full = ModelConfig("odd", "opt", 64, 48, 1, 6, 6, 8, 100, 64, 1e-5)

@@ -8,14 +8,24 @@ import torch
 from transformers import (
     BloomConfig,
     BloomForCausalLM,
+    FalconConfig,
+    FalconForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     OPTConfig,
     OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 VOCAB = 320
@@ -32,6 +42,86 @@ _llama_dims = {
     "intermediate_size": 128,
     "num_hidden_layers": 3,
     "max_position_embeddings": 256,
+}
+
+# the families beyond Llama, BLOOM and OPT: each variant field of `ModelConfig` is on
+# in at least one case
+FAMILY_CASES = {
+    # q/k norms, head_dim * heads != hidden
+    "qwen3": (
+        Qwen3ForCausalLM,
+        Qwen3Config(**_llama_dims, num_key_value_heads=2, head_dim=32),
+    ),
+    # local layers with a window of 4 and their own RoPE base, global ones with linear
+    # scaling, a query scale of 24 ** -0.5 over 16 channels, scaled embeddings, sandwich
+    # norms, (1 + w) norms, q/k norms, final soft-capping
+    "gemma3": (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig(
+            **_llama_dims,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=4,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+            final_logit_softcapping=2.0,
+            pad_token_id=0,
+        ),
+    ),
+    # Gemma 2's layout without its attention soft-capping (refused: `core.families`)
+    "gemma2-no-attn-softcap": (
+        Gemma2ForCausalLM,
+        Gemma2Config(
+            **_llama_dims,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=5,
+            attn_logit_softcapping=None,
+            final_logit_softcapping=1.5,
+            pad_token_id=0,
+        ),
+    ),
+    # fused qkv and gate-up, LongRoPE (the short factors at these lengths: a step past
+    # 32 positions takes the long ones, `test_families`), rotary over 3/4 of a head
+    "phi3-longrope": (
+        Phi3ForCausalLM,
+        Phi3Config(
+            **_llama_dims,
+            num_key_value_heads=2,
+            original_max_position_embeddings=32,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                "long_factor": [2.0 + 0.3 * i for i in range(6)],
+            },
+            partial_rotary_factor=0.75,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
+    # Falcon-7B's layout: multi-query attention beside the MLP, one shared norm (with
+    # biases, which 7B lacks, so they are checked too)
+    "falcon-7b-like": (
+        FalconForCausalLM,
+        FalconConfig(**_dims, num_hidden_layers=3, bias=True, ffn_hidden_size=96),
+    ),
+    # Falcon-40B's: new_decoder_architecture, 8 query heads in 2 KV groups, two norms
+    "falcon-40b-like": (
+        FalconForCausalLM,
+        FalconConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_attention_heads=8,
+            num_kv_heads=2,
+            num_hidden_layers=3,
+            new_decoder_architecture=True,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 # name -> (model class, config)
@@ -80,6 +170,7 @@ CASES = {
             do_layer_norm_before=False,
         ),
     ),
+    **FAMILY_CASES,
 }
 
 
@@ -124,7 +215,7 @@ def save_byte_tokenizer(directory: Path) -> None:
 def hf_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """transformers' logits for a left-padded batch (positions from the mask)."""
     kwargs = {}
-    if model.config.model_type in ("llama", "mistral", "qwen2"):
+    if model.config.model_type not in ("bloom", "opt"):
         kwargs["position_ids"] = (mask.long().cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask.long(), **kwargs).logits.float()

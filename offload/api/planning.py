@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from offload.api.args import EngineArgs
+from offload.api.args import EngineArgs, compression_text
 from offload.api.front import ModelFront
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
+from offload.kernels.formats import Compression
 from offload.policies.caps import (
     Baseline,
     Caps,
@@ -63,6 +64,7 @@ def plan_run(
     gen_len = gen_len or front.get_default_sampling_params().max_tokens or PLAN_GEN_LEN
     if args.policy is not None:
         policy = Policy.from_file(args.policy)
+    weight_formats = checkpoint_formats(front, args, policy, tensor_parallel)
     if policy is None and not args.wants_search:
         _refuse_compression_without_a_plan(args)
     caps = Caps(args.gpu_bytes, args.cpu_bytes, nvme=args.nvme is not None)
@@ -72,7 +74,7 @@ def plan_run(
         split = cpu_only_caps(caps.cpu_bytes, Baseline.measure(front.device))
         caps = Caps(*split, nvme=caps.nvme)
     if policy is None and args.wants_search:
-        policy = _search(front, args, caps, cfg, prompt_len, gen_len)
+        policy = _search(front, args, caps, cfg, prompt_len, gen_len, weight_formats)
     if tensor_parallel and policy is None:
         policy = Policy(gpu_batch_size=args.batch_size, num_gpu_batches=1)
     # what the process holds before any weights: the baseline of the one accounting
@@ -85,6 +87,45 @@ def plan_run(
         )
     batch_size = policy.block_size if policy else args.batch_size
     return Plan(policy, caps, baseline, batch_size, prompt_len, gen_len)
+
+
+def checkpoint_formats(
+    front: ModelFront, args: EngineArgs, policy: Policy | None, tensor_parallel: bool
+) -> tuple[Compression | None, ...]:
+    """The weight formats a search may choose: --compress's, or a pre-quantized
+    checkpoint's own (`models.prequant`), whose matrices stay as they are; a --compress
+    or --policy asking for another format is refused then."""
+    fixed = front.spec.weight_format()
+    formats = weight_formats(fixed, args.compress, args.compressions())
+    if fixed is None:
+        return formats
+    if tensor_parallel:
+        raise UserError(
+            f"--tp with a pre-quantized ({compression_text(fixed)}) checkpoint is not "
+            "supported; run it on one GPU with offloading (--gpu-mem, --cpu-mem, --nvme)"
+        )
+    if policy is not None and policy.weight_compression != fixed:
+        raise UserError(
+            f"the policy's weight_compression {policy.weight_compression} is not the "
+            f"pre-quantized checkpoint's; set it to {fixed.__dict__}"
+        )
+    return formats
+
+
+def weight_formats(
+    fixed: Compression | None, compress: str, requested: tuple[Compression | None, ...]
+) -> tuple[Compression | None, ...]:
+    """The weight formats a plan may use: --compress's (`requested`), or a pre-quantized
+    checkpoint's own (`fixed`), refusing a --compress that names another."""
+    if fixed is None:
+        return requested
+    text = compression_text(fixed)
+    if compress not in ("none", "auto", text):
+        raise UserError(
+            f"--compress {compress}: the checkpoint is already quantized ({text}) "
+            "and runs in its own format; drop --compress"
+        )
+    return (fixed,)
 
 
 def _refuse_compression_without_a_plan(args: EngineArgs) -> None:
@@ -102,7 +143,13 @@ def _refuse_compression_without_a_plan(args: EngineArgs) -> None:
 
 
 def _search(
-    front: ModelFront, args: EngineArgs, caps: Caps, cfg: ModelConfig, prompt_len: int, gen_len: int
+    front: ModelFront,
+    args: EngineArgs,
+    caps: Caps,
+    cfg: ModelConfig,
+    prompt_len: int,
+    gen_len: int,
+    weight_formats: tuple[Compression | None, ...],
 ) -> Policy:
     from offload.executor.probe import measure_profile, verify
     from offload.policies.choose import choose_policy
@@ -116,7 +163,7 @@ def _search(
         prompt_len,
         gen_len,
         args.profile,
-        compressions=args.compressions(),
+        compressions=weight_formats,
         kv_compressions=args.kv_compressions(),
         measure_machine=measure_profile,
         top=VERIFY_TOP if args.verify_plan else 1,

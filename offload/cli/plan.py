@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from offload.api.planning import VERIFY_TOP
+from offload.api.planning import VERIFY_TOP, weight_formats
 from offload.cli.common import (
     add_engine_flags,
     add_sampling_flags,
@@ -87,7 +87,8 @@ def _plan(args) -> int:
         raise UserError(f"--num-prompts must be positive, got {args.num_prompts}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before any search
         raise UserError("--plot needs matplotlib: pip install 'offload[plot]' (or matplotlib)")
-    model_cfg = cfg = resolve_model(engine.model, dummy=True, revision=engine.revision).config
+    spec = resolve_model(engine.model, dummy=True, revision=engine.revision)
+    model_cfg = cfg = spec.config
     cpu_bytes = engine.cpu_bytes
     if args.tp > 1:  # tensor parallelism: the per-rank plan (offload.parallel)
         from offload.parallel import rank_config
@@ -95,7 +96,10 @@ def _plan(args) -> int:
 
         cfg = rank_config(cfg, args.tp, 0)
         cpu_bytes = (cpu_bytes or int(0.9 * node_memory_limit()[0])) // args.tp
-    args.compressions = engine.compressions()
+    # a pre-quantized checkpoint is planned in its own format
+    args.compressions = weight_formats(
+        spec.checkpoint_format(), engine.compress, engine.compressions()
+    )
     args.kv_compressions = engine.kv_compressions()
     choice = choose_policy(
         cfg,

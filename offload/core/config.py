@@ -1,14 +1,20 @@
 """`ModelConfig`: the facts of a decoder-only model, read from a Hugging Face `config.json`.
 
-One decoder stack expresses three families:
+One decoder stack expresses five families:
 
 | family | positions                 | norm      | MLP                | attention            |
 | ------ | ------------------------- | --------- | ------------------ | -------------------- |
-| llama  | RoPE (incl. llama3 scale) | RMSNorm   | SwiGLU (gated)     | GQA, optional bias   |
+| llama  | RoPE (llama3, LongRoPE)   | RMSNorm   | SwiGLU (gated)     | GQA, optional bias   |
+| gemma  | RoPE, local and global    | RMSNorm (1 + w), sandwich | GeGLU (gated) | GQA, q/k norms |
 | bloom  | ALiBi                     | LayerNorm | tanh-GELU          | fused qkv in the ckpt |
 | opt    | learned, offset 2         | LayerNorm | ReLU               | MHA with bias        |
+| falcon | RoPE                      | LayerNorm | GELU, parallel to attention | MQA / GQA   |
 
-Llama, Mistral and Qwen2 checkpoints all map onto the `llama` family.
+Llama, Mistral, Qwen2, Qwen3 (q/k norms) and Phi-3 (fused qkv and gate-up, LongRoPE,
+partial rotary) checkpoints map onto the `llama` family; Gemma 2 and 3 onto `gemma`
+(`families.py` reads their configs and Falcon's). What differs inside a family is a
+field (`qk_norm`, `sandwich_norms`, `parallel_attn`, ...), read by the decoder's
+functions, not the model type.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 
 import torch
 
+from offload.core import families
 from offload.core.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,27 +45,36 @@ def resolve_dtype(name: str, on_gpu: bool, checkpoint_dtype: str) -> torch.dtype
     return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
 
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
-SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "bloom", "opt")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "bloom", "opt", *families.READERS)
 # OPT's learned position table starts at index 2 (fairseq heritage).
 OPT_POSITION_OFFSET = 2
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. `rope_type` is "default", "linear" or "llama3"."""
+    """RoPE frequency scaling: `rope_type` is one of ROPE_TYPES. LongRoPE (Phi-3) divides
+    the frequencies by `short_factor`, or by `long_factor` in a step whose positions
+    reach past original_max_position_embeddings, and scales cos and sin by
+    `attention_factor` (`models.ops.Rotary`)."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float | None = None
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("default", "linear", "llama3"):
+        if self.rope_type not in ROPE_TYPES:
             raise UserError(
                 f"rope scaling type {self.rope_type!r} is not supported; "
-                "supported: default, linear, llama3"
+                f"supported: {', '.join(ROPE_TYPES)}"
             )
 
 
@@ -83,6 +99,18 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     qkv_bias: bool = False
     sliding_window: int | None = None
+    # variants (the module doc's table), each read by the decoder function it changes
+    qk_norm: bool = False  # an RMS norm over each head's q and k before RoPE (Qwen3, Gemma 3)
+    rotary_fraction: float = 1.0  # RoPE turns this fraction of a head's channels (Phi-4-mini)
+    window_layers: tuple[bool, ...] = ()  # the layers the sliding window applies to; (): all
+    local_rope_theta: float | None = None  # RoPE base of windowed layers, where it differs
+    query_scale: float | None = None  # the attention's score scale, where not head_dim ** -0.5
+    embed_scale: float | None = None  # token embeddings times this, rounded to the dtype
+    sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too (Gemma)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    parallel_attn: bool = False  # attention and MLP both read the layer's input (Falcon)
+    parallel_mlp_norm: bool = False  # ... the MLP through its own norm (Falcon 40B, 180B)
+    linear_bias: bool = False  # every projection has a bias (Falcon's `bias`)
     # OPT
     do_layer_norm_before: bool = True
     word_embed_proj_dim: int | None = None
@@ -104,6 +132,7 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         family = "llama" if self.model_type in LLAMA_LIKE else self.model_type
+        family = families.FAMILY_OF.get(family, family)
         object.__setattr__(self, "family", family)
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim"):
             if getattr(self, name) <= 0:
@@ -116,25 +145,45 @@ class ModelConfig:
     # -- derived facts --------------------------------------------------------------
     @property
     def norm_kind(self) -> str:
-        return "rms" if self.family == "llama" else "layer"
+        """`kernels.norm`'s kind: "rms", "rms_offset" (Gemma's (1 + w)) or "layer"."""
+        return {"llama": "rms", "gemma": "rms_offset"}.get(self.family, "layer")
 
     @property
     def activation(self) -> str:
-        return {"llama": "silu", "bloom": "gelu_tanh", "opt": "relu"}[self.family]
+        kinds = {"llama": "silu", "gemma": "gelu_tanh", "bloom": "gelu_tanh", "falcon": "gelu"}
+        return kinds.get(self.family, "relu")
 
     @property
     def rotary(self) -> bool:
-        """Rotary position embeddings (the Llama family); the others add positions or ALiBi."""
-        return self.family == "llama"
+        """Rotary position embeddings; BLOOM and OPT add ALiBi or learned positions."""
+        return self.family in ("llama", "gemma", "falcon")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of a head that RoPE turns (the first ones)."""
+        return int(self.head_dim * self.rotary_fraction)
 
     @property
     def gated_mlp(self) -> bool:
-        return self.family == "llama"
+        return self.family in ("llama", "gemma")
 
     @property
     def has_linear_bias(self) -> bool:
-        """o-proj and MLP biases (BLOOM and OPT have them; Llama-family models do not)."""
-        return self.family != "llama"
+        """o-proj and MLP biases (BLOOM, OPT and Falcon with `bias`; not Llama or Gemma)."""
+        return self.family in ("bloom", "opt") or self.linear_bias
+
+    @property
+    def has_mlp_norm(self) -> bool:
+        """A norm of the MLP's own (not a parallel layer sharing the attention's)."""
+        return not self.parallel_attn or self.parallel_mlp_norm
+
+    def window_of(self, local: bool) -> int | None:
+        """The sliding window of a windowed (local) layer, or of the others."""
+        return self.sliding_window if local or not self.window_layers else None
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` takes the local (windowed) inputs where layers differ."""
+        return bool(self.window_layers) and self.window_layers[layer]
 
     @property
     def has_qkv_bias(self) -> bool:
@@ -158,7 +207,8 @@ class ModelConfig:
         h, q_out = self.hidden_size, self.num_heads * self.head_dim
         mlp_in = self.intermediate_size * (2 if self.gated_mlp else 1)
         count = h * self.qkv_out_features + q_out * h + h * mlp_in + self.intermediate_size * h
-        norms = 2 * h * (2 if self.norm_kind == "layer" else 1)
+        norms = (2 + 2 * self.sandwich_norms) * h * (2 if self.norm_kind == "layer" else 1)
+        norms += 2 * self.head_dim * self.qk_norm
         biases = 0
         if self.has_qkv_bias:
             biases += self.qkv_out_features
@@ -176,6 +226,13 @@ class ModelConfig:
         facts = asdict(self)
         if not facts["gathered_vocab_size"]:  # the fingerprints of stores built before it
             del facts["gathered_vocab_size"]
+        # a field at its default leaves the fingerprint as it was before the field existed
+        for name, default in families.VARIANT_DEFAULTS.items():
+            if facts.get(name) == default:
+                del facts[name]
+        for name, default in families.ROPE_DEFAULTS.items():
+            if facts["rope_scaling"].get(name) == default:
+                del facts["rope_scaling"][name]
         text = json.dumps(facts, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -183,6 +240,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], name: str = "") -> ModelConfig:
         """Build from the dict of a Hugging Face `config.json`."""
+        hf = families.text_config(hf)
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UserError(
@@ -200,6 +258,10 @@ class ModelConfig:
         }
         if model_type in LLAMA_LIKE:
             return cls(**common, **_llama_fields(hf))
+        if model_type in families.READERS:
+            fields = families.READERS[model_type](hf)
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+            return cls(**common, **fields)
         if model_type == "bloom":
             return cls(**common, **_bloom_fields(hf))
         return cls(**common, **_opt_fields(hf))
@@ -217,20 +279,9 @@ def _llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
     # transformers 5 writes rope settings as `rope_parameters`; older configs as
     # `rope_theta` plus `rope_scaling`.
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
-    rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
-    scaling_keys = {
-        "factor",
-        "low_freq_factor",
-        "high_freq_factor",
-        "original_max_position_embeddings",
-    }
-    scaling = RopeScaling(
-        rope_type=rope_type, **{k: v for k, v in rope.items() if k in scaling_keys}
-    )
+    rope = families.rope_fields(hf, hf.get("rope_parameters") or hf.get("rope_scaling"))
     window = hf.get("sliding_window")
-    if hf["model_type"] == "qwen2" and not hf.get("use_sliding_window", False):
+    if hf["model_type"] in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
         window = None
     return {
         "hidden_size": hidden,
@@ -241,9 +292,11 @@ def _llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "intermediate_size": hf["intermediate_size"],
         "max_position_embeddings": hf.get("max_position_embeddings", 2048),
         "norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "rope_theta": float(theta),
-        "rope_scaling": scaling,
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": RopeScaling(**rope["rope_scaling"]),
+        "rotary_fraction": rope["rotary_fraction"],
         "qkv_bias": bool(hf.get("attention_bias", False)) or hf["model_type"] == "qwen2",
+        "qk_norm": hf["model_type"] == "qwen3",
         "sliding_window": window,
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }

@@ -32,13 +32,14 @@ from pathlib import Path
 import torch
 
 from offload.core.config import ModelConfig
+from offload.executor.activations import ActivationHomes, StoredAct
 from offload.executor.graphs import DecodeGraphs
 from offload.executor.kv import KVManager
 from offload.executor.lanes import Lanes, Tracer, busy_seconds
 from offload.executor.runner import LaneReports
 from offload.executor.weights import WeightFetcher, WeightHomes
 from offload.io.layout import DISK_BUFFERS
-from offload.io.pinned import PinnedPool, PoolBlock
+from offload.io.pinned import PinnedPool
 from offload.io.reader import ExtentReader
 from offload.io.spill import SWITCH_INTERVAL_S
 from offload.io.store import ensure_store
@@ -46,7 +47,8 @@ from offload.io.tiers import MemoryLedger, Tier
 from offload.kernels import cpu_attention, qmatmul
 from offload.models import decoder, ops
 from offload.models.batch import PaddedBatch
-from offload.models.decoder import Parallel, StepInputs, Weights
+from offload.models.decoder import Parallel, StepInputs
+from offload.models.shapes import Weights
 from offload.models.weights import WeightSource
 from offload.policies.memory import row_splits, weight_plan
 from offload.policies.policy import Policy
@@ -100,6 +102,36 @@ class Executor(LaneReports):  # implements runner.Runner
         self.ledger = MemoryLedger()
         self.tracer = Tracer(enabled=trace)
         self.lanes = Lanes(device, self.tracer)
+        self._load_weights(source, nvme_dir, progress)
+        spill_dir = nvme_dir if nvme_dir is not None else Path(".")
+        self.kv = KVManager(
+            self.cfg,
+            self.lanes,
+            device,
+            dtype,
+            self.ledger,
+            spill_dir,
+            policy.attention_on_cpu,
+            policy.overlap,
+            policy.kv_compression,
+            disk_buffers,
+        )
+        self.rotary = ops.Rotary.of(self.cfg, device)
+        self._micro: list[slice] = []
+        self.acts = ActivationHomes(self.lanes, device, dtype)
+        self.traces: list[StepTrace] = []
+        self.prefill_spans: list | None = None  # the last prefill's, while tracing
+        # (the graphs capture no collectives: tensor-parallel ranks run eagerly)
+        self.cuda_graphs = cuda_graphs and device.type == "cuda" and parallel is None
+        self._graphs: list[DecodeGraphs] = []
+        self._graph_rows: tuple[int, ...] = ()  # micro-batch rows the graphs are for
+        self._warm_rows: tuple[int, ...] = ()  # ran one eager decode step (compiled)
+        self._graph_bytes = 0  # what the graphs' buffers hold, in the ledger
+
+    def _load_weights(self, source: WeightSource, nvme_dir: Path | None, progress: bool) -> None:
+        """The weight store (for weights on disk), the pinned pool and every stage's
+        homes (`WeightHomes`), and the fetcher that streams them in."""
+        policy, dtype, device = self.policy, self.dtype, self.device
         started = time.perf_counter()
         store = None
         if policy.weights.disk > 0:  # first: a disk short of room fails before pinning
@@ -135,30 +167,6 @@ class Executor(LaneReports):  # implements runner.Runner
                 pinned - stored,
                 started + self.load_seconds - pinned,
             )
-        spill_dir = nvme_dir if nvme_dir is not None else Path(".")
-        self.kv = KVManager(
-            self.cfg,
-            self.lanes,
-            device,
-            dtype,
-            self.ledger,
-            spill_dir,
-            policy.attention_on_cpu,
-            policy.overlap,
-            policy.kv_compression,
-            disk_buffers,
-        )
-        self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.rotary else None
-        self._micro: list[slice] = []
-        self._act_blocks: list[PoolBlock | None] = []
-        self.traces: list[StepTrace] = []
-        self.prefill_spans: list | None = None  # the last prefill's, while tracing
-        # (the graphs capture no collectives: tensor-parallel ranks run eagerly)
-        self.cuda_graphs = cuda_graphs and device.type == "cuda" and parallel is None
-        self._graphs: list[DecodeGraphs] = []
-        self._graph_rows: tuple[int, ...] = ()  # micro-batch rows the graphs are for
-        self._warm_rows: tuple[int, ...] = ()  # ran one eager decode step (compiled)
-        self._graph_bytes = 0  # what the graphs' buffers hold, in the ledger
 
     # -- before the job -------------------------------------------------------------------
     def warm_up(self, progress: bool = False) -> float:
@@ -166,14 +174,13 @@ class Executor(LaneReports):  # implements runner.Runner
         the job, on a short made-up block (its time counts as loading). The block runs
         only where decode replays graphs (every weight on the GPU): a step there takes
         milliseconds, and a cold Triton cache's compiles and the first capture would
-        otherwise take most of a short job (W1c, one block: prefill 4.9 s against 1.0
-        warm, decode 65 against 17.6 ms a step; docs/throughput.md). Where weights
+        otherwise take most of a short job (docs/throughput.md). Where weights
         stream, a step takes a weight pass and a warm-up block would cost more than it
         saves. Returns its seconds.
 
         A policy that attends on the CPU has the CPU attention's C kernel built here
-        first (once a machine, cached): on a fresh H100 machine the build took most of
-        the 11.6 s first decode step of a traced run (c99).
+        first (once a machine, cached): the build takes seconds, which would otherwise
+        fall in the first decode step.
 
         Every plan on a GPU first launches the decoder's kernels on a few rows
         (`decoder.warm_kernels`, no weights read): the Triton runtime's start and the
@@ -191,7 +198,7 @@ class Executor(LaneReports):  # implements runner.Runner
             return seconds
         rows = self.policy.block_size
         # prefill's matmuls take the dense path (qmatmul.DENSE_ROWS) as the job's will:
-        # a micro-batch of the warm-up's prompts has that many rows (W1c: 12 x 96)
+        # a micro-batch of the warm-up's prompts has that many rows
         prompt = -(-qmatmul.DENSE_ROWS // self.policy.gpu_batch_size)
         prompt = min(max(WARM_PROMPT, -(-prompt // 16) * 16), self.cfg.max_position_embeddings - 3)
         # the first decode step runs eagerly (compiling), the second captures the graphs
@@ -215,16 +222,15 @@ class Executor(LaneReports):  # implements runner.Runner
         self._micro = [slice(s, min(s + size, batch.size)) for s in range(0, batch.size, size)]
         splits = row_splits(self.policy.kv_cache, [m.stop - m.start for m in self._micro])
         elt = self.dtype.itemsize
-        act_bytes = []
-        self._act_rows = []
+        act_bytes, act_gpu_rows = [], []
         for m in self._micro:
             gpu_rows, cpu_rows, _ = self.policy.activations.split(m.stop - m.start)
-            self._act_rows.append(gpu_rows)
+            act_gpu_rows.append(gpu_rows)
             act_bytes.append(cpu_rows * batch.prompt_len * self.cfg.hidden_size * elt)
-        self._act_blocks = self.kv.start(splits, batch.max_slots, act_bytes)
+        self.acts.start(act_gpu_rows, self.kv.start(splits, batch.max_slots, act_bytes))
 
     def step_inputs(self, batch: PaddedBatch, cache_start: int, num_new: int) -> StepInputs:
-        return batch.step_inputs(cache_start, num_new, self.dtype, self.device, self.inv_freq)
+        return batch.step_inputs(cache_start, num_new, self.dtype, self.device, self.rotary)
 
     @torch.inference_mode()
     def forward(
@@ -252,7 +258,7 @@ class Executor(LaneReports):  # implements runner.Runner
                 self._sync()
             return out
         num_stages = len(self.homes.images)
-        hidden: list = [None] * len(self._micro)
+        hidden: list[StoredAct | None] = [None] * len(self._micro)
         logits: list = [None] * len(self._micro)
         self.fetcher.fetch(0)
         for stage in range(num_stages):
@@ -270,9 +276,9 @@ class Executor(LaneReports):  # implements runner.Runner
                         x = decoder.embed(
                             self.cfg, weights, token_ids[rows], steps[k].positions, self.parallel
                         )
-                        hidden[k] = self._store_act(k, x)
+                        hidden[k] = self.acts.store(k, x)
                 elif stage == num_stages - 1:
-                    x = self._load_act(k, hidden[k])
+                    x = self.acts.load(k, hidden[k])
                     with self.lanes.on("compute", f"head mb{k}"):
                         logits[k] = decoder.head(self.cfg, weights, x[:, -1:] if last_only else x)
             self.fetcher.done(stage)
@@ -314,10 +320,9 @@ class Executor(LaneReports):  # implements runner.Runner
             self._drop_graphs()  # the old sizes' graphs and memory go first
             self.kv.settle()  # no transfer thread's CUDA call inside the capture
             stages = [self.fetcher.get(s) for s in range(len(self.homes.images))]
-            rope = self.inv_freq is not None
             before = torch.cuda.memory_allocated(self.device)
             self._graphs = [
-                DecodeGraphs(self.cfg, stages, n, self.dtype, self.device, rope) for n in rows
+                DecodeGraphs(self.cfg, stages, n, self.dtype, self.device, step) for n in rows
             ]
             self._graph_rows = rows
             self._graph_bytes = max(0, torch.cuda.memory_allocated(self.device) - before)
@@ -342,7 +347,7 @@ class Executor(LaneReports):  # implements runner.Runner
                 self.kv.load_layer(layer, steps[0].cache_start, copy_follows=False)
 
             def begin(k: int, layer=layer):
-                graph, step = graphs[k], steps[k]
+                graph, step = graphs[k], decoder.layer_step(self.cfg, steps[k], layer)
                 q, k_new, v_new = graph.qkv(layer)
                 return self.kv.attention(
                     layer, k, q, k_new, v_new, step.bias, step.cache_start, step.causal,
@@ -361,10 +366,10 @@ class Executor(LaneReports):  # implements runner.Runner
         """Layer `layer` for every micro-batch; hidden[k] in and out."""
 
         def begin(k: int):
-            x = self._load_act(k, hidden[k])
+            x = self.acts.load(k, hidden[k])
+            step = decoder.layer_step(self.cfg, steps[k], layer)
             with self.lanes.on("compute", f"L{layer} mb{k} qkv"):
-                q, k_new, v_new, residual = decoder.attn_in(self.cfg, w, x, steps[k])
-            step = steps[k]
+                q, k_new, v_new, residual = decoder.attn_in(self.cfg, w, x, step)
             context = self.kv.attention(
                 layer, k, q, k_new, v_new, step.bias, step.cache_start, step.causal
             )
@@ -379,7 +384,7 @@ class Executor(LaneReports):  # implements runner.Runner
                 del context  # not held through the MLP (`memory._layer_transient`)
                 out = decoder.mlp_block(self.cfg, w, x, residual, self.parallel)
             self._prefetch_kv_after(layer, k, steps[k].cache_start)
-            hidden[k] = self._store_act(k, out)
+            hidden[k] = self.acts.store(k, out)
 
         self._one_behind(steps[0], begin, end)
 
@@ -387,9 +392,8 @@ class Executor(LaneReports):  # implements runner.Runner
         """begin(k) then end(k, begin's result) for every micro-batch k. Where the CPU
         attends a decode step's off-GPU rows (in end, on this thread), micro-batch k + 1
         begins before k ends: the GPU computes k + 1's projections and copies its query
-        out while the CPU attends k, and the CPU attends k + 1 right after. Llama-3.1-8B
-        fp16, 88 x 8 (H100 trace c98): a layer took 40-43 ms, each micro-batch's 3.3 ms
-        of CPU attention waiting for its 1.5 ms of projections, copies and MLP. Elsewhere
+        out while the CPU attends k, and the CPU attends k + 1 right after, so the CPU
+        never waits for a micro-batch's projections (docs/executor.md). Elsewhere
         each micro-batch ends before the next begins: a prefill's q, K and V ([B, T, 3 x
         hidden]) are not held beside the next micro-batch's; and so does the serial
         reference schedule (`overlap=False`)."""
@@ -406,29 +410,6 @@ class Executor(LaneReports):  # implements runner.Runner
     def _prefetch_kv_after(self, layer: int, k: int, cache_start: int) -> None:
         if cache_start and self.policy.overlap:
             self.kv.prefetch_after(layer, k, cache_start)
-
-    # -- activations between stages -----------------------------------------------------
-    def _store_act(self, k: int, x: torch.Tensor):
-        gpu_rows = self._act_rows[k]
-        block = self._act_blocks[k]
-        if block is None:
-            return x
-        host = block.view(self.dtype, (x.shape[0] - gpu_rows, *x.shape[1:]))
-        self.lanes.wait("d2h", self.lanes.record("compute"))
-        with self.lanes.on("d2h", f"act mb{k}", host.numel() * host.element_size()):
-            host.copy_(x[gpu_rows:], non_blocking=True)
-        return (x[:gpu_rows], host, self.lanes.record("d2h"))
-
-    def _load_act(self, k: int, home) -> torch.Tensor:
-        if isinstance(home, torch.Tensor):
-            return home
-        gpu_part, host, stored = home
-        # on the compute stream: activations are on the critical path, and the h2d
-        # stream may be busy with the next stage's weights
-        self.lanes.wait("compute", stored)
-        with self.lanes.on("compute", f"act in mb{k}", host.numel() * host.element_size()):
-            back = host.to(self.device, non_blocking=True)
-        return torch.cat([gpu_part, back], dim=0) if gpu_part.shape[0] else back
 
     # -- memory and lifetime -------------------------------------------------------------
     def _sync(self) -> None:
@@ -457,6 +438,7 @@ class Executor(LaneReports):  # implements runner.Runner
 
 def _slice_step(step: StepInputs, rows: slice) -> StepInputs:
     rope = None if step.rope is None else (step.rope[0][rows], step.rope[1][rows])
+    local = None if step.local is None else _slice_step(step.local, rows)
     return dataclasses.replace(
-        step, positions=step.positions[rows], bias=step.bias[rows], rope=rope
+        step, positions=step.positions[rows], bias=step.bias[rows], rope=rope, local=local
     )

@@ -45,7 +45,7 @@ from offload.io.layout import DISK_BUFFERS
 from offload.io.pinned import PinnedPool, PoolBlock
 from offload.io.tiers import MemoryLedger
 from offload.kernels.formats import Compression
-from offload.models import decoder
+from offload.models import attention
 
 
 class KVManager:
@@ -207,7 +207,7 @@ class KVManager:
         out: torch.Tensor | None = None,
     ) -> Callable[[], torch.Tensor]:
         """Attention of micro-batch `mb` at `layer`; stores the new K/V in their homes
-        (causal: `decoder.attend`'s). out: where the caller will want the context (the
+        (causal: `attention.attend`'s). out: where the caller will want the context (the
         decode graphs' buffer); the attention writes it there when all of the rows'
         KV is on the GPU and compressed, else the caller copies what is returned.
 
@@ -235,7 +235,7 @@ class KVManager:
                     )
                 )
             elif start == 0:
-                outs.append(decoder.attend(q[off], k_new[off], v_new[off], bias[off], causal))
+                outs.append(attention.attend(q[off], k_new[off], v_new[off], bias[off], causal))
                 self.transfer.store(blk, mb, k_new[off], v_new[off], start, end)
             elif self.attention_on_cpu:
                 outs.append(
@@ -251,7 +251,7 @@ class KVManager:
                 sk[:n, :, start:end] = k_new[off]
                 sv[:n, :, start:end] = v_new[off]
                 outs.append(
-                    decoder.attend(q[off], sk[:n, :, :end], sv[:n, :, :end], bias[off], causal)
+                    attention.attend(q[off], sk[:n, :, :end], sv[:n, :, :end], bias[off], causal)
                 )
                 self._scratch_free[blk.slot] = self.lanes.record("compute")
                 self.transfer.store(blk, mb, k_new[off], v_new[off], start, end)
@@ -288,7 +288,7 @@ class KVManager:
             else:
                 loaded = self._load_quant(layer, mb, start)
             self.lanes.wait("compute", loaded)
-        out = decoder.quant_attention(scratch, q, k_new, v_new, bias, start, causal)
+        out = attention.quant_attention(scratch, q, k_new, v_new, bias, start, causal)
         packed = [
             scratch.rows(first, last).pack(start, end)
             for first, last in ((0, c), (c, c + d))
@@ -394,14 +394,16 @@ class KVManager:
         outs = []
         if blk.cpu_quant is not None:
             outs.append(
-                decoder.quant_attention(blk.cpu_quant, q_h[:c], k_h[:c], v_h[:c], bias_h[:c], start)
+                attention.quant_attention(
+                    blk.cpu_quant, q_h[:c], k_h[:c], v_h[:c], bias_h[:c], start
+                )
             )
         elif c:
             assert blk.cpu_k is not None and blk.cpu_v is not None
             blk.cpu_k[:, :, start:end] = k_h[:c]
             blk.cpu_v[:, :, start:end] = v_h[:c]
             outs.append(
-                decoder.attend(q_h[:c], blk.cpu_k[:, :, :end], blk.cpu_v[:, :, :end], bias_h[:c])
+                attention.attend(q_h[:c], blk.cpu_k[:, :, :end], blk.cpu_v[:, :, :end], bias_h[:c])
             )
         if d:
             self.transfer.read_disk(blk, start)
@@ -409,7 +411,7 @@ class KVManager:
             if self.compression is not None:
                 home = blk.disk_quant
                 outs.append(
-                    decoder.quant_attention(
+                    attention.quant_attention(
                         home, q_h[rows], k_h[rows], v_h[rows], bias_h[rows], start
                     )
                 )
@@ -419,7 +421,7 @@ class KVManager:
                 dv[start:end] = v_h[rows].permute(2, 0, 1, 3)
                 keys = dk[:end].permute(1, 2, 0, 3)
                 values = dv[:end].permute(1, 2, 0, 3)
-                outs.append(decoder.attend(q_h[rows], keys, values, bias_h[rows]))
+                outs.append(attention.attend(q_h[rows], keys, values, bias_h[rows]))
             self.transfer.write_disk(blk, start, end)
         context = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         self.lanes.tracer.host_span("cpu_attn", f"attn mb{mb}", started, time.perf_counter(), 0)

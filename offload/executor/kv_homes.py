@@ -34,7 +34,7 @@ from offload.io.spill import SpillFile
 from offload.io.tiers import MemoryLedger, Tier
 from offload.kernels.formats import Compression
 from offload.kernels.kv_cache import QuantKV
-from offload.models import decoder
+from offload.models import attention
 
 
 @dataclass
@@ -45,7 +45,7 @@ class KVBlock:
     name: str = ""  # "L<layer> mb<micro-batch>", for traces
     slot: int = 0  # which of the GPU scratches it uses (`KVLayout.scratch_depth`)
     disk_slot: int = 0  # which of the disk staging blocks it is read and updated in
-    gpu: decoder.LayerKV | None = None  # the GPU rows' cache (compressed or not)
+    gpu: attention.LayerKV | None = None  # the GPU rows' cache (compressed or not)
     cpu_blocks: list[PoolBlock] = field(default_factory=list)
     cpu_k: torch.Tensor | None = None
     cpu_v: torch.Tensor | None = None
@@ -97,14 +97,36 @@ class KVHomes:
         Frees the previous batch's first: the caller has drained the transfers that
         use them (`KVManager.start` does)."""
         self.release()
-        cfg = self.cfg
         self.max_slots = max_slots
-        self.layout = kv = KVLayout(cfg, self.dtype, max_slots, self.compression)
-        per_row = kv.row_bytes
-        depth = kv.scratch_depth(len(row_splits), self.attention_on_cpu)
+        self.layout = kv = KVLayout(self.cfg, self.dtype, max_slots, self.compression)
         disk_homes = [kv.home_bytes(d) for _, _, d in row_splits]
-        need = sum(kv.home_bytes(c) for _, c, _ in row_splits) * cfg.num_layers
         off_rows = max((c + d for _, c, d in row_splits), default=0)
+        self._open_pool_and_spill(row_splits, disk_homes, off_rows, act_bytes)
+        depth = kv.scratch_depth(len(row_splits), self.attention_on_cpu)
+        self._open_blocks(row_splits, disk_homes, depth)
+        if off_rows:  # device -> host staging of new entries, two deep
+            self.store_staging = [
+                self.pool.alloc(kv.store_staging_bytes(off_rows)) for _ in range(2)
+            ]
+        self._open_scratches(off_rows, depth)
+        acts = [self.pool.alloc(b) if b else None for b in act_bytes]
+        self._owned += [b for b in acts if b is not None]
+        self.ledger.add(Tier.GPU, self._gpu_bytes)
+        self._owned += self.store_staging
+        self.ledger.add(Tier.CPU, sum(b.reserved for b in self._owned + self.staging))
+        return acts
+
+    def _open_pool_and_spill(
+        self,
+        row_splits: list[tuple[int, int, int]],
+        disk_homes: list[int],
+        off_rows: int,
+        act_bytes: list[int],
+    ) -> None:
+        """The pinned pool, grown to the batch's CPU homes, disk staging, activations
+        and store staging; the spill file of the disk homes; the disk staging blocks."""
+        kv, cfg = self.layout, self.cfg
+        need = sum(kv.home_bytes(c) for _, c, _ in row_splits) * cfg.num_layers
         need += self.disk_buffers * max(disk_homes, default=0)
         need += sum(align_up(b) for b in act_bytes)
         need += 2 * align_up(kv.store_staging_bytes(off_rows))
@@ -119,71 +141,75 @@ class KVHomes:
         max_disk = max(disk_homes, default=0)
         if max_disk:  # where disk homes are read, updated and written back
             self.staging = [self.pool.alloc(max_disk) for _ in range(self.disk_buffers)]
+
+    def _open_blocks(
+        self, row_splits: list[tuple[int, int, int]], disk_homes: list[int], depth: int
+    ) -> None:
+        """Every (layer, micro-batch)'s `KVBlock`: its GPU cache, CPU home and place in
+        the spill file. Blocks take turns at the GPU scratches in the order they are
+        attended; the disk staging blocks go round the blocks with disk rows alone, so
+        a layer's read never waits for the write-back of the layer before it."""
         offset = 0
         disk_turn = 0
-        for layer in range(cfg.num_layers):
+        for layer in range(self.cfg.num_layers):
             row = []
-            for mb, ((g, c, d), home) in enumerate(zip(row_splits, disk_homes, strict=True)):
-                # blocks take turns at the buffers in the order they are attended; the
-                # disk staging blocks go round the blocks with disk rows alone (with one
-                # such block in an even number of micro-batches, every layer's used to
-                # land on the same staging block, and each read waited for the last
-                # layer's write-back)
+            for mb, (rows, home) in enumerate(zip(row_splits, disk_homes, strict=True)):
                 turn = layer * len(row_splits) + mb
                 blk = KVBlock(
-                    (g, c, d),
+                    rows,
                     name=f"L{layer} mb{mb}",
                     slot=turn % depth,
                     disk_slot=disk_turn % self.disk_buffers,
                 )
-                disk_turn += 1 if d else 0
-                shape = lambda n: (n, cfg.num_kv_heads, max_slots, cfg.head_dim)  # noqa: E731
-                if g:
-                    blk.gpu = decoder.LayerKV(
-                        g, cfg, max_slots, self.dtype, self.device, self.compression
-                    )
-                    self._gpu_bytes += blk.gpu.nbytes
-                if c and self.compression is not None:
-                    blk.cpu_blocks = [self.pool.alloc(kv.home_bytes(c))]
-                    blk.cpu_quant = self._quant(c, torch.device("cpu"), blk.cpu_blocks[0].tensor)
-                    self._owned += blk.cpu_blocks
-                elif c:
-                    blk.cpu_blocks = [self.pool.alloc(c * per_row) for _ in range(2)]
-                    blk.cpu_k = blk.cpu_blocks[0].view(self.dtype, shape(c))
-                    blk.cpu_v = blk.cpu_blocks[1].view(self.dtype, shape(c))
-                    self._owned += blk.cpu_blocks
-                if d:
-                    blk.disk_offset, blk.disk_region = offset, align_up(d * per_row)
-                    offset += home
-                if d and self.compression is not None:  # its view of its staging block
-                    staging = self.staging[blk.disk_slot].tensor
-                    blk.disk_quant = self._quant(d, torch.device("cpu"), staging, slot_major=True)
+                disk_turn += 1 if rows[2] else 0
+                self._open_block_homes(blk, offset)
+                offset += home if rows[2] else 0
                 row.append(blk)
             self.blocks.append(row)
-        if off_rows:  # device -> host staging of new entries, two deep
-            self.store_staging = [
-                self.pool.alloc(kv.store_staging_bytes(off_rows)) for _ in range(2)
-            ]
-        if off_rows and self.compression is not None:
-            # where off-GPU rows are quantized (and attended at decode), a ring
+
+    def _open_block_homes(self, blk: KVBlock, disk_offset: int) -> None:
+        g, c, d = blk.rows
+        cfg, kv = self.cfg, self.layout
+        shape = (c, cfg.num_kv_heads, self.max_slots, cfg.head_dim)
+        if g:
+            blk.gpu = attention.LayerKV(
+                g, cfg, self.max_slots, self.dtype, self.device, self.compression
+            )
+            self._gpu_bytes += blk.gpu.nbytes
+        if c and self.compression is not None:
+            blk.cpu_blocks = [self.pool.alloc(kv.home_bytes(c))]
+            blk.cpu_quant = self._quant(c, torch.device("cpu"), blk.cpu_blocks[0].tensor)
+            self._owned += blk.cpu_blocks
+        elif c:
+            blk.cpu_blocks = [self.pool.alloc(c * kv.row_bytes) for _ in range(2)]
+            blk.cpu_k = blk.cpu_blocks[0].view(self.dtype, shape)
+            blk.cpu_v = blk.cpu_blocks[1].view(self.dtype, shape)
+            self._owned += blk.cpu_blocks
+        if d:
+            blk.disk_offset, blk.disk_region = disk_offset, align_up(d * kv.row_bytes)
+        if d and self.compression is not None:  # its view of its staging block
+            staging = self.staging[blk.disk_slot].tensor
+            blk.disk_quant = self._quant(d, torch.device("cpu"), staging, slot_major=True)
+
+    def _open_scratches(self, off_rows: int, depth: int) -> None:
+        """The GPU ring of the off-GPU rows: compressed where those rows' entries are
+        quantized (and attended at decode), else uncompressed for decode attention on
+        the GPU (prefetched, `depth` deep)."""
+        if not off_rows:
+            return
+        if self.compression is not None:
             self.quant_scratch = [self._quant(off_rows, self.device) for _ in range(depth)]
             self._gpu_bytes += depth * self.quant_scratch[0].nbytes
-        # decode scratch for rows whose cache is off the GPU, two deep (prefetch)
-        elif off_rows and not self.attention_on_cpu:
+        elif not self.attention_on_cpu:
+            cfg = self.cfg
             for _ in range(depth):
                 k = torch.empty(
-                    (off_rows, cfg.num_kv_heads, max_slots, cfg.head_dim),
+                    (off_rows, cfg.num_kv_heads, self.max_slots, cfg.head_dim),
                     dtype=self.dtype,
                     device=self.device,
                 )
                 self.scratch.append((k, torch.empty_like(k)))
-            self._gpu_bytes += depth * 2 * off_rows * per_row
-        acts = [self.pool.alloc(b) if b else None for b in act_bytes]
-        self._owned += [b for b in acts if b is not None]
-        self.ledger.add(Tier.GPU, self._gpu_bytes)
-        self._owned += self.store_staging
-        self.ledger.add(Tier.CPU, sum(b.reserved for b in self._owned + self.staging))
-        return acts
+            self._gpu_bytes += depth * 2 * off_rows * self.layout.row_bytes
 
     def _quant(self, rows: int, device: torch.device, buffer=None, slot_major=False) -> QuantKV:
         cfg = self.cfg

@@ -19,19 +19,24 @@ from offload.core.config import ModelConfig
 from offload.io.tiers import Tier
 from offload.kernels import cpu_attention
 from offload.kernels.formats import Compression
-from offload.kernels.quant import fake_quantize, is_quantized
+from offload.kernels.quant import QTensor, fake_quantize, is_quantized
 from offload.models import decoder, ops
+from offload.models.attention import LayerKV
 from offload.models.batch import PaddedBatch
-from offload.models.decoder import LayerKV, StepInputs, Weights
+from offload.models.decoder import StepInputs
+from offload.models.shapes import Weights
 from offload.models.weights import WeightSource
 
 
 def _compressed(weights: Weights, config: Compression | None) -> Weights:
-    """The values a compressed run computes with (quantize, dequantize)."""
+    """The values a compressed run computes with (quantize, dequantize); a pre-quantized
+    checkpoint's matrices (`QTensor`s) are those values already."""
     if config is None:
         return weights
     return {
-        k: fake_quantize(v, config) if is_quantized(k, tuple(v.shape), config) else v
+        k: fake_quantize(v, config)
+        if is_quantized(k, tuple(v.shape), config) and not isinstance(v, QTensor)
+        else v
         for k, v in weights.items()
     }
 
@@ -160,7 +165,7 @@ class PlainRunner:
             # reported 1.0 tok/s, 6.8 s of its 7.5 s decode the build (2-core CI machine)
             cpu_attention.available(compressed=kv_compression is not None)
         self.load_seconds = time.perf_counter() - started
-        self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.rotary else None
+        self.rotary = ops.Rotary.of(self.cfg, device)
         self._cache: list[LayerKV] = []
 
     kv_pool_bytes = 0
@@ -194,7 +199,7 @@ class PlainRunner:
         ]
 
     def step_inputs(self, batch: PaddedBatch, cache_start: int, num_new: int) -> StepInputs:
-        return batch.step_inputs(cache_start, num_new, self.dtype, self.device, self.inv_freq)
+        return batch.step_inputs(cache_start, num_new, self.dtype, self.device, self.rotary)
 
     @torch.inference_mode()
     def forward(
@@ -207,8 +212,9 @@ class PlainRunner:
         """Run new tokens [B, T] through the stack; fp32 logits [B, V] (or [B, T, V]).
         (Stream-ordered where wait is False: no synchronize either way.)"""
         x = decoder.embed(self.cfg, self.embed_w, token_ids.to(self.device), step.positions)
-        for weights, kv in zip(self.layer_w, self._cache, strict=True):
-            x = decoder.layer_forward(self.cfg, weights, x, step, kv)
+        for layer, (weights, kv) in enumerate(zip(self.layer_w, self._cache, strict=True)):
+            layer_step = decoder.layer_step(self.cfg, step, layer)
+            x = decoder.layer_forward(self.cfg, weights, x, layer_step, kv)
         if last_only:
             x = x[:, -1:]
         logits = decoder.head(self.cfg, self.head_w, x)

@@ -42,7 +42,7 @@ from offload.io.store import Extent, WeightStore
 from offload.io.tiers import MemoryLedger, Tier
 from offload.kernels.formats import Compression
 from offload.kernels.quant import assemble_stage, compress_stage
-from offload.models.decoder import Weights, stage_shapes
+from offload.models.shapes import Weights, stage_shapes
 from offload.models.weights import DummySource, WeightSource
 from offload.policies.policy import Placement
 

@@ -32,7 +32,7 @@ from offload.core.config import ModelConfig
 from offload.io.pinned import align_up
 from offload.kernels.kv_cache import kv_buffer_bytes
 from offload.kernels.quant import stored_layout
-from offload.models.decoder import stage_shapes
+from offload.models.shapes import stage_shapes
 
 if TYPE_CHECKING:
     from offload.kernels.formats import Compression

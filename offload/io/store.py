@@ -123,7 +123,9 @@ def compression_name(compression: Compression | None) -> str | None:
     if compression is None:
         return None
     kind = "sym" if compression.symmetric else "asym"
-    return f"int{compression.bits}-g{compression.group_size}-{kind}"
+    kind = "zp" if compression.zero_point else kind
+    head = "" if compression.head else "-dense-head"
+    return f"int{compression.bits}-g{compression.group_size}-{kind}{head}"
 
 
 def store_dir(

@@ -193,6 +193,7 @@ def qlinear(
         cfg.bits,
         cfg.group_size,
         cfg.symmetric,
+        cfg.zero_point,
         bias is not None,
         relu,
         residual is not None,
@@ -251,6 +252,7 @@ def _dense_slices(
             cfg.bits,
             cfg.group_size,
             cfg.symmetric,
+            cfg.zero_point,
             DEQUANT_ROWS,
             block_k,
         )
@@ -341,6 +343,7 @@ if triton is not None:
         BITS: tl.constexpr,
         GROUP: tl.constexpr,
         SYMMETRIC: tl.constexpr,
+        ZERO_POINT: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         RELU: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
@@ -403,6 +406,7 @@ if triton is not None:
                     low[:, :, None],
                     SYMMETRIC,
                     xt.dtype,
+                    ZERO_POINT=ZERO_POINT,
                 )
                 even = tl.reshape(even, (BLOCK_N, BLOCK_K // 2))
                 odd = tl.reshape(odd, (BLOCK_N, BLOCK_K // 2))
@@ -412,12 +416,14 @@ if triton is not None:
                 codes = tl.reshape(codes, (BLOCK_N, PER_STEP, GROUP))
                 if BITS == 8:
                     values = dequant_bytes(
-                        codes, scale[:, :, None], low[:, :, None], SYMMETRIC, xt.dtype
-                    )
+                        codes, scale[:, :, None], low[:, :, None], SYMMETRIC, xt.dtype,
+                        ZERO_POINT=ZERO_POINT,
+                    )  # fmt: skip
                 else:  # int4 in K steps too short for planes
                     values = dequant(
-                        codes, scale[:, :, None], low[:, :, None], BITS, SYMMETRIC, xt.dtype
-                    )
+                        codes, scale[:, :, None], low[:, :, None], BITS, SYMMETRIC, xt.dtype,
+                        ZERO_POINT,
+                    )  # fmt: skip
                 values = tl.reshape(values, (BLOCK_N, BLOCK_K))
                 acc = tl.dot(xt, tl.trans(values), acc, input_precision=PRECISION)
         mask = m_ok[:, None] & n_ok[None, :]
@@ -476,6 +482,7 @@ if triton is not None:
         BITS: tl.constexpr,
         GROUP: tl.constexpr,
         SYMMETRIC: tl.constexpr,
+        ZERO_POINT: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
@@ -512,6 +519,7 @@ if triton is not None:
             BITS,
             SYMMETRIC,
             out_ptr.dtype.element_ty,
+            ZERO_POINT,
         )
         tl.store(
             out_ptr + rn[:, None] * K + step * BLOCK_K + kk[None, :],

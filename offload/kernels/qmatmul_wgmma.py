@@ -101,6 +101,7 @@ def eligible(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None) -> bool:
         and cfg.bits == 4
         and cfg.group_size == GROUP
         and not cfg.symmetric
+        and not cfg.zero_point
         and n % W_ROWS == 0
         and k % (2 * K_STEP) == 0  # TMA: the scale rows' strides are multiples of 16 bytes
         and (bias is None or bias.dtype == torch.float16)

@@ -16,7 +16,9 @@ from safetensors import SafetensorError, safe_open
 
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
-from offload.models.decoder import Weights
+from offload.kernels.quant import is_quantized
+from offload.models import family_names, prequant
+from offload.models.shapes import Weights
 from offload.models.weights import WeightSource
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -27,7 +29,9 @@ NameMap = dict[str, list[str]]
 
 
 def _hf_names(cfg: ModelConfig, stage: str, index: int) -> NameMap:
-    if cfg.family == "llama":
+    if cfg.family == "falcon":
+        return family_names.falcon(cfg, stage, index)
+    if cfg.family in ("llama", "gemma"):
         p = f"model.layers.{index}."
         layer = {
             "attn_norm.weight": [p + "input_layernorm.weight"],
@@ -39,7 +43,9 @@ def _hf_names(cfg: ModelConfig, stage: str, index: int) -> NameMap:
         }
         embed = {"tok.weight": ["model.embed_tokens.weight"]}
         head = {"final_norm.weight": ["model.norm.weight"], "lm_head.weight": ["lm_head.weight"]}
-    elif cfg.family == "bloom":
+        stages = {"embed": embed, "layer": layer, "head": head}
+        return family_names.llama_variant(cfg, stage, index, stages[stage])
+    if cfg.family == "bloom":
         p = f"transformer.h.{index}."
         layer = {
             "attn_norm": [p + "input_layernorm"],
@@ -91,13 +97,6 @@ def _expand(names: NameMap, wanted: dict[str, tuple[int, ...]]) -> NameMap:
     return out
 
 
-def _bloom_qkv_to_blocks(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """BLOOM stores qkv per head as [H, 3, D, ...]; reorder to [q heads | k heads | v heads]."""
-    rest = t.shape[1:]
-    t = t.view(cfg.num_heads, 3, cfg.head_dim, *rest).transpose(0, 1)
-    return t.reshape(3 * cfg.num_heads * cfg.head_dim, *rest)
-
-
 class SafetensorsReader:
     """Lazy tensor access to a single or sharded safetensors checkpoint directory."""
 
@@ -134,7 +133,7 @@ class SafetensorsReader:
             mapping["transformer."] = ""
         if any(n.startswith("decoder.") for n in names):
             mapping["model.decoder."] = "decoder."
-        return mapping
+        return mapping | family_names.language_model_prefix(names)
 
     def stored_name(self, name: str) -> str:
         for full, short in self._prefix.items():
@@ -171,6 +170,7 @@ class CheckpointSource(WeightSource):
     def __init__(self, directory: Path, config: ModelConfig) -> None:
         self.config = config
         self.reader = SafetensorsReader(directory)
+        self.quant = prequant.format_of(directory)  # GPTQ, AWQ, compressed-tensors
 
     def stored_stage(
         self, stage: str, index: int, dtype: torch.dtype, device: torch.device
@@ -196,6 +196,9 @@ class CheckpointSource(WeightSource):
         dtype: torch.dtype,
         device: torch.device,
     ) -> torch.Tensor:
+        if self.quant is not None and is_quantized(canon, shape, self.quant.compression):
+            q = prequant.load_matrix(self.reader, self.config, self.quant, canon, hf_names, shape)
+            return prequant.to(q, dtype, device)
         missing = [n for n in hf_names if not self.reader.has(n)]
         if missing:
             raise UserError(
@@ -204,8 +207,8 @@ class CheckpointSource(WeightSource):
             )
         parts = [self.reader.get(n) for n in hf_names]
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        if self.config.family == "bloom" and canon.startswith("qkv."):
-            tensor = _bloom_qkv_to_blocks(tensor, self.config)
+        if family_names.grouped_qkv(self.config) and canon.startswith("qkv."):
+            tensor = family_names.grouped_qkv_to_blocks(tensor, self.config)
         if tuple(tensor.shape) != shape:
             raise UserError(
                 f"tensor {hf_names[0]} in {self.reader.directory} has shape "

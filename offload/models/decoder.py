@@ -1,18 +1,8 @@
 """The decoder stack as plain functions of inputs and explicitly handed-in weights.
 
-No function here knows where a weight lives: callers (the plain runner, later the
-offloading executor) pass a dict of tensors per stage. Canonical weight names:
-
-    embed stage:  tok.weight [V, E]; pos.weight [P, hidden] (OPT);
-                  embed_norm.weight/.bias (BLOOM); proj_in.weight [hidden, E] (OPT-350m)
-    layer i:      attn_norm.weight(/.bias); qkv.weight [(H + 2*Hkv)*D, hidden](/.bias);
-                  o.weight [hidden, H*D](/.bias); mlp_norm.weight(/.bias);
-                  mlp_in.weight [I or 2*I (gate | up), hidden](/.bias);
-                  mlp_out.weight [hidden, I](/.bias)
-    head stage:   final_norm.weight(/.bias) (absent for OPT-350m);
-                  proj_out.weight [E, hidden] (OPT-350m); lm_head.weight [V, E]
-                  (for tied embeddings a source hands out tok.weight under this name,
-                  and the executor's embedding reads its rows from it: `io.layout`)
+No function here knows where a weight lives: callers (the plain runner, the offloading
+executor) pass a dict of tensors per stage, under the canonical names of `models.shapes`.
+Attention over a cache lives in `models.attention`.
 
 A layer is split at its attention so an executor can run `attend` elsewhere (e.g. on
 the CPU next to a CPU-resident KV cache): `attn_in` -> `attend` -> `attn_out_and_mlp`.
@@ -32,22 +22,15 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from offload.core.config import OPT_POSITION_OFFSET, ModelConfig
 from offload.kernels import qmatmul
-from offload.kernels.cpu_attention import decode_attention_dense
-from offload.kernels.formats import Compression
-from offload.kernels.kv_attention import decode_attention
-from offload.kernels.kv_cache import QuantKV
 from offload.kernels.norm import norm, norm_reference
 from offload.kernels.qmatmul import qlinear
 from offload.kernels.quant import QTensor, embedding
 from offload.models import ops
-
-# A quantized layer matrix arrives as a `QTensor` (compressed weights); `_linear` runs
-# it through the dequantize-and-multiply kernel.
-Weights = dict[str, torch.Tensor | QTensor]
+from offload.models.attention import LayerKV, attend
+from offload.models.shapes import Weights, stage_shapes
 
 
 def _linear(
@@ -110,49 +93,14 @@ class StepInputs:
     cache_start: int
     rope: tuple[torch.Tensor, torch.Tensor] | None
     causal: bool = False
+    # the windowed layers' bias, rope and causal flag, where they differ from the
+    # others' (`ModelConfig.window_layers`; `layer_step` picks)
+    local: StepInputs | None = None
 
 
-def stage_shapes(cfg: ModelConfig, stage: str) -> dict[str, tuple[int, ...]]:
-    """Canonical tensor names and shapes of a stage: "embed", "layer" or "head"."""
-    hidden, inter = cfg.hidden_size, cfg.intermediate_size
-    if stage == "embed":
-        shapes: dict[str, tuple[int, ...]] = {"tok.weight": (cfg.vocab_size, cfg.embed_dim)}
-        if cfg.family == "opt":
-            shapes["pos.weight"] = (cfg.max_position_embeddings + OPT_POSITION_OFFSET, hidden)
-        if cfg.word_embed_proj_dim:
-            shapes["proj_in.weight"] = (hidden, cfg.embed_dim)
-        if cfg.family == "bloom":
-            shapes["embed_norm.weight"] = (hidden,)
-            shapes["embed_norm.bias"] = (hidden,)
-        return shapes
-    if stage == "head":
-        shapes = {}
-        if cfg.do_layer_norm_before:
-            shapes["final_norm.weight"] = (hidden,)
-            if cfg.norm_kind == "layer":
-                shapes["final_norm.bias"] = (hidden,)
-        if cfg.word_embed_proj_dim:
-            shapes["proj_out.weight"] = (cfg.embed_dim, hidden)
-        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.embed_dim)
-        return shapes
-    assert stage == "layer", stage
-    mlp_in = inter * (2 if cfg.gated_mlp else 1)
-    shapes = {
-        "attn_norm.weight": (hidden,),
-        "qkv.weight": (cfg.qkv_out_features, hidden),
-        "o.weight": (hidden, cfg.num_heads * cfg.head_dim),
-        "mlp_norm.weight": (hidden,),
-        "mlp_in.weight": (mlp_in, hidden),
-        "mlp_out.weight": (hidden, inter),
-    }
-    if cfg.norm_kind == "layer":
-        shapes["attn_norm.bias"] = (hidden,)
-        shapes["mlp_norm.bias"] = (hidden,)
-    if cfg.has_qkv_bias:
-        shapes["qkv.bias"] = (cfg.qkv_out_features,)
-    if cfg.has_linear_bias:
-        shapes.update({"o.bias": (hidden,), "mlp_in.bias": (mlp_in,), "mlp_out.bias": (hidden,)})
-    return shapes
+def layer_step(cfg: ModelConfig, step: StepInputs, layer: int) -> StepInputs:
+    """The step inputs layer `layer` attends with (its window's, where layers differ)."""
+    return step.local if step.local is not None and cfg.is_local(layer) else step
 
 
 def embed(
@@ -177,6 +125,8 @@ def embed(
         x = x + F.embedding(positions.clamp(min=0) + OPT_POSITION_OFFSET, w["pos.weight"])
     if cfg.family == "bloom":
         x = norm(x, w["embed_norm.weight"], w["embed_norm.bias"], "layer", cfg.norm_eps)
+    if cfg.embed_scale is not None:  # the scale rounded to the dtype first, as Gemma's
+        x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
     return x
 
 
@@ -200,70 +150,16 @@ def attn_in(cfg: ModelConfig, w: Weights, x: torch.Tensor, step: StepInputs):
     q = q.view(batch, num_new, cfg.num_heads, cfg.head_dim).transpose(1, 2)
     k = k.view(batch, num_new, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
     v = v.view(batch, num_new, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+    if cfg.qk_norm:  # each head's q and k normed over its channels
+        q, k = _norm(cfg, w, "q_norm", q), _norm(cfg, w, "k_norm", k)
     if step.rope is not None:
         cos, sin = step.rope
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+    if cfg.query_scale is not None:
+        # the attention scales scores by head_dim ** -0.5 (SDPA, the CPU and Triton
+        # kernels alike); q takes the ratio to the model's scale, so every path has it
+        q = q * (cfg.query_scale * math.sqrt(cfg.head_dim))
     return q, k, v, residual
-
-
-# Not cuDNN: with a bias over a cache that grows every decode step it spends about 8 ms
-# of host time per call (profiled on the H100: 92% of a decode step's CPU time).
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def attend(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    bias: torch.Tensor,
-    causal: bool = False,
-):
-    """Scaled dot-product attention of q [B,H,T,D] over keys/values [B,Hkv,S,D].
-
-    Returns [B, T, H*D]. Grouped-query heads share KV heads. causal (`StepInputs`): the
-    bias is the plain causal mask. Then SDPA runs its flash kernel without the bias,
-    with grouped-query heads read in place:
-    - where the keys are the T new tokens (a prefill), causally: half the scores. With
-      a bias, the memory-efficient kernel computes every score: 0.80 ms a layer against
-      the matmuls' 9.9 for W1c's prefill (12 x 512 tokens, H100);
-    - for one new token on the GPU (a decode step), over every slot.
-    """
-    batch, heads, num_new, dim = q.shape
-    kv_heads = keys.shape[1]
-    fresh = num_new > 1 and keys.shape[2] == num_new
-    if causal and (fresh or (num_new == 1 and q.is_cuda)):
-        with sdpa_kernel(SDPA_BACKENDS):
-            out = F.scaled_dot_product_attention(
-                q, keys, values, is_causal=fresh, enable_gqa=kv_heads != heads
-            )
-        return out.transpose(1, 2).reshape(batch, num_new, heads * dim)
-    if num_new == 1 and q.device.type == "cpu":
-        # decode on the CPU (the executor's CPU attention, the plain CPU run): the C
-        # kernel reads each K/V byte once on every core, grouped-query heads together
-        # (2x SDPA at the profile's shape, 1.4x at Llama-2-70B's: docs/cpu_attention.md);
-        # None where it does not run
-        out = decode_attention_dense(q, keys, values, bias)
-        if out is not None:
-            return out
-    if kv_heads != heads and num_new == 1 and bias.shape[1] == 1:
-        # decode with grouped-query heads: the query heads of one KV head become rows of
-        # one attention over it (same math; SDPA's own GQA path copies K/V per query
-        # head, 4-9x slower on the CPU where the executor's CPU attention runs)
-        grouped = q.view(batch, kv_heads, heads // kv_heads, dim)
-        with sdpa_kernel(SDPA_BACKENDS):
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bias)
-        return out.reshape(batch, 1, heads * dim)
-    if kv_heads != heads:
-        # prefill with grouped-query heads: SDPA's own GQA path runs in the flash backend
-        # only, which takes no mask; with one it falls back to the math backend and holds
-        # fp32 scores [B, H, T, S] (Llama-3.1-8B, 192 x 512 prompt rows: 28.5 GB peak under
-        # a 10 GB cap, H100 run validate_cost_model 223254). K/V expanded to every query
-        # head keep the memory-efficient backend (`policies.memory` counts them).
-        group = heads // kv_heads
-        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-    with sdpa_kernel(SDPA_BACKENDS):
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
-    return out.transpose(1, 2).reshape(batch, num_new, heads * dim)
 
 
 # Prefill pushes tens of thousands of token rows through the MLP at once; in slices of
@@ -271,8 +167,8 @@ def attend(
 MLP_CHUNK_ROWS = 4096
 # ...except up to this many rows of a compressed layer, which go at once: its prefill
 # dequantizes the MLP's weights for every call (`qmatmul.DENSE_ROWS`), so a second
-# slice dequantizes them again. W1c (OPT-30B int4, 14 x 512 rows): 0.42 ms and a 0.07 ms
-# copy of a 14 ms prefill layer (H100, trace_plan --kernels).
+# slice dequantizes them again; one slice's intermediate at this size is a small part of
+# a compressed plan's prefill transients (docs/throughput.md, "Prefill").
 MLP_WHOLE_ROWS = 8192
 
 
@@ -315,6 +211,8 @@ def mlp_block(
 ) -> torch.Tensor:
     """The attention's residual and the MLP block over the projected attention output x;
     the layer's output hidden states. Its rows go in `mlp_chunks`."""
+    if cfg.sandwich_norms:  # the attention's output normed before the residual joins
+        x = _norm(cfg, w, "post_attn_norm", x)
     if not cfg.do_layer_norm_before:
         x = _norm(cfg, w, "attn_norm", x, residual)
         residual = None  # added by the norm
@@ -342,20 +240,45 @@ def _mlp(
     """The MLP with its residual (and OPT's post-norm) over token rows x [N, hidden].
 
     attn_residual (pre-norm models): the attention block's residual, not yet added to
-    x; the norm adds it into x in place, in the same kernel (`kernels.norm`)."""
+    x; the norm adds it into x in place, in the same kernel (`kernels.norm`). A parallel
+    layer (Falcon) has its MLP read that residual, the layer's input, and adds the
+    attention's output x and the input to the MLP's, in transformers' order."""
+    if cfg.parallel_attn:
+        assert attn_residual is not None
+        h = _norm(cfg, w, "mlp_norm" if cfg.has_mlp_norm else "attn_norm", attn_residual)
+        out = _mlp_out(cfg, w, h, parallel)
+        out += x
+        out += attn_residual
+        return out
     h = _norm(cfg, w, "mlp_norm", x, attn_residual) if cfg.do_layer_norm_before else x
     residual = h if cfg.residual_from_norm else x
+    if cfg.sandwich_norms:  # the MLP's output normed before the residual joins
+        out = _norm(cfg, w, "post_mlp_norm", _mlp_out(cfg, w, h, parallel))
+        out += residual
+        return out
+    out = _mlp_out(cfg, w, h, parallel, residual)
+    if not cfg.do_layer_norm_before:
+        out = _norm(cfg, w, "mlp_norm", out)
+    return out
+
+
+def _mlp_out(
+    cfg: ModelConfig,
+    w: Weights,
+    h: torch.Tensor,
+    parallel: Parallel | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The MLP's projections of normed rows h, with the residual added where given."""
     if cfg.activation == "relu" and not cfg.gated_mlp:
         act = _linear(cfg, w, "mlp_in", h, relu=True)
     else:
         act = ops.mlp_activation(_linear(cfg, w, "mlp_in", h), cfg.activation, cfg.gated_mlp)
     if parallel is None:
-        out = _linear(cfg, w, "mlp_out", act, residual=residual)
-    else:  # the residual joins the ranks' summed outputs
-        out = parallel.reduce(_linear(cfg, w, "mlp_out", act))
+        return _linear(cfg, w, "mlp_out", act, residual=residual)
+    out = parallel.reduce(_linear(cfg, w, "mlp_out", act))  # the ranks' summed outputs
+    if residual is not None:
         out += residual
-    if not cfg.do_layer_norm_before:
-        out = _norm(cfg, w, "mlp_norm", out)
     return out
 
 
@@ -365,17 +288,19 @@ def head(cfg: ModelConfig, w: Weights, x: torch.Tensor) -> torch.Tensor:
         x = _norm(cfg, w, "final_norm", x)
     if "proj_out.weight" in w:
         x = F.linear(x, w["proj_out.weight"])
-    return _linear(cfg, w, "lm_head", x).float()
+    logits = _linear(cfg, w, "lm_head", x)
+    if cfg.final_softcap is not None:  # in the model's dtype, as transformers does
+        logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+    return logits.float()
 
 
 def warm_kernels(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
     """Launch, on a few rows at the model's widths, what a process pays for at its first
     prefill whatever the plan: the Triton runtime's start (its driver, the key of its
-    cache: 0.4-0.7 s on the H200 machine, c106), the norm kernel's compile or cache load at
-    this width, with and without a residual, the plain layer norm's first launch (the
-    head's strided last rows take it), cuBLAS's handle and SDPA's flash kernel. No
-    weights are read. Without it a streamed plan's first prefill took 1.0-1.2 s more
-    than its warm one (c106, c108)."""
+    cache: most of a second), the norm kernel's compile or cache load at this width,
+    with and without a residual, the plain layer norm's first launch (the head's strided
+    last rows take it), cuBLAS's handle and SDPA's flash kernel. No weights are read.
+    Without it a streamed plan's first prefill pays all of these (docs/executor.md)."""
     hidden = cfg.hidden_size
     x = torch.zeros(2, hidden, dtype=dtype, device=device)
     weight = torch.ones(hidden, dtype=dtype, device=device)
@@ -392,83 +317,11 @@ def warm_kernels(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
         torch.cuda.synchronize(device)
 
 
-class LayerKV:
-    """One layer's KV cache for a batch on one device: k, v [B, Hkv, max_slots, D], or
-    with `compression` a `kernels.kv_cache.QuantKV` (read by the quantized decode
-    attention kernel)."""
-
-    def __init__(
-        self,
-        batch: int,
-        cfg: ModelConfig,
-        max_slots: int,
-        dtype,
-        device,
-        compression: Compression | None = None,
-    ) -> None:
-        self.quant: QuantKV | None = None
-        if compression is not None:
-            self.quant = QuantKV(
-                batch, cfg.num_kv_heads, cfg.head_dim, max_slots, compression, dtype, device
-            )
-            return
-        shape = (batch, cfg.num_kv_heads, max_slots, cfg.head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-
-    @property
-    def nbytes(self) -> int:
-        if self.quant is not None:
-            return self.quant.nbytes
-        return 2 * self.k.numel() * self.k.element_size()
-
-    def attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        bias: torch.Tensor,
-        start: int,
-        causal: bool = False,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Store the new entries k, v at slots start.. and attend q over the cache
-        (a compressed one: `quant_attention`); causal as `attend`'s. out: a buffer the
-        decode attention over a compressed cache writes into (others return their own)."""
-        end = start + k.shape[2]
-        if self.quant is not None:
-            return quant_attention(self.quant, q, k, v, bias, start, causal, out)
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return attend(q, self.k[:, :, :end], self.v[:, :, :end], bias, causal)
-
-
-def quant_attention(
-    cache: QuantKV,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bias,
-    start: int,
-    causal: bool = False,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Store k, v in the compressed cache at slots start.. and attend q: a prefill
-    (start 0) over its fresh entries at full precision, a decode step over the cache
-    (into out where given)."""
-    cache.write(k, v, start)
-    if start == 0:
-        return attend(q, k, v, bias, causal)
-    end = start + k.shape[2]
-    if q.shape[2] == 1:
-        return decode_attention(q, cache, bias, end, out=out)
-    return attend(q, *cache.dequantized(end), bias)
-
-
 def layer_forward(
     cfg: ModelConfig, w: Weights, x: torch.Tensor, step: StepInputs, kv: LayerKV
 ) -> torch.Tensor:
-    """One decoder layer with its KV cache on the same device as x."""
+    """One decoder layer with its KV cache on the same device as x (step: this layer's,
+    `layer_step`)."""
     q, k, v, residual = attn_in(cfg, w, x, step)
     context = kv.attention(q, k, v, step.bias, step.cache_start, step.causal)
     return attn_out_and_mlp(cfg, w, context, residual)

@@ -25,7 +25,7 @@ import torch
 
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
-from offload.models.decoder import Weights
+from offload.models.shapes import Weights
 from offload.models.weights import WeightSource
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")

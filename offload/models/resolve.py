@@ -16,6 +16,7 @@ from typing import Any
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
 from offload.core.presets import DEMO_NAME, PRESETS, preset_for
+from offload.kernels.formats import Compression
 from offload.models.weights import DummySource, WeightSource
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,21 @@ class ModelSpec:
         from offload.models.checkpoint import CheckpointSource
 
         return CheckpointSource(self.path, self.config)
+
+    def weight_format(self) -> Compression | None:
+        """A pre-quantized checkpoint's format, which its plan must keep (None: the
+        checkpoint is not quantized, or runs with dummy weights)."""
+        return self.checkpoint_format() if self.kind == "safetensors" else None
+
+    def checkpoint_format(self) -> Compression | None:
+        """The format of the checkpoint directory's weights, whatever this run loads
+        (offload-plan resolves a model without its weights)."""
+        if self.path is None or not self.path.is_dir():
+            return None
+        from offload.models.prequant import format_of
+
+        fmt = format_of(self.path)
+        return None if fmt is None else fmt.compression
 
     def generation_config(self) -> dict[str, Any]:
         """The model's generation_config.json ({} when it has none, as GGUF files)."""
@@ -90,7 +106,9 @@ def _config_from_dir(directory: Path, name: str) -> ModelConfig:
 def _from_path(path: Path, dummy: bool, seed: int) -> ModelSpec:
     if path.is_dir():
         config = _config_from_dir(path, path.name)
-        return ModelSpec(path.name, config, "dummy" if dummy else "safetensors", path, seed)
+        spec = ModelSpec(path.name, config, "dummy" if dummy else "safetensors", path, seed)
+        spec.weight_format()  # a quantization we cannot read is refused here, by name
+        return spec
     if path.suffix == ".gguf":
         from offload.models.gguf_file import gguf_config, open_gguf
 

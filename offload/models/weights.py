@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from offload.core.config import ModelConfig
-from offload.models.decoder import Weights, stage_shapes
+from offload.models.shapes import Weights, stage_shapes
 
 
 class WeightSource(ABC):

@@ -29,7 +29,7 @@ import torch
 
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
-from offload.models.decoder import Weights
+from offload.models.shapes import Weights
 from offload.models.weights import WeightSource
 
 # MLP columns move between ranks in units of this many (when I allows), so a rank's

@@ -83,6 +83,92 @@ def _layer_bytes(
     return sum(off[layers]) / n, sum(disk[layers]) / n, off[0] + off[-1], sum(sizes[layers]) / n
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """What a block of `n_seqs` sequences under a policy puts through each layer: its
+    micro-batches and their KV rows by tier, the bytes a token of KV takes (as the GPU
+    and CPU read it, and as a disk home writes it), and the layer's weight bytes."""
+
+    n_seqs: int
+    elt: int  # bytes an activation element
+    sizes: list[int]  # sequences a micro-batch
+    splits: list[tuple[int, int, int]]  # a micro-batch's KV rows on GPU, CPU, disk
+    slots: int  # KV slots a sequence holds at the end (prompt + new tokens)
+    ctx: float  # the average context over the generation
+    kv_tok: float  # KV bytes a token and layer, as stored (compressed when compressed)
+    write_tok: float  # bytes a decode step writes to a disk row's home
+    cpu_attention_gbps: float  # the CPU attention's rate over this cache, in its bytes
+    off_w: float  # a layer's weight bytes not on the GPU (average)
+    disk_w: float  # a layer's weight bytes on disk (average)
+    ends: float  # the embedding's and head's bytes not on the GPU
+    layer_w: float  # a layer's weight bytes as stored (average)
+
+    @property
+    def micro(self) -> int:
+        return max(1, len(self.splits))
+
+    def rows(self, tier: int) -> int:
+        """KV rows (sequences) on a tier: 0 GPU, 1 CPU, 2 disk."""
+        return sum(split[tier] for split in self.splits)
+
+    def kv_bytes(self, tier: int) -> float:
+        """The decode's average KV bytes a layer on a tier."""
+        return self.rows(tier) * self.ctx * self.kv_tok
+
+
+def _shape(
+    cfg: ModelConfig,
+    policy: Policy,
+    dtype: torch.dtype,
+    prompt_len: int,
+    gen_len: int,
+    hw: HardwareProfile,
+    batch: int | None,
+) -> _Shape:
+    n_seqs = batch or policy.block_size
+    sizes = micro_batch_sizes(policy, n_seqs)
+    slots = prompt_len + gen_len
+    full_tok = 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize  # one token, one layer
+    group = cfg.num_heads // cfg.num_kv_heads  # query heads a KV head
+    kv_tok, write_tok = float(full_tok), float(full_tok)
+    cpu_attention_gbps = hw.cpu_attention_rate(group, compressed=False)
+    if policy.kv_compression is not None:  # compressed bytes a token (the GPU reads)
+        kv_tok = kv_row_bytes(cfg.num_kv_heads, cfg.head_dim, slots, dtype, policy.kv_compression)
+        kv_tok /= slots
+        cpu_attention_gbps = hw.cpu_attention_rate(group, compressed=True) * kv_tok / full_tok
+        # a disk home's step writes its entry to the full-precision tail and, once a
+        # group, the group's codes
+        write_tok = full_tok + kv_tok
+    off_w, disk_w, ends, layer_w = _layer_bytes(cfg, policy, dtype)
+    return _Shape(
+        n_seqs=n_seqs,
+        elt=dtype.itemsize,
+        sizes=sizes,
+        splits=row_splits(policy.kv_cache, sizes),
+        slots=slots,
+        ctx=prompt_len + gen_len / 2,
+        kv_tok=kv_tok,
+        write_tok=write_tok,
+        cpu_attention_gbps=cpu_attention_gbps,
+        off_w=off_w,
+        disk_w=disk_w,
+        ends=ends,
+        layer_w=layer_w,
+    )
+
+
+@dataclass(frozen=True)
+class _DecodeLanes:
+    """A decode step's lane times for one layer (seconds)."""
+
+    h2d: float
+    disk: float
+    disk_kv: float  # the KV homes' part of `disk`
+    compute: float
+    host: float
+    cpu_attn: float
+
+
 def estimate(
     cfg: ModelConfig,
     policy: Policy,
@@ -93,125 +179,30 @@ def estimate(
     batch: int | None = None,
     tp: int = 1,
 ) -> Estimate:
-    """tp: tensor-parallel ranks; cfg is then one rank's shard (`parallel.shard`)."""
-    elt = dtype.itemsize
-    n_seqs = batch or policy.block_size
-    sizes = micro_batch_sizes(policy, n_seqs)
-    splits = row_splits(policy.kv_cache, sizes)
-    rows_gpu = sum(g for g, _, _ in splits)
-    rows_cpu = sum(c for _, c, _ in splits)
-    rows_disk = sum(d for _, _, d in splits)
-    kv_tok = full_tok = 2 * cfg.num_kv_heads * cfg.head_dim * elt  # one token, one layer
-    group = cfg.num_heads // cfg.num_kv_heads  # query heads a KV head
-    cpu_attention_gbps = hw.cpu_attention_rate(group, compressed=False)
-    # decode: average context over the generation
-    slots, ctx = prompt_len + gen_len, prompt_len + gen_len / 2
-    write_tok = full_tok  # bytes a decode step writes to a disk row's home
-    if policy.kv_compression is not None:  # compressed bytes a token (the GPU reads)
-        kv_tok = kv_row_bytes(cfg.num_kv_heads, cfg.head_dim, slots, dtype, policy.kv_compression)
-        kv_tok /= slots
-        cpu_attention_gbps = hw.cpu_attention_rate(group, compressed=True) * kv_tok / full_tok
-        # a disk home's step writes its entry to the full-precision tail and, once a
-        # group, the group's codes
-        write_tok = full_tok + kv_tok
-    params = cfg.layer_param_count()
-    off_w, disk_w, ends, layer_w = _layer_bytes(cfg, policy, dtype)
-    micro = max(1, len(splits))
-
-    kv_g, kv_c, kv_d = (r * ctx * kv_tok for r in (rows_gpu, rows_cpu, rows_disk))
-    h2d = off_w / (hw.h2d_gbps * GB)
-    if not policy.attention_on_cpu:  # CPU homes cross whole (all slots), disk pages as read
-        h2d += (rows_cpu * slots * kv_tok + kv_d) / (hw.h2d_gbps * GB)
-    # the KV homes' part of the disk lane: their reads, write-backs and each home's
-    # chain, measured on the path the step takes (`_offgpu_chain_s`)
-    disk_kv = kv_d / ((hw.disk_kv_read_gbps or hw.disk_read_gbps) * GB)
-    disk_kv += rows_disk * write_tok / (hw.disk_write_gbps * GB)
-    disk_kv += sum(1 for _, _, d in splits if d) * _offgpu_chain_s(policy, hw, tp, disk=True)
-    disk = disk_w / (hw.disk_read_gbps * GB) + disk_kv
-    # every micro-batch reads the layer's weights (as stored: compressed when
-    # compressed) from GPU memory, whichever tier they came from, and the KV it attends
-    # on the GPU (off-GPU rows from the scratch they were loaded into)
-    kv_hbm = kv_g if policy.attention_on_cpu else kv_g + kv_c + kv_d
-    gpu_attended = sum(1 for g, _, _ in splits if g) if policy.attention_on_cpu else micro
-    gpu_pairs = (rows_gpu if policy.attention_on_cpu else n_seqs) * cfg.num_kv_heads
-    kernels = sum(
-        hw.matmul_seconds(policy.weight_compression, layer_w, size, len(LAYER_MATMULS))
-        for size in sizes
-    )
-    kernels += hw.attention_seconds(policy.kv_compression, kv_hbm, gpu_attended, gpu_pairs)
-    # the layer's other kernels and the gaps between them, a micro-batch
-    kernels += micro * hw.decode_elementwise_s.get(cfg.family, 0.0)
-    compute = max(2 * n_seqs * params / (hw.decode_tflops * 1e12), kernels)
-    compute += _allreduce_s(cfg, hw, tp, n_seqs, micro, elt)
-    if rows_cpu + rows_disk and not policy.attention_on_cpu:
-        # the off-GPU KV's chain a micro-batch (its attention over the scratch, the
-        # merge with the GPU rows' and the store of the new entries, and the host's
-        # launches of them) runs between the micro-batch's matmuls, not beside them:
-        # BLOOM-176B 2 x 16, H100 run 202027, 36 ms a layer against 20 of matmuls and
-        # 16 x 1.1 ms of chain (it was counted on the host lane, the step predicted 2.2 s)
-        compute += micro * _offgpu_chain_s(policy, hw, tp)
-    host = _host_s(policy, hw, micro, tp)
-    cpu_attn = 0.0
-    if policy.attention_on_cpu:
-        off_pairs = (rows_cpu + rows_disk) * cfg.num_kv_heads
-        pair_s = hw.cpu_attention_pair(group, compressed=policy.kv_compression is not None)
-        cpu_attn = (kv_c + kv_d) / (cpu_attention_gbps * GB) + off_pairs * pair_s
-        cpu_attn += micro * hw.cpu_attention_fixed_s
-    if cpu_attn:
-        per_micro = cpu_attn / micro
-        # the weight copy reads DRAM beside the first micro-batch's attention
-        h2d = _copy_beside_attention_s(off_w, per_micro, hw)
-        # the host cannot run ahead across a CPU attention (it computes it, then issues
-        # the rest of the micro-batch's layer): the GPU idles for that issue each micro-
-        # batch. OPT-30B int4, 16 x 1, 2 rows' KV attended on the CPU (H100 run 233323):
-        # 68 ms a step against 38 predicted without this term, 62 with it. The next
-        # micro-batch's GPU work runs while the CPU attends one (`Executor._one_behind`):
-        # a micro-batch after the first takes the longer of its attention and its share
-        # of the compute, and the last one's compute follows its attention
-        share = compute / micro
-        layer = max(h2d, per_micro, disk) + (micro - 1) * max(per_micro, share) + share
-        layer = max(layer + micro * hw.micro_fixed_s, host)
+    """The policy's predicted prefill, decode step and throughput for a block of `batch`
+    sequences (default: the policy's block). tp: tensor-parallel ranks; cfg is then one
+    rank's shard (`parallel.shard`)."""
+    shape = _shape(cfg, policy, dtype, prompt_len, gen_len, hw, batch)
+    lanes = _decode_lanes(cfg, policy, hw, shape, tp)
+    if lanes.cpu_attn:
+        h2d, layer = _layer_with_cpu_attention_s(lanes, shape, hw)
     else:
-        # attended on the GPU, a layer's disk homes are read, crossed, attended, stored
-        # and written back in a chain with its compute, not beside it: the H200 trace
-        # of Llama-3.1-8B's 8 x 2 plan with a row a micro-batch on disk (c111) shows
-        # each layer's KV copies begin as the layer before ends, and its compute wait
-        # for them. Over the seven disk runs at this executor (c89, c92, c108, c110,
-        # `scripts/repredict_disk_kv.py`) the mean error is 15.6% with the chain after
-        # the compute, 33.5% with the busiest lane alone. Weights read from disk run
-        # ahead of the compute, as before
-        layer = max(h2d, disk, compute + disk_kv, host)
-    head_flops = 2 * n_seqs * cfg.vocab_size * cfg.embed_dim
-    ends_s = ends / (hw.h2d_gbps * GB) + head_flops / (hw.decode_tflops * 1e12)
-    step = cfg.num_layers * layer + ends_s
-    lanes = {
-        "h2d": cfg.num_layers * h2d + ends / (hw.h2d_gbps * GB),
-        "disk": cfg.num_layers * disk,
-        "compute": cfg.num_layers * compute,
-        "cpu_attn": cfg.num_layers * cpu_attn,
-        "host": cfg.num_layers * host,
+        h2d, layer = lanes.h2d, _layer_with_gpu_attention_s(lanes)
+    head_flops = 2 * shape.n_seqs * cfg.vocab_size * cfg.embed_dim
+    ends_h2d = shape.ends / (hw.h2d_gbps * GB)
+    step = cfg.num_layers * layer + (ends_h2d + head_flops / (hw.decode_tflops * 1e12))
+    step_lanes = {
+        "h2d": cfg.num_layers * h2d + ends_h2d,
+        "disk": cfg.num_layers * lanes.disk,
+        "compute": cfg.num_layers * lanes.compute,
+        "cpu_attn": cfg.num_layers * lanes.cpu_attn,
+        "host": cfg.num_layers * lanes.host,
     }
-
-    # prefill: one step over the prompt
-    tokens = n_seqs * prompt_len
-    attn_flops = 4 * n_seqs * prompt_len * prompt_len * cfg.num_heads * cfg.head_dim
-    p_compute = (
-        _prefill_matmul_s(cfg, policy, hw, sizes, prompt_len, layer_w)
-        + attn_flops / (hw.prefill_attention_rate() * 1e12)
-        + tokens * cfg.hidden_size * hw.prefill_elementwise_s.get(cfg.family, 0.0)
-        + _allreduce_s(cfg, hw, tp, tokens, micro, elt)
-    )
-    p_h2d = off_w / (hw.h2d_gbps * GB)
-    p_d2h = (rows_cpu + rows_disk) * prompt_len * kv_tok / (hw.d2h_gbps * GB)
-    p_disk = disk_w / (hw.disk_read_gbps * GB) + rows_disk * prompt_len * kv_tok / (
-        hw.disk_write_gbps * GB
-    )
-    p_host = _host_s(policy, hw, micro, tp, decode=False)
-    prefill = cfg.num_layers * max(p_compute, p_h2d, p_d2h, p_disk, p_host)
-    prefill += ends / (hw.h2d_gbps * GB) + head_flops / (hw.prefill_tflops * 1e12)
-
+    prefill = _prefill_s(cfg, policy, hw, shape, prompt_len, tp)
+    prefill += ends_h2d + head_flops / (hw.prefill_tflops * 1e12)
     decode = (gen_len - 1) * step
     total = prefill + decode
+    n_seqs = shape.n_seqs
     plan = plan_memory(cfg, policy, dtype, prompt_len, gen_len)
     gpu_peak, cpu_peak = peak_bytes(plan, Baseline.from_profile(hw))
     return Estimate(
@@ -220,14 +211,134 @@ def estimate(
         decode_step_s=step,
         decode_s=decode,
         total_tok_s=n_seqs * gen_len / total,
-        prefill_tok_s=tokens / prefill,
+        prefill_tok_s=n_seqs * prompt_len / prefill,
         decode_tok_s=n_seqs * max(gen_len - 1, 1) / max(decode, 1e-12),
-        bottleneck=max(lanes, key=lambda k: lanes[k]),
-        lanes_decode_s=lanes,
+        bottleneck=max(step_lanes, key=lambda k: step_lanes[k]),
+        lanes_decode_s=step_lanes,
         memory=plan,
         gpu_peak_bytes=gpu_peak,
         cpu_peak_bytes=cpu_peak,
     )
+
+
+def _decode_lanes(
+    cfg: ModelConfig, policy: Policy, hw: HardwareProfile, shape: _Shape, tp: int
+) -> _DecodeLanes:
+    """A decode step's lanes for one layer, each on its own (overlap comes after)."""
+    rows_cpu, rows_disk = shape.rows(1), shape.rows(2)
+    kv_c, kv_d = shape.kv_bytes(1), shape.kv_bytes(2)
+    h2d = shape.off_w / (hw.h2d_gbps * GB)
+    if not policy.attention_on_cpu:  # CPU homes cross whole (all slots), disk pages as read
+        h2d += (rows_cpu * shape.slots * shape.kv_tok + kv_d) / (hw.h2d_gbps * GB)
+    # the KV homes' part of the disk lane: their reads, write-backs and each home's
+    # chain, measured on the path the step takes (`_offgpu_chain_s`)
+    disk_kv = kv_d / ((hw.disk_kv_read_gbps or hw.disk_read_gbps) * GB)
+    disk_kv += rows_disk * shape.write_tok / (hw.disk_write_gbps * GB)
+    homes = sum(1 for _, _, d in shape.splits if d)
+    disk_kv += homes * _offgpu_chain_s(policy, hw, tp, disk=True)
+    cpu_attn = 0.0
+    if policy.attention_on_cpu:
+        group = cfg.num_heads // cfg.num_kv_heads
+        pair_s = hw.cpu_attention_pair(group, compressed=policy.kv_compression is not None)
+        cpu_attn = (kv_c + kv_d) / (shape.cpu_attention_gbps * GB)
+        cpu_attn += (rows_cpu + rows_disk) * cfg.num_kv_heads * pair_s
+        cpu_attn += shape.micro * hw.cpu_attention_fixed_s
+    return _DecodeLanes(
+        h2d=h2d,
+        disk=shape.disk_w / (hw.disk_read_gbps * GB) + disk_kv,
+        disk_kv=disk_kv,
+        compute=_decode_compute_s(cfg, policy, hw, shape, tp),
+        host=_host_s(policy, hw, shape.micro, tp),
+        cpu_attn=cpu_attn,
+    )
+
+
+def _decode_compute_s(
+    cfg: ModelConfig, policy: Policy, hw: HardwareProfile, shape: _Shape, tp: int
+) -> float:
+    """A layer's GPU time in a decode step. Every micro-batch reads the layer's weights
+    as stored (compressed when compressed) from GPU memory, whichever tier they came
+    from, and the KV it attends on the GPU (off-GPU rows from the scratch they were
+    loaded into)."""
+    micro, n_seqs = shape.micro, shape.n_seqs
+    kv_g = shape.kv_bytes(0)
+    if policy.attention_on_cpu:
+        kv_hbm = kv_g
+        gpu_attended = sum(1 for g, _, _ in shape.splits if g)
+        gpu_pairs = shape.rows(0) * cfg.num_kv_heads
+    else:
+        kv_hbm = kv_g + shape.kv_bytes(1) + shape.kv_bytes(2)
+        gpu_attended, gpu_pairs = micro, n_seqs * cfg.num_kv_heads
+    kernels = sum(
+        hw.matmul_seconds(policy.weight_compression, shape.layer_w, size, len(LAYER_MATMULS))
+        for size in shape.sizes
+    )
+    kernels += hw.attention_seconds(policy.kv_compression, kv_hbm, gpu_attended, gpu_pairs)
+    # the layer's other kernels and the gaps between them, a micro-batch
+    kernels += micro * hw.decode_elementwise_s.get(_probed_family(cfg), 0.0)
+    params = cfg.layer_param_count()
+    compute = max(2 * n_seqs * params / (hw.decode_tflops * 1e12), kernels)
+    compute += _allreduce_s(cfg, hw, tp, n_seqs, micro, shape.elt)
+    if shape.rows(1) + shape.rows(2) and not policy.attention_on_cpu:
+        # the off-GPU KV's chain a micro-batch (its attention over the scratch, the
+        # merge with the GPU rows' and the store of the new entries, and the host's
+        # launches of them) runs between the micro-batch's matmuls, not beside them
+        # (docs/cost_model.md, "Off-GPU KV attended on the GPU")
+        compute += micro * _offgpu_chain_s(policy, hw, tp)
+    return compute
+
+
+def _layer_with_cpu_attention_s(
+    lanes: _DecodeLanes, shape: _Shape, hw: HardwareProfile
+) -> tuple[float, float]:
+    """(the weight copy's time, the layer's time) with attention on the CPU. The weight
+    copy reads DRAM beside the first micro-batch's attention. The host cannot run ahead
+    across a CPU attention (it computes it, then issues the rest of the micro-batch's
+    layer), so the GPU idles for that issue each micro-batch. The next micro-batch's GPU
+    work runs while the CPU attends one (`Executor._one_behind`): a micro-batch after
+    the first takes the longer of its attention and its share of the compute, and the
+    last one's compute follows its attention (docs/cost_model.md, "CPU attention")."""
+    micro = shape.micro
+    per_micro = lanes.cpu_attn / micro
+    h2d = _copy_beside_attention_s(shape.off_w, per_micro, hw)
+    share = lanes.compute / micro
+    layer = max(h2d, per_micro, lanes.disk) + (micro - 1) * max(per_micro, share) + share
+    return h2d, max(layer + micro * hw.micro_fixed_s, lanes.host)
+
+
+def _layer_with_gpu_attention_s(lanes: _DecodeLanes) -> float:
+    """A layer's time with attention on the GPU: its busiest lane, except that a layer's
+    disk KV homes are read, crossed, attended, stored and written back in a chain with
+    its compute, not beside it (weights read from disk run ahead of the compute)
+    (docs/cost_model.md, "KV on disk")."""
+    return max(lanes.h2d, lanes.disk, lanes.compute + lanes.disk_kv, lanes.host)
+
+
+def _prefill_s(
+    cfg: ModelConfig,
+    policy: Policy,
+    hw: HardwareProfile,
+    shape: _Shape,
+    prompt_len: int,
+    tp: int,
+) -> float:
+    """The prefill's layers: one step over the prompt, each layer its busiest lane."""
+    n_seqs, micro = shape.n_seqs, shape.micro
+    tokens = n_seqs * prompt_len
+    attn_flops = 4 * n_seqs * prompt_len * prompt_len * cfg.num_heads * cfg.head_dim
+    compute = (
+        _prefill_matmul_s(cfg, policy, hw, shape.sizes, prompt_len, shape.layer_w)
+        + attn_flops / (hw.prefill_attention_rate() * 1e12)
+        + tokens * cfg.hidden_size * hw.prefill_elementwise_s.get(_probed_family(cfg), 0.0)
+        + _allreduce_s(cfg, hw, tp, tokens, micro, shape.elt)
+    )
+    rows_off = shape.rows(1) + shape.rows(2)
+    h2d = shape.off_w / (hw.h2d_gbps * GB)
+    d2h = rows_off * prompt_len * shape.kv_tok / (hw.d2h_gbps * GB)
+    disk = shape.disk_w / (hw.disk_read_gbps * GB)
+    disk += shape.rows(2) * prompt_len * shape.kv_tok / (hw.disk_write_gbps * GB)
+    host = _host_s(policy, hw, micro, tp, decode=False)
+    return cfg.num_layers * max(compute, h2d, d2h, disk, host)
 
 
 def _prefill_matmul_s(
@@ -242,9 +353,8 @@ def _prefill_matmul_s(
     executor calls them: the attention's over the micro-batch's rows, the MLP's in
     `decoder.mlp_chunks`. A compressed weight multiplies in the fused
     kernel below `qmatmul.DENSE_ROWS` rows; from there each call dequantizes the
-    weight into a scratch and cuBLAS multiplies at the dense rate (`kernels.qmatmul`).
-    OPT-175B int4 at 8 x 5 x 512 on the H100 machine: 98 ms of cuBLAS and 13 ms of
-    dequantization a layer, which the dense-rate-only model had as 106 ms in all.
+    weight into a scratch and cuBLAS multiplies at the dense rate (`kernels.qmatmul`),
+    so the dequantization is a term of its own (docs/cost_model.md, "Prefill").
     stored: a layer's bytes as stored."""
     compression = policy.weight_compression
     params = cfg.layer_param_count()
@@ -274,9 +384,7 @@ def _prefill_matmul_s(
 def _copy_beside_attention_s(nbytes: float, attention_s: float, hw: HardwareProfile) -> float:
     """Seconds to copy nbytes host -> GPU while the CPU attention reads DRAM during the
     first attention_s of them: at the rate measured beside it while it runs, then at
-    the copy's own. W1u (OPT-30B, 88 x 1, H100 machine): 0.93 GB a layer in 18.4-19.3 ms
-    beside 13-16 ms of attention, 17.5 ms at the alone rate (trace of 2026-11-25); with
-    this term the step is predicted 0.960 s where the bench measured 1.023."""
+    the copy's own (docs/cost_model.md, "CPU attention")."""
     alone = hw.h2d_gbps * GB
     shared = (hw.h2d_under_cpu_attention_gbps or hw.h2d_gbps) * GB
     if nbytes <= shared * attention_s:
@@ -313,3 +421,13 @@ def _allreduce_s(
     return 2 * (
         micro * hw.allreduce_latency_s + 2 * (tp - 1) / tp * nbytes / (hw.allreduce_gbps * GB)
     )
+
+
+# families the elementwise probe does not run (`executor.probe.elementwise`), rated as
+# the probed family nearest in their layers' work besides matmuls and attention: Gemma
+# as Llama (RMS norms, a gated MLP, RoPE), Falcon as BLOOM (LayerNorm, GELU)
+_ELEMENTWISE_LIKE = {"gemma": "llama", "falcon": "bloom"}
+
+
+def _probed_family(cfg: ModelConfig) -> str:
+    return _ELEMENTWISE_LIKE.get(cfg.family, cfg.family)

@@ -37,7 +37,7 @@ from offload.kernels.kv_attention_cpu import decode_attention_cpu
 from offload.kernels.kv_cache import QuantKV, kv_buffer_bytes
 from offload.kernels.qmatmul import qlinear
 from offload.kernels.quant import quantize
-from offload.models.decoder import attend
+from offload.models.attention import attend
 from offload.policies.hardware import (
     DECODE_ROWS,
     GB,

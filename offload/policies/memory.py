@@ -224,12 +224,13 @@ def activation_plan(
     if cfg.gathered_vocab_size:
         head = max(head, batch * (2 * cfg.gathered_vocab_size + cfg.vocab_size) * 4)
     # the step's attention bias [B, 1|heads, T, S] and RoPE's cos and sin [B, T, D],
-    # built once for the whole block (`batch.PaddedBatch.step_inputs`)
+    # built once for the whole block (`batch.PaddedBatch.step_inputs`); twice where the
+    # windowed layers have their own (`StepInputs.local`)
     heads = cfg.num_heads if cfg.family == "bloom" else 1
     step = batch * heads * prompt_len * max_slots * elt
     if cfg.rotary:
-        step += 2 * batch * prompt_len * cfg.head_dim * elt
-    transient = max(layer, head) + step
+        step += 2 * batch * prompt_len * cfg.rotary_dim * elt
+    transient = max(layer, head) + step * (2 if cfg.window_layers else 1)
     return {
         # every micro-batch's hidden states, and the output of the one in its layer
         # (the executor replaces each micro-batch's input with its output)

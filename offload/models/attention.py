@@ -1,0 +1,146 @@
+"""Attention over a KV cache: `attend` (SDPA, or the CPU's C kernel at decode) over
+full-precision keys and values, and one layer's cache on one device (`LayerKV`), full
+precision or compressed (`quant_attention` over a `kernels.kv_cache.QuantKV`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from offload.core.config import ModelConfig
+from offload.kernels.cpu_attention import decode_attention_dense
+from offload.kernels.formats import Compression
+from offload.kernels.kv_attention import decode_attention
+from offload.kernels.kv_cache import QuantKV
+
+# Not cuDNN: with a bias over a cache that grows every decode step it re-plans on every
+# call, milliseconds of host time each, most of a decode step's CPU time (docs/executor.md).
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor,
+    causal: bool = False,
+):
+    """Scaled dot-product attention of q [B,H,T,D] over keys/values [B,Hkv,S,D].
+
+    Returns [B, T, H*D]. Grouped-query heads share KV heads. causal (`StepInputs`): the
+    bias is the plain causal mask. Then SDPA runs its flash kernel without the bias,
+    with grouped-query heads read in place:
+    - where the keys are the T new tokens (a prefill), causally: half the scores. With
+      a bias, the memory-efficient kernel computes every score;
+    - for one new token on the GPU (a decode step), over every slot.
+    """
+    batch, heads, num_new, dim = q.shape
+    kv_heads = keys.shape[1]
+    fresh = num_new > 1 and keys.shape[2] == num_new
+    if causal and (fresh or (num_new == 1 and q.is_cuda)):
+        with sdpa_kernel(SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(
+                q, keys, values, is_causal=fresh, enable_gqa=kv_heads != heads
+            )
+        return out.transpose(1, 2).reshape(batch, num_new, heads * dim)
+    if num_new == 1 and q.device.type == "cpu":
+        # decode on the CPU (the executor's CPU attention, the plain CPU run): the C
+        # kernel reads each K/V byte once on every core, grouped-query heads together
+        # (2x SDPA at the profile's shape, 1.4x at Llama-2-70B's: docs/cpu_attention.md);
+        # None where it does not run
+        out = decode_attention_dense(q, keys, values, bias)
+        if out is not None:
+            return out
+    if kv_heads != heads and num_new == 1 and bias.shape[1] == 1:
+        # decode with grouped-query heads: the query heads of one KV head become rows of
+        # one attention over it (same math; SDPA's own GQA path copies K/V per query
+        # head, 4-9x slower on the CPU where the executor's CPU attention runs)
+        grouped = q.view(batch, kv_heads, heads // kv_heads, dim)
+        with sdpa_kernel(SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bias)
+        return out.reshape(batch, 1, heads * dim)
+    if kv_heads != heads:
+        # prefill with grouped-query heads: SDPA's own GQA path runs in the flash backend
+        # only, which takes no mask; with one it falls back to the math backend and holds
+        # fp32 scores [B, H, T, S], several times a GPU cap at a large prefill. K/V
+        # expanded to every query head keep the memory-efficient backend
+        # (`policies.memory` counts them).
+        group = heads // kv_heads
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    with sdpa_kernel(SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
+    return out.transpose(1, 2).reshape(batch, num_new, heads * dim)
+
+
+class LayerKV:
+    """One layer's KV cache for a batch on one device: k, v [B, Hkv, max_slots, D], or
+    with `compression` a `kernels.kv_cache.QuantKV` (read by the quantized decode
+    attention kernel)."""
+
+    def __init__(
+        self,
+        batch: int,
+        cfg: ModelConfig,
+        max_slots: int,
+        dtype,
+        device,
+        compression: Compression | None = None,
+    ) -> None:
+        self.quant: QuantKV | None = None
+        if compression is not None:
+            self.quant = QuantKV(
+                batch, cfg.num_kv_heads, cfg.head_dim, max_slots, compression, dtype, device
+            )
+            return
+        shape = (batch, cfg.num_kv_heads, max_slots, cfg.head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        if self.quant is not None:
+            return self.quant.nbytes
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor,
+        start: int,
+        causal: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Store the new entries k, v at slots start.. and attend q over the cache
+        (a compressed one: `quant_attention`); causal as `attend`'s. out: a buffer the
+        decode attention over a compressed cache writes into (others return their own)."""
+        end = start + k.shape[2]
+        if self.quant is not None:
+            return quant_attention(self.quant, q, k, v, bias, start, causal, out)
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return attend(q, self.k[:, :, :end], self.v[:, :, :end], bias, causal)
+
+
+def quant_attention(
+    cache: QuantKV,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias,
+    start: int,
+    causal: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Store k, v in the compressed cache at slots start.. and attend q: a prefill
+    (start 0) over its fresh entries at full precision, a decode step over the cache
+    (into out where given)."""
+    cache.write(k, v, start)
+    if start == 0:
+        return attend(q, k, v, bias, causal)
+    end = start + k.shape[2]
+    if q.shape[2] == 1:
+        return decode_attention(q, cache, bias, end, out=out)
+    return attend(q, *cache.dequantized(end), bias)
