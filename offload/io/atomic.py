@@ -151,7 +151,7 @@ def lock_file(path: Path, what: str, wait: bool, flags: int = os.O_RDWR) -> int:
                     ) from None
                 log.warning("waiting for another offload process that holds %s", path)
                 fcntl.flock(fd, fcntl.LOCK_EX)
-            if _names(path, fd):
+            if names(path, fd):
                 return fd
         except BaseException:
             os.close(fd)
@@ -159,7 +159,14 @@ def lock_file(path: Path, what: str, wait: bool, flags: int = os.O_RDWR) -> int:
         os.close(fd)
 
 
-def _names(path: Path, fd: int) -> bool:
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write all of `data` at the descriptor (a write may take only part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def names(path: Path, fd: int) -> bool:
     """Whether `path` names the open file `fd`."""
     try:
         return os.path.samestat(os.stat(path), os.fstat(fd))
@@ -180,6 +187,6 @@ def exclusive(path: Path, what: str, wait: bool = True) -> Iterator[None]:
     try:
         yield
     finally:
-        if _names(name, fd):
+        if names(name, fd):
             name.unlink()
         os.close(fd)

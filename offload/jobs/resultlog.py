@@ -28,7 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from offload.core.errors import UserError
-from offload.io.atomic import NO_SPACE, atomic_writer, disk_full, fsync_dir, lock_file
+from offload.io.atomic import (
+    NO_SPACE,
+    atomic_writer,
+    disk_full,
+    fsync_dir,
+    lock_file,
+    names,
+    write_all,
+)
 
 log = logging.getLogger(__name__)
 
@@ -218,9 +226,7 @@ class ResultLog:
         """Append `data` and sync it; on failure the file is cut back to its last whole
         line, so it never holds a torn block."""
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view) :]
+            write_all(self._fd, data)
             os.fsync(self._fd)
         except OSError:
             os.ftruncate(self._fd, self._size)
@@ -282,9 +288,7 @@ class ResultLog:
             offset = 0
             while chunk := os.pread(self._fd, 1 << 24, offset):
                 offset += len(chunk)
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view) :]
+                write_all(fd, chunk)
             os.fsync(fd)
         except OSError as exc:
             os.close(fd)
@@ -326,19 +330,13 @@ class ResultLog:
                     f"free space there and run the same command again: the results are kept "
                     f"in {self.partial} and written out then",
                 ) from None
-        if self._names_mine():
+        if names(self.partial, self._fd):
             self.partial.unlink()
         self.close()
 
-    def _names_mine(self) -> bool:
-        try:
-            return os.path.samestat(os.stat(self.partial), os.fstat(self._fd))
-        except FileNotFoundError:
-            return False
-
     def _discard_if_empty(self) -> None:
         """A partial file this run created and refused before writing: not left behind."""
-        if self._fd >= 0 and os.fstat(self._fd).st_size == 0 and self._names_mine():
+        if self._fd >= 0 and os.fstat(self._fd).st_size == 0 and names(self.partial, self._fd):
             self.partial.unlink()
 
     def close(self) -> None:
