@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from tests.tiny_models import save_byte_tokenizer
+
 GROUP = 32
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -141,4 +143,5 @@ def write(model: torch.nn.Module, directory: Path, method: str, symmetric: bool)
     config = model.config.to_dict()
     config["quantization_config"] = _config(method, symmetric)
     (directory / "config.json").write_text(json.dumps(config))
+    save_byte_tokenizer(directory)  # (a real checkpoint ships its tokenizer)
     return reference

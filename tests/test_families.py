@@ -117,6 +117,7 @@ def test_a_multimodal_gemma3_checkpoint_runs_its_language_model(tiny_checkpoints
             if name.startswith("model.")
         }
         save_file(weights, out / "model.safetensors")
+        tiny_models.save_byte_tokenizer(out)
         llm = LLM(str(out), device="cpu", dtype="float32")
         assert llm.config.eos_token_ids == (1, 106)
         assert_prefill_logits_match(llm, model, PROMPTS, prefix)

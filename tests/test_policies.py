@@ -64,6 +64,11 @@ def test_no_fit_names_the_smallest_fit_and_what_int4_would_need():
         search(cfg, torch.float16, 512, 32, PROFILE, caps, compressions=(int4,), kv_compressions=(int4,))  # fmt: skip
     assert "--compress int4" not in str(small.value)
     assert str(dense.value).endswith(str(small.value).split("needs ")[-1])
+    # a model so small that int4's buffers outweigh what it saves: a hint that needs more
+    # memory is none (its smallest plan: 0.7 GB GPU and 3.5 GB CPU; int4's 1.4 and 4.0)
+    with pytest.raises(UserError, match="smallest fit needs") as tiny:
+        search(cfg_of("smollm2-135m-instruct"), torch.float16, 512, 32, PROFILE, Caps(GB // 2, 3 * GB, False))  # fmt: skip
+    assert "--compress int4" not in str(tiny.value)
 
 
 @pytest.mark.parametrize("name", ["opt-30b", "llama-2-13b", "llama-3.1-8b"])
@@ -311,7 +316,7 @@ def test_plan_tells_the_weight_store_and_the_free_space(tmp_path, capsys, monkey
     text = capsys.readouterr()
     assert f"weight store: {disk / GB:.1f} GB on {tmp_path} (6.0 GB free)" in text.out
     problem = [line for line in text.err.splitlines() if "problem" in line]
-    assert len(problem) == 1 and "GB free, the weight store needs" in problem[0]
+    assert len(problem) == 1 and "GB free; the weight store needs" in problem[0]
 
 
 def test_plan_counts_decode_graph_buffers_only_where_graphs_run():

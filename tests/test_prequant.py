@@ -164,6 +164,7 @@ def test_act_order_is_refused_where_it_reorders_groups(checkpoints, tmp_path):
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"]["desc_act"] = True
     (out / "config.json").write_text(json.dumps(config))
+    tiny_models.save_byte_tokenizer(out)
     with pytest.raises(UserError, match="act-order"):
         LLM(str(out), device="cpu", dtype="float32").generate(PROMPTS[:1], PARAMS)
 

@@ -190,7 +190,26 @@ def build(name: str) -> torch.nn.Module:
 def save(name: str, directory: Path) -> tuple[Path, torch.nn.Module]:
     model = build(name)
     model.save_pretrained(directory, max_shard_size="100KB")
+    save_byte_tokenizer(directory)
     return directory, model
+
+
+def save_byte_tokenizer(directory: Path) -> None:
+    """A Hugging Face tokenizer whose token ids are the text's UTF-8 bytes (0..255), as a
+    real checkpoint ships one: byte-level BPE with no merges, ids in byte order."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # GPT-2's printable stand-in for each byte (the byte-level pre-tokenizer's alphabet)
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    stand_in = {b: b for b in printable} | {b: 256 + i for i, b in enumerate(others)}
+    vocab = {chr(stand_in[b]): b for b in range(256)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False)
+    hf.save_pretrained(directory)
 
 
 def hf_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

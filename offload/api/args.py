@@ -18,6 +18,7 @@ import torch
 
 from offload.core.config import DTYPE_CHOICES
 from offload.core.errors import UserError
+from offload.io.atomic import check_writable
 from offload.kernels.formats import KV_GROUPS, Compression
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -145,6 +146,14 @@ class EngineArgs:
     batch_size: int = field(
         default=16, metadata=_meta("sequences per batch (a policy sets its own)", type=int)
     )
+    byte_tokenizer: bool = field(
+        default=False,
+        metadata=_meta(
+            "a checkpoint without tokenizer files takes UTF-8 bytes as token ids (0-255); "
+            "without it such a checkpoint is refused (its outputs would be garbage unless "
+            "the model was trained on bytes)"
+        ),
+    )
     chat_template: str | None = field(
         default=None,
         metadata=_meta("a Jinja chat template, or a file holding one, instead of the model's"),
@@ -228,8 +237,8 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and parse_size(value, flag) <= 0:
                 raise UserError(f"{flag} {value} must be more than 0; give a cap like 24GB")
-        if self.nvme is not None and Path(self.nvme).exists() and not Path(self.nvme).is_dir():
-            raise UserError(f"--nvme {self.nvme} is not a directory")
+        if self.nvme is not None:  # the weight store and the KV spill are written there
+            check_writable(Path(self.nvme), "--nvme", directory=True)
         if self.policy is not None and not Path(self.policy).is_file():
             raise UserError(f"--policy {self.policy} does not exist; check the path")
         if self.profile is not None and not Path(self.profile).is_file():

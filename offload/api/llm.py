@@ -143,6 +143,7 @@ class LLM:
                 "buffers grow outside the allocator after the plan): drop it"
             )
         self.args, self.front, self.plan, self.parallel = args, front, plan, parallel
+        self.closed = False
         # vLLM's seed: the sampled requests without a seed of their own draw one from it,
         # in the order they come, so the same script samples the same text again
         self._seeds = None if seed is None else random.Random(seed)
@@ -269,7 +270,12 @@ class LLM:
             return prompt, self.encode_prompt(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                ids = prompt["prompt_token_ids"]
+                if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                    raise UserError(
+                        f'"prompt_token_ids" must be a list of token ids, got {ids!r:.40}'
+                    )
+                return prompt.get("prompt"), list(ids)
             if isinstance(prompt.get("prompt"), str):
                 return prompt["prompt"], self.encode_prompt(prompt["prompt"])
             raise UserError('a prompt dict needs "prompt" (text) or "prompt_token_ids"')
@@ -289,6 +295,12 @@ class LLM:
         """Generate for each prompt: text (never templated), {"prompt_token_ids": [...]}
         or {"prompt": text}. One SamplingParams for all, or one per prompt; None takes
         the model's defaults. Outputs in the prompts' order."""
+        self._check_open()
+        if prompts is None:
+            raise UserError(
+                "generate() got no prompts (None); pass a prompt, a list of prompts or "
+                '{"prompt_token_ids": [...]}'
+            )
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -305,6 +317,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of {"role", "content"}) or to
         each of a list of them, rendered with the chat template."""
+        self._check_open()
+        if messages is None:
+            raise UserError(
+                'chat() got no conversation (None); pass a list of {"role", "content"} '
+                "messages, or a list of such lists"
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded = []
         for conversation in conversations:
@@ -339,6 +357,7 @@ class LLM:
         self, requests: Sequence[tuple[list[int], SamplingParams]]
     ) -> list[RequestOutput]:
         """Generate for already-checked token-id prompts, each with its own sampling."""
+        self._check_open()
         if self.policy is not None and requests:
             limit = self.config.max_position_embeddings
             longest = max(len(ids) for ids, _ in requests)
@@ -358,11 +377,19 @@ class LLM:
     # -- lifetime ---------------------------------------------------------------------
     def close(self) -> None:
         """Release pinned memory, spill files and reader threads of the executor, and the
-        GPU allocator's limit (`hold_gpu_mem`)."""
+        GPU allocator's limit (`hold_gpu_mem`). The engine cannot generate after it."""
+        self.closed = True
         try:
             self.runner.close()
         finally:
             self._release_hold()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise UserError(
+                "this LLM was closed (close(), or the end of its with-block); create a new "
+                "LLM(...) to generate again"
+            )
 
     def _release_hold(self) -> None:
         if self._hold is not None:

@@ -25,6 +25,7 @@ from offload.policies.caps import (
     check_block_fits,
     check_caps_within_machine,
     check_weights_fit,
+    cpu_only_caps,
 )
 from offload.policies.node import Layout
 from offload.policies.policy import Policy
@@ -71,8 +72,14 @@ def plan_run(
     shared = layout.dp if layout is not None else 1
     caps = Caps(args.gpu_bytes, args.cpu_bytes, args.nvme is not None, shared_weights=shared)
     check_caps_within_machine(caps, front.device)
+    if front.device.type == "cpu" and caps.gpu_bytes is None and caps.cpu_bytes is not None:
+        # one memory: the device's and the host's tiers share the CPU cap
+        split = cpu_only_caps(caps.cpu_bytes, Baseline.measure(front.device))
+        caps = Caps(*split, nvme=caps.nvme, shared_weights=shared)
     if policy is None and args.wants_search:
-        policy = _search(front, args, cfg, prompt_len, gen_len, weight_formats, layout or Layout())
+        policy = _search(
+            front, args, caps, cfg, prompt_len, gen_len, weight_formats, layout or Layout()
+        )
     if layout is not None and policy is None:
         policy = Policy(gpu_batch_size=args.batch_size, num_gpu_batches=1)
     # what the process holds before any weights: the baseline of the one accounting
@@ -143,6 +150,7 @@ def _refuse_compression_without_a_plan(args: EngineArgs) -> None:
 def _search(
     front: ModelFront,
     args: EngineArgs,
+    caps: Caps,
     cfg: ModelConfig,
     prompt_len: int,
     gen_len: int,
@@ -155,8 +163,8 @@ def _search(
     choice = choose_policy(
         cfg,
         front.dtype,
-        args.gpu_bytes,
-        args.cpu_bytes,
+        caps.gpu_bytes,
+        caps.cpu_bytes,
         args.nvme,
         prompt_len,
         gen_len,

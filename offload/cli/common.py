@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields
@@ -140,7 +141,9 @@ def setup_logging(quiet: bool) -> None:
 
 
 def run_cli(prog: str, body: Callable[[], int]) -> int:
-    """Run a CLI body; user mistakes print one line and exit 2, never a traceback."""
+    """Run a CLI body; user mistakes print one line and exit 2, never a traceback.
+    SIGTERM is taken as Ctrl-C (offload-run's job loop stops after its block)."""
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return body()
     except UserError as exc:
@@ -149,6 +152,8 @@ def run_cli(prog: str, body: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def trace_sampling(args: argparse.Namespace) -> int:
@@ -222,8 +227,17 @@ def generate(
     finally:
         if bar:
             bar.close()
-        if trace_path is not None and not llm.runner.write_trace(trace_path):
-            log.warning(
-                "--trace %s: only the offloading executor traces (give a policy or caps)",
-                trace_path,
-            )
+        if trace_path is not None:
+            _write_trace(llm, trace_path)
+
+
+def _write_trace(llm, path) -> None:
+    """The trace, or one line saying why there is none: a trace that cannot be written
+    never costs the job's results (they are written after it)."""
+    try:
+        written = llm.runner.write_trace(path)
+    except OSError as exc:
+        log.error("offload-run: could not write --trace %s (%s); the results are kept", path, exc)
+        return
+    if not written:
+        log.warning("--trace %s: only the offloading executor traces (give a policy or caps)", path)

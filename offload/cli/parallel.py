@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -38,7 +39,7 @@ from offload.jobs.resultlog import MemorySink, ResultLog
 from offload.models.resolve import resolve_model
 from offload.parallel.affinity import pin_rank
 from offload.parallel.comm import Topology, env_world
-from offload.parallel.launch import PEER_LOST
+from offload.parallel.launch import PEER_LOST, report_failure
 from offload.parallel.rank import rank_nvme, share_weights
 from offload.parallel.shard import check_divisible
 from offload.policies.memory import weight_plan
@@ -64,9 +65,7 @@ def main(args: argparse.Namespace, argv: list[str], entry: Callable[[list[str]],
         raise UserError("--hold-gpu-mem is not supported with tensor parallelism: drop it")
     if env_world() is not None:
         return run_rank(args)
-    if args.input is not None and str(args.input) == "-":
-        raise UserError("-i - (standard input) cannot feed several ranks; use a file")
-    check_divisible(resolve_model(args.model, dummy=True).config, args.tp or 1)
+    _check_before_ranks(args)
     from offload.parallel.launch import launch
 
     fd, status = tempfile.mkstemp(prefix="offload-run-status-")
@@ -81,7 +80,28 @@ def main(args: argparse.Namespace, argv: list[str], entry: Callable[[list[str]],
         Path(status).unlink(missing_ok=True)
 
 
+def _check_before_ranks(args: argparse.Namespace) -> None:
+    """What every rank would refuse, refused once before any starts: the flags, the
+    input, the output paths, and a --tp the model's shapes cannot be cut into."""
+    if args.input is not None and str(args.input) == "-":
+        raise UserError("-i - (standard input) cannot feed several ranks; use a file")
+    if args.dp > 1 and args.output in (None, "-"):
+        raise UserError("--dp needs --output FILE (the groups' results are merged there)")
+    engine = engine_args(args)
+    sampling_params(args, {})
+    output = sources.check_output(args.output, args.restart)
+    sources.check_reports(args)
+    sources.open_source(args, output)
+    check_divisible(_model_config(engine), args.tp or 1)
+
+
+def _model_config(engine: EngineArgs):
+    """The model's own config (the one its weights have), as every rank resolves it."""
+    return resolve_model(engine.model, dummy=engine.dummy, revision=engine.revision).config
+
+
 def run_rank(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher stops ranks with it
     device = resolve_device(args.device)
     topo = Topology.from_env(args.tp, args.dp, device)  # (its GPU set: no other's context)
     # before any pool starts: the threads made from now on (OpenMP's, the readers')
@@ -95,8 +115,8 @@ def run_rank(args: argparse.Namespace) -> int:
         if topo.rank == 0:
             print(f"offload-run: error: {exc}", file=sys.stderr)
         code = EXIT_USAGE
-    except UserError as exc:
-        print(f"offload-run[rank {topo.rank}]: error: {exc}", file=sys.stderr)
+    except UserError as exc:  # its one line, which the launcher prints as the cause
+        report_failure(f"offload-run[rank {topo.rank}]: error: {exc}", str(exc))
         return EXIT_USAGE
     except dist.DistError as exc:  # a peer died under a collective: the cause is elsewhere
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -70,7 +70,11 @@ def report(llm: LLM, stats: JobStats, load_seconds: float, stats_path: Path | No
     """The summary line on stderr (and the runner's reports); `--stats` JSON, atomically."""
     info = summary(llm, stats, load_seconds)
     if stats_path is not None:
-        atomic_write(stats_path, json.dumps(info, indent=1, default=str))
+        try:
+            atomic_write(stats_path, json.dumps(info, indent=1, default=str))
+        except OSError as exc:  # (checked before the load; the drive changed since)
+            print(f"offload-run: could not write --stats {stats_path} ({exc}); the results "
+                  "are kept", file=sys.stderr)  # fmt: skip
     s = llm.stats
     print(
         f"offload-run: {_count(stats.total, 'request')}, {s.generated_tokens} tokens generated in "

@@ -9,6 +9,8 @@ report. Every check that can fail runs before the load (`cli.sizing`).
 Exit codes: 0 every request succeeded; 1 every request failed; 2 a usage or input
 error (bad flag, unreadable or all-invalid file, duplicate ids), nothing generated;
 3 finished, some requests failed (their result lines carry the error); 130 interrupted.
+SIGTERM is taken as Ctrl-C: the run stops after the block in flight, keeps its results
+and says how to resume (a second signal abandons the block).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the last traced step here (and of the last traced prefill beside it, <name>_prefill.json); with --tp/--dp one file a rank, <name>.rank<i>.json")  # fmt: skip
     p.add_argument("--trace-every", type=int, default=1, help="with --trace: trace one forward step in N (the others run untraced, with CUDA graphs where the plan has them)")  # fmt: skip
     p.add_argument("--restart", action="store_true", help="discard an unfinished job's results and start over")  # fmt: skip
-    p.add_argument("--skip-invalid", action="store_true", help="record unparsable lines, and prompts too long for the context or the memory caps, as errors and go on")  # fmt: skip
+    p.add_argument("--skip-invalid", action="store_true", help="record unparsable lines, prompts too long for the context or the memory caps, and token ids outside the vocabulary, as errors and go on")  # fmt: skip
     p.add_argument("--stats", type=Path, help="write the run's summary as JSON here")  # fmt: skip
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar; errors and results only")  # fmt: skip
     # tensor / data parallelism (offload.parallel, docs/parallel.md)
@@ -92,13 +94,22 @@ def _run(args: argparse.Namespace) -> int:
     engine = engine_args(args)
     flag_params = sampling_params(args, {})  # sampling flags judged before any long work
     output = sources.check_output(args.output, args.restart)
+    sources.check_reports(args)
     source = sources.open_source(args, output)
+    try:
+        return _run_job(args, engine, flag_params, output, source)
+    finally:  # a copy of standard input is the run's own: never left behind
+        if source.spooled is not None:
+            source.spooled.unlink(missing_ok=True)
+
+
+def _run_job(args, engine, flag_params, output, source: sources.Source) -> int:
     front = ModelFront(engine, resolve_device(engine.device))  # config and tokenizer only
     params = sampling_params(args, front.default_sampling)
     shape = sizing.measure(front, source.requests(params), source.from_flags, args.skip_invalid)
     sized = sizing.plan_for_job(front, engine, shape, flag_params.max_tokens, args.skip_invalid)
     fingerprint = common.fingerprint(args, engine, params, source.sha256, sized.plan.policy)
-    sink = sources.open_sink(output, fingerprint, args.restart)
+    sink = sources.open_sink(output, fingerprint, args.restart, source.total)
     started = time.perf_counter()
     try:
         llm = LLM.from_plan(
@@ -132,8 +143,6 @@ def _run(args: argparse.Namespace) -> int:
         llm.close()
         _close(sink)
         raise
-    if source.spooled is not None and not stats.interrupted:
-        source.spooled.unlink(missing_ok=True)
     if stats.interrupted:
         llm.close()
         if isinstance(sink, ResultLog):
@@ -144,9 +153,12 @@ def _run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         return EXIT_INTERRUPTED
-    sources.write_results(sink, source.total, args.output == "-")
-    report.report(llm, stats, load_seconds, args.stats)
-    llm.close()
+    try:
+        sources.write_results(sink, source.total, args.output == "-")
+        report.report(llm, stats, load_seconds, args.stats)
+    finally:  # (a full disk at the end leaves the results for the same command)
+        llm.close()
+        _close(sink)
     return common.exit_code(sink.error_count, source.total)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from offload.api.args import EngineArgs
 from offload.api.front import ModelFront
 from offload.api.planning import Plan, plan_run
-from offload.core.errors import PromptTooLong, UserError
+from offload.core.errors import BadTokenIds, PromptTooLong, UserError
 from offload.jobs import job
 from offload.policies.node import Layout
 
@@ -72,9 +72,9 @@ def measure(
     Token ids are not kept: run_job encodes each request again as it goes, so memory
     stays flat however long the job. Requests an earlier run finished are measured too:
     the job is judged the same on every run, before the result log is opened. A bad
-    command-line prompt stops the run; in a file, a prompt past the context
-    stops it unless skip_invalid, and other bad requests are left to run_job, which
-    records them as error results."""
+    command-line prompt stops the run (as before); in a file, a prompt past the context
+    or with token ids outside the vocabulary stops it unless skip_invalid, and other bad
+    requests are left to run_job, which records them as error results."""
     shape = JobShape(front.config.max_position_embeddings)
     for req in requests:
         if req.error is not None:
@@ -82,7 +82,7 @@ def measure(
         try:
             ids = job.encode_request(front, req)
             front.check_prompt(ids)
-        except PromptTooLong as exc:
+        except (PromptTooLong, BadTokenIds) as exc:
             if from_flags:
                 raise
             if not skip_invalid:

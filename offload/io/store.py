@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from offload.core.config import ModelConfig
-from offload.core.errors import UserError
-from offload.io.atomic import atomic_write, fsync_dir
+from offload.core.errors import DiskFull, UserError
+from offload.io.atomic import atomic_write, fsync_dir, size_text
 from offload.io.layout import stage_keys, stage_layout, store_bytes, store_tails
 from offload.io.pinned import ALIGN
 from offload.io.store_format import (
@@ -73,8 +73,9 @@ def space_problem(nvme_dir: Path, need: int) -> str | None:
     if free >= need + SPACE_MARGIN:
         return None
     return (
-        f"{nvme_dir} has {free / 1e9:.1f} GB free, the weight store needs {need / 1e9:.1f} GB; "
-        "free space or choose another --nvme directory"
+        f"{nvme_dir} has {size_text(free)} free; the weight store needs {size_text(need)} and "
+        f"a margin of {size_text(SPACE_MARGIN)} ({size_text(need + SPACE_MARGIN)} in all); free "
+        "space or choose another --nvme directory"
     )
 
 
@@ -196,7 +197,7 @@ def _write_stages(build: _Build, done: dict[str, dict], progress: bool) -> None:
             # the stages synced are kept: the same command resumes once there is room
             if writing is not None:
                 writing.unlink(missing_ok=True)  # the stage cut short
-            raise UserError(_disk_full(build, stages)) from None
+            raise DiskFull(_disk_full(build, stages)) from None
         shutil.rmtree(partial, ignore_errors=True)
         raise UserError(f"cannot write the weight store in {build.nvme_dir}: {exc}") from None
 
@@ -205,10 +206,10 @@ def _disk_full(build: _Build, stages: dict[str, dict]) -> str:
     kept = _file_bytes(stages.values())
     return (
         f"disk full while writing the weight store in {build.nvme_dir} ({len(stages)} of "
-        f"{len(build.wanted)} stages written, {kept / 1e9:.1f} GB, kept in "
-        f"{build.partial.name}); free {(build.need - kept) / 1e9:.1f} GB and run again to "
-        "resume, or choose another --nvme directory and delete that one (existing stores "
-        "are intact)"
+        f"{len(build.wanted)} stages written, {size_text(kept)}, kept in "
+        f"{build.partial.name}); free {size_text(build.need - kept + SPACE_MARGIN)} and run the "
+        "same command again to resume, or choose another --nvme directory and delete that "
+        "one (existing stores are intact)"
     )
 
 

@@ -76,13 +76,18 @@ class ModelSpec:
             raise UserError(f"{path} is not valid JSON ({exc}); fix or delete it") from None
         return config if isinstance(config, dict) else {}
 
-    def tokenizer(self):
+    def tokenizer(self, byte_tokenizer: bool = False):
+        """The model's tokenizer; byte_tokenizer: UTF-8 bytes for a checkpoint without
+        one (else a real checkpoint without one is refused, naming the files)."""
         from offload.models.tokenizer import load_tokenizer
 
         if self.kind == "gguf":
             assert self.path is not None
             return load_tokenizer(self.path.parent, gguf_file=self.path.name)
-        return load_tokenizer(self.path if self.path and self.path.is_dir() else None)
+        byte_ids = "asked" if byte_tokenizer else "dummy" if self.kind == "dummy" else "refuse"
+        return load_tokenizer(
+            self.path if self.path and self.path.is_dir() else None, None, byte_ids
+        )
 
 
 def _config_from_dir(directory: Path, name: str) -> ModelConfig:

@@ -197,6 +197,14 @@ def device_limits(device: torch.device) -> tuple[int, int]:
     return cpu, cpu
 
 
+def cpu_only_caps(cpu_bytes: int, base: Baseline) -> tuple[int, int]:
+    """(device, host) caps of a run without a GPU given only a CPU cap: the CPU computes,
+    so the plan's device tier is host memory too. The host keeps what it holds whatever
+    the plan (this process, its heap growth); the two tiers share the rest in halves."""
+    device = max(0, cpu_bytes - base.process_bytes - HOST_SLACK_BYTES) // 2
+    return device, cpu_bytes - device
+
+
 def check_caps_within_machine(caps: Caps, device: torch.device) -> None:
     """A cap above what the machine has is a promise the search would plan for and the
     engine could not keep (its fit check holds the smaller): refused before any search.

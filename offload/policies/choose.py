@@ -20,7 +20,7 @@ import torch
 from offload.core.config import ModelConfig, resolve_dtype
 from offload.core.errors import UserError
 from offload.kernels.formats import Compression
-from offload.policies.caps import Caps
+from offload.policies.caps import Baseline, Caps, cpu_only_caps
 from offload.policies.cost import Estimate
 from offload.policies.hardware import (
     HardwareProfile,
@@ -86,6 +86,13 @@ def plan_caps(gpu_bytes: int, cpu_bytes: int | None, nvme: bool, hw: HardwarePro
     return Caps(gpu_bytes, cpu, nvme)
 
 
+def _needs_gpu_cap() -> UserError:
+    return UserError(
+        "the plan search needs a GPU budget: give --gpu-mem (in Python, max_memory="
+        '{"cuda:0": "24GB", ...}) along with the CPU cap or store directory'
+    )
+
+
 def choose_policy(
     cfg: ModelConfig,
     dtype: torch.dtype | str,
@@ -110,15 +117,20 @@ def choose_policy(
     tp: tensor-parallel ranks (cfg is one rank's shard); dp: data-parallel groups of them
     on this node. The node's cores, DRAM and disk are divided among its tp x dp ranks
     (`node.rank_profile`: the choice's profile is one rank's view), and its groups share
-    one pinned copy of the weights (`Caps.shared_weights`)."""
-    if gpu_bytes is None:
-        raise UserError(
-            "the plan search needs a GPU budget: give --gpu-mem (in Python, max_memory="
-            '{"cuda:0": "24GB", ...}) along with the CPU cap or store directory'
-        )
+    one pinned copy of the weights (`Caps.shared_weights`). On a machine without a GPU,
+    no GPU cap is needed: the plan's device share and its host share are the same
+    memory, and share the CPU cap (`caps.cpu_only_caps`)."""
+    if gpu_bytes is None and profile is None and torch.cuda.is_available():  # (not measured)
+        raise _needs_gpu_cap()
     if prompt_len < 1 or gen_len < 1:
         raise UserError("--prompt-len and --max-tokens must be positive")
     hw = rank_profile(hardware_profile(profile, nvme, announce, measure_machine), tp * dp)
+    if gpu_bytes is None:
+        if hw.has_gpu:
+            raise _needs_gpu_cap()
+        gpu_bytes, cpu_bytes = cpu_only_caps(
+            cpu_bytes or hw.default_cpu_cap, Baseline.from_profile(hw)
+        )
     if tp > 1 and not hw.allreduce_gbps:
         log.warning(
             "the hardware profile has no all-reduce figure (offload-profile measures it on a "

@@ -223,20 +223,22 @@ def ranked(
     if not best:
         smallest = min(compressions, key=lambda c: sum(stage_image_bytes(cfg, dtype, c)))
         smallest_kv = min(kv_compressions, key=lambda c: 16 if c is None else c.bits)
-        message = _smallest_fit(cfg, dtype, prompt_len, gen_len, hw, caps, smallest, smallest_kv)
-        int4 = Compression(4, 64, False)  # the smaller formats' fit, where it is smaller
-        need = _smallest_need(cfg, dtype, prompt_len, gen_len, hw, caps, int4, int4)
-        if need not in message:
-            message += f"; with --compress int4 --kv-compress int4 it needs {need}"
+        args = (cfg, dtype, prompt_len, gen_len, hw, caps)
+        need = _smallest_need(*args, smallest, smallest_kv)
+        message = _smallest_fit(caps, need)
+        int4 = Compression(4, 64, False)  # the smaller formats' fit, where it is nearer
+        need_int4 = _smallest_need(*args, int4, int4)
+        if _beyond_caps(need_int4, caps) < _beyond_caps(need, caps):
+            message += f"; with --compress int4 --kv-compress int4 it needs {_peaks(need_int4)}"
         raise UserError(message)
     return sorted(best.values(), key=lambda e: -e.total_tok_s)[:top]
 
 
 def _smallest_need(
     cfg, dtype, prompt_len, gen_len, hw: HardwareProfile, caps: Caps, compression, kv_compression
-) -> str:
-    """The peaks of the smallest plan: one sequence, weights and KV on disk (with a
-    disk) or in CPU memory, attention on the CPU, in these formats."""
+) -> tuple[int, int]:
+    """The (GPU, CPU) peaks of the smallest plan: one sequence, weights and KV on disk
+    (with a disk) or in CPU memory, attention on the CPU, in these formats."""
     on_disk = caps.nvme
     weights = Placement(0.0, 0.0, 1.0) if on_disk else Placement(0.0, 1.0, 0.0)
     kv = Placement(0.0, 0.0, 1.0) if on_disk else Placement(0.0, 1.0, 0.0)
@@ -245,15 +247,23 @@ def _smallest_need(
         weight_compression=compression, kv_compression=kv_compression,
     )  # fmt: skip
     est = estimate(cfg, policy, dtype, prompt_len, gen_len, hw)
-    return f"{est.gpu_peak_bytes / 1e9:.1f} GB GPU and {est.cpu_peak_bytes / 1e9:.1f} GB CPU"
+    return est.gpu_peak_bytes, est.cpu_peak_bytes
 
 
-def _smallest_fit(
-    cfg, dtype, prompt_len, gen_len, hw: HardwareProfile, caps: Caps, compression, kv_compression
-) -> str:
-    need = _smallest_need(cfg, dtype, prompt_len, gen_len, hw, caps, compression, kv_compression)
+def _beyond_caps(peaks: tuple[int, int], caps: Caps) -> int:
+    """How far (GPU, CPU) peaks go past the caps, in bytes: a hint must bring it down
+    (int4's dequantization buffers can need more GPU than the dense plan's)."""
+    gpu, cpu = peaks
+    return max(0, gpu - (caps.gpu_bytes or 0)) + max(0, cpu - (caps.cpu_bytes or 0))
+
+
+def _peaks(peaks: tuple[int, int]) -> str:
+    return f"{peaks[0] / 1e9:.1f} GB GPU and {peaks[1] / 1e9:.1f} GB CPU"
+
+
+def _smallest_fit(caps: Caps, need: tuple[int, int]) -> str:
     hint = "" if caps.nvme else " (less CPU memory with --nvme)"
     return (
         f"no policy fits --gpu-mem {caps.gpu_bytes / 1e9:.1f} GB and --cpu-mem "
-        f"{caps.cpu_bytes / 1e9:.1f} GB; the smallest fit needs {need}{hint}"
+        f"{caps.cpu_bytes / 1e9:.1f} GB; the smallest fit needs {_peaks(need)}{hint}"
     )
