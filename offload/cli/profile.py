@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from offload.cli.common import add_engine_flags, run_cli, setup_logging
+from offload.cli.common import add_engine_flags, add_version_flag, run_cli, setup_logging
 from offload.executor.probe import measure_profile
 from offload.policies.hardware import load_profile, profile_path, save_profile
 
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         "with two or more GPUs, the all-reduce between them. The profile records the code "
         "version it was measured with; other code measures again.",
     )
+    add_version_flag(p)
     add_engine_flags(p, ("nvme",))
     p.add_argument("--show", action="store_true", help="print the cached profile")
     p.add_argument("--quick", action="store_true", help="smaller transfers (less accurate; under a minute)")  # fmt: skip
