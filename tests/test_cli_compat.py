@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from offload import LLM
-from offload.api.progress import Progress
 from offload.cli import convert, plan, profile, run
 from offload.cli.common import describe_sampling, engine_args
+from offload.core.progress import Progress
 
 ROOT = Path(__file__).resolve().parent.parent
 

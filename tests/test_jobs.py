@@ -139,17 +139,8 @@ def test_a_finished_jobs_output_is_kept_unless_restart(model_dir, tmp_path, caps
     its results stay as they are; --restart runs it again."""
     jobs, out = tmp_path / "jobs.jsonl", tmp_path / "out.jsonl"
     _write_jobs(jobs, 5)
-    args = [
-        "--model",
-        str(model_dir),
-        "-i",
-        str(jobs),
-        "-o",
-        str(out),
-        "--quiet",
-        "--max-tokens",
-        "3",
-    ]
+    args = ["--model", str(model_dir), "-i", str(jobs), "-o", str(out), "--quiet"]
+    args += ["--max-tokens", "3"]
     assert main(args) == 0
     finished = out.read_bytes()
     capsys.readouterr()
@@ -168,17 +159,8 @@ def test_a_job_that_wrote_no_result_does_not_block_the_next_command(model_dir, t
     _write_jobs(jobs, 4)
     partial = tmp_path / "out.jsonl.partial"
     partial.write_text(json.dumps({"_job": {"input_sha256": "another", "sampling": {}}}) + "\n")
-    args = [
-        "--model",
-        str(model_dir),
-        "-i",
-        str(jobs),
-        "-o",
-        str(out),
-        "--quiet",
-        "--max-tokens",
-        "3",
-    ]
+    args = ["--model", str(model_dir), "-i", str(jobs), "-o", str(out), "--quiet"]
+    args += ["--max-tokens", "3"]
     assert main(args) == 0
     assert [r["id"] for r in _rows(out)] == ["r0", "r1", "r2", "r3"]
     assert not partial.exists()

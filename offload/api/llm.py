@@ -24,10 +24,10 @@ from offload.api.args import EngineArgs, caps_from_max_memory, from_vllm_argumen
 from offload.api.decode_loop import DecodeLoop
 from offload.api.front import Message, ModelFront, eos_ids
 from offload.api.planning import Plan, plan_run
-from offload.api.progress import PromptsBar
 from offload.core.config import DTYPES, resolve_dtype
 from offload.core.errors import UserError
 from offload.core.outputs import GenerationStats, RequestOutput
+from offload.core.progress import PromptsBar
 from offload.core.sampling import SamplingParams
 from offload.executor.runner import PlainRunner, Runner
 from offload.io.atomic import exclusive

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from offload.api import progress
 from offload.api.llm import LLM
+from offload.core import progress
 from offload.io.atomic import atomic_write
 from offload.jobs.job import JobStats
 

@@ -43,6 +43,7 @@ import xxhash
 
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
+from offload.core.progress import tracked
 from offload.io.atomic import atomic_write, fsync_dir
 from offload.io.layout import (
     TensorSlot,
@@ -341,9 +342,7 @@ def convert(
         partial.mkdir()
     stages_in = iter(wanted.items())
     if progress:
-        from tqdm import tqdm
-
-        stages_in = tqdm(stages_in, desc="writing weight store", unit="stage", total=len(wanted))
+        stages_in = tracked(stages_in, len(wanted), "writing weight store", "stage")
     stages: dict[str, dict] = {}  # the stages written, as the progress file names them
     writing = None  # the stage whose file is being written
     try:

@@ -1,17 +1,21 @@
 """A progress display that suits where it goes: tqdm's bar on a terminal; elsewhere (a
 log file, a pipe, CI) a plain line every few seconds and one at the end, since a bar
-redrawn with carriage returns makes one unreadable line of a log."""
+redrawn with carriage returns makes one unreadable line of a log. Every bar offload
+draws is one of these: loading, writing the weight store, a job, `LLM.generate`."""
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
-from typing import Any, TextIO
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TextIO, TypeVar
 
 from offload.core.outputs import GenerationStats
 
 PLAIN_EVERY_S = 5.0  # between plain lines: a log stays readable, a stall shows within seconds
+
+
+T = TypeVar("T")
 
 
 def is_terminal(stream: Any) -> bool:
@@ -73,6 +77,17 @@ class Progress:
             file=self.stream,
             flush=True,
         )
+
+
+def tracked(items: Iterable[T], total: int, desc: str, unit: str) -> Iterator[T]:
+    """The items, with a `Progress` of how many have been taken."""
+    bar = Progress(total, desc, unit)
+    try:
+        for done, item in enumerate(items, 1):
+            yield item
+            bar.update(done)
+    finally:
+        bar.close()
 
 
 class PromptsBar(Progress):
