@@ -76,9 +76,15 @@ def _example_source(version: str, member: str) -> str:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             sdist = Path(tmp) / "sdist.tar.gz"
             url = f"https://files.pythonhosted.org/packages/{url_path}"
-            with urllib.request.urlopen(url, timeout=60) as src, sdist.open("wb") as dst:
-                while chunk := src.read(1 << 20):
-                    dst.write(chunk)
+            try:
+                with urllib.request.urlopen(url, timeout=60) as src, sdist.open("wb") as dst:
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+            except OSError as exc:  # (URLError is one)
+                pytest.fail(
+                    f"could not fetch {url} ({exc}); on a machine without the network, copy "
+                    f"{cache_dir() / 'vllm-examples'} from one that ran this test"
+                )
             assert hashlib.sha256(sdist.read_bytes()).hexdigest() == sha256, url
             with tarfile.open(sdist) as tar:
                 for name in {m for _, m, *_ in EXAMPLES.values()} | {"LICENSE"}:
@@ -356,6 +362,14 @@ def test_engine_args_cli_flags_as_vllms_examples_build_them():
     engine = EngineArgs.from_cli_args(args)
     assert (engine.batch_size, engine.compress, engine.dtype) == (3, "int4", "float32")
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    # LLM(**vars(args)) gets every field's flag at its default beside the vLLM flags typed
+    from offload.api.args import from_vllm_arguments
+
+    kwargs = vars(parser.parse_args(["--model", "m", "-q", "int4", "--max-num-seqs", "3"]))
+    for name in ("model", "gpu_mem", "cpu_mem"):  # (LLM takes these itself)
+        kwargs.pop(name)
+    mapped, _ = from_vllm_arguments(kwargs, torch.device("cpu"), None)
+    assert (mapped["compress"], mapped["batch_size"]) == ("int4", 3)
     for flags, fix in (
         (["--cpu-offload-gb", "4"], "max_memory"),
         (["--max-model-len", "2048"], "longest prompt"),

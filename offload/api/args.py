@@ -293,6 +293,7 @@ class EngineArgs:
 
 
 ENGINE_FIELDS = tuple(f.name for f in fields(EngineArgs))
+ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineArgs)}
 
 
 def caps_from_max_memory(
@@ -337,7 +338,7 @@ def from_vllm_arguments(
     share of the GPU's memory the run may use; the rest of vLLM's refused with the fix,
     at their defaults accepted (`vllm_args.VLLM_ARGS`); anything else is a TypeError, as
     Python's own."""
-    return from_vllm(kwargs, ENGINE_FIELDS, device, gpu_mem, cli)
+    return from_vllm(kwargs, ENGINE_DEFAULTS, device, gpu_mem, cli)
 
 
 def _flag(name: str) -> str:
@@ -370,20 +371,12 @@ def cli_engine_args(args: argparse.Namespace, **extra: Any) -> EngineArgs:
     """The `EngineArgs` of parsed flags: the fields' own flags, and vLLM's engine flags
     where they were given, mapped or refused naming the flags to use instead (fields
     without a flag keep their defaults; `extra` overrides)."""
-    given = {k: v for k, v in vars(args).items() if k in ENGINE_FIELDS} | extra
-    vllm = {k: v for k, v in vars(args).items() if k in VLLM_ARGS}
-    if vllm:
-        device = resolve_device(given.get("device", "auto"))
-        mapped, gpu_mem = from_vllm(vllm, (), device, given.get("gpu_mem"), cli=True)
-        defaults = {f.name: f.default for f in fields(EngineArgs)}
-        for name in mapped:
-            if given.get(name, defaults[name]) != defaults[name]:
-                vllm_name = {"batch_size": "max_num_seqs", "compress": "quantization"}[name]
-                raise UserError(
-                    f"give {_flag(vllm_name)} or {_flag(name)}, not both (they are the same)"
-                )
-        given |= mapped | ({"gpu_mem": gpu_mem} if gpu_mem is not None else {})
-    return EngineArgs(**given)
+    given = {k: v for k, v in vars(args).items() if k in ENGINE_DEFAULTS or k in VLLM_ARGS}
+    given |= extra
+    gpu_mem = given.pop("gpu_mem", None)
+    device = resolve_device(given.get("device", "auto"))
+    values, gpu_mem = from_vllm(given, ENGINE_DEFAULTS, device, gpu_mem, cli=True)
+    return EngineArgs(**values, gpu_mem=gpu_mem)
 
 
 class FlexibleArgumentParser(argparse.ArgumentParser):

@@ -11,7 +11,7 @@ them all.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,25 +121,26 @@ def add_vllm_flags(parser: Any, skip: Iterable[str] = ()) -> None:
 
 def from_vllm(
     kwargs: dict[str, Any],
-    known: Iterable[str],
+    fields: Mapping[str, Any],
     device: torch.device,
     gpu_mem: str | None,
     cli: bool = False,
 ) -> tuple[dict[str, Any], str | None]:
     """(the `EngineArgs` keyword arguments, the GPU cap) of keyword arguments that mix
-    `EngineArgs` fields (`known`) and vLLM's. cli: they came as flags (messages name
-    flags). A name neither knows is a TypeError, as Python's own."""
+    `EngineArgs` fields (`fields`: their defaults) and vLLM's. cli: they came as flags
+    (messages name flags). A name neither knows is a TypeError, as Python's own."""
     for vllm, ours in (("max_num_seqs", "batch_size"), ("quantization", "compress")):
-        if vllm in kwargs and ours in kwargs:
-            raise UserError(f"give {vllm} or {ours}, not both (they are the same)")
-    known, out = set(known), {}
+        if vllm in kwargs and kwargs.get(ours, fields[ours]) != fields[ours]:
+            both = f"{_flag(vllm)} or {_flag(ours)}" if cli else f"{vllm} or {ours}"
+            raise UserError(f"give {both}, not both (they are the same)")
+    out, mapped = {}, {}  # (a mapped value wins over its field's default)
     for name, value in kwargs.items():
-        if name in known:
+        if name in fields:
             out[name] = value
         elif name == "max_num_seqs":
-            out["batch_size"] = value
+            mapped["batch_size"] = value
         elif name == "quantization":
-            out["compress"] = _quantization(value, cli)
+            mapped["compress"] = _quantization(value, cli)
         elif name == "gpu_memory_utilization":
             gpu_mem = _gpu_share(value, device, gpu_mem, cli)
         elif name in VLLM_ARGS and value in VLLM_ARGS[name].harmless:
@@ -155,7 +156,7 @@ def from_vllm(
                 f"LLM() got an unexpected keyword argument {name!r}; it takes the EngineArgs "
                 "fields, max_memory, offload_folder and policy (docs/compat.md)"
             )
-    return out, gpu_mem
+    return out | mapped, gpu_mem
 
 
 def _quantization(value: Any, cli: bool) -> str:
