@@ -215,7 +215,7 @@ def run_part(
 ) -> dict[str, Any]:
     """Run `cmd` until it exits, `timeout_s` passes, or (given `hung_after_traceback_s`)
     it prints a traceback and then nothing for that long; then its process group is
-    killed. (Only for children whose tracebacks are fatal: offload-run with -q is
+    killed. (Only for children whose tracebacks are fatal: offload-run with --quiet is
     silent for minutes while it loads.) stdout and stderr go to files in `log_dir`; the
     record holds the command, the exit code, the wall time and the output's tails
     (longer on failure)."""
@@ -427,7 +427,7 @@ def plan_and_run(
     write_prompts(prompts, block, prompt_len)
     record |= {"sequences": block, "run_engine_flags": shlex.join(run_engine)}
     cmd = [sys.executable, "-m", "offload.cli.run", *run_engine, *shape, "--ignore-eos"]
-    cmd += ["-i", str(prompts), "-o", str(outputs), "--stats", str(stats), "-q", *run_flags]
+    cmd += ["-i", str(prompts), "-o", str(outputs), "--stats", str(stats), "--quiet", *run_flags]
     record["run"] = run_part(f"{name}-run", cmd, deadline - time.monotonic(), part_dir, env)
     if stats.is_file():
         record["stats"] = json.loads(stats.read_text())

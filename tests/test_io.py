@@ -243,7 +243,7 @@ def test_killed_conversion_leaves_no_loadable_store_and_the_next_resumes(tmp_pat
             str(tmp_path),
             "--dtype",
             "float32",
-            "-q",
+            "--quiet",
         ],
     )
     deadline = time.time() + 120

@@ -201,7 +201,7 @@ def _cli(directory: Path, prompts: Path, output: Path, *extra: str) -> list[str]
     return [
         *("--model", str(directory), "--device", "cpu", "--dtype", "float32"),
         *("-i", str(prompts), "--output", str(output)),
-        *("--max-tokens", "6", "--batch-size", "2", "-q", *extra),
+        *("--max-tokens", "6", "--batch-size", "2", "--quiet", *extra),
     ]
 
 

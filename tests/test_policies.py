@@ -231,7 +231,7 @@ def test_plan_json_round_trips_into_offload_run(tiny_checkpoints, tmp_path, caps
                 "4",
                 "--device",
                 "cpu",
-                "-q",
+                "--quiet",
             ]
         )
         == 0

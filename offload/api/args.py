@@ -9,13 +9,17 @@ memory caps use our flag names here and accelerate's (`max_memory`, `offload_fol
 
 from __future__ import annotations
 
+import argparse
 import re
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from offload.api.vllm_args import VLLM_ARGS, add_vllm_flags, from_vllm
 from offload.core.config import DTYPE_CHOICES
 from offload.core.errors import UserError
 from offload.io.atomic import check_writable
@@ -277,8 +281,29 @@ class EngineArgs:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return EngineArgs(**{**values, **changes})
 
+    @staticmethod
+    def add_cli_args(parser: Any) -> Any:
+        """vLLM's `EngineArgs.add_cli_args(parser)` (a parser or an argument group): a flag
+        for every field (`--model` may be left to the script's `set_defaults`), vLLM's
+        engine flags (mapped or refused naming the fix when `LLM(**vars(args))` gets
+        them) and `--seed` (`LLM`'s). Returns the parser."""
+        add_engine_flags(parser, ENGINE_FIELDS, optional=("model",))
+        add_vllm_flags(parser)
+        parser.add_argument(
+            "--seed", type=int, default=argparse.SUPPRESS, help="LLM(seed=...): sampled "
+            "requests without a seed of their own draw one from it",
+        )  # fmt: skip
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """vLLM's `EngineArgs.from_cli_args`: the fields' flags, and vLLM's engine flags
+        mapped or refused (`--seed` is `LLM`'s, not a field: pass it there)."""
+        return cli_engine_args(args)
+
 
 ENGINE_FIELDS = tuple(f.name for f in fields(EngineArgs))
+ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineArgs)}
 
 
 def caps_from_max_memory(
@@ -314,85 +339,68 @@ def caps_from_max_memory(
     return gpu, cpu
 
 
-# vLLM's `LLM` constructor arguments that take no effect here at these values
-VLLM_DEFAULTS = {
-    "tensor_parallel_size": 1,
-    "pipeline_parallel_size": 1,
-    "trust_remote_code": False,
-    "enforce_eager": False,
-    "disable_log_stats": True,
-}
-# vLLM's arguments with no counterpart here, and the fix each message names
-VLLM_REFUSED = {
-    "tensor_parallel_size": "tensor parallelism runs as one process a rank: "
-    "offload-run --tp N under torchrun (docs/parallel.md)",
-    "pipeline_parallel_size": "layers stream through one GPU instead: drop it",
-    "trust_remote_code": "no remote code runs; the supported families (Llama, Mistral, "
-    "Qwen2, BLOOM, OPT) load without it: drop it",
-    "enforce_eager": "the policy decides where decode replays CUDA graphs: drop it",
-    "max_model_len": "each job's plan is sized for its longest prompt and max_tokens, up to "
-    "the model's context: drop it",
-    "tokenizer": "the model's own tokenizer is used: drop it",
-    "tokenizer_mode": "the model's own tokenizer is used: drop it",
-    "skip_tokenizer_init": "the model's own tokenizer is used: drop it",
-    "cpu_offload_gb": "the plan search places weights, cache and activations itself: cap "
-    "the CPU memory with max_memory={'cpu': '100GB'} (and give offload_folder=DIR for disk)",
-    "swap_space": "the plan search places the KV cache itself: cap the CPU memory with "
-    "max_memory={'cpu': '100GB'}",
-}
-
-
 def from_vllm_arguments(
-    kwargs: dict[str, Any], device: torch.device, gpu_mem: str | None
+    kwargs: dict[str, Any], device: torch.device, gpu_mem: str | None, cli: bool = False
 ) -> tuple[dict[str, Any], str | None]:
-    """vLLM's `LLM(...)` arguments as this engine's (`docs/compat.md`): (the EngineArgs
-    keyword arguments, the GPU cap). `max_num_seqs` is the batch size, `quantization`
-    the weights' format (int4, int8, auto), `gpu_memory_utilization` the share of the
-    GPU's memory the run may use; the rest of vLLM's refused with the fix, at their
-    defaults accepted; anything else is a TypeError, as Python's own."""
-    for vllm, ours in (("max_num_seqs", "batch_size"), ("quantization", "compress")):
-        if vllm in kwargs and ours in kwargs:
-            raise UserError(f"give {vllm} or {ours}, not both (they are the same)")
-    out = {}
-    for name, value in kwargs.items():
-        if name in ENGINE_FIELDS:
-            out[name] = value
-        elif name == "max_num_seqs":
-            out["batch_size"] = value
-        elif name == "quantization":
-            if value is not None and str(value) not in ("int4", "int8", "auto"):
-                raise UserError(
-                    f"quantization={value!r} reads a pre-quantized checkpoint, which offload "
-                    "does not; pass quantization='int4' (or 'int8') to quantize the weights "
-                    "group-wise as they load (docs/compression.md)"
-                )
-            out["compress"] = "none" if value is None else str(value)
-        elif name == "gpu_memory_utilization":
-            gpu_mem = _gpu_share(value, device, gpu_mem)
-        elif name in VLLM_DEFAULTS and value == VLLM_DEFAULTS[name]:
+    """vLLM's `LLM(...)` arguments (or flags, `cli`) as this engine's (`docs/compat.md`):
+    (the EngineArgs keyword arguments, the GPU cap). `max_num_seqs` is the batch size,
+    `quantization` the weights' format (int4, int8, auto), `gpu_memory_utilization` the
+    share of the GPU's memory the run may use; the rest of vLLM's refused with the fix,
+    at their defaults accepted (`vllm_args.VLLM_ARGS`); anything else is a TypeError, as
+    Python's own."""
+    return from_vllm(kwargs, ENGINE_DEFAULTS, device, gpu_mem, cli)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_flags(
+    parser: Any, names: Sequence[str], required: Sequence[str] = (), optional: Sequence[str] = ()
+) -> None:
+    """Flags for these `EngineArgs` fields, with the dataclass's defaults and help.
+    required / optional: fields whose flag must be given / may be left out, whatever the
+    field says."""
+    by_name = {f.name: f for f in fields(EngineArgs)}
+    for name in names:
+        f = by_name[name]
+        meta = dict(f.metadata)
+        help_text = meta.pop("help")
+        must = (meta.pop("required", False) or name in required) and name not in optional
+        if f.type in (bool, "bool"):
+            parser.add_argument(_flag(name), action="store_true", help=help_text)
             continue
-        elif name in VLLM_REFUSED:
-            raise UserError(f"LLM({name}={value!r}) is vLLM's: {VLLM_REFUSED[name]}")
-        else:
-            raise TypeError(
-                f"LLM() got an unexpected keyword argument {name!r}; it takes the EngineArgs "
-                "fields, max_memory, offload_folder and policy (docs/compat.md)"
-            )
-    return out, gpu_mem
+        default = None if must or name in optional else f.default
+        suffix = "" if default in (None, "") else f" (default: {default})"
+        parser.add_argument(
+            _flag(name), required=must, default=default, help=help_text + suffix, **meta
+        )
 
 
-def _gpu_share(share: Any, device: torch.device, gpu_mem: str | None) -> str:
-    """vLLM's gpu_memory_utilization as a GPU cap: that share of the device's memory."""
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-        raise UserError(f"gpu_memory_utilization={share!r} is not a share in (0, 1]; e.g. 0.9")
-    if gpu_mem is not None:
-        raise UserError(
-            "gpu_memory_utilization and a max_memory GPU entry both cap the GPU; give one"
-        )
-    if device.type != "cuda":
-        raise UserError(
-            f"gpu_memory_utilization caps a GPU's memory, and this run has none (device "
-            f"{device}); drop it, or cap the CPU memory with max_memory={{'cpu': '8GB'}}"
-        )
-    total = torch.cuda.get_device_properties(device).total_memory
-    return f"{int(share * total)}B"
+def cli_engine_args(args: argparse.Namespace, **extra: Any) -> EngineArgs:
+    """The `EngineArgs` of parsed flags: the fields' own flags, and vLLM's engine flags
+    where they were given, mapped or refused naming the flags to use instead (fields
+    without a flag keep their defaults; `extra` overrides)."""
+    given = {k: v for k, v in vars(args).items() if k in ENGINE_DEFAULTS or k in VLLM_ARGS}
+    given |= extra
+    gpu_mem = given.pop("gpu_mem", None)
+    device = resolve_device(given.get("device", "auto"))
+    values, gpu_mem = from_vllm(given, ENGINE_DEFAULTS, device, gpu_mem, cli=True)
+    return EngineArgs(**values, gpu_mem=gpu_mem)
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """vLLM's argument parser as its examples use it: an `ArgumentParser` that also takes
+    `--flag_name` for `--flag-name` (vLLM's other additions, YAML `--config` files among
+    them, are not here: docs/compat.md)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args([_dashes(a) for a in args], namespace)
+
+
+def _dashes(arg: str) -> str:
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value

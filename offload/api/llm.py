@@ -13,6 +13,7 @@ decode ... until every sequence hit EOS, a stop string or its token budget.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -26,6 +27,7 @@ from offload.api.planning import Plan, plan_run
 from offload.core.config import DTYPES, resolve_dtype
 from offload.core.errors import UserError
 from offload.core.outputs import GenerationStats, RequestOutput
+from offload.core.progress import PromptsBar
 from offload.core.sampling import SamplingParams
 from offload.executor.runner import PlainRunner, Runner
 from offload.io.atomic import exclusive
@@ -74,7 +76,7 @@ class LLM:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise UserError(f"seed={seed!r} is not an integer")
         device = resolve_device(engine_args.get("device", "auto"))
-        gpu_mem, cpu_mem = caps_from_max_memory(max_memory, device)
+        gpu_mem, cpu_mem = _caps(max_memory, engine_args, device)
         engine_args, gpu_mem = from_vllm_arguments(engine_args, device, gpu_mem)
         if caps is not None:  # byte caps given as `Caps`: the same as sizes
             gpu_mem = gpu_mem or (f"{caps.gpu_bytes}B" if caps.gpu_bytes else None)
@@ -158,6 +160,7 @@ class LLM:
             raise
         self.eos_ids = eos_ids(front)
         self.stats = GenerationStats()
+        self._request_ids = itertools.count()
         self.on_phase: Callable[[str], None] | None = None  # told "prefill" / "decode"
         self.loop = DecodeLoop(
             self.config, self.tokenizer, self.eos_ids, self.stats, self._phase, self.device
@@ -290,11 +293,12 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Generate for each prompt: text (never templated), {"prompt_token_ids": [...]}
         or {"prompt": text}. One SamplingParams for all, or one per prompt; None takes
-        the model's defaults. Outputs in the prompts' order."""
+        the model's defaults. Outputs in the prompts' order. use_tqdm: a progress bar on
+        stderr (plain lines where it is not a terminal), or a tqdm-like class to draw it."""
         self._check_open()
         if prompts is None:
             raise UserError(
@@ -306,13 +310,13 @@ class LLM:
         ):
             prompts = [prompts]
         encoded = [self._prompt_ids(p) for p in prompts]
-        return self._run(encoded, sampling_params)
+        return self._run(encoded, sampling_params, use_tqdm)
 
     def chat(
         self,
         messages: list[Message] | Sequence[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = True,
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of {"role", "content"}) or to
@@ -328,9 +332,9 @@ class LLM:
         for conversation in conversations:
             ids = self.encode_chat(list(conversation), chat_template)
             encoded.append((self.tokenizer.decode(ids, skip_special_tokens=False), ids))
-        return self._run(encoded, sampling_params)
+        return self._run(encoded, sampling_params, use_tqdm)
 
-    def _run(self, encoded, sampling_params) -> list[RequestOutput]:
+    def _run(self, encoded, sampling_params, use_tqdm=False) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(encoded)
         else:
@@ -348,16 +352,30 @@ class LLM:
                 else dataclasses.replace(p, seed=self._seeds.getrandbits(63))
                 for p in params
             ]  # fmt: skip
-        outs = self.generate_ids([(ids, p) for (_, ids), p in zip(encoded, params, strict=True)])
+        params = _checked(params)  # judged before any work, the bar included
+        requests = [(ids, p) for (_, ids), p in zip(encoded, params, strict=True)]
+        factory = use_tqdm if callable(use_tqdm) else None
+        bar = PromptsBar(len(requests), self.stats, factory) if use_tqdm else None
+        try:
+            outs = self.generate_ids(requests, bar.on_batch if bar else None)
+        finally:
+            if bar is not None:
+                bar.close()
         for out, (text, _) in zip(outs, encoded, strict=True):
             out.prompt = text
         return outs
 
     def generate_ids(
-        self, requests: Sequence[tuple[list[int], SamplingParams]]
+        self,
+        requests: Sequence[tuple[list[int], SamplingParams]],
+        on_batch: Callable[[int], None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for already-checked token-id prompts, each with its own sampling."""
+        """Generate for already-checked token-id prompts, each with its own sampling (as
+        it is now: `SamplingParams.checked`). Every output gets a request id unique for
+        the engine's life, as vLLM's. on_batch(requests finished) after each batch."""
         self._check_open()
+        params = _checked([p for _, p in requests])
+        requests = [(ids, p) for (ids, _), p in zip(requests, params, strict=True)]
         if self.policy is not None and requests:
             limit = self.config.max_position_embeddings
             longest = max(len(ids) for ids, _ in requests)
@@ -372,7 +390,10 @@ class LLM:
                 longest,
                 budget,
             )
-        return self.loop.run(self.runner, requests, self.batch_size)
+        outs = self.loop.run(self.runner, requests, self.batch_size, on_batch)
+        for out in outs:
+            out.request_id = str(next(self._request_ids))
+        return outs
 
     # -- lifetime ---------------------------------------------------------------------
     def close(self) -> None:
@@ -405,6 +426,30 @@ class LLM:
     def _phase(self, name: str) -> None:
         if self.on_phase is not None:
             self.on_phase(name)
+
+
+def _checked(params: list[SamplingParams]) -> list[SamplingParams]:
+    """A validated copy of each distinct params object as it is now (`checked`)."""
+    copies: dict[int, SamplingParams] = {}
+    for p in params:
+        if id(p) not in copies:
+            copies[id(p)] = p.checked()
+    return [copies[id(p)] for p in params]
+
+
+def _caps(
+    max_memory: dict[Any, Any] | None, engine_args: dict[str, Any], device
+) -> tuple[str | None, str | None]:
+    """(gpu_mem, cpu_mem) from accelerate's `max_memory` or the `EngineArgs` fields of
+    the same names (popped from engine_args), given one way or the other."""
+    caps = caps_from_max_memory(max_memory, device)
+    out = []
+    for name, from_max_memory in zip(("gpu_mem", "cpu_mem"), caps, strict=True):
+        value = engine_args.pop(name, None)
+        if value is not None and from_max_memory is not None:
+            raise UserError(f"{name} and max_memory both cap that memory; give one")
+        out.append(from_max_memory if value is None else value)
+    return out[0], out[1]
 
 
 def _front_and_plan(

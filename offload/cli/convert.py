@@ -8,7 +8,13 @@ import time
 
 from offload.api.args import resolve_device
 from offload.api.planning import weight_formats
-from offload.cli.common import add_engine_flags, engine_args, run_cli, setup_logging
+from offload.cli.common import (
+    add_engine_flags,
+    add_version_flag,
+    engine_args,
+    run_cli,
+    setup_logging,
+)
 from offload.core.config import resolve_dtype
 from offload.core.errors import UserError
 from offload.io.atomic import exclusive
@@ -26,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         "complete store is reused. The store's dtype is the one offload-run uses for "
         "the same --dtype and --device.",
     )
+    add_version_flag(p)
     add_engine_flags(p, FLAGS, required=("nvme",))
-    p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true")
     return p
 
 

@@ -13,6 +13,7 @@ from offload.api.planning import VERIFY_TOP, weight_formats
 from offload.cli.common import (
     add_engine_flags,
     add_sampling_flags,
+    add_version_flag,
     engine_args,
     run_cli,
     sampling_params,
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Find the placement and batch shape with the highest predicted throughput "
         "that fits the memory caps, and explain it (only the model's config is read).",
     )
+    add_version_flag(p)
     add_engine_flags(p, FLAGS, required=("gpu_mem",))
     add_sampling_flags(p, ("max_tokens",))
     p.add_argument("--num-prompts", type=int, help="requests in the job (caps the block size)")

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from offload.cli.common import add_engine_flags, run_cli, setup_logging
+from offload.cli.common import add_engine_flags, add_version_flag, run_cli, setup_logging
 from offload.executor.probe import measure_profile
 from offload.policies.hardware import load_profile, profile_path, save_profile
 
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         "there and each GPU's H2D rate while all copy at once. The profile records the code "
         "version it was measured with; other code measures again.",
     )
+    add_version_flag(p)
     add_engine_flags(p, ("nvme",))
     p.add_argument("--show", action="store_true", help="print the cached profile")
     p.add_argument("--quick", action="store_true", help="smaller transfers (less accurate; under a minute)")  # fmt: skip

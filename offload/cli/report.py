@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from offload.api.llm import LLM
+from offload.core import progress
 from offload.io.atomic import atomic_write
 from offload.jobs.job import JobStats
 
@@ -104,19 +105,12 @@ def _count(n: int, noun: str) -> str:
 
 
 class Progress:
-    """A progress bar: requests, tokens, tok/s now and on average, phase, peak memory."""
+    """The job's progress: requests, tokens, tok/s now and on average, phase, peak memory
+    (a bar on a terminal, plain lines in a log: `api.progress`)."""
 
     def __init__(self, stats: JobStats, llm: LLM) -> None:
-        from tqdm import tqdm
-
         self.stats, self.llm = stats, llm
-        self.bar = tqdm(
-            total=stats.total,
-            initial=stats.skipped,
-            unit="req",
-            dynamic_ncols=True,
-            file=sys.stderr,
-        )
+        self.bar = progress.Progress(stats.total, "Requests", "req", initial=stats.skipped)
         self.last_t, self.last_tokens, self.rate = time.perf_counter(), 0, 0.0
         llm.on_phase = self.set_phase
 
@@ -130,14 +124,13 @@ class Progress:
 
     def set_phase(self, name: str) -> None:
         self.stats.phase = name
-        self.bar.set_postfix_str(self._postfix(), refresh=True)
+        self.bar.update(status=self._postfix())
 
     def update(self) -> None:
         now, gen = time.perf_counter(), self.llm.stats.generated_tokens
         self.rate = (gen - self.last_tokens) / max(now - self.last_t, 1e-9)  # the last block
         self.last_t, self.last_tokens = now, gen
-        self.bar.n = self.stats.done + self.stats.skipped
-        self.bar.set_postfix_str(self._postfix(), refresh=True)
+        self.bar.update(self.stats.done + self.stats.skipped, self._postfix())
 
     def close(self) -> None:
         self.bar.close()

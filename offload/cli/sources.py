@@ -31,6 +31,7 @@ class Source:
     requests: Callable[[SamplingParams], Iterator[job.JobRequest]]
     from_flags: bool  # --prompt / --chat: a bad one fails the run
     spooled: Path | None = None
+    invalid: int = 0  # lines refused by their schema (error results)
 
 
 def check_output(output: str | None, restart: bool = False) -> Path | None:
@@ -99,6 +100,7 @@ def open_source(args: argparse.Namespace, output: Path | None) -> Source:
         lambda defaults: job.iter_requests(path, defaults, scan.format),
         from_flags=False,
         spooled=spooled,
+        invalid=scan.invalid,
     )
 
 

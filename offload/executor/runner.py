@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from offload.core.config import ModelConfig
+from offload.core.progress import tracked
 from offload.io.tiers import Tier
 from offload.kernels import cpu_attention
 from offload.kernels.formats import Compression
@@ -150,9 +151,7 @@ class PlainRunner:
         self.embed_w: Weights = source.embed(dtype, device)
         layers = range(self.cfg.num_layers)
         if progress:
-            from tqdm import tqdm
-
-            layers = tqdm(layers, desc="loading layers", unit="layer", leave=False)
+            layers = tracked(layers, self.cfg.num_layers, "loading layers", "layer")
         self.layer_w: list[Weights] = [
             _compressed(source.layer(i, dtype, device), weight_compression) for i in layers
         ]

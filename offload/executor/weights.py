@@ -23,6 +23,7 @@ import torch
 import xxhash
 
 from offload.core.errors import UserError
+from offload.core.progress import tracked
 from offload.executor.lanes import Lanes
 from offload.io.layout import (
     EMBED_TABLE,
@@ -137,9 +138,7 @@ class WeightHomes:
         cuts = stage_cuts(cfg, dtype, compression, placement)
         stages = zip(stage_keys(cfg), cuts, strict=True)
         if progress:
-            from tqdm import tqdm
-
-            stages = tqdm(stages, desc="placing weights", unit="stage", total=len(cuts))
+            stages = tracked(stages, len(cuts), "placing weights", "stage")
         for key, (gpu_end, cpu_end) in stages:
             layout = (
                 store.layout(key)

@@ -29,6 +29,7 @@ import torch
 
 from offload.core.config import ModelConfig
 from offload.core.errors import DiskFull, UserError
+from offload.core.progress import tracked
 from offload.io.atomic import atomic_write, fsync_dir, size_text
 from offload.io.layout import stage_keys, stage_layout, store_bytes, store_tails
 from offload.io.pinned import ALIGN
@@ -167,11 +168,7 @@ def _write_stages(build: _Build, done: dict[str, dict], progress: bool) -> None:
     partial = build.partial
     stages_in = iter(build.wanted.items())
     if progress:
-        from tqdm import tqdm
-
-        stages_in = tqdm(
-            stages_in, desc="writing weight store", unit="stage", total=len(build.wanted)
-        )
+        stages_in = tracked(stages_in, len(build.wanted), "writing weight store", "stage")
     stages: dict[str, dict] = {}  # the stages written, as the progress file names them
     writing = None  # the stage whose file is being written
     try:

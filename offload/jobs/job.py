@@ -168,7 +168,7 @@ def scan(path: Path, skip_invalid: bool) -> Scan:
             f"{path}: duplicate {name}s: {'; '.join(duplicates[:5])}"
             f"{' ...' if len(duplicates) > 5 else ''}; give every request its own {name}"
         )
-    if len(bad) == count:
+    if len(bad) == count and fmt != "openai":  # (a Batch file gets an error line each)
         raise UserError(f"{path}: no valid request in {count} line(s); {bad[0]}")
     for problem in bad[:20]:
         log.warning("%s: %s (recorded as an error result)", path, problem)
