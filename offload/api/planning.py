@@ -24,6 +24,8 @@ from offload.policies.caps import (
     check_caps_within_machine,
     check_weights_fit,
 )
+from offload.policies.hardware import HardwareProfile
+from offload.policies.job import Job, JobEstimate
 from offload.policies.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,9 @@ class Plan:
     batch_size: int
     prompt_len: int
     gen_len: int
+    # the job's predicted wall time (`policies.job`), where a job was given and a
+    # hardware profile is known
+    prediction: JobEstimate | None = None
 
 
 def plan_run(
@@ -53,10 +58,12 @@ def plan_run(
     gen_len: int | None = None,
     rank_config: ModelConfig | None = None,
     tensor_parallel: bool = False,
+    job: Job | None = None,
 ) -> Plan:
     """The run's plan for prompts of `args.planned_prompt_len` tokens and `gen_len` new
     tokens; `UserError` when it cannot fit. policy: one chosen already (a TP job's);
-    rank_config: a tensor-parallel rank's shard, planned and checked in its place."""
+    rank_config: a tensor-parallel rank's shard, planned and checked in its place;
+    job: the requests it runs (the search plans for them, and their time is predicted)."""
     cfg = rank_config or front.config
     prompt_len = args.planned_prompt_len
     gen_len = gen_len or front.get_default_sampling_params().max_tokens or PLAN_GEN_LEN
@@ -66,8 +73,9 @@ def plan_run(
         _refuse_compression_without_a_plan(args)
     caps = Caps(args.gpu_bytes, args.cpu_bytes, nvme=args.nvme is not None)
     check_caps_within_machine(caps, front.device)
+    hw = None
     if policy is None and args.wants_search:
-        policy = _search(front, args, cfg, prompt_len, gen_len)
+        policy, hw = _search(front, args, cfg, prompt_len, gen_len, job)
     if tensor_parallel and policy is None:
         policy = Policy(gpu_batch_size=args.batch_size, num_gpu_batches=1)
     # what the process holds before any weights: the baseline of the one accounting
@@ -79,7 +87,10 @@ def plan_run(
             cfg, policy, front.dtype, front.device, caps, baseline, prompt_len, gen_len
         )
     batch_size = policy.block_size if policy else args.batch_size
-    return Plan(policy, caps, baseline, batch_size, prompt_len, gen_len)
+    prediction = None
+    if policy is not None and job is not None and not tensor_parallel:
+        prediction = _predict(front, args, cfg, policy, job, hw)
+    return Plan(policy, caps, baseline, batch_size, prompt_len, gen_len, prediction)
 
 
 def _refuse_compression_without_a_plan(args: EngineArgs) -> None:
@@ -97,8 +108,15 @@ def _refuse_compression_without_a_plan(args: EngineArgs) -> None:
 
 
 def _search(
-    front: ModelFront, args: EngineArgs, cfg: ModelConfig, prompt_len: int, gen_len: int
-) -> Policy:
+    front: ModelFront,
+    args: EngineArgs,
+    cfg: ModelConfig,
+    prompt_len: int,
+    gen_len: int,
+    job: Job | None,
+) -> tuple[Policy, HardwareProfile]:
+    """The searched policy (for the job where there is one) and the profile it was
+    searched on; the formats' advice and the store's room judged before any load."""
     from offload.executor.probe import measure_profile, verify
     from offload.policies.choose import choose_policy
 
@@ -115,6 +133,7 @@ def _search(
         kv_compressions=args.kv_compressions(),
         measure_machine=measure_profile,
         top=VERIFY_TOP if args.verify_plan else 1,
+        job=job,
     )
     best = choice.best
     log.info(
@@ -134,4 +153,53 @@ def _search(
                 probe.seconds_spent,
             )
         best = probed[0][0]
-    return best.policy
+    _advise(front, args, cfg, choice, best, prompt_len, gen_len, job)
+    return best.policy, choice.profile
+
+
+def _advise(front, args, cfg, choice, best, prompt_len: int, gen_len: int, job) -> None:
+    """Before the load: a warning where int4 formats the flags left out would run the job
+    `advice.WARN_SPEEDUP` times faster or more, and a refusal where the plan's weight
+    store needs more disk than is free (with the formats' advice, where they help)."""
+    from offload.policies.advice import WARN_SPEEDUP, format_hint
+
+    hint = format_hint(
+        cfg, choice.dtype, prompt_len, gen_len, choice.profile, choice.caps, best,
+        args.compressions(), args.kv_compressions(), job,
+    )  # fmt: skip
+    problem = _store_space_problem(args, cfg, choice.dtype, best.policy)
+    if problem:
+        raise UserError(problem + (f"; or {hint.text()}" if hint else ""))
+    if hint is not None and hint.speedup >= WARN_SPEEDUP:
+        log.warning("this plan predicts %.1f tok/s; %s", hint.tok_s / hint.speedup, hint.text())
+
+
+def _store_space_problem(args: EngineArgs, cfg: ModelConfig, dtype, policy: Policy) -> str | None:
+    """Why the weight store the plan needs will not fit under --nvme (None: it fits, or
+    a store there holds it, or a build there resumes: its own check counts what is left)."""
+    from offload.io.layout import store_bytes
+    from offload.io.store import find_store, space_problem, store_dir
+
+    nvme, compression, placement = args.nvme, policy.weight_compression, policy.weights
+    if nvme is None or placement.disk <= 0:
+        return None
+    if find_store(nvme, cfg, dtype, compression, placement)[0] is not None:
+        return None
+    directory = store_dir(nvme, cfg, dtype, compression)
+    if directory.with_name(directory.name + ".partial").exists():
+        return None
+    return space_problem(nvme, store_bytes(cfg, dtype, compression, placement))
+
+
+def _predict(front, args: EngineArgs, cfg, policy: Policy, job: Job, hw) -> JobEstimate | None:
+    """The job's predicted time under the plan, on the profile searched with or, for a
+    given policy, the known one (None where there is none: nothing is measured for it)."""
+    from offload.policies.choose import known_profile
+    from offload.policies.job import predict_job
+
+    hw = hw or known_profile(args.profile)
+    if hw is None:
+        return None
+    spec = front.spec
+    checkpoint = 0 if spec.kind == "dummy" else spec.checkpoint_bytes()
+    return predict_job(cfg, policy, front.dtype, job, hw, args.nvme, checkpoint)

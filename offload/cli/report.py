@@ -53,9 +53,30 @@ def summary(llm: LLM, stats: JobStats, load_seconds: float) -> dict[str, Any]:
         },
         "policy": llm.policy.to_dict() if llm.policy else None,
         "planned_for": _planned_for(llm),
+        "predicted": _predicted(llm),
         "peak_memory": peak_memory(llm),
         "memory": llm.runner.memory_report(),
     }
+
+
+def _predicted(llm: LLM) -> dict[str, Any] | None:
+    """The job's predicted time (`policies.job`), where the plan has one."""
+    prediction = llm.plan.prediction
+    return None if prediction is None else prediction.to_dict()
+
+
+def _job_line(info: dict[str, Any]) -> str | None:
+    """The job's measured wall time (load included) beside its prediction."""
+    predicted = info["predicted"]
+    if predicted is None:
+        return None
+    took = info["seconds"]["loading"] + info["seconds"]["wall"]
+    tokens = info["generated_tokens"]
+    return (
+        f"job: {took:.1f} s, {tokens / took if took else 0.0:.1f} tok/s with the load "
+        f"(predicted {predicted['seconds']:.1f} s, {predicted['tok_s']:.1f} tok/s; load "
+        f"{info['seconds']['loading']:.1f} s, predicted {predicted['load']['seconds']:.1f} s)"
+    )
 
 
 def _planned_for(llm: LLM) -> dict[str, int] | None:
@@ -80,6 +101,9 @@ def report(llm: LLM, stats: JobStats, load_seconds: float, stats_path: Path | No
         + ", ".join(f"{k} {v}" for k, v in sorted(stats.reasons.items())),
         file=sys.stderr,
     )
+    line = _job_line(info)
+    if line is not None:
+        print(f"offload-run: {line}", file=sys.stderr)
     if llm.policy is None:
         return
     trace = llm.runner.trace_report()

@@ -44,19 +44,17 @@ from offload.io.reader import ExtentReader
 from offload.io.spill import SWITCH_INTERVAL_S
 from offload.io.store import ensure_store
 from offload.io.tiers import MemoryLedger, Tier
-from offload.kernels import cpu_attention, qmatmul
+from offload.kernels import cpu_attention
 from offload.models import decoder, ops
 from offload.models.batch import PaddedBatch
 from offload.models.decoder import Parallel, StepInputs
 from offload.models.shapes import Weights
 from offload.models.weights import WeightSource
+from offload.policies.job import warm_up_prompt
 from offload.policies.memory import row_splits, weight_plan
 from offload.policies.policy import Policy
 
 log = logging.getLogger(__name__)
-
-# the warm-up block's shortest prompt: a multiple of 16, as Triton specializes integers
-WARM_PROMPT = 16
 
 
 @dataclass
@@ -159,6 +157,12 @@ class Executor(LaneReports):  # implements runner.Runner
             self.homes, self.lanes, device, self.pool, self.reader, self.ledger
         )
         self.load_seconds = time.perf_counter() - started
+        # the parts `policies.job.load_estimate` predicts (the warm-up adds its own)
+        self.load_parts = {
+            "store_s": stored - started,
+            "pin_s": pinned - stored,
+            "place_s": started + self.load_seconds - pinned,
+        }
         if progress:
             log.info(
                 "loaded in %.1f s: weight store %.1f s, pinning %.1f s, placing weights %.1f s",
@@ -193,14 +197,12 @@ class Executor(LaneReports):  # implements runner.Runner
         if not (self.cuda_graphs and self.policy.decode_graphs) or self.tracer.enabled:
             seconds = time.perf_counter() - started  # (a traced run replays no graphs)
             self.load_seconds += seconds
+            self.load_parts["warm_s"] = seconds
             if progress and seconds > 0.5:
                 log.info("warmed up in %.1f s (kernels loaded)", seconds)
             return seconds
         rows = self.policy.block_size
-        # prefill's matmuls take the dense path (qmatmul.DENSE_ROWS) as the job's will:
-        # a micro-batch of the warm-up's prompts has that many rows
-        prompt = -(-qmatmul.DENSE_ROWS // self.policy.gpu_batch_size)
-        prompt = min(max(WARM_PROMPT, -(-prompt // 16) * 16), self.cfg.max_position_embeddings - 3)
+        prompt = warm_up_prompt(self.cfg, self.policy)
         # the first decode step runs eagerly (compiling), the second captures the graphs
         batch = PaddedBatch(self.cfg, [[0] * prompt] * rows, 3, pad_id=0)
         self.start(batch)
@@ -210,6 +212,7 @@ class Executor(LaneReports):  # implements runner.Runner
             self.forward(token, self.step_inputs(batch, batch.prompt_len + t, 1))
         seconds = time.perf_counter() - started
         self.load_seconds += seconds
+        self.load_parts["warm_s"] = seconds
         if progress:
             log.info("warmed up in %.1f s (kernels compiled, decode graphs captured)", seconds)
         return seconds

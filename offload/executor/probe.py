@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 from offload.core.config import ModelConfig
 from offload.core.presets import PRESETS
 from offload.executor.executor import Executor
+from offload.executor.load_rates import place_rates
 from offload.kernels.formats import Compression
 from offload.models.batch import PaddedBatch
 from offload.models.decoder import LAYER_MATMULS
@@ -355,6 +356,7 @@ def measure_profile(nvme: Path | None, quick: bool = True) -> HardwareProfile:
     spill = nvme or Path(tempfile.gettempdir())
     chain_steps = CHAIN_STEPS // 4 if quick else CHAIN_STEPS
     hw = dataclasses.replace(hw, **overheads(device, spill, 4 if quick else 8, chain_steps))
+    hw = dataclasses.replace(hw, place_gbps=place_rates(device))
     return dataclasses.replace(hw, **elementwise(hw, device))
 
 

@@ -89,6 +89,16 @@ def _gguf_tokenizer(path: Path) -> Tokenizer:
     return Tokenizer(hf)
 
 
+# what a token is for a model that ships no tokenizer, said beside its prompt lengths
+BYTE_TOKENS = "tokens are UTF-8 bytes: the model ships no tokenizer"
+
+
+def ships_tokenizer(directory: Path) -> bool:
+    """Whether a model directory holds a tokenizer (else its text is UTF-8 bytes)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    return any((directory / name).is_file() for name in names)
+
+
 def load_tokenizer(
     directory: Path | None, gguf_file: str | None = None
 ) -> Tokenizer | ByteTokenizer:
@@ -97,12 +107,7 @@ def load_tokenizer(
 
     if directory is not None and gguf_file is not None:
         return _gguf_tokenizer(directory / gguf_file)
-    if directory is not None:
-        has_files = any(
-            (directory / name).is_file()
-            for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-        )
-        if has_files:
-            return Tokenizer(AutoTokenizer.from_pretrained(str(directory)))
+    if directory is not None and ships_tokenizer(directory):
+        return Tokenizer(AutoTokenizer.from_pretrained(str(directory)))
     log.warning("the model ships no tokenizer; using UTF-8 bytes as token ids")
     return ByteTokenizer()

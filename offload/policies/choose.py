@@ -28,6 +28,7 @@ from offload.policies.hardware import (
     profile_path,
     save_profile,
 )
+from offload.policies.job import Job
 from offload.policies.measure import measure
 from offload.policies.search import ranked
 
@@ -72,6 +73,12 @@ def hardware_profile(
     return hw
 
 
+def known_profile(path: Path | None) -> HardwareProfile | None:
+    """The profile at `path`, else this machine's cached one; None where there is none
+    (nothing is measured: a prediction is not worth a measurement)."""
+    return HardwareProfile.from_file(path) if path is not None else load_profile()
+
+
 def plan_caps(gpu_bytes: int, cpu_bytes: int | None, nvme: bool, hw: HardwareProfile) -> Caps:
     """The search budget; a cap the machine cannot honour is an error."""
     cpu = cpu_bytes if cpu_bytes is not None else hw.default_cpu_cap
@@ -100,8 +107,10 @@ def choose_policy(
     tp: int = 1,
     measure_machine: Callable[[Path | None], HardwareProfile] | None = None,
     top: int = 1,
+    job: Job | None = None,
 ) -> Choice:
-    """The placement and batch shape with the highest predicted throughput in the caps.
+    """The placement and batch shape with the highest predicted throughput in the caps,
+    or with a job, the least predicted wall time for its requests (`search.ranked`).
 
     dtype may be a flag's name ("auto": as offload-run would pick on the profiled machine)."""
     if gpu_bytes is None:
@@ -132,5 +141,6 @@ def choose_policy(
         kv_compressions,
         tp,
         top,
+        job=job,
     )
     return Choice(plans[0], hw, caps, dtype, plans)

@@ -97,6 +97,19 @@ def copy_rate(src: torch.Tensor, dst: torch.Tensor) -> float:
     return src.numel() * src.element_size() / _timed(lambda: dst.copy_(src, non_blocking=True)) / GB
 
 
+def pin_rate(nbytes: int) -> float:
+    """GB/s of host memory a `PinnedPool` maps and pins (registering fresh pages with
+    CUDA faults them in). 0 without CUDA: the pool is plain memory there, whose pages
+    the first copy into them faults in, which the placement's rate counts."""
+    if not torch.cuda.is_available():
+        return 0.0
+    started = time.perf_counter()
+    pool = PinnedPool(nbytes)
+    seconds = time.perf_counter() - started
+    pool.close()
+    return nbytes / seconds / GB
+
+
 def disk_rates(directory: Path, nbytes: int) -> tuple[float, float]:
     """O_DIRECT write and read of one file in `directory` (GB/s)."""
     import mmap
@@ -660,5 +673,6 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         gpu_attention_gbps=attention,
         attention_call_s=attention_call,
         attention_pair_s=attention_pair,
+        pin_gbps=pin_rate(4 * size),
         code_version=code_version(),
     )
