@@ -15,6 +15,17 @@ from offload.api.llm import LLM
 from offload.io.atomic import atomic_write
 from offload.jobs.job import JobStats
 
+# the caching allocator's counters a run reports: how often it met the hold's limit (each
+# time it frees its cache and retries, a synchronization), how often it asked the driver
+# for memory and gave it back, and its peak of blocks split and left free inside segments
+ALLOCATOR_STATS = (
+    "num_alloc_retries",
+    "num_device_alloc",
+    "num_device_free",
+    "inactive_split_bytes.all.peak",
+    "segment.all.peak",
+)
+
 
 def peak_rss() -> int:
     with open("/proc/self/status") as status:
@@ -33,6 +44,10 @@ def peak_memory(llm: LLM) -> dict[str, int]:
         out["gpu_bytes"] = torch.cuda.max_memory_allocated(llm.device) + context
         # what the allocator held at most, with the context: what nvidia-smi shows
         out["gpu_reserved_bytes"] = torch.cuda.max_memory_reserved(llm.device) + context
+        # whether it was held to the cap, and its counters (ALLOCATOR_STATS)
+        out["gpu_held"] = llm.holds_gpu_allocator
+        stats = torch.cuda.memory_stats(llm.device)
+        out["gpu_allocator"] = {name: stats.get(name, 0) for name in ALLOCATOR_STATS}
     return out
 
 
@@ -110,9 +125,10 @@ def report(llm: LLM, stats: JobStats, load_seconds: float, stats_path: Path | No
     if trace:
         print(trace, file=sys.stderr)
     gpu, reserved = info["peak_memory"]["gpu_bytes"], info["peak_memory"].get("gpu_reserved_bytes")
+    held = " held to --gpu-mem" if info["peak_memory"].get("gpu_held") else ""
     print(
         f"peak GPU {gpu / 1e9:.2f} GB (allocated + CUDA context"
-        + (f"; {reserved / 1e9:.2f} GB reserved" if reserved else "")
+        + (f"; {reserved / 1e9:.2f} GB reserved{held}" if reserved else "")
         + f"); peak host RSS "
         f"{info['peak_memory']['cpu_rss_bytes'] / 1e9:.2f} GB",
         file=sys.stderr,

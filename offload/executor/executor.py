@@ -153,6 +153,8 @@ class Executor(LaneReports):  # implements runner.Runner
             policy.weight_compression,
             progress,
         )
+        if device.type == "cuda":  # the load's transient segments go back before the run's
+            torch.cuda.empty_cache()
         self.fetcher = WeightFetcher(
             self.homes, self.lanes, device, self.pool, self.reader, self.ledger
         )
