@@ -19,7 +19,7 @@ from offload.policies.caps import Caps
 from offload.policies.cost import estimate
 from offload.policies.job import Job, estimate_job, load_estimate, window_requests
 from offload.policies.policy import Placement, Policy
-from offload.policies.search import search
+from offload.policies.search import by_job_time, ranked, search
 from tests.test_policies import PROFILE, cfg_of
 
 GB = 10**9
@@ -150,3 +150,15 @@ def test_the_load_builds_a_store_only_where_none_holds_the_weights():
     assert building.place_s == reused.place_s > 0
     read = load_estimate(cfg, on_disk, F16, LOADING, store_ready=True, checkpoint_bytes=13 * GB)
     assert read.read_s == pytest.approx(13 / LOADING.disk_read_gbps)
+
+
+@pytest.mark.parametrize("count", [7, 40, 1000])
+def test_the_search_bounds_a_plans_job_time_without_losing_the_fastest(count):
+    """`by_job_time` stops timing plans once their full block's rate bounds their job
+    above the best so far: the plan it returns is the fastest of all, timed one by one."""
+    cfg, caps = cfg_of("llama-2-13b"), Caps(10 * GB, 40 * GB, False)
+    plans = ranked(cfg, F16, 512, 16, LOADING, caps, top=10_000)
+    job = Job.uniform(count, 512, 16)
+    every = {id(e): estimate_job(cfg, e.policy, F16, job, LOADING).seconds for e in plans}
+    fastest = by_job_time(plans, cfg, F16, LOADING, job)[0]
+    assert every[id(fastest)] == pytest.approx(min(every.values()))

@@ -226,25 +226,32 @@ def ranked(
         raise UserError(message)
     if job is not None:  # each request at the lengths the plans were sized for
         uniform = Job.uniform(job.count, prompt_len, gen_len)
-        return by_job_time(list(best.values()), cfg, dtype, hw, uniform, tp)[:top]
+        return by_job_time(list(best.values()), cfg, dtype, hw, uniform, tp, top)
     return sorted(best.values(), key=lambda e: -e.total_tok_s)[:top]
 
 
 def by_job_time(
     plans: list[Estimate], cfg: ModelConfig, dtype: torch.dtype, hw: HardwareProfile, job: Job,
-    tp: int = 1,
+    tp: int = 1, top: int = 1,
 ) -> list[Estimate]:  # fmt: skip
-    """The plans by the job's predicted wall time (`policies.job`: the load and every
-    block at its own shape); on a tie, the smaller block. The plans' estimates are for
-    a full block at the longest of the job's requests."""
-    prompt_len, gen_len = job.longest
+    """The `top` plans by the job's predicted wall time (`policies.job`: the load and
+    every block at its own shape); on a tie, the smaller block. The plans' estimates are
+    for a full block at the job's longest request.
 
-    def seconds(est: Estimate) -> tuple[float, int]:
+    A block fuller than another streams the same weights for more rows, so no block
+    runs faster than its plan's full block: the job's tokens at that rate bound its
+    time from below, and plans are timed by that bound until it passes the top's."""
+    prompt_len, gen_len = job.longest
+    tokens = sum(job.gen_lens)
+    timed: list[tuple[tuple[float, int], Estimate]] = []
+    for est in sorted(plans, key=lambda e: -e.total_tok_s):
+        kept = sorted(key for key, _ in timed)
+        if len(kept) >= top and tokens / est.total_tok_s >= kept[top - 1][0]:
+            break  # (the plans after it have lower rates: larger bounds)
         full = Block(est.policy.block_size, prompt_len, gen_len)
         total = estimate_job(cfg, est.policy, dtype, job, hw, tp, known=(full, est)).seconds
-        return round(total, 6), est.policy.block_size
-
-    return sorted(plans, key=seconds)
+        timed.append(((round(total, 6), est.policy.block_size), est))
+    return [est for _, est in sorted(timed, key=lambda pair: pair[0])][:top]
 
 
 def _smallest_need(
