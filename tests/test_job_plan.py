@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from offload.api.llm import LLM
+from offload.cli.plan import main as plan_main
 from offload.cli.run import main as run_main
 from offload.io.layout import stage_image_bytes
 from offload.kernels.formats import Compression
@@ -162,3 +163,22 @@ def test_the_search_bounds_a_plans_job_time_without_losing_the_fastest(count):
     every = {id(e): estimate_job(cfg, e.policy, F16, job, LOADING).seconds for e in plans}
     fastest = by_job_time(plans, cfg, F16, LOADING, job)[0]
     assert every[id(fastest)] == pytest.approx(min(every.values()))
+
+
+def test_offload_plan_prints_the_jobs_predicted_time_for_num_prompts(tmp_path, capsys):
+    profile = tmp_path / "hw.json"
+    profile.write_text(LOADING.to_json())
+    argv = ["--model", "llama-2-7b", "--gpu-mem", "6GB", "--cpu-mem", "24GB", "--dtype"]
+    argv += ["float16", "--profile", str(profile), "--max-tokens", "32", "--num-prompts", "40"]
+    assert plan_main(argv) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("predicted for"))
+    assert "for 40 requests and 1280 new tokens" in line
+    assert plan_main([*argv, "--json"]) == 0
+    job = json.loads(capsys.readouterr().out)["job"]
+    assert job["requests"] == 40 and job["load"]["place_s"] > 0
+    assert sum(b["rows"] * b["count"] for b in job["blocks"]) == 40
+    assert job["seconds"] == pytest.approx(
+        job["load"]["seconds"]
+        + sum(b["count"] * b["seconds_each"] for b in job["blocks"])
+        + job["extra_seconds"]
+    )

@@ -98,7 +98,9 @@ def _plan(args) -> int:
         raise UserError("--plot needs matplotlib: pip install 'offload[plot]' (or matplotlib)")
     spec = resolve_model(engine.model, dummy=True, revision=engine.revision)
     model_cfg = cfg = spec.config
-    args.token_note = f" ({BYTE_TOKENS})" if spec.byte_tokens else ""
+    # (a hub id without --dummy plans from its preset's config, but runs its own tokenizer)
+    hub_run = spec.path is None and "/" in engine.model and not engine.dummy
+    args.token_note = f" ({BYTE_TOKENS})" if spec.byte_tokens and not hub_run else ""
     args.checkpoint_bytes = spec.checkpoint_bytes()
     cpu_bytes = engine.cpu_bytes
     if args.tp > 1:  # tensor parallelism: the per-rank plan (offload.parallel)

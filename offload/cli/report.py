@@ -87,10 +87,16 @@ def _job_line(info: dict[str, Any]) -> str | None:
         return None
     took = info["seconds"]["loading"] + info["seconds"]["wall"]
     tokens = info["generated_tokens"]
+    resumed = (
+        f"; the prediction is the whole job's, {info['done_before']} requests were done before"
+        if info["done_before"]
+        else ""
+    )
     return (
         f"job: {took:.1f} s, {tokens / took if took else 0.0:.1f} tok/s with the load "
         f"(predicted {predicted['seconds']:.1f} s, {predicted['tok_s']:.1f} tok/s; load "
-        f"{info['seconds']['loading']:.1f} s, predicted {predicted['load']['seconds']:.1f} s)"
+        f"{info['seconds']['loading']:.1f} s, predicted {predicted['load']['seconds']:.1f} s"
+        f"{resumed})"
     )
 
 
