@@ -6,7 +6,7 @@
         --prompt-len 16 --gen-len 4 --policies w4gpu-kv4-cpu-disk-gpuattn-8x2 --nvme DIR  # smoke
     python scripts/validate_cost_model.py --model opt-6.7b --gpu-mem 8GB \
         --formats fp16,int4,int4kv --gen-lens 32,256 --time-budget 540   # one call of the matrix
-    python scripts/validate_cost_model.py --jobs [--time-budget 530]      # whole jobs: validate_jobs.py
+    python scripts/validate_cost_model.py --jobs [--time-budget 540]      # whole jobs: validate_jobs.py
 
 For each policy (the hand-written set below, scaled to the model, plus the search's
 choice): a full generation of one block with dummy weights, then total tok/s and peak
