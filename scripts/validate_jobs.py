@@ -18,6 +18,8 @@ the budget, and a part that cannot start with its least time left is recorded as
                one searched block of 512-token prompts, 32 new tokens), the allocator held
                (the default) and free (--no-hold-gpu-mem): tok/s, allocated and reserved
                bytes with the context, the allocator's retries at the hold's limit
+    caps-test  pytest -m gpu tests/test_gpu_caps.py: under the default hold, reserved bytes
+               within the cap for an int4 and a float16 plan (Llama-3.1-8B, dummy weights)
     hold-w1u   the same for W1u (OPT-30B float16 at 24 GB), 16 new tokens (two runs fit)
     hold-bloom BLOOM-176B int4 W + KV at 24 GB with --nvme, held and free (only if it fits)
 Writes benchmarks/results/validate_jobs_<stamp>.json (and $OUT) after every part, and
@@ -41,12 +43,13 @@ sys.path.insert(0, str(ROOT))
 import benchlib as bench  # noqa: E402
 from benchlib import fmt  # noqa: E402
 
-PARTS = ("profile", "jobs", "hold-w1c", "hold-w1u", "hold-bloom")
+PARTS = ("profile", "jobs", "hold-w1c", "caps-test", "hold-w1u", "hold-bloom")
 # part -> (time limit of one run, least time worth starting the part with), seconds
 TIMES = {
     "profile": (170, 60),
     "jobs": (120, 60),
     "hold-w1c": (120, 100),
+    "caps-test": (150, 80),
     "hold-w1u": (120, 170),
     "hold-bloom": (240, 420),
 }
@@ -304,6 +307,10 @@ def report(data: dict[str, Any]) -> None:
                     f"{pair(s['generate_s'], s['predicted_generate_s']):>13s} "
                     f"{pair(s['job_s'], s['predicted_job_s']):>13s} {s['job_error_pct']:+6.1f}%"
                 )
+    caps = parts.get("caps-test")
+    if caps and "cmd" in caps:
+        last = (caps.get("stdout_tail") or "").strip().splitlines()[-1:]
+        print(f"\ncaps test (tests/test_gpu_caps.py): rc {caps['rc']}, {' '.join(last)}")
     print(f"\n{'hold A/B':22s} {'tok/s':>8s} {'alloc GB':>9s} {'reserved GB':>12s} {'retries':>8s}")
     for name in ("hold-w1c", "hold-w1u", "hold-bloom"):
         part = parts.get(name, {})
@@ -335,6 +342,9 @@ def main() -> int:
             return jobs_part(args, budget, work, env)
         if name == "hold-bloom" and args.smoke:
             return {"skipped": "a smoke run's hold is W1c's and W1u's toys"}
+        if name == "caps-test":
+            cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu_caps.py"]
+            return bench.run_part(name, cmd, min(TIMES[name][0], budget.left()), work, env)
         return hold_part(name, args, budget, work, env)
 
     bench.run_parts(wanted, lambda name: TIMES[name][1], run, results, budget)
