@@ -18,7 +18,7 @@ from offload.io.layout import stage_image_bytes
 from offload.kernels.formats import Compression
 from offload.policies.caps import Caps
 from offload.policies.cost import estimate
-from offload.policies.job import Job, estimate_job, load_estimate, window_requests
+from offload.policies.job import MAX_SHAPES, Job, estimate_job, load_estimate, window_requests
 from offload.policies.policy import Placement, Policy
 from offload.policies.search import by_job_time, ranked, search
 from tests.test_policies import PROFILE, cfg_of
@@ -182,3 +182,21 @@ def test_offload_plan_prints_the_jobs_predicted_time_for_num_prompts(tmp_path, c
         + sum(b["count"] * b["seconds_each"] for b in job["blocks"])
         + job["extra_seconds"]
     )
+
+
+def test_a_job_of_many_lengths_is_costed_at_a_bounded_number_of_shapes():
+    """2000 requests in blocks of 4 are 500 blocks of as many shapes: costed at prompt
+    lengths rounded up until at most MAX_SHAPES remain, every request still counted, the
+    time never less than the exact one."""
+    cfg, policy = cfg_of("llama-2-7b"), _streamed(4, 1)
+    rng = random.Random(3)
+    job = Job([rng.randint(1, 2000) for _ in range(2000)], [4] * 2000)
+    coarse = estimate_job(cfg, policy, F16, job, LOADING)
+    assert len(coarse.blocks) <= MAX_SHAPES < len({b for b, _ in job.blocks(4)})
+    assert coarse.requests == 2000
+    exact = sum(
+        n * (e.prefill_s + e.decode_s)
+        for b, n in job.blocks(4)
+        for e in [estimate(cfg, policy, F16, b.prompt_len, b.gen_len, LOADING, b.rows)]
+    )
+    assert exact <= coarse.blocks_s - coarse.extra_s <= 1.5 * exact

@@ -34,7 +34,7 @@ from offload.policies.memory import micro_batch_sizes, weight_plan
 from offload.policies.policy import Policy
 
 # requests a job reads before it sorts them by length and cuts blocks: at least this
-# many, and a whole number of blocks (a window of 64 cut into blocks of 14 ran a block
+# many, and a whole number of blocks (64 requests in blocks of 14 would leave a block
 # of 8 after every four of 14)
 WINDOW_REQUESTS = 64
 WINDOW_BLOCKS = 8
@@ -94,11 +94,6 @@ class Job:
     def is_uniform(self) -> bool:
         return self.longest == (min(self.prompt_lens), min(self.gen_lens))
 
-    def at_longest(self) -> Job:
-        """The same number of requests, each at the longest prompt and largest budget:
-        what the search ranks plans by (two block shapes at most, so two estimates)."""
-        return Job.uniform(self.count, *self.longest)
-
     def blocks(self, block_size: int) -> list[tuple[Block, int]]:
         """The job's blocks in the order they run, as (block, times in a row): windows
         of `window_requests` in order, each sorted by prompt length (stably) and cut
@@ -128,11 +123,13 @@ class Job:
 
 def _coarse_shapes(runs: list[tuple[Block, int]]) -> dict[Block, Block]:
     """Each block's shape as costed: itself, or, past MAX_SHAPES shapes, its prompt
-    rounded up to 16, 32, ... tokens until there are no more (each shape is one cost
-    estimate, about a millisecond; rounding up is an upper bound)."""
+    rounded up to 16, 32, ... tokens until there are no more, or every prompt is one
+    length (each shape is one cost estimate, about a millisecond; rounding up is an
+    upper bound)."""
     shapes = {block: block for block, _ in runs}
+    longest = max(block.prompt_len for block in shapes)
     step = 16
-    while len(set(shapes.values())) > MAX_SHAPES:
+    while len(set(shapes.values())) > MAX_SHAPES and step < 2 * longest:
         shapes = {
             block: Block(block.rows, -(-block.prompt_len // step) * step, block.gen_len)
             for block in shapes
