@@ -10,8 +10,11 @@ memory caps use our flag names here and accelerate's (`max_memory`, `offload_fol
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
 import re
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -22,7 +25,7 @@ import torch
 from offload.api.vllm_args import VLLM_ARGS, add_vllm_flags, from_vllm
 from offload.core.config import DTYPE_CHOICES
 from offload.core.errors import UserError
-from offload.io.atomic import check_writable
+from offload.io.atomic import atomic_write, check_writable
 from offload.kernels.formats import KV_GROUPS, Compression
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -86,6 +89,29 @@ def parse_kv_compression(text: str | None) -> tuple[Compression | None, ...]:
                 f"{', '.join(map(str, KV_GROUPS))}"
             )
     return formats
+
+
+def policy_file(path: Path) -> Path:
+    """--policy: a readable file. A pipe or FIFO (`--policy <(offload-plan ... --json)`)
+    is read once, now, and kept in a file named by its content (a policy is read again
+    for each plan a job tries)."""
+    if not path.exists():
+        raise UserError(f"--policy {path} does not exist; check the path")
+    if path.is_dir():
+        raise UserError(f"--policy {path} is a directory; give the policy's JSON file")
+    if path.is_file():
+        if not os.access(path, os.R_OK):
+            raise UserError(f"--policy {path} cannot be read; check its permissions")
+        return path
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"--policy {path} cannot be read ({exc.strerror})") from None
+    kept = (
+        Path(tempfile.gettempdir()) / f"offload-policy-{hashlib.sha256(text).hexdigest()[:16]}.json"
+    )
+    atomic_write(kept, text)
+    return kept
 
 
 def resolve_device(name: str) -> torch.device:
@@ -208,12 +234,15 @@ class EngineArgs:
             "measured"
         ),
     )
-    hold_gpu_mem: bool = field(
-        default=False,
+    hold_gpu_mem: bool | None = field(
+        default=None,
         metadata=_meta(
-            "hold the GPU's caching allocator to --gpu-mem: what it reserves (what "
-            "nvidia-smi shows), not only what it hands out, is held under the cap (W1c at 24 "
-            "GB: 23.85 GB reserved, not 27.25), about 5%% slower (H100; docs/throughput.md)"
+            "hold the GPU's caching allocator to --gpu-mem, so what it reserves (what "
+            "nvidia-smi shows), not only what it hands out, stays under the cap: the default "
+            "with --gpu-mem on a GPU, except under tensor parallelism (not supported there); "
+            "--no-hold-gpu-mem leaves the allocator free (W1c at 24 GB reserved 27.25 GB "
+            "free, 23.85 held; docs/throughput.md)",
+            action=argparse.BooleanOptionalAction,
         ),
     )
 
@@ -232,7 +261,7 @@ class EngineArgs:
                 raise UserError(
                     f"--{name.replace('_', '-')} must be a positive integer, got {value!r}"
                 )
-        if self.hold_gpu_mem and self.gpu_mem is None:
+        if self.hold_gpu_mem and self.gpu_mem is None:  # (None: held where there is a cap)
             raise UserError("--hold-gpu-mem holds the GPU's allocator to --gpu-mem; give --gpu-mem")
         if self.hold_gpu_mem and resolve_device(self.device).type != "cuda":
             raise UserError("--hold-gpu-mem holds a GPU's allocator; this run has no GPU: drop it")
@@ -243,8 +272,8 @@ class EngineArgs:
                 raise UserError(f"{flag} {value} must be more than 0; give a cap like 24GB")
         if self.nvme is not None:  # the weight store and the KV spill are written there
             check_writable(Path(self.nvme), "--nvme", directory=True)
-        if self.policy is not None and not Path(self.policy).is_file():
-            raise UserError(f"--policy {self.policy} does not exist; check the path")
+        if self.policy is not None:
+            object.__setattr__(self, "policy", policy_file(Path(self.policy)))
         if self.profile is not None and not Path(self.profile).is_file():
             raise UserError(f"--profile {self.profile} does not exist; run offload-profile")
         self.compressions()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import random
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -41,6 +42,8 @@ if TYPE_CHECKING:  # the engine imports torch.distributed only for a TP rank
 
 Prompt = str | dict[str, Any] | list[int]
 
+log = logging.getLogger(__name__)
+
 
 class LLM:
     """A model ready to generate. `model` is anything `--model` accepts.
@@ -53,8 +56,9 @@ class LLM:
     ({"cuda:0": "24GB", "cpu": "100GB"}) and `offload_folder` (the weight store and KV
     spill directory): caps without a `policy` run the same plan search as offload-run.
     `policy` (a `Policy` or a JSON path) runs the offloading executor with that placement.
-    `hold_gpu_mem=True` holds this process's CUDA caching allocator to the GPU cap until
-    `close` (`caps.hold_gpu_allocator`: process-wide state, one held engine at a time).
+    A GPU cap holds this process's CUDA caching allocator to it until `close`
+    (`caps.hold_gpu_allocator`: process-wide state, one held engine at a time), except
+    under tensor parallelism; `hold_gpu_mem=False` leaves the allocator free.
     """
 
     def __init__(
@@ -151,7 +155,9 @@ class LLM:
         self._seeds = None if seed is None else random.Random(seed)
         # process-wide allocator state, put back by `close` (or a failed load)
         self._hold = (
-            hold_gpu_allocator(plan.caps, plan.baseline, self.device) if args.hold_gpu_mem else None
+            hold_gpu_allocator(plan.caps, plan.baseline, self.device)
+            if _holds_allocator(args, plan, self.device, parallel is not None)
+            else None
         )
         try:
             self.runner: Runner = self._load(progress, trace)
@@ -215,6 +221,11 @@ class LLM:
     @property
     def batch_size(self) -> int:
         return self.plan.batch_size
+
+    @property
+    def holds_gpu_allocator(self) -> bool:
+        """Whether the caching allocator is held to the GPU cap (`_holds_allocator`)."""
+        return self._hold is not None
 
     @property
     def planned_for(self) -> tuple[int, int]:
@@ -450,6 +461,22 @@ def _caps(
             raise UserError(f"{name} and max_memory both cap that memory; give one")
         out.append(from_max_memory if value is None else value)
     return out[0], out[1]
+
+
+def _holds_allocator(args: EngineArgs, plan: Plan, device, tensor_parallel: bool) -> bool:
+    """Whether the engine holds the GPU's caching allocator to the GPU cap: as
+    --hold-gpu-mem / --no-hold-gpu-mem say, else wherever there is a GPU cap on a GPU,
+    except a tensor-parallel rank's (its NCCL buffers grow outside the allocator after
+    the plan), which says so."""
+    if args.hold_gpu_mem is not None:
+        return args.hold_gpu_mem
+    capped = device.type == "cuda" and plan.caps.gpu_bytes is not None
+    if capped and tensor_parallel:
+        log.warning(
+            "the GPU's allocator is not held to --gpu-mem under tensor parallelism (not "
+            "supported): its reserved bytes may pass the cap where its allocated bytes do not"
+        )
+    return capped and not tensor_parallel
 
 
 def _front_and_plan(

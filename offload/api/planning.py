@@ -27,6 +27,8 @@ from offload.policies.caps import (
     check_weights_fit,
     cpu_only_caps,
 )
+from offload.policies.hardware import HardwareProfile
+from offload.policies.job import Job, JobEstimate
 from offload.policies.node import Layout
 from offload.policies.policy import Policy
 
@@ -48,6 +50,9 @@ class Plan:
     batch_size: int
     prompt_len: int
     gen_len: int
+    # the job's predicted wall time (`policies.job`), where a job was given and a
+    # hardware profile is known
+    prediction: JobEstimate | None = None
 
 
 def plan_run(
@@ -56,12 +61,16 @@ def plan_run(
     policy: Policy | None = None,
     gen_len: int | None = None,
     layout: Layout | None = None,
+    job: Job | None = None,
 ) -> Plan:
     """The run's plan for prompts of `args.planned_prompt_len` tokens and `gen_len` new
     tokens; `UserError` when it cannot fit. policy: one chosen already; layout: this
     process is one rank of a parallel job on this node (its caps are a rank's): the plan
-    is rank 0's shard's (the largest), searched with the rank's share of the node."""
+    is rank 0's shard's (the largest), searched with the rank's share of the node;
+    job: the requests it runs (the search plans for them, and their time is predicted)."""
     cfg = front.config if layout is None else rank_config(front.config, layout.tp, 0)
+    if layout is not None and layout.dp > 1 and job is not None:  # group 0's requests
+        job = Job(job.prompt_lens[:: layout.dp], job.gen_lens[:: layout.dp])
     prompt_len = args.planned_prompt_len
     gen_len = gen_len or front.get_default_sampling_params().max_tokens or PLAN_GEN_LEN
     if args.policy is not None:
@@ -76,9 +85,10 @@ def plan_run(
         # one memory: the device's and the host's tiers share the CPU cap
         split = cpu_only_caps(caps.cpu_bytes, Baseline.measure(front.device))
         caps = Caps(*split, nvme=caps.nvme, shared_weights=shared)
+    hw = None
     if policy is None and args.wants_search:
-        policy = _search(
-            front, args, caps, cfg, prompt_len, gen_len, weight_formats, layout or Layout()
+        policy, hw = _search(
+            front, args, caps, cfg, (prompt_len, gen_len), weight_formats, layout or Layout(), job
         )
     if layout is not None and policy is None:
         policy = Policy(gpu_batch_size=args.batch_size, num_gpu_batches=1)
@@ -91,7 +101,10 @@ def plan_run(
             cfg, policy, front.dtype, front.device, caps, baseline, prompt_len, gen_len
         )
     batch_size = policy.block_size if policy else args.batch_size
-    return Plan(policy, caps, baseline, batch_size, prompt_len, gen_len)
+    prediction = None
+    if policy is not None and job is not None and layout is None:
+        prediction = _predict(front, args, cfg, policy, job, hw)
+    return Plan(policy, caps, baseline, batch_size, prompt_len, gen_len, prediction)
 
 
 def checkpoint_formats(
@@ -152,11 +165,14 @@ def _search(
     args: EngineArgs,
     caps: Caps,
     cfg: ModelConfig,
-    prompt_len: int,
-    gen_len: int,
+    lengths: tuple[int, int],
     weight_formats: tuple[Compression | None, ...],
     layout: Layout,
-) -> Policy:
+    job: Job | None,
+) -> tuple[Policy, HardwareProfile]:
+    """The searched policy (for the job where there is one) and the profile it was
+    searched on; the formats' advice and the store's room judged before any load."""
+    prompt_len, gen_len = lengths
     from offload.executor.probe import measure_profile, verify
     from offload.policies.choose import choose_policy
 
@@ -175,6 +191,7 @@ def _search(
         top=VERIFY_TOP if args.verify_plan else 1,
         tp=layout.tp,
         dp=layout.dp,
+        job=job,
     )
     best = choice.best
     log.info(
@@ -194,4 +211,53 @@ def _search(
                 probe.seconds_spent,
             )
         best = probed[0][0]
-    return best.policy
+    _advise(args, cfg, choice, best, (prompt_len, gen_len), weight_formats, job)
+    return best.policy, choice.profile
+
+
+def _advise(args, cfg, choice, best, lengths, weight_formats, job) -> None:
+    """Before the load: a warning where int4 formats the flags left out would run the job
+    `advice.WARN_SPEEDUP` times faster or more, and a refusal where the plan's weight
+    store needs more disk than is free (with the formats' advice, where they help)."""
+    from offload.policies.advice import WARN_SPEEDUP, format_hint
+
+    hint = format_hint(
+        cfg, choice.dtype, *lengths, choice.profile, choice.caps, best,
+        weight_formats, args.kv_compressions(), job,
+    )  # fmt: skip
+    problem = _store_space_problem(args, cfg, choice.dtype, best.policy)
+    if problem:
+        raise UserError(problem + (f"; or {hint.text()}" if hint else ""))
+    if hint is not None and hint.speedup >= WARN_SPEEDUP:
+        log.warning("this plan predicts %.1f tok/s; %s", hint.tok_s / hint.speedup, hint.text())
+
+
+def _store_space_problem(args: EngineArgs, cfg: ModelConfig, dtype, policy: Policy) -> str | None:
+    """Why the weight store the plan needs will not fit under --nvme (None: it fits, or
+    a store there holds it, or a build there resumes: its own check counts what is left)."""
+    from offload.io.layout import store_bytes
+    from offload.io.store import find_store, space_problem, store_dir
+
+    nvme, compression, placement = args.nvme, policy.weight_compression, policy.weights
+    if nvme is None or placement.disk <= 0:
+        return None
+    if find_store(nvme, cfg, dtype, compression, placement)[0] is not None:
+        return None
+    directory = store_dir(nvme, cfg, dtype, compression)
+    if directory.with_name(directory.name + ".partial").exists():
+        return None
+    return space_problem(nvme, store_bytes(cfg, dtype, compression, placement))
+
+
+def _predict(front, args: EngineArgs, cfg, policy: Policy, job: Job, hw) -> JobEstimate | None:
+    """The job's predicted time under the plan, on the profile searched with or, for a
+    given policy, the known one (None where there is none: nothing is measured for it)."""
+    from offload.policies.choose import known_profile
+    from offload.policies.job import predict_job
+
+    hw = hw or known_profile(args.profile)
+    if hw is None:
+        return None
+    spec = front.spec
+    checkpoint = 0 if spec.kind == "dummy" else spec.checkpoint_bytes()
+    return predict_job(cfg, policy, front.dtype, job, hw, args.nvme, checkpoint)

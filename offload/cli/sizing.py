@@ -23,6 +23,8 @@ from offload.api.front import ModelFront
 from offload.api.planning import Plan, plan_run
 from offload.core.errors import BadTokenIds, PromptTooLong, UserError
 from offload.jobs import job
+from offload.models.tokenizer import BYTE_TOKENS
+from offload.policies.job import Job
 from offload.policies.node import Layout
 
 log = logging.getLogger("offload")
@@ -38,11 +40,22 @@ class JobShape:
     context: int
     by_length: dict[int, tuple[int, str]] = field(default_factory=dict)
     counts: Counter[int] = field(default_factory=Counter)  # requests of each length
+    # every sequence's prompt tokens and budget, in the job's order (`policies.job`)
+    order: list[tuple[int, int]] = field(default_factory=list)
 
-    def add(self, prompt_tokens: int, budget: int, request_id: str) -> None:
+    def add(self, prompt_tokens: int, budget: int, request_id: str, samples: int = 1) -> None:
         known_budget, known_id = self.by_length.get(prompt_tokens, (0, request_id))
         self.by_length[prompt_tokens] = (max(known_budget, budget), known_id)
         self.counts[prompt_tokens] += 1
+        self.order += [(prompt_tokens, budget)] * samples
+
+    def job(self, longest: int | None = None) -> Job | None:
+        """The sequences a plan for prompts of up to `longest` tokens runs (None: all);
+        None where there are none."""
+        kept = [(n, b) for n, b in self.order if longest is None or n <= longest]
+        if not kept:
+            return None
+        return Job([n for n, _ in kept], [b for _, b in kept])
 
     @property
     def longest(self) -> int | None:
@@ -93,7 +106,7 @@ def measure(
                 raise
             continue
         assert req.params is not None
-        shape.add(len(ids), req.params.budget(len(ids), shape.context), req.id)
+        shape.add(len(ids), req.params.budget(len(ids), shape.context), req.id, req.params.n)
     return shape
 
 
@@ -129,15 +142,19 @@ def plan_for_job(
                 f"--prompt-len is {engine.prompt_len}; raise --prompt-len to {longest} or "
                 "omit it (the plan is then sized for the job's longest prompt)"
             )
-        plan = plan_run(front, engine, gen_len=shape.gen_len(engine.prompt_len), layout=layout)
-        _log_sizing(plan, f"--prompt-len; the job's longest prompt has {longest}")
+        plan = plan_run(
+            front, engine, gen_len=shape.gen_len(engine.prompt_len), layout=layout, job=shape.job()
+        )
+        _log_sizing(plan, f"--prompt-len; the job's longest prompt has {longest}", front)
         return SizedPlan(engine, plan)
     sized = engine.replace(prompt_len=longest)
     try:
-        plan = plan_run(front, sized, gen_len=shape.gen_len(longest), layout=layout)
+        plan = plan_run(
+            front, sized, gen_len=shape.gen_len(longest), layout=layout, job=shape.job()
+        )
     except UserError as exc:
         return _plan_what_fits(front, engine, shape, skip_invalid, exc, layout)
-    _log_sizing(plan, "the job's longest")
+    _log_sizing(plan, "the job's longest", front)
     return SizedPlan(sized, plan)
 
 
@@ -158,7 +175,10 @@ def _plan_what_fits(
     def attempt(prompt_tokens: int) -> SizedPlan | None:
         sized = engine.replace(prompt_len=prompt_tokens)
         try:
-            plan = plan_run(front, sized, gen_len=shape.gen_len(prompt_tokens), layout=layout)
+            runs = shape.job(prompt_tokens)
+            plan = plan_run(
+                front, sized, gen_len=shape.gen_len(prompt_tokens), layout=layout, job=runs
+            )
         except UserError:
             return None
         return SizedPlan(sized, plan, prompt_tokens)
@@ -189,15 +209,21 @@ def _plan_what_fits(
         fits,
         longest,
     )
-    _log_sizing(fitting.plan, "the longest that fits the caps")
+    _log_sizing(fitting.plan, "the longest that fits the caps", front)
     return fitting
 
 
-def _log_sizing(plan: Plan, why: str) -> None:
+def _log_sizing(plan: Plan, why: str, front: ModelFront) -> None:
+    """The lengths the plan was sized for and, where there is one, the job's predicted
+    time (a model with no tokenizer counts UTF-8 bytes as tokens: said beside them)."""
     if plan.policy is not None:  # without a policy nothing is sized
+        unit = f"; {BYTE_TOKENS}" if front.spec.byte_tokens else ""
         log.info(
-            "plan sized for prompts of %d tokens (%s) and %d new tokens",
+            "plan sized for prompts of %d tokens (%s%s) and %d new tokens",
             plan.prompt_len,
             why,
+            unit,
             plan.gen_len,
         )
+    if plan.prediction is not None:
+        log.info("%s", plan.prediction.summary())

@@ -41,19 +41,17 @@ from offload.executor.runner import LaneReports
 from offload.io.layout import DISK_BUFFERS
 from offload.io.spill import SWITCH_INTERVAL_S
 from offload.io.tiers import MemoryLedger, Tier
-from offload.kernels import cpu_attention, qmatmul
+from offload.kernels import cpu_attention
 from offload.models import decoder, ops
 from offload.models.batch import PaddedBatch
 from offload.models.decoder import Parallel, StepInputs
 from offload.models.shapes import Weights
 from offload.models.weights import WeightSource
+from offload.policies.job import warm_up_prompt
 from offload.policies.memory import row_splits
 from offload.policies.policy import Policy
 
 log = logging.getLogger(__name__)
-
-# the warm-up block's shortest prompt: a multiple of 16, as Triton specializes integers
-WARM_PROMPT = 16
 
 
 @dataclass
@@ -107,6 +105,8 @@ class Executor(LaneReports):  # implements runner.Runner
         )  # fmt: skip
         self.homes, self.fetcher = self.weights.homes, self.weights.fetcher
         self.load_seconds = self.weights.seconds
+        # the parts `policies.job.load_estimate` predicts (the warm-up adds its own)
+        self.load_parts = dict(self.weights.parts)
         spill_dir = nvme_dir if nvme_dir is not None else Path(".")
         self.kv = KVManager(
             self.cfg,
@@ -160,14 +160,12 @@ class Executor(LaneReports):  # implements runner.Runner
         ):
             seconds = time.perf_counter() - started  # (a run traced whole replays no graphs)
             self.load_seconds += seconds
+            self.load_parts["warm_s"] = seconds
             if progress and seconds > 0.5:
                 log.info("warmed up in %.1f s (kernels loaded)", seconds)
             return seconds
         rows = self.policy.block_size
-        # prefill's matmuls take the dense path (qmatmul.DENSE_ROWS) as the job's will:
-        # a micro-batch of the warm-up's prompts has that many rows
-        prompt = -(-qmatmul.DENSE_ROWS // self.policy.gpu_batch_size)
-        prompt = min(max(WARM_PROMPT, -(-prompt // 16) * 16), self.cfg.max_position_embeddings - 3)
+        prompt = warm_up_prompt(self.cfg, self.policy)
         # the first decode step runs eagerly (compiling), the second captures the graphs
         batch = PaddedBatch(self.cfg, [[0] * prompt] * rows, 3, pad_id=0)
         self.start(batch)
@@ -177,6 +175,7 @@ class Executor(LaneReports):  # implements runner.Runner
             self.forward(token, self.step_inputs(batch, batch.prompt_len + t, 1))
         seconds = time.perf_counter() - started
         self.load_seconds += seconds
+        self.load_parts["warm_s"] = seconds
         if progress:
             log.info("warmed up in %.1f s (kernels compiled, decode graphs captured)", seconds)
         return seconds

@@ -51,6 +51,8 @@ class PlacedWeights:
     fetcher: WeightFetcher
     shared: SharedWeights | None
     seconds: float
+    # the load's parts (`policies.job.load_estimate` predicts each): store_s, pin_s, place_s
+    parts: dict[str, float]
 
     def close(self) -> None:
         self.fetcher.close()
@@ -105,8 +107,15 @@ def place_weights(
         progress,
         fill_cpu=shared is None or shared.owner,
     )
+    if device.type == "cuda":  # the load's transient segments go back before the run's
+        torch.cuda.empty_cache()
     fetcher = WeightFetcher(homes, lanes, device, staging, reader, ledger)
     seconds = time.perf_counter() - started
+    parts = {
+        "store_s": stored - started,
+        "pin_s": pinned - stored,
+        "place_s": started + seconds - pinned,
+    }
     if progress:
         log.info(
             "loaded in %.1f s: weight store %.1f s, pinning %.1f s, placing weights %.1f s%s",
@@ -116,4 +125,4 @@ def place_weights(
             started + seconds - pinned,
             "" if shared is None else " (the pinned copy shared by the node's groups)",
         )
-    return PlacedWeights(pool, staging, reader, homes, fetcher, shared, seconds)
+    return PlacedWeights(pool, staging, reader, homes, fetcher, shared, seconds, parts)

@@ -24,6 +24,7 @@ import torch
 from offload.core.config import ModelConfig
 from offload.executor.executor import Executor
 from offload.executor.fixed_costs import CHAIN_STEPS, PROBE_DEPTHS, elementwise, overheads
+from offload.executor.load_rates import place_rates
 from offload.executor.timing import sync, synced_seconds
 from offload.models.batch import PaddedBatch
 from offload.models.weights import DummySource
@@ -43,6 +44,7 @@ def measure_profile(nvme: Path | None, quick: bool = True) -> HardwareProfile:
     spill = nvme or Path(tempfile.gettempdir())
     chain_steps = CHAIN_STEPS // 4 if quick else CHAIN_STEPS
     hw = dataclasses.replace(hw, **overheads(device, spill, 4 if quick else 8, chain_steps))
+    hw = dataclasses.replace(hw, place_gbps=place_rates(device))
     return dataclasses.replace(hw, **elementwise(hw, device))
 
 

@@ -37,7 +37,7 @@ from offload.io.layout import (
     stage_keys,
     stage_layout,
 )
-from offload.io.pinned import PinnedPool, PoolBlock
+from offload.io.pinned import PinnedPool, PoolBlock, align_up
 from offload.io.reader import ExtentReader
 from offload.io.store_format import Extent, WeightStore
 from offload.io.tiers import MemoryLedger, Tier
@@ -136,6 +136,13 @@ class WeightHomes:
             raise UserError("the policy puts weights on disk; give --nvme DIR for the weight store")
         self.images: list[StageImage] = []
         cuts = stage_cuts(cfg, dtype, compression, placement)
+        # every stage's GPU home in one allocation, made before the stages are drawn or
+        # read: the caching allocator has no home to scatter among the load's transient
+        # blocks, so the transients' segments go back whole once the load ends
+        self.gpu_arena = torch.empty(
+            sum(align_up(gpu_end) for gpu_end, _ in cuts), dtype=torch.uint8, device=device
+        )
+        arena_at = 0
         stages = zip(stage_keys(cfg), cuts, strict=True)
         if progress:
             stages = tracked(stages, len(cuts), "placing weights", "stage")
@@ -154,7 +161,9 @@ class WeightHomes:
             make = write or gpu_end > 0 or size > cpu_end
             host = self._host_image(source, image, dtype, device) if make else None
             if gpu_end:
-                image.gpu_home = host[:gpu_end].to(device, copy=True)
+                image.gpu_home = self.gpu_arena[arena_at : arena_at + gpu_end]
+                image.gpu_home.copy_(host[:gpu_end])
+                arena_at += align_up(gpu_end)
                 ledger.add(Tier.GPU, gpu_end)
             if cpu_end > gpu_end:
                 image.cpu_home = pool.alloc(cpu_end - gpu_end)

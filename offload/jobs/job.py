@@ -5,8 +5,9 @@ JSONL (`prompt` raw text or `messages` a chat, with sampling fields), OpenAI Bat
 lines (spotted by `custom_id`; `offload.jobs.openai_batch`), or plain text, one prompt a
 line. Every line is checked against its format's schema by `scan` before the model
 loads: duplicate ids are refused, and a file of nothing but bad lines is an error.
-Each window is sorted by prompt length and cut into blocks of the engine's batch size;
-finished blocks go to a `ResultLog` (`offload.jobs.resultlog`), durable and resumable.
+Each window (whole blocks: `policies.job.window_requests`) is sorted by prompt length
+and cut into blocks of the engine's batch size; finished blocks go to a `ResultLog`
+(`offload.jobs.resultlog`), durable and resumable.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from offload.core.errors import UserError
 from offload.core.sampling import SAMPLING_FIELDS, SamplingParams
 from offload.io.atomic import NO_SPACE, disk_full
 from offload.jobs import openai_batch
+from offload.policies.job import window_requests
 
 log = logging.getLogger(__name__)
 
@@ -369,7 +371,7 @@ def run_job(
 
     prompt_limit: the longest prompt the plan fits in the memory caps (offload-run with
     --skip-invalid, `cli.sizing`); a longer one is an error result."""
-    window = max(llm.batch_size * 8, 64)
+    window = window_requests(llm.batch_size)  # whole blocks, as the plan predicted them
     pending: list[tuple[JobRequest, list[int]]] = []
     errors: list[dict[str, Any]] = []
     model = llm.spec.name

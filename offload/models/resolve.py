@@ -76,6 +76,24 @@ class ModelSpec:
             raise UserError(f"{path} is not valid JSON ({exc}); fix or delete it") from None
         return config if isinstance(config, dict) else {}
 
+    @property
+    def byte_tokens(self) -> bool:
+        """No tokenizer ships with the model (a preset's dummy weights, a directory
+        without one): its tokens are the text's UTF-8 bytes (`tokenizer.ByteTokenizer`)."""
+        from offload.models.tokenizer import ships_tokenizer
+
+        if self.kind == "gguf":
+            return False
+        return not (self.path is not None and self.path.is_dir() and ships_tokenizer(self.path))
+
+    def checkpoint_bytes(self) -> int:
+        """Bytes of the weight files at the model's path (0 where it has none)."""
+        if self.path is None:
+            return 0
+        if self.path.is_file():
+            return self.path.stat().st_size
+        return sum(f.stat().st_size for f in self.path.glob("*.safetensors"))
+
     def tokenizer(self, byte_tokenizer: bool = False):
         """The model's tokenizer; byte_tokenizer: UTF-8 bytes for a checkpoint without
         one (else a real checkpoint without one is refused, naming the files)."""

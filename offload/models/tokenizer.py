@@ -95,6 +95,14 @@ def _gguf_tokenizer(path: Path) -> Tokenizer:
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
+# what a token is for a model that ships no tokenizer, said beside its prompt lengths
+BYTE_TOKENS = "tokens are UTF-8 bytes: the model ships no tokenizer"
+
+
+def ships_tokenizer(directory: Path) -> bool:
+    """Whether a model directory holds a tokenizer (else its text is UTF-8 bytes)."""
+    return any((directory / name).is_file() for name in TOKENIZER_FILES)
+
 
 def load_tokenizer(
     directory: Path | None, gguf_file: str | None = None, byte_ids: str = "refuse"

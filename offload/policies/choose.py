@@ -29,6 +29,7 @@ from offload.policies.hardware import (
     profile_path,
     save_profile,
 )
+from offload.policies.job import Job
 from offload.policies.measure import measure
 from offload.policies.node import rank_profile
 from offload.policies.search import ranked
@@ -74,6 +75,12 @@ def hardware_profile(
     return hw
 
 
+def known_profile(path: Path | None) -> HardwareProfile | None:
+    """The profile at `path`, else this machine's cached one; None where there is none
+    (nothing is measured: a prediction is not worth a measurement)."""
+    return HardwareProfile.from_file(path) if path is not None else load_profile()
+
+
 def plan_caps(gpu_bytes: int, cpu_bytes: int | None, nvme: bool, hw: HardwareProfile) -> Caps:
     """The search budget; a cap the machine cannot honour is an error."""
     cpu = cpu_bytes if cpu_bytes is not None else hw.default_cpu_cap
@@ -110,8 +117,10 @@ def choose_policy(
     measure_machine: Callable[[Path | None], HardwareProfile] | None = None,
     top: int = 1,
     dp: int = 1,
+    job: Job | None = None,
 ) -> Choice:
-    """The placement and batch shape with the highest predicted throughput in the caps.
+    """The placement and batch shape with the highest predicted throughput in the caps,
+    or with a job, the least predicted wall time for its requests (`search.ranked`).
 
     dtype may be a flag's name ("auto": as offload-run would pick on the profiled machine).
     tp: tensor-parallel ranks (cfg is one rank's shard); dp: data-parallel groups of them
@@ -153,5 +162,6 @@ def choose_policy(
         kv_compressions,
         tp,
         top,
+        job=job,
     )
     return Choice(plans[0], hw, caps, dtype, plans)

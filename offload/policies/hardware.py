@@ -74,6 +74,8 @@ OPTIONAL_FIGURES = (
     "decode_elementwise_s",
     "cpu_attention_pair_s",
     "cpu_quant_attention_pair_s",
+    "pin_gbps",
+    "place_gbps",
 )
 
 
@@ -218,6 +220,15 @@ class HardwareProfile:
     # how many ranks of a node this profile is the view of (`policies.node.rank_profile`:
     # the shared rates divided among them); a measured profile is the node's, 1
     node_ranks: int = 1
+    # the load (`policies.job.load_estimate`): host memory pinned a second for the
+    # weights' and the KV homes' pools (`io.pinned.PinnedPool`: mapped, then registered
+    # with CUDA), and, per weight format and the tier that holds the bytes
+    # ("int4/gpu", "dense/cpu"), the stage bytes (as stored) the executor places a
+    # second from dummy weights (drawn and quantized on the device, assembled in host
+    # memory, copied to their home: `executor.probe.place_rates`). 0 or missing: not
+    # measured (the term is left out)
+    pin_gbps: float = 0.0
+    place_gbps: dict[str, float] = field(default_factory=dict)
     code_version: str = ""
 
     def __post_init__(self) -> None:
@@ -307,6 +318,11 @@ class HardwareProfile:
         if not pairs:
             return 0.0
         return _linear_in_group({int(g): s for g, s in pairs.items()}, group)
+
+    def place_rate(self, compression: Compression | None, tier: str) -> float:
+        """GB/s of stage bytes in this format that loading places in `tier` ("gpu" or
+        "cpu"; a disk's bytes are assembled as a CPU home's are); 0: not measured."""
+        return self.place_gbps.get(f"{format_name(compression)}/{tier}", 0.0)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -35,7 +35,7 @@ from offload.policies.measure_kernels import (
     prefill_attention_tflops,
 )
 from offload.policies.memory_limit import node_memory_limit
-from offload.policies.timers import copy_rate, timed
+from offload.policies.timers import copy_rate, pin_rate, timed
 
 
 def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
@@ -88,6 +88,7 @@ def _gpu_figures(size: int) -> dict:
         attention_pair_s=attention_pair,
         device_name=torch.cuda.get_device_name(),
         gpu_mem_bytes=torch.cuda.get_device_properties(dev).total_memory,
+        pin_gbps=pin_rate(4 * size),
     )
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(dev)

@@ -22,6 +22,7 @@ from offload.kernels.formats import Compression
 from offload.policies.caps import Baseline, Caps, fit_problem, others_weight_bytes, plan_budget
 from offload.policies.cost import Estimate, estimate
 from offload.policies.hardware import HardwareProfile
+from offload.policies.job import Block, Job, estimate_job
 from offload.policies.memory import plan_memory
 from offload.policies.policy import Placement, Policy
 
@@ -170,14 +171,17 @@ def search(
     compressions: tuple[Compression | None, ...] = (None,),
     kv_compressions: tuple[Compression | None, ...] = (None,),
     tp: int = 1,
+    job: Job | None = None,
 ) -> Estimate:
     """The best fitting policy's estimate; `UserError` with the smallest fit if none.
 
     `compressions` and `kv_compressions` are the weight and KV formats the search may
-    choose among (None: uncompressed); tp: tensor-parallel ranks (cfg is a rank's shard)."""
+    choose among (None: uncompressed); tp: tensor-parallel ranks (cfg is a rank's shard);
+    job: the requests to plan for (`ranked`)."""
     return ranked(
-        cfg, dtype, prompt_len, gen_len, hw, caps, num_prompts, compressions, kv_compressions, tp
-    )[0]
+        cfg, dtype, prompt_len, gen_len, hw, caps, num_prompts, compressions, kv_compressions, tp,
+        job=job,
+    )[0]  # fmt: skip
 
 
 def ranked(
@@ -192,10 +196,14 @@ def ranked(
     kv_compressions: tuple[Compression | None, ...] = (None,),
     tp: int = 1,
     top: int = 1,
+    job: Job | None = None,
 ) -> list[Estimate]:
     """The `top` fitting plans, fastest first, one per kind of plan (batch shape,
     attention placement and formats: the best weight and KV split of each), so the
-    runners-up differ in what a probe can tell apart (`executor.probe`)."""
+    runners-up differ in what a probe can tell apart (`executor.probe`).
+
+    Fastest: the highest throughput of a full block; with a job, the least predicted
+    wall time for its requests (`by_job_time`)."""
     if caps.gpu_bytes is None or caps.cpu_bytes is None:
         raise ValueError(f"the search needs both caps resolved to bytes, got {caps}")
     if prompt_len + gen_len > cfg.max_position_embeddings:
@@ -204,6 +212,8 @@ def ranked(
             f"{cfg.max_position_embeddings}"
         )
     best: dict[tuple, Estimate] = {}  # per kind of plan
+    if num_prompts is None and job is not None:
+        num_prompts = job.count
     for base in candidates(cfg, dtype, hw, caps, num_prompts, compressions, kv_compressions):
         kv = _kv_placement(cfg, base, dtype, prompt_len, gen_len, hw, caps)
         if kv is None:
@@ -231,7 +241,34 @@ def ranked(
         if _beyond_caps(need_int4, caps) < _beyond_caps(need, caps):
             message += f"; with --compress int4 --kv-compress int4 it needs {_peaks(need_int4)}"
         raise UserError(message)
+    if job is not None:  # each request at the lengths the plans were sized for
+        uniform = Job.uniform(job.count, prompt_len, gen_len)
+        return by_job_time(list(best.values()), cfg, dtype, hw, uniform, tp, top)
     return sorted(best.values(), key=lambda e: -e.total_tok_s)[:top]
+
+
+def by_job_time(
+    plans: list[Estimate], cfg: ModelConfig, dtype: torch.dtype, hw: HardwareProfile, job: Job,
+    tp: int = 1, top: int = 1,
+) -> list[Estimate]:  # fmt: skip
+    """The `top` plans by the job's predicted wall time (`policies.job`: the load and
+    every block at its own shape); on a tie, the smaller block. The plans' estimates are
+    for a full block at the job's longest request.
+
+    A block fuller than another streams the same weights for more rows, so no block
+    runs faster than its plan's full block: the job's tokens at that rate bound its
+    time from below, and plans are timed by that bound until it passes the top's."""
+    prompt_len, gen_len = job.longest
+    tokens = sum(job.gen_lens)
+    timed: list[tuple[tuple[float, int], Estimate]] = []
+    for est in sorted(plans, key=lambda e: -e.total_tok_s):
+        kept = sorted(key for key, _ in timed)
+        if len(kept) >= top and tokens / est.total_tok_s >= kept[top - 1][0]:
+            break  # (the plans after it have lower rates: larger bounds)
+        full = Block(est.policy.block_size, prompt_len, gen_len)
+        total = estimate_job(cfg, est.policy, dtype, job, hw, tp, known=(full, est)).seconds
+        timed.append(((round(total, 6), est.policy.block_size), est))
+    return [est for _, est in sorted(timed, key=lambda pair: pair[0])][:top]
 
 
 def _smallest_need(

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from offload.io.pinned import PinnedPool
 from offload.policies.hardware import GB
 
 
@@ -49,6 +50,19 @@ def kernel_seconds(fn, repeat: int = 10) -> float:
 
 def copy_rate(src: torch.Tensor, dst: torch.Tensor) -> float:
     return src.numel() * src.element_size() / timed(lambda: dst.copy_(src, non_blocking=True)) / GB
+
+
+def pin_rate(nbytes: int) -> float:
+    """GB/s of host memory a `PinnedPool` maps and pins (registering fresh pages with
+    CUDA faults them in). 0 without CUDA: the pool is plain memory there, whose pages
+    the first copy into them faults in, which the placement's rate counts."""
+    if not torch.cuda.is_available():
+        return 0.0
+    started = time.perf_counter()
+    pool = PinnedPool(nbytes)
+    seconds = time.perf_counter() - started
+    pool.close()
+    return nbytes / seconds / GB
 
 
 def fit_call(small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
