@@ -21,7 +21,7 @@ def model_dir(tiny_checkpoints):
 def _argv(model_dir, tmp_path, jobs: str, out, *extra: str) -> list[str]:
     profile = tmp_path / "hw.json"
     profile.write_text(CPU_PROFILE.to_json())
-    caps = ["--gpu-mem", "2MB", "--cpu-mem", "3GB", "--profile", str(profile)]
+    caps = ["--gpu-mem", "2MB", "--cpu-mem", "8GB", "--profile", str(profile)]  # a rank: 4 GB
     return ["--model", str(model_dir), "--device", "cpu", *caps, "-i", jobs, "-o", str(out), "--quiet", *extra]  # fmt: skip
 
 

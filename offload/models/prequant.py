@@ -74,9 +74,10 @@ class QuantFormat:
 def format_of(directory: Path) -> QuantFormat | None:
     """The quantization of the checkpoint in `directory` (None: none)."""
     try:
-        return read_format(json.loads((directory / "config.json").read_text()))
+        hf = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
         return None  # resolving the model reports a missing or broken config.json
+    return read_format(hf)
 
 
 def read_format(hf: dict[str, Any]) -> QuantFormat | None:
