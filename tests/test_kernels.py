@@ -116,7 +116,7 @@ def test_the_launcher_takes_triton_s_path_only_while_a_launch_hook_is_installed(
 
 def test_the_matmul_s_tiles_are_cut_to_the_device_s_shared_memory():
     """float32 x with 128-wide K steps (a 128 group) asked Triton for 272 KiB of shared
-    memory, where an H100 gives a program 227 KiB (GPU suite, this session): the
+    memory, where an H100 gives a program 227 KiB (GPU suite, 2026-11-27): the
     launcher now drops stages, then tile rows, until its count fits; fp16 tiles of the
     decode buckets are left as they are."""
     from offload.kernels.formats import Compression

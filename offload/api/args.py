@@ -433,3 +433,18 @@ def _dashes(arg: str) -> str:
         return arg
     name, eq, value = arg.partition("=")
     return name.replace("_", "-") + eq + value
+
+
+def caps_from_args(
+    max_memory: dict[Any, Any] | None, engine_args: dict[str, Any], device
+) -> tuple[str | None, str | None]:
+    """(gpu_mem, cpu_mem) from accelerate's `max_memory` or the `EngineArgs` fields of
+    the same names (popped from engine_args), given one way or the other."""
+    caps = caps_from_max_memory(max_memory, device)
+    out = []
+    for name, from_max_memory in zip(("gpu_mem", "cpu_mem"), caps, strict=True):
+        value = engine_args.pop(name, None)
+        if value is not None and from_max_memory is not None:
+            raise UserError(f"{name} and max_memory both cap that memory; give one")
+        out.append(from_max_memory if value is None else value)
+    return out[0], out[1]

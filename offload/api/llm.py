@@ -21,10 +21,10 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from offload.api.args import EngineArgs, caps_from_max_memory, from_vllm_arguments, resolve_device
+from offload.api.args import EngineArgs, caps_from_args, from_vllm_arguments, resolve_device
 from offload.api.decode_loop import DecodeLoop
 from offload.api.front import Message, ModelFront, eos_ids
-from offload.api.planning import Plan, plan_run
+from offload.api.planning import Plan, front_and_plan, holds_allocator
 from offload.core.config import DTYPES, resolve_dtype
 from offload.core.errors import UserError
 from offload.core.outputs import GenerationStats, RequestOutput
@@ -80,7 +80,7 @@ class LLM:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise UserError(f"seed={seed!r} is not an integer")
         device = resolve_device(engine_args.get("device", "auto"))
-        gpu_mem, cpu_mem = _caps(max_memory, engine_args, device)
+        gpu_mem, cpu_mem = caps_from_args(max_memory, engine_args, device)
         engine_args, gpu_mem = from_vllm_arguments(engine_args, device, gpu_mem)
         if caps is not None:  # byte caps given as `Caps`: the same as sizes
             gpu_mem = gpu_mem or (f"{caps.gpu_bytes}B" if caps.gpu_bytes else None)
@@ -95,7 +95,7 @@ class LLM:
             policy=Path(policy) if as_path else None,
             **engine_args,
         )
-        front, plan = _front_and_plan(args, None if as_path else policy, gen_len, parallel)
+        front, plan = front_and_plan(args, None if as_path else policy, gen_len, parallel)
         self._open(args, front, plan, progress, trace, parallel, seed)
 
     @classmethod
@@ -110,7 +110,7 @@ class LLM:
     ) -> LLM:
         """policy: a placement chosen already (a TP job's, shared by its ranks);
         parallel: this process is one tensor-parallel rank."""
-        front, plan = _front_and_plan(args, policy, gen_len, parallel)
+        front, plan = front_and_plan(args, policy, gen_len, parallel)
         return cls.from_plan(args, front, plan, progress, trace, parallel)
 
     @classmethod
@@ -156,7 +156,7 @@ class LLM:
         # process-wide allocator state, put back by `close` (or a failed load)
         self._hold = (
             hold_gpu_allocator(plan.caps, plan.baseline, self.device)
-            if _holds_allocator(args, plan, self.device, parallel is not None)
+            if holds_allocator(args, plan, self.device, parallel is not None)
             else None
         )
         try:
@@ -224,7 +224,7 @@ class LLM:
 
     @property
     def holds_gpu_allocator(self) -> bool:
-        """Whether the caching allocator is held to the GPU cap (`_holds_allocator`)."""
+        """Whether the caching allocator is held to the GPU cap (`planning.holds_allocator`)."""
         return self._hold is not None
 
     @property
@@ -446,50 +446,3 @@ def _checked(params: list[SamplingParams]) -> list[SamplingParams]:
         if id(p) not in copies:
             copies[id(p)] = p.checked()
     return [copies[id(p)] for p in params]
-
-
-def _caps(
-    max_memory: dict[Any, Any] | None, engine_args: dict[str, Any], device
-) -> tuple[str | None, str | None]:
-    """(gpu_mem, cpu_mem) from accelerate's `max_memory` or the `EngineArgs` fields of
-    the same names (popped from engine_args), given one way or the other."""
-    caps = caps_from_max_memory(max_memory, device)
-    out = []
-    for name, from_max_memory in zip(("gpu_mem", "cpu_mem"), caps, strict=True):
-        value = engine_args.pop(name, None)
-        if value is not None and from_max_memory is not None:
-            raise UserError(f"{name} and max_memory both cap that memory; give one")
-        out.append(from_max_memory if value is None else value)
-    return out[0], out[1]
-
-
-def _holds_allocator(args: EngineArgs, plan: Plan, device, tensor_parallel: bool) -> bool:
-    """Whether the engine holds the GPU's caching allocator to the GPU cap: as
-    --hold-gpu-mem / --no-hold-gpu-mem say, else wherever there is a GPU cap on a GPU,
-    except a tensor-parallel rank's (its NCCL buffers grow outside the allocator after
-    the plan), which says so."""
-    if args.hold_gpu_mem is not None:
-        return args.hold_gpu_mem
-    capped = device.type == "cuda" and plan.caps.gpu_bytes is not None
-    if capped and tensor_parallel:
-        log.warning(
-            "the GPU's allocator is not held to --gpu-mem under tensor parallelism (not "
-            "supported): its reserved bytes may pass the cap where its allocated bytes do not"
-        )
-    return capped and not tensor_parallel
-
-
-def _front_and_plan(
-    args: EngineArgs,
-    policy: Policy | None,
-    gen_len: int | None,
-    parallel: TensorParallel | None,
-) -> tuple[ModelFront, Plan]:
-    """The model's front (config, tokenizer; no weights) and the run's checked plan.
-    parallel: this process is one tensor-parallel rank: the executor runs over the rank's
-    shard, memory is planned and checked for it, and caps and nvme are the rank's own."""
-    device = resolve_device(args.device) if parallel is None else parallel.device
-    front = ModelFront(args, device)
-    return front, plan_run(
-        front, args, policy, gen_len, None if parallel is None else parallel.layout
-    )

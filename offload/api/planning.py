@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from offload.api.args import EngineArgs, compression_text
+from offload.api.args import EngineArgs, compression_text, resolve_device
 from offload.api.front import ModelFront
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
@@ -31,6 +32,9 @@ from offload.policies.hardware import HardwareProfile
 from offload.policies.job import Job, JobEstimate
 from offload.policies.node import Layout
 from offload.policies.policy import Policy
+
+if TYPE_CHECKING:
+    from offload.parallel.comm import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -266,3 +270,35 @@ def _predict(front, args: EngineArgs, cfg, policy: Policy, job: Job, hw) -> JobE
     spec = front.spec
     checkpoint = 0 if spec.kind == "dummy" else spec.checkpoint_bytes()
     return predict_job(cfg, policy, front.dtype, job, hw, args.nvme, checkpoint)
+
+
+def holds_allocator(args: EngineArgs, plan: Plan, device, tensor_parallel: bool) -> bool:
+    """Whether the engine holds the GPU's caching allocator to the GPU cap: as
+    --hold-gpu-mem / --no-hold-gpu-mem say, else wherever there is a GPU cap on a GPU,
+    except a tensor-parallel rank's (its NCCL buffers grow outside the allocator after
+    the plan), which says so."""
+    if args.hold_gpu_mem is not None:
+        return args.hold_gpu_mem
+    capped = device.type == "cuda" and plan.caps.gpu_bytes is not None
+    if capped and tensor_parallel:
+        log.warning(
+            "the GPU's allocator is not held to --gpu-mem under tensor parallelism (not "
+            "supported): its reserved bytes may pass the cap where its allocated bytes do not"
+        )
+    return capped and not tensor_parallel
+
+
+def front_and_plan(
+    args: EngineArgs,
+    policy: Policy | None,
+    gen_len: int | None,
+    parallel: TensorParallel | None,
+) -> tuple[ModelFront, Plan]:
+    """The model's front (config, tokenizer; no weights) and the run's checked plan.
+    parallel: this process is one tensor-parallel rank: the executor runs over the rank's
+    shard, memory is planned and checked for it, and caps and nvme are the rank's own."""
+    device = resolve_device(args.device) if parallel is None else parallel.device
+    front = ModelFront(args, device)
+    return front, plan_run(
+        front, args, policy, gen_len, None if parallel is None else parallel.layout
+    )
