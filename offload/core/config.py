@@ -9,6 +9,8 @@ One decoder stack expresses three families:
 | opt    | learned, offset 2         | LayerNorm | ReLU               | MHA with bias        |
 
 Llama, Mistral and Qwen2 checkpoints all map onto the `llama` family.
+So do the mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5's `glm4_moe`):
+their layers' MLP is a router and experts (`models.moe`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -40,6 +42,27 @@ def resolve_dtype(name: str, on_gpu: bool, checkpoint_dtype: str) -> torch.dtype
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "bloom", "opt")
+# mixture-of-experts families: Llama-like layers whose MLP is a `models.moe` block
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+LLAMA_LIKE += MOE_MODEL_TYPES
+SUPPORTED_MODEL_TYPES += MOE_MODEL_TYPES
+# fields added after stores were built: left out of a fingerprint at their defaults
+LATE_FIELDS = (
+    "gathered_vocab_size",
+    "qk_norm",
+    "partial_rotary_factor",
+    "num_experts",
+    "experts_per_token",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "shared_expert_gate",
+    "router",
+    "norm_topk_prob",
+    "routed_scaling_factor",
+    "router_groups",
+    "router_topk_groups",
+    "dense_layers",
+)
 # OPT's learned position table starts at index 2 (fairseq heritage).
 OPT_POSITION_OFFSET = 2
 
@@ -96,6 +119,29 @@ class ModelConfig:
     # a tensor-parallel rank's shard: the whole model's vocabulary, which its logits are
     # gathered to (`parallel.comm.gather_vocab`); 0 where vocab_size is the whole
     gathered_vocab_size: int = 0
+    # per-head RMSNorm of q and k before RoPE (Qwen3-MoE); RoPE over the first
+    # partial_rotary_factor of each head's channels (GLM-4.5: half)
+    qk_norm: bool = False
+    partial_rotary_factor: float = 1.0
+    # mixture of experts (`models.moe`); num_experts 0: a dense model
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    # an always-on expert beside the routed ones (0: none), with its own sigmoid gate
+    # over the hidden state where shared_expert_gate (Qwen2-MoE)
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    # "softmax" (Mixtral, Qwen: top-k of the softmax, renormalized where norm_topk_prob)
+    # or "sigmoid" (DeepSeek-V3, GLM-4.5: sigmoid scores plus a correction bias choose,
+    # within the best router_topk_groups of router_groups groups; the chosen scores,
+    # renormalized where norm_topk_prob, times routed_scaling_factor weigh)
+    router: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    # layers whose MLP is a plain one of intermediate_size (GLM-4.5's first layers)
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -112,6 +158,12 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"experts_per_token={self.experts_per_token} must be in 1..{self.num_experts}"
+            )
+        if self.router not in ("softmax", "sigmoid"):
+            raise ValueError(f"router {self.router!r} must be softmax or sigmoid")
 
     # -- derived facts --------------------------------------------------------------
     @property
@@ -141,6 +193,19 @@ class ModelConfig:
         return self.has_linear_bias or self.qkv_bias
 
     @property
+    def rotary_dim(self) -> int:
+        """Channels of a head that RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layer `layer`'s MLP is a mixture of experts (`models.moe`)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
+    @property
     def embed_dim(self) -> int:
         """Width of the token embedding (OPT-350m embeds at 512 and projects to 1024)."""
         return self.word_embed_proj_dim or self.hidden_size
@@ -154,10 +219,20 @@ class ModelConfig:
         """KV cache bytes per token over all layers at 2 bytes per element."""
         return 2 * 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
-    def layer_param_count(self) -> int:
+    def layer_param_count(self, layer: int | None = None, active: bool = False) -> int:
+        """A layer's parameters (default: the average layer's); active: those one token
+        computes with (a mixture of experts' routed experts it chose, not all)."""
+        if layer is None:
+            counts = [self.layer_param_count(i, active) for i in range(self.num_layers)]
+            return sum(counts) // max(1, len(counts))
         h, q_out = self.hidden_size, self.num_heads * self.head_dim
         mlp_in = self.intermediate_size * (2 if self.gated_mlp else 1)
-        count = h * self.qkv_out_features + q_out * h + h * mlp_in + self.intermediate_size * h
+        mlp = h * mlp_in + self.intermediate_size * h
+        if self.is_moe_layer(layer):
+            experts = self.experts_per_token if active else self.num_experts
+            mlp = experts * self.moe_intermediate_size + self.shared_expert_intermediate_size
+            mlp = 3 * h * mlp + h * (self.num_experts + self.shared_expert_gate)
+        count = h * self.qkv_out_features + q_out * h + mlp
         norms = 2 * h * (2 if self.norm_kind == "layer" else 1)
         biases = 0
         if self.has_qkv_bias:
@@ -169,13 +244,15 @@ class ModelConfig:
     def param_count(self) -> int:
         embed = self.vocab_size * self.embed_dim
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.embed_dim
-        return embed + head + self.num_layers * self.layer_param_count()
+        return embed + head + sum(self.layer_param_count(i) for i in range(self.num_layers))
 
     def fingerprint(self) -> str:
         """A short stable hash of the architecture, for caches and stores."""
         facts = asdict(self)
-        if not facts["gathered_vocab_size"]:  # the fingerprints of stores built before it
-            del facts["gathered_vocab_size"]
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in LATE_FIELDS:  # the fingerprints of stores built before them
+            if facts[name] == defaults[name]:
+                del facts[name]
         text = json.dumps(facts, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -198,6 +275,8 @@ class ModelConfig:
             "pad_token_id": hf.get("pad_token_id"),
             "checkpoint_dtype": str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
         }
+        if model_type in MOE_MODEL_TYPES:
+            return cls(**common, **{**_llama_fields(hf), **_moe_fields(hf)})
         if model_type in LLAMA_LIKE:
             return cls(**common, **_llama_fields(hf))
         if model_type == "bloom":
@@ -247,6 +326,52 @@ def _llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "sliding_window": window,
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
+
+
+def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """A mixture of experts' fields, over `_llama_fields`' for its attention (Qwen's
+    sliding window and bias keys, Qwen3-MoE's q/k norms, GLM-4.5's partial RoPE)."""
+    model_type, layers = hf["model_type"], hf["num_hidden_layers"]
+    rope = hf.get("rope_parameters") or {}
+    out: dict[str, Any] = {
+        "moe_intermediate_size": hf.get("moe_intermediate_size") or hf["intermediate_size"],
+        "experts_per_token": hf["num_experts_per_tok"],
+        # Mixtral always renormalizes; GLM-4.5's default is to, Qwen's not to
+        "norm_topk_prob": model_type == "mixtral"
+        or bool(hf.get("norm_topk_prob", model_type == "glm4_moe")),
+        "sliding_window": hf.get("sliding_window") if model_type == "mixtral" else None,
+    }
+    if model_type.startswith("qwen") and hf.get("use_sliding_window", False):
+        raise UserError(f"{model_type} with use_sliding_window=true is not supported")
+    if model_type == "qwen3_moe" and hf.get("attention_bias", False):
+        raise UserError("qwen3_moe with attention_bias=true is not supported")
+    if model_type == "mixtral":
+        out["num_experts"] = hf["num_local_experts"]
+    elif model_type.startswith("qwen"):
+        out["num_experts"] = hf.get("num_experts") or hf["num_local_experts"]
+        step = hf.get("decoder_sparse_step", 1) or 1
+        only = set(hf.get("mlp_only_layers") or ())
+        out["dense_layers"] = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+        out["qkv_bias"] = bool(hf.get("qkv_bias", True)) if model_type == "qwen2_moe" else False
+        out["qk_norm"] = model_type == "qwen3_moe"
+        if model_type == "qwen2_moe":
+            out["shared_expert_intermediate_size"] = hf.get("shared_expert_intermediate_size", 0)
+            out["shared_expert_gate"] = True
+    else:  # glm4_moe
+        out["num_experts"] = hf.get("n_routed_experts") or hf["num_local_experts"]
+        out["shared_expert_intermediate_size"] = out["moe_intermediate_size"] * hf.get(
+            "n_shared_experts", 1
+        )
+        out["router"] = "sigmoid"
+        out["routed_scaling_factor"] = float(hf.get("routed_scaling_factor", 1.0))
+        out["router_groups"] = hf.get("n_group", 1)
+        out["router_topk_groups"] = hf.get("topk_group", 1)
+        out["dense_layers"] = tuple(range(min(layers, hf.get("first_k_dense_replace", 1))))
+        out["qk_norm"] = bool(hf.get("use_qk_norm", False))
+        out["partial_rotary_factor"] = float(
+            hf.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 0.5
+        )
+    return out
 
 
 def _bloom_fields(hf: dict[str, Any]) -> dict[str, Any]:

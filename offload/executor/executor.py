@@ -121,8 +121,11 @@ class Executor(LaneReports):  # implements runner.Runner
         self.acts = ActivationHomes(self.lanes, device, dtype)
         self.traces: list[StepTrace] = []
         self.prefill_spans: list | None = None  # the last prefill's, while tracing
-        # (the graphs capture no collectives: tensor-parallel ranks run eagerly)
-        self.cuda_graphs = cuda_graphs and device.type == "cuda" and parallel is None
+        # (the graphs capture no collectives: tensor-parallel ranks run eagerly; nor a
+        # mixture of experts' routing, which the host reads every layer)
+        self.cuda_graphs = (
+            cuda_graphs and device.type == "cuda" and parallel is None and not self.cfg.num_experts
+        )
         self._graphs: list[DecodeGraphs] = []
         self._graph_rows: tuple[int, ...] = ()  # micro-batch rows the graphs are for
         self._warm_rows: tuple[int, ...] = ()  # ran one eager decode step (compiled)

@@ -42,7 +42,7 @@ class DecodeGraphs:
         self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.rope = None
         if rope:
-            shape = (rows, 1, cfg.head_dim)
+            shape = (rows, 1, cfg.rotary_dim)
             self.rope = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "cs")
         self.ctx = torch.zeros((rows, 1, cfg.num_heads * cfg.head_dim), dtype=dtype, device=device)
         # attention reads none of the step's other fields inside the graphs

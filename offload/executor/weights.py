@@ -143,7 +143,8 @@ class WeightHomes:
                 else stage_layout(cfg, key, dtype, compression)
             )
             size = image_bytes(layout)
-            shapes = stage_shapes(cfg, key.partition(".")[0])
+            stage, _, index = key.partition(".")
+            shapes = stage_shapes(cfg, stage, int(index or 0))
             image = StageImage(key, layout, size, gpu_end, cpu_end, shapes, dtype, compression)
             image.gathered = gathered(key, placement)
             image.tail_start = store.tail_start(key) if store is not None else 0

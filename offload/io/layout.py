@@ -82,7 +82,8 @@ def stage_layout(
 ) -> tuple[TensorSlot, ...]:
     """The stored tensors of stage `key` ("embed", "layer.<i>", "head") in image order."""
     slots, offset = [], 0
-    shapes = stage_shapes(cfg, key.partition(".")[0])
+    stage, _, index = key.partition(".")
+    shapes = stage_shapes(cfg, stage, int(index or 0))
     if key == "embed" and shares_table(cfg):
         del shapes[EMBED_TABLE]
     stored = stored_layout(shapes, dtype, compression)

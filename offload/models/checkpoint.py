@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
-from offload.models.shapes import Weights
+from offload.models.shapes import Weights, expert_name
 from offload.models.weights import WeightSource
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -39,6 +39,8 @@ def _hf_names(cfg: ModelConfig, stage: str, index: int) -> NameMap:
         }
         embed = {"tok.weight": ["model.embed_tokens.weight"]}
         head = {"final_norm.weight": ["model.norm.weight"], "lm_head.weight": ["lm_head.weight"]}
+        if cfg.num_experts:
+            layer.update(_moe_names(cfg, p))
     elif cfg.family == "bloom":
         p = f"transformer.h.{index}."
         layer = {
@@ -75,6 +77,28 @@ def _hf_names(cfg: ModelConfig, stage: str, index: int) -> NameMap:
             "lm_head.weight": ["lm_head.weight"],
         }
     return {"embed": embed, "layer": layer, "head": head}[stage]
+
+
+def _moe_names(cfg: ModelConfig, p: str) -> NameMap:
+    """A mixture of experts' layer names (Mixtral's `block_sparse_moe` with w1 (gate), w3
+    (up) and w2 (down); Qwen's and GLM-4.5's `mlp` with gate, up and down projections),
+    as the hub's checkpoints and transformers' save_pretrained write them."""
+    mixtral = cfg.model_type == "mixtral"
+    block = p + ("block_sparse_moe." if mixtral else "mlp.")
+    names: NameMap = {"router.weight": [block + "gate.weight"]}
+    names["router.correction"] = [block + "gate.e_score_correction_bias"]
+    shared = block + ("shared_expert." if cfg.model_type == "qwen2_moe" else "shared_experts.")
+    names["shared.mlp_in.weight"] = [shared + "gate_proj.weight", shared + "up_proj.weight"]
+    names["shared.mlp_out.weight"] = [shared + "down_proj.weight"]
+    names["shared.gate.weight"] = [block + "shared_expert_gate.weight"]
+    for e in range(cfg.num_experts):
+        expert = f"{block}experts.{e}."
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        names[expert_name(e, "mlp_in")] = [f"{expert}{gate}.weight", f"{expert}{up}.weight"]
+        names[expert_name(e, "mlp_out")] = [f"{expert}{down}.weight"]
+    for which in "qk":
+        names[f"{which}_norm.weight"] = [p + f"self_attn.{which}_norm.weight"]
+    return names
 
 
 def _expand(names: NameMap, wanted: dict[str, tuple[int, ...]]) -> NameMap:
@@ -175,7 +199,7 @@ class CheckpointSource(WeightSource):
     def stored_stage(
         self, stage: str, index: int, dtype: torch.dtype, device: torch.device
     ) -> Weights:
-        wanted = self.stored_shapes(stage)
+        wanted = self.stored_shapes(stage, index)
         names = _expand(_hf_names(self.config, stage, index), wanted)
         out: Weights = {}
         try:

@@ -29,7 +29,7 @@ def mlp_activation(x: torch.Tensor, kind: str, gated: bool) -> torch.Tensor:
 
 
 def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     inv_freq = 1.0 / (cfg.rope_theta**exponents)
     scaling = cfg.rope_scaling
@@ -53,14 +53,19 @@ def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None) -> torch
 def rope_cos_sin(
     inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [B, T, head_dim] for integer positions [B, T]."""
+    """cos and sin tables [B, T, rotary_dim] for integer positions [B, T]."""
     freqs = positions.to(inv_freq.device).float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, heads, T, D] (half-split convention, as Hugging Face Llama)."""
+    """Rotate x [B, heads, T, D] (half-split convention, as Hugging Face Llama); with
+    tables narrower than D (partial RoPE: GLM-4.5), its first channels, the rest as they
+    are."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     cos, sin = cos[:, None], sin[:, None]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

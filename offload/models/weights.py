@@ -30,10 +30,10 @@ class WeightSource(ABC):
     ) -> Weights:
         """The stage's tensors as the source holds them (a tied head has no lm_head)."""
 
-    def stored_shapes(self, stage: str) -> dict[str, tuple[int, ...]]:
+    def stored_shapes(self, stage: str, index: int = 0) -> dict[str, tuple[int, ...]]:
         """Canonical shapes of what the source itself holds for a stage (a tied head
         holds no lm_head of its own)."""
-        shapes = stage_shapes(self.config, stage)
+        shapes = stage_shapes(self.config, stage, index)
         if stage == "head" and self.config.tie_word_embeddings:
             del shapes["lm_head.weight"]
         return shapes
@@ -72,6 +72,18 @@ class WeightSource(ABC):
 DRAW_ELEMENTS = 1 << 26  # 256 MiB of fp32 a draw
 
 
+# the widest dummy router row's scale over the narrowest's (`DummySource`)
+ROUTER_SKEW = 2.0
+
+
+def _router_skew(experts: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Each expert's router-row scale: ROUTER_SKEW ** 0.5 down to its inverse,
+    geometrically, in the generator's order."""
+    steps = torch.linspace(0.5, -0.5, experts, device=device, dtype=torch.float32)
+    order = torch.randperm(experts, generator=gen, device=device)
+    return (ROUTER_SKEW**steps)[order]
+
+
 class DummySource(WeightSource):
     """Deterministic random weights of realistic scale, generated per stage on demand.
 
@@ -79,6 +91,11 @@ class DummySource(WeightSource):
     embeddings ~ N(0, 1), norm weights 1 + N(0, 0.02^2), biases N(0, 0.02^2). Each
     tensor has its own seed derived from (seed, stage, layer, name), so any layer can be
     made alone and the same layer is the same on every call on the same device type.
+
+    A mixture of experts' router rows are scaled by factors from sqrt(2) down to its
+    inverse, spread over the experts in a seeded order: the wider an expert's logits, the more tokens
+    choose it, so dummy routing is skewed as trained routers' are and placement by
+    usage has something to find (`ROUTER_SKEW`).
     """
 
     def __init__(self, config: ModelConfig, seed: int = 0) -> None:
@@ -90,7 +107,7 @@ class DummySource(WeightSource):
     ) -> Weights:
         device = torch.device(device)
         out: Weights = {}
-        for name, shape in self.stored_shapes(stage).items():
+        for name, shape in self.stored_shapes(stage, index).items():
             gen = torch.Generator(device=device)
             gen.manual_seed(self._tensor_seed(stage, index, name))
             # drawn a slice at a time, so a giant (BLOOM's 250880 x 14336 table) never
@@ -101,6 +118,8 @@ class DummySource(WeightSource):
                 count = min(DRAW_ELEMENTS, flat.numel() - start)
                 values = torch.randn(count, generator=gen, device=device, dtype=torch.float32)
                 flat[start : start + count] = self._scale(name, shape, values)
+            if name == "router.weight":
+                tensor *= _router_skew(shape[0], gen, device).to(dtype)[:, None]
             out[name] = tensor
         return out
 

@@ -245,7 +245,7 @@ def _graph_bytes(cfg: ModelConfig, policy: Policy, sizes: list[int]) -> int:
     micro-batch (`executor.graphs`): each layer's qkv (and RoPE's new q and k: twice the
     qkv at most) and residual, the logits, and one layer's decode temporaries in their
     memory pool. They stay allocated between batches."""
-    if not policy.decode_graphs:
+    if not policy.decode_graphs or cfg.num_experts:  # (MoE: no graphs, `Executor`)
         return 0
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     per_row = cfg.num_layers * (2 * qkv + cfg.hidden_size) + 2 * cfg.vocab_size
