@@ -33,6 +33,7 @@ import torch
 
 from offload.core.config import ModelConfig
 from offload.executor.activations import ActivationHomes, StoredAct
+from offload.executor.experts import ExpertFetcher
 from offload.executor.graphs import DecodeGraphs
 from offload.executor.kv import KVManager
 from offload.executor.lanes import Lanes, Tracer, busy_seconds
@@ -148,19 +149,13 @@ class Executor(LaneReports):  # implements runner.Runner
         self.reader = ExtentReader(threads=8)
         pinned = time.perf_counter()
         self.homes = WeightHomes(
-            source,
-            policy.weights,
-            dtype,
-            device,
-            self.pool,
-            self.ledger,
-            store,
-            policy.weight_compression,
-            progress,
-        )
+            source, policy.weights, dtype, device, self.pool, self.ledger, store,
+            policy.weight_compression, progress,
+        )  # fmt: skip
         self.fetcher = WeightFetcher(
             self.homes, self.lanes, device, self.pool, self.reader, self.ledger
         )
+        self.experts = ExpertFetcher(self.fetcher, device, self.pool, self.ledger, policy)
         self.load_seconds = time.perf_counter() - started
         if progress:
             log.info(
@@ -249,6 +244,7 @@ class Executor(LaneReports):  # implements runner.Runner
         returns once issued (no host buffer or transfer thread takes part in it), so the
         caller can issue the next step while this one runs (`decode_loop`); every other
         step waits for the GPU, as all do with wait=True."""
+        self.experts.rebalance()  # (a mixture of experts' placement by routing)
         self.tracer.spans.clear()
         self.tracer.begin(self.device.type == "cuda")
         started = time.perf_counter()
@@ -379,6 +375,9 @@ class Executor(LaneReports):  # implements runner.Runner
             )
             return context, residual
 
+        if self.cfg.is_moe_layer(layer):  # experts by module (`moe_layer`)
+            return self.experts.layer(self, layer, w, hidden, steps, begin)
+
         def end(k: int, started) -> None:
             context, residual = started
             context = context()
@@ -436,6 +435,7 @@ class Executor(LaneReports):  # implements runner.Runner
         self._drop_graphs()
         self.kv.close()
         self.fetcher.close()
+        self.experts.close()
         self.reader.close()
         self.pool.close()
 

@@ -47,6 +47,7 @@ from offload.policies.hardware import (
     code_version,
     format_name,
 )
+from offload.policies.measure_experts import expert_figures
 from offload.policies.memory_limit import node_memory_limit
 
 log = logging.getLogger(__name__)
@@ -660,5 +661,6 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         gpu_attention_gbps=attention,
         attention_call_s=attention_call,
         attention_pair_s=attention_pair,
+        **expert_figures(quick),
         code_version=code_version(),
     )
