@@ -6,6 +6,7 @@ The families' math against transformers' own classes runs in tests/test_model_ma
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import pytest
@@ -20,8 +21,14 @@ from offload.io.tiers import Tier
 from offload.kernels.formats import Compression
 from offload.models import moe
 from offload.models.weights import DummySource
+from offload.policies.cost import estimate
+from offload.policies.hardware import HardwareProfile
 from offload.policies.policy import Placement, Policy
 from tests import tiny_models
+
+
+def cfg_of(name: str) -> ModelConfig:
+    return ModelConfig.from_hf(PRESETS[name], name)
 
 
 def _tiny(name: str, **extra) -> ModelConfig:
@@ -257,3 +264,97 @@ def test_experts_on_the_cpu_give_the_logits_of_experts_on_the_gpu(
     on_cpu = sum(t.on_cpu for t in traffic[1.0].values())
     copied = {share: sum(t.from_cpu for t in traffic[share].values()) for share in traffic}
     assert on_cpu > 0 and copied[1.0] + on_cpu == copied[0.0]  # (the prefill copies all)
+
+
+def test_the_job_report_accounts_for_every_chosen_expert(tiny_checkpoints, tmp_path):
+    """`expert_report` (the stats' "experts"): each layer's experts by tier, and over
+    the job every chosen expert used on the GPU, copied from pinned memory or read from
+    disk, the bytes those moved."""
+    directory, _ = tiny_checkpoints["qwen2-moe"]
+    with LLM(str(directory), device="cpu", dtype="float32", policy=SPLIT, nvme=tmp_path) as llm:
+        llm.generate(PROMPTS, PARAMS)
+        report = llm.runner.expert_report()
+    assert len(report["layers"]) == 3 and report["total"]["chosen"] > 0
+    for layer in report["layers"]:
+        assert layer["gpu"] + layer["cpu"] + layer["disk"] == 8
+        moved = layer["from_cpu"] + layer["from_disk"]
+        assert layer["resident"] + layer["on_cpu"] + moved == layer["chosen"]
+        assert layer["h2d_bytes"] == moved * report["expert_bytes"]
+        assert layer["disk_bytes"] == layer["from_disk"] * report["expert_bytes"]
+
+
+# -- the cost model's expert terms ----------------------------------------------------------
+def _profile(**figures) -> HardwareProfile:
+    from tests.test_policies import PROFILE
+
+    return dataclasses.replace(PROFILE, **figures)
+
+
+def test_the_expected_experts_touched_match_sampled_routing():
+    """1 - (1 - k/E)^T of the E experts, against routing drawn uniformly (k distinct
+    experts a token): Qwen3-235B's 8 of 128 and Mixtral's 2 of 8, 1 to 256 tokens."""
+    from offload.policies.cost_moe import ExpertLayers, touched
+
+    gen = torch.Generator().manual_seed(0)
+    for experts, k in ((128, 8), (8, 2)):
+        layers = ExpertLayers(1, experts, k, 1.0, 1, 0.0, float(experts), 0.0)
+        for tokens in (1, 4, 32, 256):
+            drawn = [
+                len(
+                    {
+                        e
+                        for _ in range(tokens)
+                        for e in torch.randperm(experts, generator=gen)[:k].tolist()
+                    }
+                )
+                for _ in range(200)
+            ]
+            want = touched(layers, tokens)[1]
+            assert sum(drawn) / len(drawn) == pytest.approx(want, rel=0.03, abs=0.05)
+
+
+def test_the_plan_computes_experts_on_the_cpu_where_that_beats_copying():
+    """Without a measured CPU expert rate no expert is computed on the CPU; with one as
+    fast as the copies (beside the CPU's own DRAM reads too), half the experts in pinned
+    memory are, and the expert phase takes about half the time."""
+    from offload.policies.cost_moe import cpu_share, expert_layers, expert_phase
+
+    cfg = cfg_of("mixtral-8x7b")
+    x = expert_layers(cfg, torch.float16, None, Placement(0.0, 1.0, 0.0))
+    assert x is not None and (x.gpu, x.cpu, x.disk) == (0, 8, 0)
+    assert cpu_share(x, _profile(), None, 64) == 0.0
+    hw = _profile(cpu_expert_gbps={"dense": 25.0}, h2d_under_cpu_attention_gbps=25.0)
+    share = cpu_share(x, hw, None, 64)
+    assert share == 0.5
+    copied = expert_phase(x, hw, None, 64).seconds
+    assert expert_phase(x, hw, None, 64, cpu_share=share).seconds < 0.6 * copied
+
+
+def test_the_dense_schedule_moves_every_expert_for_every_micro_batch():
+    """The cost model's dense schedule: each micro-batch copies every expert off the
+    GPU, so a decode step of 8 micro-batches moves 8 x a layer's; the module schedule
+    moves each chosen one once."""
+    cfg = cfg_of("mixtral-8x7b")
+    policy = Policy(32, 8, weights=Placement(0.2, 0.8, 0.0), kv_cache=Placement(0.0, 1.0, 0.0))
+    module = estimate(cfg, policy, torch.float16, 512, 32, _profile())
+    dense = estimate(cfg, policy, torch.float16, 512, 32, _profile(), dense_experts=True)
+    off_gpu = module.experts["cpu"] + module.experts["disk"]
+    assert module.experts["decode_moved"] == pytest.approx(off_gpu, rel=1e-6)  # all chosen
+    assert dense.experts["decode_moved"] == pytest.approx(8 * off_gpu)
+    assert dense.decode_step_s > 5 * module.decode_step_s
+
+
+def test_offload_plan_speaks_of_experts(tmp_path, capsys):
+    """offload-plan's table and JSON give a mixture of experts' placement a layer and a
+    decode step's expert traffic."""
+    from offload.cli.plan import main as plan_main
+
+    profile = tmp_path / "hw.json"
+    profile.write_text(_profile().to_json())
+    args = ["--model", "mixtral-8x7b", "--gpu-mem", "24GB", "--cpu-mem", "100GB"]
+    assert plan_main([*args, "--profile", str(profile)]) == 0
+    text = capsys.readouterr().out
+    assert "experts: 32 layers x 8, 352 MB each" in text and "experts a decode step" in text
+    assert plan_main([*args, "--profile", str(profile), "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)["experts"]
+    assert facts["layers"] == 32 and facts["gpu"] + facts["cpu"] + facts["disk"] == 8

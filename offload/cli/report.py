@@ -55,6 +55,7 @@ def summary(llm: LLM, stats: JobStats, load_seconds: float) -> dict[str, Any]:
         "planned_for": _planned_for(llm),
         "peak_memory": peak_memory(llm),
         "memory": llm.runner.memory_report(),
+        "experts": llm.runner.expert_report(),
     }
 
 

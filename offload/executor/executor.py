@@ -423,6 +423,9 @@ class Executor(LaneReports):  # implements runner.Runner
     def kv_pool_bytes(self) -> int:
         return self.kv.pool.capacity if self.kv.pool is not None else 0
 
+    def expert_report(self) -> dict | None:
+        return self.experts.report()
+
     def memory_report(self) -> dict[str, dict[str, int]]:
         report = self.ledger.snapshot()
         report["weights_pool"] = self.pool.stats()

@@ -60,6 +60,10 @@ class ExpertTraffic:
     def as_dict(self) -> dict[str, int]:
         return {k: v for k, v in vars(self).items() if k != "moved"}
 
+    def add(self, other: ExpertTraffic) -> None:
+        for name, value in vars(other).items():
+            setattr(self, name, getattr(self, name) + value)
+
 
 class ExpertHomes:
     """One mixture-of-experts layer's routed experts on their tiers (module docstring)."""
@@ -150,7 +154,8 @@ class ExpertHomes:
 
 class ExpertFetcher:
     """Runs a layer's chosen experts in ascending order, fetching those not on the GPU
-    (module docstring); `traffic` holds the last step's `ExpertTraffic` a layer."""
+    (module docstring); `traffic` holds a layer's `ExpertTraffic` since the last
+    `step_traffic`, `job` over the job."""
 
     def __init__(
         self,
@@ -184,6 +189,7 @@ class ExpertFetcher:
         self._staging_free: list = [None, None]
         self._turn = 0  # buffers are taken in turn
         self.traffic: dict[int, ExpertTraffic] = {}
+        self.job: dict[int, ExpertTraffic] = {}
         # rows routed to each expert of each layer over the job, and their sum at the
         # last rebalance
         self.usage = {index: [0] * h.span.count for index, h in self.homes.items()}
@@ -219,8 +225,7 @@ class ExpertFetcher:
         for expert, count in zip(experts, rows or (), strict=False):
             self.usage[index][expert] += count
             self._counted += count
-        traffic = self.traffic.setdefault(index, ExpertTraffic())
-        traffic.chosen += len(experts)
+        traffic = ExpertTraffic(chosen=len(experts))
         on_cpu = self._cpu_choice(homes, experts, rows) if cpu is not None else set()
         finish = [cpu(e, homes.weights(e, homes.home(e))) for e in experts if e in on_cpu]
         traffic.on_cpu += len(on_cpu)
@@ -248,6 +253,8 @@ class ExpertFetcher:
                 issued += 1
         for done in finish:
             done()
+        for counts in (self.traffic, self.job):
+            counts.setdefault(index, ExpertTraffic()).add(traffic)
 
     def _cpu_choice(self, homes: ExpertHomes, experts: list[int], rows: list[int] | None):
         """The policy's share of these experts in pinned memory, the fewest rows first."""
@@ -333,6 +340,28 @@ class ExpertFetcher:
             torch.cuda.synchronize(self.buffers.device)
         self.swaps += swaps
         return swaps
+
+    def report(self) -> dict | None:
+        """The job's experts, layer by layer and in all: where they live, and how many
+        were chosen, used on the GPU, computed on the CPU, copied from pinned memory and
+        read from disk, with the bytes (None without experts)."""
+        if not self.homes:
+            return None
+        layers = []
+        total = ExpertTraffic()
+        for index, homes in self.homes.items():
+            traffic = self.job.get(index, ExpertTraffic())
+            total.add(traffic)
+            tiers = [homes.tier(e).value for e in range(homes.span.count)]
+            placed = {t.value: tiers.count(t.value) for t in Tier}
+            layers.append({"stage": homes.key, **placed, **traffic.as_dict()})
+        nbytes = max(h.span.expert_bytes for h in self.homes.values())
+        return {
+            "expert_bytes": nbytes,
+            "swaps": self.swaps,
+            "total": total.as_dict(),
+            "layers": layers,
+        }
 
     def step_traffic(self) -> dict[int, ExpertTraffic]:
         """The traffic since the last call, by stage; counting starts afresh."""
