@@ -318,10 +318,7 @@ def main() -> None:
             budget,
         )
     finally:
-        results.data["seconds"] = budget.elapsed()
-        results.save()
-        print_table(results.data)
-        print("wrote " + ", ".join(map(str, results.paths)))
+        bench.finish(results, budget, print_table)
 
 
 if __name__ == "__main__":

@@ -446,10 +446,7 @@ def main() -> None:
         )
     finally:
         results.data["ratios"] = ratios(results.data["parts"])
-        results.data["seconds"] = budget.elapsed()
-        results.save()
-        print_table(results.data)
-        print("wrote " + ", ".join(map(str, results.paths)))
+        bench.finish(results, budget, print_table)
 
 
 if __name__ == "__main__":

@@ -547,6 +547,15 @@ def start(args, name: str, what: str) -> tuple[Budget, Path, Results]:
     return budget, work, results
 
 
+def finish(results: Results, budget: Budget, print_table: Callable[[dict], None]) -> None:
+    """A benchmark's end, whatever happened: its seconds saved with the results, the
+    table printed and where the JSON went."""
+    results.data["seconds"] = budget.elapsed()
+    results.save()
+    print_table(results.data)
+    print("wrote " + ", ".join(map(str, results.paths)))
+
+
 def run_parts(
     names: list[str],
     min_seconds: Callable[[str], float],
