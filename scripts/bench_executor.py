@@ -41,7 +41,7 @@ from offload.policies.caps import (
     cuda_context_bytes,
     process_rss,
 )
-from offload.policies.measure import disk_rates
+from offload.policies.measure_disk import disk_rates
 from offload.policies.memory import plan_memory
 from offload.policies.policy import Placement, Policy
 

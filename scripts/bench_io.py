@@ -26,7 +26,8 @@ import torch
 
 from offload.io.pinned import PinnedPool, align_up
 from offload.io.reader import ExtentReader
-from offload.io.store import WeightStore, ensure_store
+from offload.io.store import ensure_store
+from offload.io.store_format import WeightStore
 from offload.models.resolve import resolve_model
 from offload.models.weights import WeightSource
 

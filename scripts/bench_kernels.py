@@ -29,14 +29,15 @@ import torch
 import torch.nn.functional as F
 from benchlib import Results
 
-from offload.kernels import qmatmul, qmatmul_wgmma
+from offload.kernels import qmatmul, qmatmul_tiles, qmatmul_wgmma
 from offload.kernels.formats import Compression
 from offload.kernels.kv_attention import decode_attention, decode_attention_reference
 from offload.kernels.kv_attention_cpu import decode_attention_cpu
 from offload.kernels.kv_cache import QuantKV
-from offload.kernels.qmatmul import Tiles, qlinear
+from offload.kernels.qmatmul import qlinear
+from offload.kernels.qmatmul_tiles import Tiles
 from offload.kernels.quant import quantize
-from offload.policies.measure import kernel_seconds
+from offload.policies.timers import kernel_seconds
 
 GB = 1e9
 # (model, matrix, N, K)
@@ -55,71 +56,8 @@ ROWS = [1, 16, 64, 256]
 def timed(fn, repeat: int = 20) -> float:
     """GPU seconds a call: `repeat` calls captured in one CUDA graph and replayed, so the
     host's launch cost (measured apart: --kernels launch) does not hide the kernel's
-    (`measure.kernel_seconds`, as the profile times its kernel rates)."""
+    (`timers.kernel_seconds`, as the profile times its kernel rates)."""
     return kernel_seconds(fn, repeat)
-
-
-# the int4 decode matmul's probes (`int4_tma_probe.py`, `int4_gluon_probe.py`): (model,
-# matrix, N, K)
-INT4_PROBE_SHAPES = [
-    ("opt-30b", "qkv", 3 * 7168, 7168),
-    ("opt-30b", "mlp_in", 28672, 7168),
-    ("opt-30b", "mlp_out", 7168, 28672),
-    ("opt-30b", "out_proj", 7168, 7168),
-    ("llama-2-70b", "mlp_in", 2 * 28672, 8192),
-]
-
-
-def int4_probe_cases(dev: torch.device, rows):
-    """For each `INT4_PROBE_SHAPES` matrix (int4-g64 asymmetric, random) and row count of
-    x (fp16): the case's record, x, W, `qlinear_reference`'s output in float32 and the
-    bytes a call reads (W, x and the output). rows may be an iterator: it is read once."""
-    rows = list(rows)
-    for model, matrix, n, k in INT4_PROBE_SHAPES:
-        q = quantize(torch.randn(n, k, device=dev, dtype=torch.float16), Compression(4, 64, False))
-        for m in rows:
-            x = torch.randn(m, k, device=dev, dtype=torch.float16)
-            record = {"shape": f"{model} {matrix}", "n": n, "k": k, "rows": m}
-            reference = qmatmul.qlinear_reference(x, q, None).float()
-            yield record, x, q, reference, q.nbytes + x.numel() * 2 + m * n * 2
-
-
-def time_beside(calls: dict, reference: torch.Tensor, read: int, hbm: float, outputs=None) -> dict:
-    """Each of `calls` (name: a function) timed twice, interleaved with the others, so the
-    spread between repeats shows: its times (us), the best one's share of the HBM copy
-    rate for `read` bytes, and the largest difference of its output (`outputs[name]()`
-    where given, else the call's) from reference. A call that raises is recorded, and the
-    rest go on (the probes' kernels are experiments)."""
-    record: dict = {name: {"us": []} for name in calls}
-    for _ in range(2):
-        for name, call in calls.items():
-            try:
-                result = (outputs or {}).get(name, call)()
-                record[name]["max_diff"] = (result.float() - reference).abs().max().item()
-                record[name]["us"].append(timed(call) * 1e6)
-            except Exception as exc:
-                record[name]["error"] = str(exc)[:300]
-    for name in calls:
-        if record[name]["us"]:
-            record[name]["hbm_share"] = read / (min(record[name]["us"]) / 1e6) / GB / hbm
-    return record
-
-
-def print_beside(rows: list[dict], names, hbm: float) -> None:
-    """`time_beside`'s records as one table: us a call (share of HBM) and largest difference."""
-    print(f"HBM copy {hbm:.0f} GB/s; us a call (share of the HBM copy rate), largest difference")
-    print(f"{'matrix':22s} {'rows':>4s}" + "".join(f"{name:>24s}" for name in names))
-    for r in rows:
-        cells = []
-        for name in names:
-            v = r.get(name, {"us": [], "error": "not run"})  # (columns only some rows have)
-            if v["us"]:
-                cells.append(
-                    f"{min(v['us']):8.1f} ({v['hbm_share'] * 100:2.0f}%) {v['max_diff']:7.3g}"
-                )
-            else:
-                cells.append(f"error: {v.get('error', '?')[:16]}")
-        print(f"{r['shape']:22s} {r['rows']:4d}" + "".join(f"{c:>24s}" for c in cells))
 
 
 def _rates(read: int, seconds: float, hbm: float, dense: float) -> dict[str, float]:
@@ -283,8 +221,8 @@ PREFILL_TILES = [  # Tiles(BLOCK_M, BLOCK_N, K step, warps, stages); the first i
 
 # decode and mid-sized shapes (--kernels decode): the fused kernel's tiles by rows of x,
 # (block_m, block_n, K step, warps, stages, programs an SM, registers); the split
-# is the launcher's rule for that many programs an SM (`qmatmul._split`). The launcher's
-# own choice (`qmatmul.ROW_TILES`) runs first at every row count.
+# is the launcher's rule for that many programs an SM (`qmatmul_tiles.split_for`). The launcher's
+# own choice (`qmatmul_tiles.ROW_TILES`) runs first at every row count.
 DECODE_SHAPES = [
     ("opt-30b", "qkv", 3 * 7168, 7168),
     ("opt-30b", "mlp_out", 7168, 28672),
@@ -350,7 +288,7 @@ def bench_decode(dev: torch.device, hbm: float, baseline=None) -> list[dict]:
             flops, read = 2 * m * n * k, q.nbytes + x.numel() * 2 + m * n * 2
             dense = timed(functools.partial(F.linear, x, w), repeat=10)
             reference = qlinear(x, q)
-            chosen = qmatmul._tiles(m, n, k, 64, dev)
+            chosen = qmatmul_tiles.tiles_for(m, n, k, 64, dev)
             # the launcher's choice: `qmatmul_wgmma` where it takes the shape (Hopper, 1-32
             # rows), then the Triton kernel at the tiles it would have had
             variants = [("launcher", chosen, qlinear)]
@@ -358,7 +296,7 @@ def bench_decode(dev: torch.device, hbm: float, baseline=None) -> list[dict]:
                 variants = [("launcher: wgmma", None, qlinear), ("Triton kernel", chosen, qlinear)]
             for block_m, block_n, max_k, warps, stages, per_sm, registers in sweep:
                 tiles = Tiles(block_m, block_n, max_k, warps, stages)
-                split = qmatmul._split(m, n, k, tiles, dev, per_sm)
+                split = qmatmul_tiles.split_for(m, n, k, tiles, dev, per_sm)
                 tiles = tiles._replace(split=split, registers=registers)
                 label = f"{block_m}x{block_n}x{max_k} w{warps} s{stages} p{per_sm}"
                 label += f" r{registers}" if registers else ""
@@ -407,7 +345,7 @@ def bench_sweep(dev: torch.device, shapes, tiles_list, hbm: float) -> list[dict]
         dense = timed(functools.partial(F.linear, x, w), repeat=10)
         reference = qlinear(x, q, None, tiles_list[0])
         for tiles in tiles_list:
-            chosen = tiles or qmatmul._tiles(m, n, k, 64, dev)
+            chosen = tiles or qmatmul_tiles.tiles_for(m, n, k, 64, dev)
             row = {"shape": f"{model} {name} m{m}", "tiles": list(chosen), "default": tiles is None}
             try:
                 diff = (qlinear(x, q, None, tiles) - reference).abs().max().item()

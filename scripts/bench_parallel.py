@@ -1,259 +1,335 @@
-"""Tensor-parallel throughput: TP=1 then TP=2, same call, same caps, searched policy.
+"""Two GPUs against one, through the user's command: one GPU, TP=2 and DP=2 (issue 58).
 
-    python scripts/bench_parallel.py            # on nvidia-h200-x2 (two GPUs, NCCL)
-    python scripts/bench_parallel.py --smoke    # CPU, a tiny model, two ranks over gloo
+    python scripts/bench_parallel.py            # nvidia-h200-x2: 2 H200, 32 cores, 256 GiB
+    python scripts/bench_parallel.py --smoke    # CPU: toy models, two ranks over gloo
 
-Runs OPT-30B fp16 and BLOOM-176B with int4 weights and KV (dummy weights), prompt 512,
-generate 32, --gpu-mem 24GB per GPU, the node's CPU memory (cgroup limit) shared by
-the ranks. The policy is the plan search's for one rank's shard (`rank_config`). The
-ranks start through torch.distributed's elastic launcher, one per GPU. Reports per
-configuration: tok/s, the block (batch), the all-reduce share of the decode time,
-the measured all-reduce bus bandwidth, and every rank's lanes over a traced decode
-step; writes benchmarks/results/bench_parallel_<stamp>.json.
+Workloads (dummy weights, --dtype float16), in this order (the budget skips what no
+longer fits, BLOOM-176B last: its load alone may take minutes):
+    opt30b-fp16    OPT-30B, --gpu-mem 24GB a GPU       target: best 2-GPU layout >= 1.8x one
+    opt30b-int4    the same, int4 weights and KV cache  target: >= 2.0x one GPU
+    llama13b-fp16  Llama-2-13B, --gpu-mem 10GB a GPU    target: >= 1.6x one GPU
+    bloom-int4     BLOOM-176B int4 weights and KV, the node's RAM (230GB), TP=2 first
+                                                        target: >= 40 tok/s
+Parts, each a subprocess with its own timeout inside --time-budget:
+    profile        offload-profile --nvme DIR (the node: the all-reduce, the ranks' skew
+                   at it, each GPU's H2D rate with both copying), unless a current
+                   profile of this machine is cached
+    W/plan         offload-plan --gpus 2 --json: one GPU, TP=2 and DP=2 searched for this
+                   node, their predicted tok/s and blocks; the job is then sized to at
+                   least two blocks of every layout (DP: of every group)
+    W/one, W/tp2, W/dp2
+                   offload-run over that job (prompts of exactly --prompt-len tokens,
+                   --max-tokens --gen-len, --ignore-eos), the searched plan, --cpu-mem the
+                   node's (each rank its share), load timed apart from the job (its
+                   --stats), no warm-up but offload-run's own; --trace with --trace-every:
+                   a trace a rank, from which each rank's lanes, the all-reduce's share of
+                   a decode step and the ranks' skew at it
+Defaults: prompts of 128 tokens, 8 new tokens, --cpu-mem 64GB for the node (pinning and
+freeing it is much of a run's fixed time), --time-budget 530 s: the profile and the first
+three workloads' nine runs take about 8-9 minutes on the x2 machine by the plans'
+predictions; what does not fit is recorded as skipped (BLOOM-176B most likely).
+Writes benchmarks/results/bench_parallel_<stamp>.json (and $OUT/ when set) after every
+part and prints the table last: measured beside predicted for every run.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import platform
-import subprocess
 import sys
-import time
 from pathlib import Path
-
-import torch
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from offload.cli.common import parse_size  # noqa: E402
-from offload.core.config import ModelConfig  # noqa: E402
-from offload.core.sampling import SamplingParams, sample  # noqa: E402
-from offload.models.batch import PaddedBatch  # noqa: E402
-from offload.models.resolve import ModelSpec, resolve_model  # noqa: E402
-from offload.parallel.comm import Topology, allreduce_bus_gbps  # noqa: E402
-from offload.parallel.rank import make_rank_runner, rank_nvme  # noqa: E402
-from offload.parallel.shard import rank_config  # noqa: E402
-from offload.policies.caps import process_rss  # noqa: E402
-from offload.policies.choose import choose_policy  # noqa: E402
-from offload.policies.memory_limit import node_memory_limit, rank_cpu_bytes  # noqa: E402
-from offload.policies.policy import Compression, Placement, Policy  # noqa: E402
+import benchlib as bench  # noqa: E402
+from benchlib import fmt  # noqa: E402
 
-GB = 1e9
-INT4 = Compression(4, 64)
-# name -> (model preset, dtype, weight compression, KV compression)
-CONFIGS = {
-    "opt-30b-fp16": ("opt-30b", torch.float16, None, None),
-    "bloom-176b-int4-wkv": ("bloom", torch.float16, INT4, INT4),
+# name -> (preset, engine flags, layouts in order, the target's multiple of one GPU or tok/s)
+WORKLOADS: dict[str, tuple[str, list[str], tuple[str, ...], str]] = {
+    "opt30b-fp16": ("opt-30b", ["--gpu-mem", "24GB"], ("one", "tp2", "dp2"), "x1.8"),
+    "opt30b-int4": (
+        "opt-30b",
+        ["--gpu-mem", "24GB", "--compress", "int4", "--kv-compress", "int4"],
+        ("one", "tp2", "dp2"),
+        "x2.0",
+    ),
+    "llama13b-fp16": ("llama-2-13b", ["--gpu-mem", "10GB"], ("one", "tp2", "dp2"), "x1.6"),
+    "bloom-int4": (
+        "bloom",
+        ["--gpu-mem", "24GB", "--compress", "int4", "--kv-compress", "int4", "--cpu-mem", "230GB"],
+        ("tp2", "dp2", "one"),
+        "40tok/s",
+    ),
 }
-TARGETS = {"opt-30b-fp16": "TP=2 >= 1.8x TP=1", "bloom-176b-int4-wkv": "TP=2 >= 40 tok/s"}
-SMOKE_CONFIG = ModelConfig("smoke-opt", "opt", 512, 128, 4, 8, 8, 16, 384, 256, 1e-5)
+LAYOUT_FLAGS = {"one": [], "tp2": ["--tp", "2"], "dp2": ["--tp", "1", "--dp", "2"]}
+PLAN_NAMES = {"one": "one GPU", "tp2": "TP=2", "dp2": "DP=2"}
+# part -> (timeout cap, the least time worth starting it with), seconds
+TIMES = {"profile": (150, 30), "plan": (90, 15), "opt30b": (170, 60), "llama13b": (120, 45)}
+TIMES |= {"bloom": (420, 240)}
 
 
-def _spec(preset: str, smoke: bool) -> ModelSpec:
-    if smoke:
-        return ModelSpec("smoke-opt", SMOKE_CONFIG, "dummy")
-    return resolve_model(preset, dummy=True)
-
-
-def _policy(topo: Topology, spec: ModelSpec, args, dtype, wc, kc) -> Policy:
-    """World rank 0 searches one rank's shard under the per-rank caps; all run it."""
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--smoke", action="store_true", help="CPU, toy models, gloo (a minute or two)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--time-budget", type=float, default=530, help="seconds for the whole script")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--gen-len", type=int, default=8)
+    p.add_argument("--cpu-mem", default="64GB", help="the node's CPU memory cap (each rank its share; BLOOM-176B: 230GB, the node's RAM): pinning and freeing it is much of a run's fixed time")  # fmt: skip
+    p.add_argument("--max-prompts", type=int, default=1024, help="the job's prompts at most")
+    p.add_argument("--trace-every", type=int, default=3, help="trace one forward in N")
+    p.add_argument("--nvme", type=Path, help="offload-profile's disk directory (default: a new one under /tmp)")  # fmt: skip
+    args = p.parse_args()
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    if unknown:
+        p.error(f"--workloads: unknown {', '.join(sorted(unknown))}")
     if args.smoke:
-        return Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Placement(0.4, 0.3, 0.3))
-    policy = None
-    if topo.rank == 0:  # the plan search LLM runs, over one rank's shard and caps
-        node_cpu, _ = node_memory_limit()
-        policy = choose_policy(
-            rank_config(spec.config, topo.tp, 0),
-            dtype,
-            parse_size(args.gpu_mem),
-            rank_cpu_bytes(int(0.9 * node_cpu), topo.local_world),
-            args.nvme,
-            args.prompt_len,
-            args.gen_len,
-            args.profile,
-            compressions=(wc,),
-            kv_compressions=(kc,),
-        ).best.policy
-    return topo.share(policy)
+        args.prompt_len, args.gen_len, args.cpu_mem, args.max_prompts = 24, 4, "8GB", 48
+    return args
 
 
-def bench_rank(name: str, args: argparse.Namespace) -> dict:
-    """One rank of one configuration (the elastic launcher's entry point)."""
-    preset, dtype, wc, kc = CONFIGS[name]
-    device = torch.device(args.smoke_device if args.smoke else "cuda")
-    dtype = torch.float32 if args.smoke and device.type == "cpu" else dtype
-    topo = Topology.from_env(None, 1, device)
-    spec = _spec(preset, args.smoke)
-    parallel = topo.tensor_parallel(spec.config, timing=True)
-    bus_gbps = allreduce_bus_gbps(topo.tp_group, topo.device) if topo.tp > 1 else None
-    policy = _policy(topo, spec, args, dtype, wc, kc)
-    started = time.perf_counter()
-    with spec.open_weights() as source:
-        runner = make_rank_runner(
-            source, parallel, policy, dtype, topo.device, rank_nvme(args.nvme, topo.rank), True
-        )
-    load_s = time.perf_counter() - started
-    try:
-        result = _generate(runner, parallel, policy, args, spec.config.vocab_size)
-    finally:
-        runner.close()
-        topo.close()
-    return {
-        "rank": topo.rank,
-        "policy": policy.to_dict(),
-        "load_s": load_s,
-        "allreduce_bus_gbps": bus_gbps,
-        "peak_rss_bytes": process_rss(),
-        **result,
+# -- parts --------------------------------------------------------------------------------
+def profile_part(args, budget: bench.Budget, work: Path, env: dict) -> dict[str, Any]:
+    shown = bench.run_part("profile-show", [sys.executable, "-m", "offload.cli.profile", "--show"], 60, work, env)  # fmt: skip
+    if shown["ok"]:
+        return {"cached": True, "profile": json.loads(Path(shown["stdout"]).read_text())}
+    cmd = [sys.executable, "-m", "offload.cli.profile", "--nvme", str(args.nvme)]
+    cap_s = TIMES["profile"][0]
+    if args.smoke:  # (a small CPU measures the full profile in minutes; cached after)
+        cmd, cap_s = [*cmd, "--quick"], 600
+    record = bench.run_part("profile", cmd, min(cap_s, budget.left()), work, env)
+    if record["ok"]:
+        text = Path(record["stdout"]).read_text()
+        record["profile"] = json.loads(text[: text.rindex("}") + 1])
+    return record
+
+
+def _engine(args, preset: str, flags: list[str], work: Path) -> list[str]:
+    model = str(_smoke_model(preset, work)) if args.smoke else preset
+    device = ["--device", "cpu", "--dtype", "float32"] if args.smoke else ["--dtype", "float16"]
+    if args.smoke:  # toy caps: the plan search still chooses
+        flags = [*flags[: flags.index("--gpu-mem")], "--gpu-mem", "1GB", *flags[flags.index("--gpu-mem") + 2 :]]  # fmt: skip
+    if "--cpu-mem" in flags and args.smoke:  # (the node's RAM: the toy's cap)
+        flags = flags[: flags.index("--cpu-mem")] + flags[flags.index("--cpu-mem") + 2 :]
+    cpu = [] if "--cpu-mem" in flags else ["--cpu-mem", args.cpu_mem]
+    return ["--model", model, "--dummy", *device, *flags, *cpu]
+
+
+def _smoke_model(preset: str, work: Path) -> Path:
+    """The preset's architecture at toy sizes, as many KV heads as heads (Llama-2-13B's
+    40 would not divide the toy's 4)."""
+    path = bench.smoke_model(preset, work)
+    config = json.loads((path / "config.json").read_text())
+    if "num_key_value_heads" in config:
+        config["num_key_value_heads"] = config["num_attention_heads"]
+        (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def plan_part(name, engine, args, budget, work, env) -> dict[str, Any]:
+    """offload-plan --gpus 2 --json, and the job's size: two blocks of every layout."""
+    plan_flags = [f for f in engine if f not in ("--dummy", "--device", "cpu")]  # (config only)
+    cmd = [sys.executable, "-m", "offload.cli.plan", *plan_flags, "--prompt-len", str(args.prompt_len)]  # fmt: skip
+    cmd += ["--max-tokens", str(args.gen_len), "--gpus", "2", "--json"]
+    record = bench.run_part(f"{name}-plan", cmd, min(TIMES["plan"][0], budget.left()), work, env)
+    if not record["ok"]:
+        return record
+    compared = json.loads(Path(record["stdout"]).read_text())
+    layouts = {row["layout"]: row for row in compared["layouts"]}
+    record["layouts"], record["recommendation"] = layouts, compared["recommendation"]
+    blocks = [
+        _block(row) * (row["dp"] if row["dp"] > 1 else 1)
+        for row in layouts.values()
+        if row.get("policy")
+    ]
+    record["prompts"] = min(args.max_prompts, 2 * max(blocks, default=1))
+    return record
+
+
+def _block(row: dict) -> int:
+    return row["policy"]["gpu_batch_size"] * row["policy"]["num_gpu_batches"]
+
+
+def run_part(name, layout, engine, plan, prompts, args, budget, work, env, cap_s) -> dict:
+    """offload-run over the job with `layout`; its stats, traces and the plan's prediction."""
+    part = work / name
+    part.mkdir(parents=True, exist_ok=True)
+    out, stats, trace = part / "out.jsonl", part / "stats.json", part / "trace.json"
+    cmd = [sys.executable, "-m", "offload.cli.run", *engine, *LAYOUT_FLAGS[layout]]
+    cmd += ["-i", str(prompts), "-o", str(out), "--stats", str(stats), "--ignore-eos", "-q"]
+    cmd += ["--max-tokens", str(args.gen_len), "--trace", str(trace)]
+    cmd += ["--trace-every", str(args.trace_every)]
+    record = bench.run_part(name, cmd, min(cap_s, budget.left()), part, env)
+    predicted = plan.get("layouts", {}).get(PLAN_NAMES[layout], {})
+    record["predicted_tok_s"] = predicted.get("node_tok_s")
+    record["predicted_lanes_decode_step_s"] = predicted.get("lanes_decode_step_s")
+    if not stats.is_file():
+        return record
+    summary = json.loads(stats.read_text())
+    seconds = summary["seconds"]
+    node = summary.get("node") or {
+        "tokens_per_second": summary["tokens_per_second"],
+        "seconds": seconds["prefill"] + seconds["decode"],
     }
-
-
-def _generate(runner, parallel, policy: Policy, args, vocab: int) -> dict:
-    gen = torch.Generator().manual_seed(0)
-    rows = policy.block_size
-    prompts = torch.randint(10, vocab - 10, (rows, args.prompt_len), generator=gen).tolist()
-    batch = PaddedBatch(runner.executor.cfg, prompts, args.gen_len, pad_id=1)
-    greedy = SamplingParams(max_tokens=args.gen_len)
-    runner.tracer.enabled = False
-
-    def run(trace_last: bool) -> tuple[float, float, list[list[int]]]:
-        runner.start(batch)
-        _sync(runner)
-        started = time.perf_counter()
-        logits = runner.forward(batch.prompt_ids, runner.step_inputs(batch, 0, args.prompt_len))
-        _sync(runner)
-        prefill_s = time.perf_counter() - started
-        parallel.take_reduce_seconds()
-        parallel.reduce_count = 0
-        tokens = [sample(logits, greedy)]
-        started = time.perf_counter()
-        for t in range(args.gen_len - 1):
-            runner.tracer.enabled = trace_last and t == args.gen_len - 2
-            step = runner.step_inputs(batch, args.prompt_len + t, 1)
-            logits = runner.forward(tokens[-1][:, None], step)
-            tokens.append(sample(logits, greedy))
-        _sync(runner)
-        runner.tracer.enabled = False
-        return prefill_s, time.perf_counter() - started, torch.stack(tokens, 1).tolist()
-
-    run(False)  # warm-up: allocator, Triton's compiles, NCCL's channels
-    prefill_s, decode_s, tokens = run(True)
-    reduce_s = parallel.take_reduce_seconds()
-    decode_reduces = parallel.reduce_count
-    traced = runner.traces[-1]
-    return {
-        "sequences": rows,
-        "prefill_s": prefill_s,
-        "decode_s": decode_s,
-        "total_tok_s": rows * args.gen_len / (prefill_s + decode_s),
-        "decode_tok_s": rows * (args.gen_len - 1) / decode_s,
-        "allreduce_s_decode": reduce_s,
-        "allreduce_share_decode": reduce_s / decode_s,
-        "allreduces_per_decode_step": decode_reduces / (args.gen_len - 1),
-        "traced_step_s": traced.seconds,
-        "lanes": {
-            lane: {**s, "gbps": s["bytes"] / s["busy_s"] / GB if s["busy_s"] else 0.0}
-            for lane, s in traced.lanes.items()
-        },
-        "tokens_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),
-        "tokens": tokens if args.smoke else None,
+    record |= {
+        "tok_s": node["tokens_per_second"],
+        "load_s": seconds["loading"],
+        "job_s": node["seconds"],
+        "prefill_s": seconds["prefill"],  # (group 0's)
+        "decode_s": seconds["decode"],
+        "groups": node.get("groups"),
+        "sequences": summary["policy"]["gpu_batch_size"] * summary["policy"]["num_gpu_batches"],
+        "policy": summary["policy"],
+        "policy_matches_plan": summary["policy"] == predicted.get("policy"),
+        "peak_memory": summary["peak_memory"],
+        "ranks": rank_traces(trace, 1 if layout == "one" else 2),
     }
+    if record["predicted_tok_s"]:
+        record["prediction_error_pct"] = 100 * (record["tok_s"] / record["predicted_tok_s"] - 1)
+    rows = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
+    record["exact_lengths"] = sum(r.get("completion_tokens") == args.gen_len for r in rows)
+    return record
 
 
-def _sync(runner) -> None:
-    if runner.executor.device.type == "cuda":
-        torch.cuda.synchronize(runner.executor.device)
+# -- per-rank traces ---------------------------------------------------------------------
+def rank_traces(trace: Path, ranks: int) -> list[dict[str, Any]]:
+    """Each rank's last traced decode step: its lanes, the all-reduce's share of the step
+    and its wait for the other ranks there (each all-reduce's time beyond the shortest
+    rank's time for the same all-reduce: the collective itself takes the shortest)."""
+    from offload.cli.parallel import rank_trace
+    from offload.executor.lanes import busy_seconds, read_chrome
+
+    paths = [trace] if ranks == 1 else [rank_trace(trace, r) for r in range(ranks)]
+    spans = [read_chrome(p) if p.is_file() else [] for p in paths]
+    reduces = [[e - s for lane, _, s, e, _ in rank if lane == "allreduce"] for rank in spans]
+    count = min((len(r) for r in reduces), default=0)
+    shortest = [min(r[i] for r in reduces) for i in range(count)]
+    out = []
+    for rank, (rank_spans, mine) in enumerate(zip(spans, reduces, strict=True)):
+        if not rank_spans:
+            out.append({"rank": rank, "trace": None})
+            continue
+        step = max(e for _, _, _, e, _ in rank_spans) - min(s for _, _, s, _, _ in rank_spans)
+        lanes = {k: v["busy_s"] for k, v in busy_seconds(rank_spans).items() if v["busy_s"]}
+        wait = sum(mine[i] - shortest[i] for i in range(count))
+        out.append({
+            "rank": rank, "step_s": step, "lanes_busy_s": lanes,
+            "allreduce_share": sum(mine) / step if step else 0.0,
+            "skew_share": wait / step if step else 0.0,
+        })  # fmt: skip
+    return out
 
 
-def launch(name: str, tp: int, args) -> list[dict]:
-    """All ranks of one configuration; their results in rank order."""
-    from torch.distributed.launcher.api import elastic_launch
+# -- the table ------------------------------------------------------------------------------
+def table(results: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for name, (_, _, layouts, target) in WORKLOADS.items():
+        runs = {lay: results["parts"].get(f"{name}/{lay}", {}) for lay in layouts}
+        if not any(runs.values()):
+            continue
+        one = runs.get("one", {}).get("tok_s")
+        two = max((runs[lay].get("tok_s") or 0 for lay in ("tp2", "dp2") if lay in runs), default=0)
+        if target.startswith("x"):
+            ok = one and two and two / one >= float(target[1:])
+        else:
+            ok = two >= float(target.removesuffix("tok/s"))
+        for lay in layouts:
+            r = runs[lay]
+            rows.append({
+                "workload": name, "layout": lay, "tok_s": r.get("tok_s"),
+                "predicted_tok_s": r.get("predicted_tok_s"), "error_pct": r.get("prediction_error_pct"),
+                "load_s": r.get("load_s"), "sequences": r.get("sequences"),
+                "speedup": r["tok_s"] / one if one and r.get("tok_s") else None,
+                "target": target, "verdict": "n/a" if results["smoke"] else ("PASS" if ok else "FAIL"),
+                "skipped": r.get("skipped") or (None if r.get("ok") else r.get("stderr_tail", "")[-200:]),
+            })  # fmt: skip
+    return rows
 
-    from offload.parallel.launch import local_config
 
-    fork = args.smoke and args.smoke_device == "cpu"
-    results = elastic_launch(local_config(tp, fork, "bench"), entrypoint=bench_rank)(name, args)
-    return [results[rank] for rank in sorted(results)]
+def print_table(rows: list[dict[str, Any]], results: dict[str, Any]) -> None:
+    print(f"\n{'workload':14s} {'layout':6s} {'tok/s':>8s} {'predicted':>9s} {'error':>7s} {'x one':>6s} {'load s':>7s} {'seqs':>5s}  target verdict")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['workload']:14s} {r['layout']:6s} {fmt(r['tok_s']):>8s} {fmt(r['predicted_tok_s']):>9s} "
+            f"{fmt(r['error_pct'], '+.0f', '%'):>7s} {fmt(r['speedup'], '.2f'):>6s} {fmt(r['load_s']):>7s} "
+            f"{fmt(r['sequences'], 'd'):>5s}  {r['target']} {r['verdict']}"
+            + (f"  [{r['skipped']}]" if r["skipped"] else "")
+        )  # fmt: skip
+    for name, record in results["parts"].items():
+        for rank in record.get("ranks") or []:
+            if rank.get("trace") is None and "lanes_busy_s" not in rank:
+                continue
+            lanes = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(rank["lanes_busy_s"].items(), key=lambda kv: -kv[1]))  # fmt: skip
+            print(
+                f"{name} rank {rank['rank']}: step {rank['step_s'] * 1e3:.0f} ms; all-reduce "
+                f"{rank['allreduce_share']:.0%}, skew {rank['skew_share']:.0%}; lanes ms: {lanes}"
+            )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, gloo (correctness)")
-    p.add_argument(
-        "--smoke-device",
-        default="cpu",
-        help="cuda: the smoke run's ranks share the GPUs there are, over gloo "
-        "(OFFLOAD_DIST_BACKEND=gloo is set)",
+    args = parse_args()
+    budget, work, results = bench.start(
+        args,
+        "bench_parallel",
+        f"one GPU, TP=2 and DP=2 through offload-run; prompt {args.prompt_len}, gen "
+        f"{args.gen_len}, dummy weights, --cpu-mem {args.cpu_mem} for the node",
     )
-    p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--tp", default="1,2", help="TP sizes to run, in order")
-    p.add_argument("--gpu-mem", default="24GB", help="GPU memory cap per GPU")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--profile", type=Path, help="hardware profile JSON (default: cached)")
-    p.add_argument("--nvme", type=Path, help="a fast-disk directory (per-rank stores)")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    args = p.parse_args()
-    if args.smoke:
-        args.prompt_len, args.gen_len = 32, 4
-        if args.smoke_device != "cpu":
-            os.environ["OFFLOAD_DIST_BACKEND"] = "gloo"
-        args.configs = args.configs if args.configs != ",".join(CONFIGS) else "opt-30b-fp16"
-        if args.nvme is None:
-            import tempfile
+    if args.smoke:  # a profile cache of this script's own (other checkouts measure theirs)
+        os.environ["OFFLOAD_CACHE"] = str(bench.SMOKE_CACHE.with_name(bench.SMOKE_CACHE.name + "-parallel"))  # fmt: skip
+    env = bench.child_env()
+    plans: dict[str, dict] = {}
+    names = ["profile"]
+    for name in args.workloads.split(","):
+        names += [f"{name}/plan", *(f"{name}/{lay}" for lay in WORKLOADS[name][2])]
 
-            args.nvme = Path(tempfile.mkdtemp(prefix="bench-parallel-"))
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
-    res: dict = {
-        "machine": platform.node(),
-        "smoke": args.smoke,
-        "git_commit": commit,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "prompt_len": args.prompt_len,
-        "gen_len": args.gen_len,
-        "gpu_mem_cap_per_gpu": args.gpu_mem,
-        "cpu_limit": node_memory_limit(),
-        "targets": TARGETS,
-        "runs": {},
-    }
-    for name in args.configs.split(","):
-        res["runs"][name] = {}
-        for tp in (int(t) for t in args.tp.split(",")):
-            ranks = launch(name, tp, args)
-            head = ranks[0]
-            summary = {
-                "total_tok_s": head["total_tok_s"],
-                "decode_tok_s": head["decode_tok_s"],
-                "sequences": head["sequences"],
-                "allreduce_share_decode": max(r["allreduce_share_decode"] for r in ranks),
-                "allreduce_bus_gbps": head["allreduce_bus_gbps"],
-                "ranks": ranks,
-            }
-            res["runs"][name][f"tp{tp}"] = summary
-            print(
-                f"{name} TP={tp}: {summary['total_tok_s']:.1f} tok/s, block "
-                f"{summary['sequences']}, all-reduce {summary['allreduce_share_decode']:.1%} "
-                f"of decode, bus {summary['allreduce_bus_gbps'] or 0:.1f} GB/s",
-                flush=True,
-            )
-        runs = res["runs"][name]
-        if "tp1" in runs and "tp2" in runs:
-            runs["speedup_tp2"] = runs["tp2"]["total_tok_s"] / runs["tp1"]["total_tok_s"]
-            if args.smoke:  # the same tokens at TP=1 and TP=2
-                same = runs["tp1"]["ranks"][0]["tokens"] == runs["tp2"]["ranks"][0]["tokens"]
-                runs["tokens_identical"] = same
-                assert same, f"{name}: TP=2 tokens differ from TP=1"
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"bench_parallel_{'smoke_' if args.smoke else ''}{stamp}.json"
-    path.write_text(json.dumps(res, indent=1, default=str))
-    print(f"wrote {path}")
+    def min_seconds(part: str) -> float:
+        kind = "profile" if part == "profile" else "plan" if part.endswith("/plan") else part.split("-")[0]  # fmt: skip
+        return 5 if args.smoke else TIMES[kind][1]
+
+    def run(part: str) -> dict:
+        if part == "profile":
+            return profile_part(args, budget, work, env)
+        name, _, layout = part.partition("/")
+        preset, flags, _, _ = WORKLOADS[name]
+        engine = _engine(args, preset, flags, work)
+        if layout == "plan":
+            plans[name] = plan_part(name, engine, args, budget, work, env)
+            if plans[name].get("prompts"):
+                bench.write_prompts(work / f"{name}.jsonl", plans[name]["prompts"], args.prompt_len)
+            return plans[name]
+        plan = plans.get(name, {})
+        if not plan.get("prompts"):
+            return {"skipped": "no plan (see its part)"}
+        cap_s = TIMES[name.split("-")[0]][0]
+        return run_part(part.replace("/", "-"), layout, engine, plan, work / f"{name}.jsonl", args, budget, work, env, cap_s)  # fmt: skip
+
+    try:
+        bench.run_parts(names, min_seconds, run, results, budget, _status)
+    finally:
+        rows = table(results.data)
+        results.data["table"], results.data["seconds"] = rows, budget.elapsed()
+        results.save()
+        print_table(rows, results.data)
+        print("wrote " + ", ".join(map(str, results.paths)))
+
+
+def _status(record: dict[str, Any]) -> str:
+    if "profile" in record:
+        return "cached" if record.get("cached") else f"measured in {record['seconds']:.0f} s"
+    if "skipped" in record or "error" in record:
+        return str(record.get("skipped") or record.get("error"))
+    if "prompts" in record:
+        return f"{record['prompts']} prompts"
+    if not record.get("ok", True):
+        return f"FAILED (rc {record.get('rc')}, {record.get('killed')})"
+    return f"{fmt(record.get('tok_s'))} tok/s (predicted {fmt(record.get('predicted_tok_s'))}), load {fmt(record.get('load_s'))} s"  # fmt: skip
 
 
 if __name__ == "__main__":

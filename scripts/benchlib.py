@@ -53,11 +53,12 @@ def measure_ceilings(disk_dir: Path | None, nbytes: int = 2**29) -> dict[str, An
     """This machine's copy rates now, GB/s: pinned host -> GPU and GPU -> host (PCIe),
     GPU -> GPU and host -> host (HBM and DRAM, bytes read + written, as the hardware
     profile counts them) and O_DIRECT disk read and write in `disk_dir`. Without CUDA,
-    host copies stand in for PCIe and HBM (as in `hardware.measure`). A figure that
+    host copies stand in for PCIe and HBM (as in `policies.measure`). A figure that
     cannot be measured is None, with the reason under "errors"."""
     import torch
 
-    from offload.policies.measure import copy_rate, disk_rates
+    from offload.policies.measure_disk import disk_rates
+    from offload.policies.timers import copy_rate
 
     out: dict[str, Any] = {"bytes": nbytes, "torch": torch.__version__, "errors": {}}
     out["cuda"] = torch.version.cuda
@@ -129,10 +130,11 @@ def machine_info() -> dict[str, Any]:
 
 
 def source_digest() -> str:
-    """sha256 over offload/ and scripts/ (*.py, by path): the code's version where the
-    tree was copied without its .git."""
+    """sha256 over offload/ (*.py and the C kernels' *.c) and scripts/ (*.py), by path:
+    the code's version where the tree was copied without its .git."""
     digest = hashlib.sha256()
-    for path in sorted([*(ROOT / "offload").rglob("*.py"), *SCRIPTS.glob("*.py")]):
+    package = [p for p in (ROOT / "offload").rglob("*") if p.suffix in (".py", ".c")]
+    for path in sorted([*package, *SCRIPTS.glob("*.py")]):
         digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
@@ -213,7 +215,7 @@ def run_part(
 ) -> dict[str, Any]:
     """Run `cmd` until it exits, `timeout_s` passes, or (given `hung_after_traceback_s`)
     it prints a traceback and then nothing for that long; then its process group is
-    killed. (Only for children whose tracebacks are fatal: offload-run with -q is
+    killed. (Only for children whose tracebacks are fatal: offload-run with --quiet is
     silent for minutes while it loads.) stdout and stderr go to files in `log_dir`; the
     record holds the command, the exit code, the wall time and the output's tails
     (longer on failure)."""
@@ -312,7 +314,7 @@ def ceilings_part(
 # -- our engine: plan, then run one block ---------------------------------------------
 def add_probe_args(p: argparse.ArgumentParser) -> None:
     """The flags of the scripts that probe a policy's steps on a model with dummy
-    weights (scripts/decode_step.py, scripts/decode_ahead_ab.py)."""
+    weights (scripts/lab/decode_step.py)."""
     p.add_argument("--model", default="opt-30b", help="a preset (dummy weights)")
     p.add_argument("--policy", type=Path, required=True, help="policy JSON (offload-plan's)")
     p.add_argument("--compress", default="none")
@@ -425,7 +427,7 @@ def plan_and_run(
     write_prompts(prompts, block, prompt_len)
     record |= {"sequences": block, "run_engine_flags": shlex.join(run_engine)}
     cmd = [sys.executable, "-m", "offload.cli.run", *run_engine, *shape, "--ignore-eos"]
-    cmd += ["-i", str(prompts), "-o", str(outputs), "--stats", str(stats), "-q", *run_flags]
+    cmd += ["-i", str(prompts), "-o", str(outputs), "--stats", str(stats), "--quiet", *run_flags]
     record["run"] = run_part(f"{name}-run", cmd, deadline - time.monotonic(), part_dir, env)
     if stats.is_file():
         record["stats"] = json.loads(stats.read_text())

@@ -6,6 +6,7 @@
         --prompt-len 16 --gen-len 4 --policies w4gpu-kv4-cpu-disk-gpuattn-8x2 --nvme DIR  # smoke
     python scripts/validate_cost_model.py --model opt-6.7b --gpu-mem 8GB \
         --formats fp16,int4,int4kv --gen-lens 32,256 --time-budget 540   # one call of the matrix
+    python scripts/validate_cost_model.py --jobs [--time-budget 540]      # whole jobs: validate_jobs.py
 
 For each policy (the hand-written set below, scaled to the model, plus the search's
 choice): a full generation of one block with dummy weights, then total tok/s and peak
@@ -132,7 +133,7 @@ def measure_policy(
     if switch_interval is not None:  # (the executor puts the process's back at close)
         sys.setswitchinterval(switch_interval)
     # each phase's time as it ends: a run cut off by the call's limit still tells where
-    # its time went (the 70B-class runs of earlier calls returned nothing)
+    # its time went (a 70B-class load and block can outlast one call)
     print(f"  weights placed in {time.perf_counter() - began:.1f} s", flush=True)
     load_peak = 0
     if device.type == "cuda":
@@ -188,6 +189,12 @@ FORMATS = {"fp16": ("none", "none"), "int4": ("int4", "none"), "int4kv": ("int4"
 
 
 def main() -> None:
+    if "--jobs" in sys.argv[1:]:  # whole jobs through offload-run, and the hold's A/B
+        sys.argv.remove("--jobs")
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import validate_jobs
+
+        sys.exit(validate_jobs.main())
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="opt-30b")
     p.add_argument("--gpu-mem", default="24GB")

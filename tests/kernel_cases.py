@@ -21,7 +21,8 @@ from offload.kernels.kv_attention import decode_attention
 from offload.kernels.kv_cache import QuantKV
 from offload.kernels.kv_quantize import quantize_groups_reference
 from offload.kernels.norm import norm, norm_reference
-from offload.kernels.qmatmul import DENSE_ROWS, Tiles, _dense_slices, qlinear
+from offload.kernels.qmatmul import _dense_slices, qlinear
+from offload.kernels.qmatmul_tiles import DENSE_ROWS, Tiles
 from offload.kernels.quant import dequantize, quantize
 
 # (rows, out features, in features, group): odd rows and out features not a multiple
@@ -57,8 +58,14 @@ QLINEAR_TILES = [None, Tiles(16, 32, 64, 4, 2, split=4)]
 
 
 def qlinear_failures(
-    bits: int, symmetric: bool, device: str, dtypes: list[torch.dtype], shapes=QLINEAR_SHAPES
+    bits: int,
+    symmetric: bool,
+    device: str,
+    dtypes: list[torch.dtype],
+    shapes=QLINEAR_SHAPES,
+    zero_point: bool = False,
 ) -> list[str]:
+    """zero_point: asymmetric with integer zero points (pre-quantized checkpoints')."""
     failures = []
     gen = torch.Generator().manual_seed(bits * 10 + symmetric)
     # the epilogue's (bias, ReLU, residual)
@@ -76,7 +83,9 @@ def qlinear_failures(
                 w = torch.randn(n, k, generator=gen)
                 x = torch.randn(rows, k, generator=gen).to(dtype)
                 bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-                q = quantize(w.to(device), Compression(bits, group, symmetric))
+                q = quantize(
+                    w.to(device), Compression(bits, group, symmetric, zero_point=zero_point)
+                )
                 x, bias = x.to(device), bias.to(device) if bias is not None else None
                 weight = dequantize(q).to(dtype)
                 truth = F.linear(
@@ -247,9 +256,10 @@ def norm_failures(device: str, dtypes: list[torch.dtype], shapes=NORM_SHAPES) ->
     the reference's bit for bit."""
     failures = []
     gen = torch.Generator().manual_seed(7)
-    for dtype, (rows, width), kind in itertools.product(dtypes, shapes, ("layer", "rms")):
+    kinds = ("layer", "rms", "rms_offset")
+    for dtype, (rows, width), kind in itertools.product(dtypes, shapes, kinds):
         for with_residual, with_bias in itertools.product((False, True), repeat=2):
-            if with_bias and kind == "rms":
+            if with_bias and kind != "layer":
                 continue
             x = (torch.randn(rows, width, generator=gen) * 3 + 1).to(dtype)
             residual = torch.randn(rows, width, generator=gen).to(dtype)
@@ -260,9 +270,9 @@ def norm_failures(device: str, dtypes: list[torch.dtype], shapes=NORM_SHAPES) ->
                 ref_x, weight, bias, kind, 1e-5, residual if with_residual else None
             )
             summed = ref_x.double()
-            if kind == "rms":
+            if kind != "layer":
                 truth = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5)
-                truth = truth * weight.double()
+                truth = truth * (weight.double() + (kind == "rms_offset"))
             else:
                 truth = F.layer_norm(
                     summed, (width,), weight.double(), None if bias is None else bias.double(), 1e-5
@@ -306,6 +316,12 @@ def wgmma_permute_failures(device: str) -> list[str]:
 
 if __name__ == "__main__":  # the interpreter tests' subprocess
     kind, bits, symmetric = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "sym"
+    if sys.argv[3] == "zp":  # integer zero points: qlinear only, a decode shape of one
+        # group and of several, and prefill's dequantized slices
+        shapes = [QLINEAR_SHAPES[0], QLINEAR_SHAPES[1], QLINEAR_SHAPES[-1]]
+        failures = qlinear_failures(bits, False, "cpu", [torch.float16], shapes, zero_point=True)
+        print(json.dumps(failures))
+        sys.exit()
     cases = {"qlinear": qlinear_failures, "attention": attention_failures}
     if kind == "norm":
         print(json.dumps(norm_failures("cpu", [torch.float32, torch.float16])))

@@ -20,6 +20,8 @@ LAYERS = [
     ("api", ["api"]),
     ("jobs", ["jobs"]),
     ("cli", ["cli"]),
+    # vLLM's import paths (vllm.utils, vllm.outputs, vllm.engine.arg_utils): re-exports only
+    ("vllm paths", ["utils", "outputs", "engine"]),
 ]
 RANK = {top: rank for rank, (_, tops) in enumerate(LAYERS) for top in tops}
 

@@ -72,7 +72,7 @@ def test_openai_batch_file_gives_the_batch_api_output(model_dir, tmp_path):
     batch = tmp_path / "batch.jsonl"
     batch.write_text("\n".join(lines) + "\n")
     out = tmp_path / "results.jsonl"
-    args = ["--model", str(model_dir), "-i", str(batch), "-o", str(out), "-q"]
+    args = ["--model", str(model_dir), "-i", str(batch), "-o", str(out), "--quiet"]
     code = main([*args, "--chat-template", TEMPLATE, "--skip-invalid"])
     assert code == 3  # finished with some per-request errors
     rows = _rows(out)
@@ -129,17 +129,48 @@ def test_openai_batch_file_gives_the_batch_api_output(model_dir, tmp_path):
     assert "not valid JSON" in errors["line-7"]["error"]["message"]
 
 
-def test_bad_lines_are_judged_before_the_model_loads(tmp_path, capsys, no_load):
-    batch = tmp_path / "batch.jsonl"
+def test_a_chat_without_a_limit_has_one_default_wherever_it_comes_from(model_dir, tmp_path):
+    """A Batch chat line, a flat `messages` line, `--chat` and `LLM.chat()` without a
+    limit all take the same default: the model's generation_config.json max_new_tokens,
+    else SamplingParams' 16 (vLLM's `LLM.chat`). A Batch file runs it to the end."""
+    from offload.jobs import job
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    line = json.loads(_line("c", "/v1/chat/completions", chat))
+    for defaults in (SamplingParams(), SamplingParams(max_tokens=7)):  # none / the model's
+        batch_req = job.make_openai_request(0, line, defaults, 1)
+        flat_req = job.make_request(0, chat, defaults)  # (--chat builds the same line)
+        assert batch_req.params.max_tokens == flat_req.params.max_tokens == defaults.max_tokens
+    batch, out = tmp_path / "batch.jsonl", tmp_path / "o.jsonl"
+    batch.write_text(_line("c", "/v1/chat/completions", {**chat, "ignore_eos": True}) + "\n")
+    argv = ["--model", str(model_dir), "-i", str(batch), "-o", str(out), "--quiet"]
+    assert main([*argv, "--chat-template", TEMPLATE]) == 0
+    assert _rows(out)[0]["response"]["body"]["usage"]["completion_tokens"] == 16
+    with LLM(str(model_dir), chat_template=TEMPLATE) as llm:
+        assert llm.get_default_sampling_params().max_tokens == 16
+
+
+def test_a_batch_file_of_refused_lines_gets_an_error_line_each(tmp_path, no_load):
+    """vLLM's run-batch writes one error line per request of a file whose every line it
+    refuses (its `/v1/embeddings` example here); so does offload-run, in input order,
+    without loading the model, and exits 1 (every request failed)."""
+    batch, out = tmp_path / "batch.jsonl", tmp_path / "o.jsonl"
     batch.write_text(
         _line("a", "/v1/embeddings", {"input": "x"})
         + "\n"
         + _line("b", "/v1/completions", {"text": "x"})
         + "\n"
     )
-    assert main(["--model", "demo", "-i", str(batch), "-o", str(tmp_path / "o.jsonl")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("offload-run: error:") and "no valid request in 2 line(s)" in err
+    assert main(["--model", "demo", "-i", str(batch), "-o", str(out), "--quiet"]) == 1
+    rows = _rows(out)
+    assert [r["custom_id"] for r in rows] == ["a", "b"]
+    assert all(r["response"] is None and r["error"]["code"] == "invalid_request" for r in rows)
+    assert "/v1/embeddings" in rows[0]["error"]["message"]
+    assert "unknown body field(s): text" in rows[1]["error"]["message"]
+
+
+def test_duplicate_custom_ids_are_refused_before_the_model_loads(tmp_path, capsys, no_load):
+    batch = tmp_path / "batch.jsonl"
     batch.write_text(
         _line("same", "/v1/completions", {"prompt": "x"})
         + "\n"
@@ -214,7 +245,7 @@ def test_every_request_failing_exits_one(model_dir, tmp_path):
     lines = [{"prompt": "y" * 400}, {"messages": [{"role": "user", "content": "hi"}]}]
     jobs.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = tmp_path / "out.jsonl"
-    argv = ["--model", str(model_dir), "-i", str(jobs), "-o", str(out), "-q"]
+    argv = ["--model", str(model_dir), "-i", str(jobs), "-o", str(out), "--quiet"]
     # past the context (without --skip-invalid refused before the load, tests/test_sizing.py)
     # and a chat for a model without a chat template
     assert main([*argv, "--skip-invalid"]) == 1
@@ -242,7 +273,7 @@ def test_a_second_run_on_the_same_output_is_refused_and_the_first_completes(mode
         "8",
         "--batch-size",
         "4",
-        "-q",
+        "--quiet",
     ]
     first = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     partial = tmp_path / "out.jsonl.partial"

@@ -68,7 +68,7 @@ def test_plain_text_prompts_and_stdout(tiny_checkpoints, tmp_path, capsys):
                 "-",
                 "--max-new-tokens",
                 "3",
-                "-q",
+                "--quiet",
             ]
         )
         == 0
@@ -88,7 +88,7 @@ def test_preset_runs_with_dummy_weights(capsys):
             "x",
             "--max-new-tokens",
             "2",
-            "-q",
+            "--quiet",
             "--output",
             "-",
         ]
@@ -149,7 +149,7 @@ def test_truncated_safetensors(tiny_checkpoints, tmp_path, capsys):
     shutil.copytree(directory, broken)
     shard = sorted(broken.glob("*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    assert main(["--model", str(broken), "--prompt", "x", "-q"]) == 2
+    assert main(["--model", str(broken), "--prompt", "x", "--quiet"]) == 2
     assert "damaged or truncated" in _error_line(capsys)
 
 
@@ -160,7 +160,7 @@ def test_prompt_longer_than_context(tiny_checkpoints, tmp_path, capsys):
     long_prompt = "y" * (model.config.max_position_embeddings + 5)
     # --restart: the earlier output is kept even where a run would replace it, since the
     # job is refused before anything is written
-    args = ["--model", str(directory), "--prompt", long_prompt, "--output", str(out), "-q"]
+    args = ["--model", str(directory), "--prompt", long_prompt, "--output", str(out), "--quiet"]
     assert main([*args, "--restart"]) == 2
     assert "context is 256" in _error_line(capsys)
     assert out.read_text() == "earlier results\n", "an earlier output was lost"

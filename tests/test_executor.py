@@ -20,7 +20,7 @@ from offload.core.sampling import SamplingParams
 from offload.executor.runner import PlainRunner
 from offload.io.layout import store_bytes
 from offload.io.reader import CorruptExtent
-from offload.io.store import store_dir
+from offload.io.store_format import store_dir
 from offload.kernels.formats import Compression
 from offload.models.resolve import resolve_model
 from offload.policies.caps import Caps
@@ -187,7 +187,7 @@ def test_disk_weights_stream_from_a_store_of_their_tails(tiny_checkpoints, refer
 
 
 def test_loading_shows_its_phases_only_when_asked(tiny_checkpoints, tmp_path, caplog, capsys):
-    caplog.set_level(logging.INFO, logger="offload.executor.executor")
+    caplog.set_level(logging.INFO, logger="offload.executor")
     directory, _ = tiny_checkpoints["opt"]
     policy = Policy(gpu_batch_size=2, num_gpu_batches=4, weights=W3)
     for progress in (True, False):

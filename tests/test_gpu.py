@@ -11,7 +11,7 @@ from offload.api.llm import LLM
 from offload.executor.runner import PlainRunner
 from offload.io.pinned import PinnedPool
 from offload.io.reader import ExtentReader
-from offload.io.store import WeightStore, write_stage_file
+from offload.io.store_format import WeightStore, write_stage_file
 from offload.policies.policy import Placement, Policy
 from tests.test_executor import FAMILIES
 from tests.tiny_models import assert_prefill_logits_match
@@ -107,6 +107,8 @@ def test_qlinear_kernel_compiled_matches_reference(bits, symmetric):
     shapes += WGMMA_SHAPES
     dtypes = [torch.float16, torch.bfloat16, torch.float32]
     assert qlinear_failures(bits, symmetric, "cuda", dtypes, shapes) == []
+    if bits == 4 and not symmetric:  # integer zero points (pre-quantized checkpoints')
+        assert qlinear_failures(4, False, "cuda", dtypes, shapes, zero_point=True) == []
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -181,12 +183,13 @@ def test_split_k_qlinear_replays_in_a_cuda_graph(kernel):
     `qmatmul_wgmma`'s (its x preparation captured too)."""
     from offload.kernels import qmatmul_wgmma
     from offload.kernels.formats import Compression
-    from offload.kernels.qmatmul import _tiles, qlinear
+    from offload.kernels.qmatmul import qlinear
+    from offload.kernels.qmatmul_tiles import tiles_for
     from offload.kernels.quant import quantize
 
     w = quantize(torch.randn(1024, 4096, device="cuda"), Compression(4, 64, False))
     x = torch.randn(12, 4096, device="cuda", dtype=torch.float16)
-    tiles = _tiles(12, 1024, 4096, 64, x.device)
+    tiles = tiles_for(12, 1024, 4096, 64, x.device)
     if kernel == "wgmma":
         if not qmatmul_wgmma.eligible(x, w, None):
             pytest.skip("qmatmul_wgmma: Hopper GPUs only")
@@ -460,7 +463,8 @@ def test_a_job_after_the_warm_up_compiles_no_kernel(tiny_checkpoints, tmp_path):
     from offload.core.sampling import SamplingParams
     from offload.kernels.formats import Compression
     from offload.kernels.launch import CompileCount
-    from offload.kernels.qmatmul import Tiles, qlinear
+    from offload.kernels.qmatmul import qlinear
+    from offload.kernels.qmatmul_tiles import Tiles
     from offload.kernels.quant import quantize
     from tests.test_executor import INT4, KV4, _with
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 from offload.api.llm import LLM
@@ -79,3 +81,25 @@ def test_ci_runs_the_readme_quickstart_verbatim():
         assert any(ln.startswith(command) for ln in ci), f"{command!r} is not in .ci/run"
     # CI makes a new virtual environment before them (today's newest allowed versions)
     assert any(ln.startswith("python3 -m venv") for ln in ci)
+
+
+def test_a_wheel_ships_the_c_kernels_sources(tmp_path):
+    """The C kernels' sources are package data (`native.source` reads them beside
+    `native.py`): an editable install finds them in the tree, and a wheel holds them."""
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(ROOT / "offload", src / "offload", ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = tmp_path.glob("offload-*.whl")
+    sources = {f"offload/kernels/{c.name}" for c in (ROOT / "offload" / "kernels").glob("*.c")}
+    assert sources, "no C kernel sources in offload/kernels"
+    missing = sources - set(zipfile.ZipFile(wheel).namelist())
+    assert not missing, f"the wheel lacks {sorted(missing)}"

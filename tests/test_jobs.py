@@ -41,7 +41,7 @@ def _cli(model_dir, jobs, out, *more):
         "6",
         "--batch-size",
         "8",
-        "-q",
+        "--quiet",
         *more,
     ]
 
@@ -121,7 +121,7 @@ def test_changed_input_is_refused_and_restart_starts_over(model_dir, tmp_path, c
         str(jobs),
         "--output",
         str(out),
-        "-q",
+        "--quiet",
         "--max-new-tokens",
         "3",
     ]
@@ -139,7 +139,8 @@ def test_a_finished_jobs_output_is_kept_unless_restart(model_dir, tmp_path, caps
     its results stay as they are; --restart runs it again."""
     jobs, out = tmp_path / "jobs.jsonl", tmp_path / "out.jsonl"
     _write_jobs(jobs, 5)
-    args = ["--model", str(model_dir), "-i", str(jobs), "-o", str(out), "-q", "--max-tokens", "3"]
+    args = ["--model", str(model_dir), "-i", str(jobs), "-o", str(out), "--quiet"]
+    args += ["--max-tokens", "3"]
     assert main(args) == 0
     finished = out.read_bytes()
     capsys.readouterr()
@@ -158,7 +159,8 @@ def test_a_job_that_wrote_no_result_does_not_block_the_next_command(model_dir, t
     _write_jobs(jobs, 4)
     partial = tmp_path / "out.jsonl.partial"
     partial.write_text(json.dumps({"_job": {"input_sha256": "another", "sampling": {}}}) + "\n")
-    args = ["--model", str(model_dir), "-i", str(jobs), "-o", str(out), "-q", "--max-tokens", "3"]
+    args = ["--model", str(model_dir), "-i", str(jobs), "-o", str(out), "--quiet"]
+    args += ["--max-tokens", "3"]
     assert main(args) == 0
     assert [r["id"] for r in _rows(out)] == ["r0", "r1", "r2", "r3"]
     assert not partial.exists()
@@ -201,7 +203,7 @@ def test_a_job_resumes_only_in_the_formats_it_began_with(tmp_path):
 def test_compression_without_a_memory_plan_is_refused(model_dir, tmp_path, capsys):
     """--compress chooses a plan's formats; with no caps, --nvme or --policy the model runs
     whole and uncompressed, so the flag is refused rather than ignored."""
-    args = ["--model", str(model_dir), "--prompt", "hello", "-q", "--compress", "int4"]
+    args = ["--model", str(model_dir), "--prompt", "hello", "--quiet", "--compress", "int4"]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "--compress int4 take effect through a memory plan" in err and "--gpu-mem" in err
@@ -235,7 +237,8 @@ def test_malformed_line_stops_before_generation(model_dir, tmp_path, capsys):
     _write_jobs(jobs, 5, extra=['{"prompt": "fine"}', '{"prompt": oops}'])
     out = tmp_path / "out.jsonl"
     assert (
-        main(["--model", str(model_dir), "--prompts", str(jobs), "--output", str(out), "-q"]) == 2
+        main(["--model", str(model_dir), "--prompts", str(jobs), "--output", str(out), "--quiet"])
+        == 2
     )
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "jobs.jsonl:7: not valid JSON" in err and "--skip-invalid" in err
@@ -265,7 +268,7 @@ def test_per_request_errors_are_results_and_the_job_goes_on(model_dir, tmp_path)
             str(jobs),
             "--output",
             str(out),
-            "-q",
+            "--quiet",
             "--skip-invalid",
         ]
     )
@@ -310,7 +313,7 @@ def test_stdin_and_plain_text(model_dir, tmp_path):
             "-",
             "--output",
             str(out),
-            "-q",
+            "--quiet",
             "--max-new-tokens",
             "3",
         ],

@@ -41,6 +41,11 @@ def test_qlinear_kernel_matches_reference_interpreted(bits, symmetric):
     assert _interpreted("tests.kernel_cases", "qlinear", str(bits), symmetric) == []
 
 
+def test_qlinear_kernel_with_zero_points_matches_reference_interpreted():
+    """int4 with integer zero points, (c - z) x scale: pre-quantized checkpoints' format."""
+    assert _interpreted("tests.kernel_cases", "qlinear", "4", "zp") == []
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", ["asym", "sym"])
 def test_quantized_decode_attention_matches_reference_interpreted(bits, symmetric):
@@ -115,23 +120,23 @@ def test_the_matmul_s_tiles_are_cut_to_the_device_s_shared_memory():
     launcher now drops stages, then tile rows, until its count fits; fp16 tiles of the
     decode buckets are left as they are."""
     from offload.kernels.formats import Compression
-    from offload.kernels.qmatmul import ROW_TILES, Tiles, _fitted, shared_bytes
+    from offload.kernels.qmatmul_tiles import ROW_TILES, Tiles, fit_tiles, shared_bytes
 
     h100 = 232448
     cfg = Compression(4, 128, False)
     wide = Tiles(128, 128, 64, 8, 3)
     assert shared_bytes(wide, 128, 4, cfg) > h100
-    fitted = _fitted(wide, 128, 4, cfg, h100)
+    fitted = fit_tiles(wide, 128, 4, cfg, h100)
     assert shared_bytes(fitted, 128, 4, cfg) <= h100
     assert fitted == wide._replace(stages=2)
     # a group of 1024 in float32 needs smaller tiles as well
-    huge = _fitted(wide, 1024, 4, Compression(4, 1024, False), h100)
+    huge = fit_tiles(wide, 1024, 4, Compression(4, 1024, False), h100)
     assert huge.block_m < 128 and shared_bytes(huge, 1024, 4, Compression(4, 1024, False)) <= h100
     for _, tiles, _ in ROW_TILES:
         for group in (32, 64, 128):
             block_k = max(group, min(tiles.max_k, 256))
-            assert _fitted(tiles, block_k, 2, Compression(4, group, False), h100) == tiles
-    assert _fitted(wide, 128, 4, cfg, None) == wide  # the interpreter: no limit
+            assert fit_tiles(tiles, block_k, 2, Compression(4, group, False), h100) == tiles
+    assert fit_tiles(wide, 128, 4, cfg, None) == wide  # the interpreter: no limit
 
 
 def test_kernels_keep_fused_multiply_add_whatever_triton_s_default(monkeypatch):

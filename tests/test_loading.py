@@ -32,6 +32,16 @@ EXPECTED_BILLIONS = {
     "mistral-7b": 7.25,
     "qwen2-7b": 7.62,
     "smollm2-135m-instruct": 0.1346,
+    "qwen3-8b": 8.19,
+    "qwen3-14b": 14.77,
+    "qwen3-32b": 32.76,
+    # Gemma 3's language model: the published 12.2B and 27.4B hold a 0.42B vision tower
+    "gemma-3-12b": 12.19 - 0.42,
+    "gemma-3-27b": 27.43 - 0.42,
+    "phi-4": 14.66,
+    "falcon-7b": 7.22,
+    "falcon-40b": 41.84,
+    "falcon-180b": 179.52,
 }
 EXPECTED_BILLIONS.update(  # mixtures of experts: every expert counted
     {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -63,6 +64,11 @@ def test_no_fit_names_the_smallest_fit_and_what_int4_would_need():
         search(cfg, torch.float16, 512, 32, PROFILE, caps, compressions=(int4,), kv_compressions=(int4,))  # fmt: skip
     assert "--compress int4" not in str(small.value)
     assert str(dense.value).endswith(str(small.value).split("needs ")[-1])
+    # a model so small that int4's buffers outweigh what it saves: a hint that needs more
+    # memory is none (its smallest plan: 0.7 GB GPU and 3.5 GB CPU; int4's 1.4 and 4.0)
+    with pytest.raises(UserError, match="smallest fit needs") as tiny:
+        search(cfg_of("smollm2-135m-instruct"), torch.float16, 512, 32, PROFILE, Caps(GB // 2, 3 * GB, False))  # fmt: skip
+    assert "--compress int4" not in str(tiny.value)
 
 
 @pytest.mark.parametrize("name", ["opt-30b", "llama-2-13b", "llama-3.1-8b"])
@@ -225,7 +231,7 @@ def test_plan_json_round_trips_into_offload_run(tiny_checkpoints, tmp_path, caps
                 "4",
                 "--device",
                 "cpu",
-                "-q",
+                "--quiet",
             ]
         )
         == 0
@@ -310,7 +316,7 @@ def test_plan_tells_the_weight_store_and_the_free_space(tmp_path, capsys, monkey
     text = capsys.readouterr()
     assert f"weight store: {disk / GB:.1f} GB on {tmp_path} (6.0 GB free)" in text.out
     problem = [line for line in text.err.splitlines() if "problem" in line]
-    assert len(problem) == 1 and "GB free, the weight store needs" in problem[0]
+    assert len(problem) == 1 and "GB free; the weight store needs" in problem[0]
 
 
 def test_plan_counts_decode_graph_buffers_only_where_graphs_run():
@@ -493,3 +499,29 @@ def test_the_load_phase_host_peak_is_planned():
         f"the load grew the process {grew / 1e9:.2f} GB; the plan: pool {pool / 1e9:.2f} GB "
         f"+ transient {detail['load_stage_cpu'] / 1e9:.2f} GB"
     )
+
+
+def test_kv_goes_to_disk_only_where_the_cpu_has_no_room():
+    """The CPU's share is counted from the GPU's whole rows: a block whose GPU share is
+    rounded down puts the rounding's row in CPU memory when the CPU has room for it, not
+    on disk (where the host would read it in every layer)."""
+    from offload.parallel.shard import rank_config
+    from offload.policies.search import _kv_placement
+
+    cfg = rank_config(cfg_of("llama-2-13b"), 2, 0)
+    checked = tight_checked = 0
+    for rows, gpu_gb in itertools.product((80, 160), range(6, 16)):
+        base = Policy(rows, 1, weights=Placement(0.5, 0.5, 0.0), attention_on_cpu=True)
+        with_room = _kv_placement(cfg, base, torch.float16, 400, 32, PROFILE, Caps(gpu_gb * GB, 135 * GB, True))  # fmt: skip
+        if with_room is None or with_room.gpu == 1.0:
+            continue
+        checked += 1
+        assert with_room.disk == 0.0, (rows, gpu_gb, with_room)
+        assert with_room.split(rows)[0] == round(with_room.gpu * rows)  # whole rows
+        # a CPU too small for the rest: the rows it cannot hold go to disk, whole
+        tight = _kv_placement(cfg, base, torch.float16, 400, 32, PROFILE, Caps(gpu_gb * GB, 16 * GB, True))  # fmt: skip
+        if tight is not None:
+            tight_checked += 1
+            _, cpu_rows, disk_rows = tight.split(rows)
+            assert disk_rows > 0 and abs(tight.cpu * rows - cpu_rows) < 1e-6, tight
+    assert checked >= 4 and tight_checked >= 2, (checked, tight_checked)

@@ -146,3 +146,34 @@ def test_generation_config_defaults_as_vllm_reads_them():
 def test_invalid_values_name_the_field(kwargs, word):
     with pytest.raises(ValueError, match=word):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": "5"}, "top_k"),
+        ({"stop": [""]}, "stop"),
+        ({"logprobs": 5}, "logprobs is not supported"),
+    ],
+)
+def test_an_edit_is_judged_when_the_params_are_used(kwargs, word):
+    """SamplingParams is mutable, as vLLM's (its examples edit them); `checked()`, the copy
+    the engine runs with, judges the values as they are then, as the constructor does."""
+    params = SamplingParams()
+    for name, value in kwargs.items():
+        setattr(params, name, value)
+    with pytest.raises(ValueError, match=word):
+        params.checked()
+
+
+def test_checked_is_a_normalized_copy_of_the_edited_params():
+    params = SamplingParams()
+    params.temperature, params.stop, params.stop_token_ids = 0.5, "end", [3]
+    copy = params.checked()
+    assert copy is not params
+    assert copy == SamplingParams(temperature=0.5, stop=("end",), stop_token_ids=(3,))
+    params.max_new_tokens = 5  # the alias, set after construction, still sets max_tokens
+    assert params.checked().max_tokens == 5

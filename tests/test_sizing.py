@@ -55,7 +55,7 @@ def test_prompts_longer_than_prompt_len_are_refused_before_loading(
     jobs = _jobs(tmp_path / "jobs.jsonl", {"short": "hi", "long": "hello there, model"})
     out = tmp_path / "out.jsonl"
     argv = ["--model", str(model_dir), *caps, "--gpu-mem", "2MB", "-i", jobs, "-o", str(out)]
-    assert main([*argv, "--prompt-len", "4", "-q"]) == 2
+    assert main([*argv, "--prompt-len", "4", "--quiet"]) == 2
     assert _last_error(capsys) == (
         "offload-run: error: request long has a prompt of 18 tokens but --prompt-len is 4; "
         "raise --prompt-len to 18 or omit it (the plan is then sized for the job's longest prompt)"
@@ -70,9 +70,20 @@ def test_the_plan_is_sized_for_the_jobs_longest_prompt(model_dir, caps, tmp_path
     out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
     argv = ["--model", str(model_dir), *caps, "--gpu-mem", "2MB", "-i", jobs, "-o", str(out)]
     with caplog.at_level(logging.INFO, logger="offload"):
-        assert main([*argv, "--max-tokens", "3", "--stats", str(stats), "-q"]) == 0
-    assert "plan sized for prompts of 30 tokens (the job's longest) and 7 new tokens" in caplog.text
-    assert json.loads(stats.read_text())["planned_for"] == {"prompt_tokens": 30, "new_tokens": 7}
+        assert main([*argv, "--max-tokens", "3", "--stats", str(stats), "--quiet"]) == 0
+    assert (
+        "plan sized for prompts of 30 tokens (the job's longest; tokens are UTF-8 bytes: the "
+        "model ships no tokenizer) and 7 new tokens" in caplog.text
+    )
+    summary = json.loads(stats.read_text())
+    assert summary["planned_for"] == {"prompt_tokens": 30, "new_tokens": 7}
+    # the job's prediction: one block of its 3 requests, at their longest prompt and
+    # largest budget
+    blocks = summary["predicted"]["blocks"]
+    assert [(b["rows"], b["prompt_len"], b["gen_len"], b["count"]) for b in blocks] == [
+        (3, 30, 7, 1)
+    ]
+    assert "predicted for the job:" in caplog.text
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["completion_tokens"] for r in rows] == [3, 3, 7]
 
@@ -81,7 +92,7 @@ def test_a_prompt_past_the_context_stops_a_file_job_before_loading(
     model_dir, tmp_path, capsys, no_load
 ):
     jobs = _jobs(tmp_path / "jobs.jsonl", {"ok": "hello", "long": "y" * 300})
-    assert main(["--model", str(model_dir), "-i", jobs, "-q"]) == 2
+    assert main(["--model", str(model_dir), "-i", jobs, "--quiet"]) == 2
     assert _last_error(capsys) == (
         "offload-run: error: request long: a prompt has 300 tokens but the model's context is "
         "256; shorten it, or pass --skip-invalid to record such requests as errors and go on"
@@ -94,7 +105,7 @@ def test_a_prompt_too_long_for_the_caps_is_refused_or_skipped(model_dir, caps, t
     jobs = _jobs(tmp_path / "jobs.jsonl", prompts)
     out = tmp_path / "out.jsonl"
     argv = ["--model", str(model_dir), *caps, "--gpu-mem", "1MB", "-i", jobs, "-o", str(out)]
-    argv += ["--max-tokens", "4", "-q"]
+    argv += ["--max-tokens", "4", "--quiet"]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(LLM, "_load", lambda *a, **k: pytest.fail("loaded the model"))
         assert main(argv) == 2
@@ -125,8 +136,8 @@ def test_requests_that_fail_before_generation_do_not_size_the_plan(
     out = tmp_path / "out.jsonl"
     argv = ["--model", str(model_dir), *caps, "--gpu-mem", "2MB", "-i", str(jobs), "-o", str(out)]
     with caplog.at_level(logging.INFO, logger="offload"):
-        assert main([*argv, "--max-tokens", "2", "--skip-invalid", "-q"]) == 3
-    assert "plan sized for prompts of 5 tokens (the job's longest)" in caplog.text
+        assert main([*argv, "--max-tokens", "2", "--skip-invalid", "--quiet"]) == 3
+    assert "plan sized for prompts of 5 tokens (the job's longest;" in caplog.text
     errors = {r["id"]: r.get("error") for r in map(json.loads, out.read_text().splitlines())}
     assert errors["ok"] is None
     assert "empty prompt" in errors["empty"] and "chat template" in errors["chat"]
@@ -147,7 +158,7 @@ def test_a_cap_above_the_machine_is_refused_before_the_search(
 
     monkeypatch.setattr(planning, "_search", searched)
     monkeypatch.setattr(caps_module, "node_memory_limit", lambda: (8 * 10**9, "MemTotal"))
-    argv = ["--model", str(model_dir), "--device", "cpu", "--prompt", "hi", "-q"]
+    argv = ["--model", str(model_dir), "--device", "cpu", "--prompt", "hi", "--quiet"]
     assert main([*argv, "--cpu-mem", "120GB"]) == 2
     assert _last_error(capsys) == (
         "offload-run: error: --cpu-mem 120.00 GB is more than this machine has (8.00 GB, "

@@ -1,13 +1,132 @@
-"""vLLM's offline-inference examples (docs: basic generate, chat, sampling params), run
-unchanged apart from the import and the model name, on the built-in demo model."""
+"""vLLM's offline-inference examples run unchanged but for the import (and a hub model
+name, which becomes "demo"), on the built-in demo model; and the API they rely on.
+
+The examples are vLLM's own files (Apache-2.0, copyright the vLLM contributors), read
+from vLLM's source distributions on PyPI, pinned by sha256, and kept in the user cache
+like the demo model: this repository holds no copy of them. Each runs as its own
+process, with its own flags keeping the token counts small where it has them.
+"""
 
 from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
 
-from offload import LLM, SamplingParams
+from offload import LLM, EngineArgs, SamplingParams
 from offload.core.errors import UserError
+from offload.models.demo import cache_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+# vLLM's source distributions on PyPI: (path under files.pythonhosted.org/packages, sha256)
+SDISTS = {
+    "0.33.0": (
+        "f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/vllm-0.33.0.tar.gz",
+        "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112",
+    ),
+    "0.7.1": (
+        "c1/9d/151eba20b6959913d05df917cb53d5adb5d2e3dd8a19fea365d48b2b2bf3/vllm-0.7.1.tar.gz",
+        "f3f40980c0940d56d9c5a31c48c441a7746bac285478ecf848ab237a5c7bc155",
+    ),
+}
+# (vLLM version, the example in its sdist, its flags, lines of output it prints per prompt)
+EXAMPLES = {
+    "basic": ("0.33.0", "examples/basic/offline_inference/basic.py", [], "Output:", 4),
+    "basic_with_model_default_sampling": (
+        "0.7.1", "examples/offline_inference/basic_with_model_default_sampling.py", [],
+        "Generated text:", 4,
+    ),
+    "generate": (
+        "0.33.0", "examples/basic/offline_inference/generate.py",
+        ["--model", "demo", "--max-tokens", "2", "--temperature", "0.5", "--top-k", "20"],
+        "Generated text:", 4,
+    ),
+    "chat": (
+        "0.33.0", "examples/basic/offline_inference/chat.py",
+        ["--model", "demo", "--max-tokens", "2", "--temperature", "0.7", "--top-p", "0.9"],
+        "Generated text:", 11,
+    ),
+    # the sampling-params one: SamplingParams(n=, temperature=, top_p=, top_k=, max_tokens=)
+    # from flags, EngineArgs.from_cli_args, LLM(**asdict(engine_args)), `vllm.utils`
+    "cli": (
+        "0.7.1", "examples/offline_inference/cli.py",
+        ["--model", "demo", "--max-tokens", "2", "--n", "2", "--num-prompts", "2"],
+        "Generated text:", 2,
+    ),
+}  # fmt: skip
+
+
+def _example_source(version: str, member: str) -> str:
+    """vLLM's example file, fetched once from its sdist on PyPI (sha256-checked)."""
+    target = cache_dir() / "vllm-examples" / version / member
+    if not target.is_file():
+        url_path, sha256 = SDISTS[version]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            sdist = Path(tmp) / "sdist.tar.gz"
+            url = f"https://files.pythonhosted.org/packages/{url_path}"
+            try:
+                with urllib.request.urlopen(url, timeout=60) as src, sdist.open("wb") as dst:
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+            except OSError as exc:  # (URLError is one)
+                pytest.fail(
+                    f"could not fetch {url} ({exc}); on a machine without the network, copy "
+                    f"{cache_dir() / 'vllm-examples'} from one that ran this test"
+                )
+            assert hashlib.sha256(sdist.read_bytes()).hexdigest() == sha256, url
+            with tarfile.open(sdist) as tar:
+                for name in {m for _, m, *_ in EXAMPLES.values()} | {"LICENSE"}:
+                    path = f"vllm-{version}/{name}"
+                    if path in tar.getnames():
+                        data = tar.extractfile(path).read()
+                        out = cache_dir() / "vllm-examples" / version / name
+                        out.parent.mkdir(parents=True, exist_ok=True)
+                        out.with_suffix(".part").write_bytes(data)
+                        os.replace(out.with_suffix(".part"), out)
+    return target.read_text()
+
+
+def _as_offload(source: str) -> tuple[str, list[str]]:
+    """The example with `vllm` imports made `offload` ones and a hub model name made
+    "demo"; the changed lines (nothing else changes)."""
+    lines, changed = source.splitlines(keepends=True), []
+    for i, line in enumerate(lines):
+        new = re.sub(r"^(from|import) vllm(?=[.\s])", r"\1 offload", line)
+        new = re.sub(r'(LLM\(.*model=)"[^"]+"', r'\1"demo"', new)
+        if new != line:
+            lines[i] = new
+            changed.append(new.strip())
+    return "".join(lines), changed
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_vllms_example_runs_with_only_the_import_changed(name, tmp_path):
+    version, member, flags, marker, per_prompt = EXAMPLES[name]
+    source, changed = _as_offload(_example_source(version, member))
+    assert changed and all("offload" in c or 'model="demo"' in c for c in changed), changed
+    script = tmp_path / Path(member).name
+    script.write_text(source)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(script), *flags],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count(marker) == per_prompt, done.stdout
+    # generate and chat draw vLLM's progress bar by default: plain lines off a terminal
+    assert "Processed prompts:" in done.stderr, done.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +268,10 @@ def test_vllm_constructor_arguments_map_or_are_refused_naming_the_fix():
         from_vllm_arguments({"gpu_memory_utilization": 0.5}, cpu, "24GB")
     with pytest.raises(UserError, match="not both"):
         LLM("demo", max_num_seqs=4, batch_size=4)
-    with pytest.raises(TypeError, match="download_dir"):
+    with pytest.raises(UserError, match="HF_HUB_CACHE"):
         LLM("demo", download_dir="/tmp")
+    with pytest.raises(TypeError, match="hf_overrides"):
+        LLM("demo", hf_overrides={})
 
 
 def test_an_llms_seed_makes_its_sampled_requests_repeat(tmp_path):
@@ -177,3 +298,88 @@ def test_an_llms_seed_makes_its_sampled_requests_repeat(tmp_path):
     assert sampled(7, own) == sampled(None, own)
     with pytest.raises(UserError, match="not an integer"):
         LLM("demo", seed="7")
+
+
+def test_default_sampling_params_are_a_fresh_copy_to_edit_and_judged_at_use(llm, capsys):
+    """vLLM's examples edit what `get_default_sampling_params()` returns: each call gives a
+    new object; an edit applies to the next call and no other; a bad edit is refused
+    (ValueError naming the field) before any work, the progress bar included."""
+    params = llm.get_default_sampling_params()
+    assert params is not llm.get_default_sampling_params()
+    params.max_tokens, params.ignore_eos = 3, True
+    out = llm.generate("The capital of France is", params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
+    assert llm.get_default_sampling_params().max_tokens == 16  # the model's default is kept
+    params.top_p = 1.5
+    capsys.readouterr()
+    with pytest.raises(ValueError, match="top_p"):
+        llm.generate("The capital of France is", params)
+    assert "Processed prompts" not in capsys.readouterr().err
+
+
+def test_request_ids_are_unique_for_the_engines_life_and_samples_say_finished(llm):
+    first = llm.generate(["a b", "c d"], SamplingParams(max_tokens=1), use_tqdm=False)
+    second = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1))
+    ids = [int(o.request_id) for o in (*first, *second)]
+    assert len(set(ids)) == 3 and ids == sorted(ids), ids
+    assert all(c.finished() for o in (*first, *second) for c in o.outputs)
+
+
+def test_use_tqdm_draws_progress_and_false_draws_none(llm, capsys):
+    """vLLM shows a bar by default; off a terminal (here) it is a plain line, not a bar
+    redrawn with carriage returns; `use_tqdm` may also be a tqdm-like class."""
+    from tqdm import tqdm
+
+    prompts, params = ["a b", "c d"], SamplingParams(max_tokens=1)
+    llm.generate(prompts, params, use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
+    llm.generate(prompts, params)
+    err = capsys.readouterr().err
+    assert "Processed prompts: 2/2 (100%)" in err and "\r" not in err
+    drawn = io.StringIO()
+    llm.generate(prompts, params, use_tqdm=functools.partial(tqdm, file=drawn))
+    assert "Processed prompts" in drawn.getvalue() and "2/2" in drawn.getvalue()
+
+
+def test_engine_args_cli_flags_as_vllms_examples_build_them():
+    """`EngineArgs.add_cli_args` on a parser or an argument group (with the group's
+    `set_defaults`), vLLM's parser from both of its import paths (`--flag_name` taken
+    for `--flag-name`), `from_cli_args`, and vLLM's engine flags mapped or refused with
+    the fix once `LLM(**vars(args))` gets them."""
+    from offload.engine.arg_utils import EngineArgs as FromEnginePath
+    from offload.utils import FlexibleArgumentParser
+    from offload.utils.argparse_utils import FlexibleArgumentParser as FromNewerPath
+
+    assert FromNewerPath is FlexibleArgumentParser and FromEnginePath is EngineArgs
+    parser = FlexibleArgumentParser()
+    group = parser.add_argument_group("Engine arguments")
+    EngineArgs.add_cli_args(group)
+    group.set_defaults(model="someone/model")
+    args = parser.parse_args(["--max_num_seqs", "3", "--dtype", "float32", "-q", "int4"])
+    given = vars(args)
+    assert given["model"] == "someone/model" and given["max_num_seqs"] == 3
+    assert "tensor_parallel_size" not in given and "seed" not in given  # only what was typed
+    engine = EngineArgs.from_cli_args(args)
+    assert (engine.batch_size, engine.compress, engine.dtype) == (3, "int4", "float32")
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    # LLM(**vars(args)) gets every field's flag at its default beside the vLLM flags typed
+    from offload.api.args import from_vllm_arguments
+
+    kwargs = vars(parser.parse_args(["--model", "m", "-q", "int4", "--max-num-seqs", "3"]))
+    for name in ("model", "gpu_mem", "cpu_mem"):  # (LLM takes these itself)
+        kwargs.pop(name)
+    mapped, _ = from_vllm_arguments(kwargs, torch.device("cpu"), None)
+    assert (mapped["compress"], mapped["batch_size"]) == ("int4", 3)
+    for flags, fix in (
+        (["--cpu-offload-gb", "4"], "max_memory"),
+        (["--max-model-len", "2048"], "longest prompt"),
+        (["--tensor-parallel-size", "2"], "--tp N"),
+        (["--trust-remote-code"], "no remote code"),
+        (["--kv-cache-dtype", "fp8"], "kv_compress='int8'"),
+    ):
+        with pytest.raises(UserError, match=fix):
+            LLM(**vars(parser.parse_args(["--model", "demo", *flags])))
+    with pytest.raises(UserError, match="not both"):
+        EngineArgs.from_cli_args(
+            parser.parse_args(["--model", "m", "-q", "int4", "--compress", "int8"])
+        )

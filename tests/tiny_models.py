@@ -8,6 +8,12 @@ import torch
 from transformers import (
     BloomConfig,
     BloomForCausalLM,
+    FalconConfig,
+    FalconForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
     LlamaConfig,
@@ -18,10 +24,14 @@ from transformers import (
     MixtralForCausalLM,
     OPTConfig,
     OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
@@ -40,6 +50,86 @@ _llama_dims = {
     "intermediate_size": 128,
     "num_hidden_layers": 3,
     "max_position_embeddings": 256,
+}
+
+# the families beyond Llama, BLOOM and OPT: each variant field of `ModelConfig` is on
+# in at least one case
+FAMILY_CASES = {
+    # q/k norms, head_dim * heads != hidden
+    "qwen3": (
+        Qwen3ForCausalLM,
+        Qwen3Config(**_llama_dims, num_key_value_heads=2, head_dim=32),
+    ),
+    # local layers with a window of 4 and their own RoPE base, global ones with linear
+    # scaling, a query scale of 24 ** -0.5 over 16 channels, scaled embeddings, sandwich
+    # norms, (1 + w) norms, q/k norms, final soft-capping
+    "gemma3": (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig(
+            **_llama_dims,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=4,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+            final_logit_softcapping=2.0,
+            pad_token_id=0,
+        ),
+    ),
+    # Gemma 2's layout without its attention soft-capping (refused: `core.families`)
+    "gemma2-no-attn-softcap": (
+        Gemma2ForCausalLM,
+        Gemma2Config(
+            **_llama_dims,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=5,
+            attn_logit_softcapping=None,
+            final_logit_softcapping=1.5,
+            pad_token_id=0,
+        ),
+    ),
+    # fused qkv and gate-up, LongRoPE (the short factors at these lengths: a step past
+    # 32 positions takes the long ones, `test_families`), rotary over 3/4 of a head
+    "phi3-longrope": (
+        Phi3ForCausalLM,
+        Phi3Config(
+            **_llama_dims,
+            num_key_value_heads=2,
+            original_max_position_embeddings=32,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                "long_factor": [2.0 + 0.3 * i for i in range(6)],
+            },
+            partial_rotary_factor=0.75,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
+    # Falcon-7B's layout: multi-query attention beside the MLP, one shared norm (with
+    # biases, which 7B lacks, so they are checked too)
+    "falcon-7b-like": (
+        FalconForCausalLM,
+        FalconConfig(**_dims, num_hidden_layers=3, bias=True, ffn_hidden_size=96),
+    ),
+    # Falcon-40B's: new_decoder_architecture, 8 query heads in 2 KV groups, two norms
+    "falcon-40b-like": (
+        FalconForCausalLM,
+        FalconConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_attention_heads=8,
+            num_kv_heads=2,
+            num_hidden_layers=3,
+            new_decoder_architecture=True,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 # name -> (model class, config)
@@ -88,6 +178,7 @@ CASES = {
             do_layer_norm_before=False,
         ),
     ),
+    **FAMILY_CASES,
 }
 
 # mixtures of experts: the expert MLPs are 32 wide, a layer's dense MLP (Qwen's
@@ -140,7 +231,26 @@ def build(name: str) -> torch.nn.Module:
 def save(name: str, directory: Path) -> tuple[Path, torch.nn.Module]:
     model = build(name)
     model.save_pretrained(directory, max_shard_size="100KB")
+    save_byte_tokenizer(directory)
     return directory, model
+
+
+def save_byte_tokenizer(directory: Path) -> None:
+    """A Hugging Face tokenizer whose token ids are the text's UTF-8 bytes (0..255), as a
+    real checkpoint ships one: byte-level BPE with no merges, ids in byte order."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # GPT-2's printable stand-in for each byte (the byte-level pre-tokenizer's alphabet)
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    stand_in = {b: b for b in printable} | {b: 256 + i for i, b in enumerate(others)}
+    vocab = {chr(stand_in[b]): b for b in range(256)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False)
+    hf.save_pretrained(directory)
 
 
 def hf_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

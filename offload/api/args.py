@@ -1,22 +1,31 @@
 """`EngineArgs`: every engine option, defined once with its default and help.
 
 `LLM(...)` and every CLI (offload-run, offload-plan, offload-convert) build from this
-dataclass (`offload.cli.flags` turns its fields into argparse flags), so a flag means
-the same everywhere, dtype default included. Like vLLM's `EngineArgs`; memory caps use
-our flag names here and accelerate's (`max_memory`, `offload_folder`) in `LLM`.
+dataclass (`offload.cli.common.add_engine_flags` turns its fields into argparse flags),
+so a flag means the same everywhere, dtype default included. Like vLLM's `EngineArgs`;
+memory caps use our flag names here and accelerate's (`max_memory`, `offload_folder`) in
+`LLM`.
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import os
 import re
+import sys
+import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from offload.api.vllm_args import VLLM_ARGS, add_vllm_flags, from_vllm
 from offload.core.config import DTYPE_CHOICES
 from offload.core.errors import UserError
+from offload.io.atomic import atomic_write, check_writable
 from offload.kernels.formats import KV_GROUPS, Compression
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -82,6 +91,29 @@ def parse_kv_compression(text: str | None) -> tuple[Compression | None, ...]:
     return formats
 
 
+def policy_file(path: Path) -> Path:
+    """--policy: a readable file. A pipe or FIFO (`--policy <(offload-plan ... --json)`)
+    is read once, now, and kept in a file named by its content (a policy is read again
+    for each plan a job tries)."""
+    if not path.exists():
+        raise UserError(f"--policy {path} does not exist; check the path")
+    if path.is_dir():
+        raise UserError(f"--policy {path} is a directory; give the policy's JSON file")
+    if path.is_file():
+        if not os.access(path, os.R_OK):
+            raise UserError(f"--policy {path} cannot be read; check its permissions")
+        return path
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"--policy {path} cannot be read ({exc.strerror})") from None
+    kept = (
+        Path(tempfile.gettempdir()) / f"offload-policy-{hashlib.sha256(text).hexdigest()[:16]}.json"
+    )
+    atomic_write(kept, text)
+    return kept
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -144,6 +176,14 @@ class EngineArgs:
     batch_size: int = field(
         default=16, metadata=_meta("sequences per batch (a policy sets its own)", type=int)
     )
+    byte_tokenizer: bool = field(
+        default=False,
+        metadata=_meta(
+            "a checkpoint without tokenizer files takes UTF-8 bytes as token ids (0-255); "
+            "without it such a checkpoint is refused (its outputs would be garbage unless "
+            "the model was trained on bytes)"
+        ),
+    )
     chat_template: str | None = field(
         default=None,
         metadata=_meta("a Jinja chat template, or a file holding one, instead of the model's"),
@@ -194,12 +234,15 @@ class EngineArgs:
             "measured"
         ),
     )
-    hold_gpu_mem: bool = field(
-        default=False,
+    hold_gpu_mem: bool | None = field(
+        default=None,
         metadata=_meta(
-            "hold the GPU's caching allocator to --gpu-mem: what it reserves (what "
-            "nvidia-smi shows), not only what it hands out, is held under the cap (W1c at 24 "
-            "GB: 23.85 GB reserved, not 27.25), about 5%% slower (H100; docs/throughput.md)"
+            "hold the GPU's caching allocator to --gpu-mem, so what it reserves (what "
+            "nvidia-smi shows), not only what it hands out, stays under the cap: the default "
+            "with --gpu-mem on a GPU, except under tensor parallelism (not supported there); "
+            "--no-hold-gpu-mem leaves the allocator free (W1c at 24 GB reserved 27.25 GB "
+            "free, 23.85 held; docs/throughput.md)",
+            action=argparse.BooleanOptionalAction,
         ),
     )
 
@@ -218,7 +261,7 @@ class EngineArgs:
                 raise UserError(
                     f"--{name.replace('_', '-')} must be a positive integer, got {value!r}"
                 )
-        if self.hold_gpu_mem and self.gpu_mem is None:
+        if self.hold_gpu_mem and self.gpu_mem is None:  # (None: held where there is a cap)
             raise UserError("--hold-gpu-mem holds the GPU's allocator to --gpu-mem; give --gpu-mem")
         if self.hold_gpu_mem and resolve_device(self.device).type != "cuda":
             raise UserError("--hold-gpu-mem holds a GPU's allocator; this run has no GPU: drop it")
@@ -227,10 +270,10 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and parse_size(value, flag) <= 0:
                 raise UserError(f"{flag} {value} must be more than 0; give a cap like 24GB")
-        if self.nvme is not None and Path(self.nvme).exists() and not Path(self.nvme).is_dir():
-            raise UserError(f"--nvme {self.nvme} is not a directory")
-        if self.policy is not None and not Path(self.policy).is_file():
-            raise UserError(f"--policy {self.policy} does not exist; check the path")
+        if self.nvme is not None:  # the weight store and the KV spill are written there
+            check_writable(Path(self.nvme), "--nvme", directory=True)
+        if self.policy is not None:
+            object.__setattr__(self, "policy", policy_file(Path(self.policy)))
         if self.profile is not None and not Path(self.profile).is_file():
             raise UserError(f"--profile {self.profile} does not exist; run offload-profile")
         self.compressions()
@@ -267,8 +310,29 @@ class EngineArgs:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return EngineArgs(**{**values, **changes})
 
+    @staticmethod
+    def add_cli_args(parser: Any) -> Any:
+        """vLLM's `EngineArgs.add_cli_args(parser)` (a parser or an argument group): a flag
+        for every field (`--model` may be left to the script's `set_defaults`), vLLM's
+        engine flags (mapped or refused naming the fix when `LLM(**vars(args))` gets
+        them) and `--seed` (`LLM`'s). Returns the parser."""
+        add_engine_flags(parser, ENGINE_FIELDS, optional=("model",))
+        add_vllm_flags(parser)
+        parser.add_argument(
+            "--seed", type=int, default=argparse.SUPPRESS, help="LLM(seed=...): sampled "
+            "requests without a seed of their own draw one from it",
+        )  # fmt: skip
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """vLLM's `EngineArgs.from_cli_args`: the fields' flags, and vLLM's engine flags
+        mapped or refused (`--seed` is `LLM`'s, not a field: pass it there)."""
+        return cli_engine_args(args)
+
 
 ENGINE_FIELDS = tuple(f.name for f in fields(EngineArgs))
+ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineArgs)}
 
 
 def caps_from_max_memory(
@@ -304,85 +368,68 @@ def caps_from_max_memory(
     return gpu, cpu
 
 
-# vLLM's `LLM` constructor arguments that take no effect here at these values
-VLLM_DEFAULTS = {
-    "tensor_parallel_size": 1,
-    "pipeline_parallel_size": 1,
-    "trust_remote_code": False,
-    "enforce_eager": False,
-    "disable_log_stats": True,
-}
-# vLLM's arguments with no counterpart here, and the fix each message names
-VLLM_REFUSED = {
-    "tensor_parallel_size": "tensor parallelism runs as one process a rank: "
-    "offload-run --tp N under torchrun (docs/parallel.md)",
-    "pipeline_parallel_size": "layers stream through one GPU instead: drop it",
-    "trust_remote_code": "no remote code runs; the supported families (Llama, Mistral, "
-    "Qwen2, BLOOM, OPT) load without it: drop it",
-    "enforce_eager": "the policy decides where decode replays CUDA graphs: drop it",
-    "max_model_len": "each job's plan is sized for its longest prompt and max_tokens, up to "
-    "the model's context: drop it",
-    "tokenizer": "the model's own tokenizer is used: drop it",
-    "tokenizer_mode": "the model's own tokenizer is used: drop it",
-    "skip_tokenizer_init": "the model's own tokenizer is used: drop it",
-    "cpu_offload_gb": "the plan search places weights, cache and activations itself: cap "
-    "the CPU memory with max_memory={'cpu': '100GB'} (and give offload_folder=DIR for disk)",
-    "swap_space": "the plan search places the KV cache itself: cap the CPU memory with "
-    "max_memory={'cpu': '100GB'}",
-}
-
-
 def from_vllm_arguments(
-    kwargs: dict[str, Any], device: torch.device, gpu_mem: str | None
+    kwargs: dict[str, Any], device: torch.device, gpu_mem: str | None, cli: bool = False
 ) -> tuple[dict[str, Any], str | None]:
-    """vLLM's `LLM(...)` arguments as this engine's (`docs/compat.md`): (the EngineArgs
-    keyword arguments, the GPU cap). `max_num_seqs` is the batch size, `quantization`
-    the weights' format (int4, int8, auto), `gpu_memory_utilization` the share of the
-    GPU's memory the run may use; the rest of vLLM's refused with the fix, at their
-    defaults accepted; anything else is a TypeError, as Python's own."""
-    for vllm, ours in (("max_num_seqs", "batch_size"), ("quantization", "compress")):
-        if vllm in kwargs and ours in kwargs:
-            raise UserError(f"give {vllm} or {ours}, not both (they are the same)")
-    out = {}
-    for name, value in kwargs.items():
-        if name in ENGINE_FIELDS:
-            out[name] = value
-        elif name == "max_num_seqs":
-            out["batch_size"] = value
-        elif name == "quantization":
-            if value is not None and str(value) not in ("int4", "int8", "auto"):
-                raise UserError(
-                    f"quantization={value!r} reads a pre-quantized checkpoint, which offload "
-                    "does not; pass quantization='int4' (or 'int8') to quantize the weights "
-                    "group-wise as they load (docs/compression.md)"
-                )
-            out["compress"] = "none" if value is None else str(value)
-        elif name == "gpu_memory_utilization":
-            gpu_mem = _gpu_share(value, device, gpu_mem)
-        elif name in VLLM_DEFAULTS and value == VLLM_DEFAULTS[name]:
+    """vLLM's `LLM(...)` arguments (or flags, `cli`) as this engine's (`docs/compat.md`):
+    (the EngineArgs keyword arguments, the GPU cap). `max_num_seqs` is the batch size,
+    `quantization` the weights' format (int4, int8, auto), `gpu_memory_utilization` the
+    share of the GPU's memory the run may use; the rest of vLLM's refused with the fix,
+    at their defaults accepted (`vllm_args.VLLM_ARGS`); anything else is a TypeError, as
+    Python's own."""
+    return from_vllm(kwargs, ENGINE_DEFAULTS, device, gpu_mem, cli)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_flags(
+    parser: Any, names: Sequence[str], required: Sequence[str] = (), optional: Sequence[str] = ()
+) -> None:
+    """Flags for these `EngineArgs` fields, with the dataclass's defaults and help.
+    required / optional: fields whose flag must be given / may be left out, whatever the
+    field says."""
+    by_name = {f.name: f for f in fields(EngineArgs)}
+    for name in names:
+        f = by_name[name]
+        meta = dict(f.metadata)
+        help_text = meta.pop("help")
+        must = (meta.pop("required", False) or name in required) and name not in optional
+        if f.type in (bool, "bool"):
+            parser.add_argument(_flag(name), action="store_true", help=help_text)
             continue
-        elif name in VLLM_REFUSED:
-            raise UserError(f"LLM({name}={value!r}) is vLLM's: {VLLM_REFUSED[name]}")
-        else:
-            raise TypeError(
-                f"LLM() got an unexpected keyword argument {name!r}; it takes the EngineArgs "
-                "fields, max_memory, offload_folder and policy (docs/compat.md)"
-            )
-    return out, gpu_mem
+        default = None if must or name in optional else f.default
+        suffix = "" if default in (None, "") else f" (default: {default})"
+        parser.add_argument(
+            _flag(name), required=must, default=default, help=help_text + suffix, **meta
+        )
 
 
-def _gpu_share(share: Any, device: torch.device, gpu_mem: str | None) -> str:
-    """vLLM's gpu_memory_utilization as a GPU cap: that share of the device's memory."""
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-        raise UserError(f"gpu_memory_utilization={share!r} is not a share in (0, 1]; e.g. 0.9")
-    if gpu_mem is not None:
-        raise UserError(
-            "gpu_memory_utilization and a max_memory GPU entry both cap the GPU; give one"
-        )
-    if device.type != "cuda":
-        raise UserError(
-            f"gpu_memory_utilization caps a GPU's memory, and this run has none (device "
-            f"{device}); drop it, or cap the CPU memory with max_memory={{'cpu': '8GB'}}"
-        )
-    total = torch.cuda.get_device_properties(device).total_memory
-    return f"{int(share * total)}B"
+def cli_engine_args(args: argparse.Namespace, **extra: Any) -> EngineArgs:
+    """The `EngineArgs` of parsed flags: the fields' own flags, and vLLM's engine flags
+    where they were given, mapped or refused naming the flags to use instead (fields
+    without a flag keep their defaults; `extra` overrides)."""
+    given = {k: v for k, v in vars(args).items() if k in ENGINE_DEFAULTS or k in VLLM_ARGS}
+    given |= extra
+    gpu_mem = given.pop("gpu_mem", None)
+    device = resolve_device(given.get("device", "auto"))
+    values, gpu_mem = from_vllm(given, ENGINE_DEFAULTS, device, gpu_mem, cli=True)
+    return EngineArgs(**values, gpu_mem=gpu_mem)
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """vLLM's argument parser as its examples use it: an `ArgumentParser` that also takes
+    `--flag_name` for `--flag-name` (vLLM's other additions, YAML `--config` files among
+    them, are not here: docs/compat.md)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args([_dashes(a) for a in args], namespace)
+
+
+def _dashes(arg: str) -> str:
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value

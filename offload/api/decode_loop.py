@@ -57,8 +57,10 @@ class DecodeLoop:
         runner: Runner,
         requests: Sequence[tuple[list[int], SamplingParams]],
         batch_size: int,
+        on_batch: Callable[[int], None] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs for checked token-id prompts, in their order, batches of batch_size."""
+        """Outputs for checked token-id prompts, in their order, batches of batch_size.
+        on_batch(requests finished so far) is called after each batch."""
         limit = self.config.max_position_embeddings
         seqs = [
             _Sequence(r, i, list(ids), p.budget(len(ids), limit), p)
@@ -66,8 +68,16 @@ class DecodeLoop:
             for i in range(p.n)
         ]
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].prompt_ids))
+        samples_left = [p.n for _, p in requests]
+        finished = 0
         for start in range(0, len(order), batch_size):
-            self._generate_batch(runner, [seqs[i] for i in order[start : start + batch_size]])
+            batch = [seqs[i] for i in order[start : start + batch_size]]
+            self._generate_batch(runner, batch)
+            for seq in batch:
+                samples_left[seq.request] -= 1
+                finished += samples_left[seq.request] == 0
+            if on_batch is not None:
+                on_batch(finished)
         outs = [RequestOutput(str(r), None, list(ids), []) for r, (ids, _) in enumerate(requests)]
         for s in seqs:
             outs[s.request].outputs.append(self._completion(s))

@@ -10,6 +10,7 @@ its token ids.
 
 from __future__ import annotations
 
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 
 from offload.api.args import EngineArgs
 from offload.core.config import resolve_dtype
-from offload.core.errors import PromptTooLong, UserError
+from offload.core.errors import BadTokenIds, PromptTooLong, UserError
 from offload.core.sampling import SamplingParams, from_generation_config
 from offload.models.resolve import resolve_model
 
@@ -37,7 +38,7 @@ class ModelFront:
         )
         self.default_sampling = from_generation_config(self.generation_config)
         self.chat_template = chat_template(args.chat_template)
-        self.tokenizer = self.spec.tokenizer()
+        self.tokenizer = self.spec.tokenizer(args.byte_tokenizer)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (vLLM's)."""
@@ -58,14 +59,29 @@ class ModelFront:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def check_prompt(self, ids: list[int]) -> None:
-        """A prompt has at least one token and leaves room in the context for one more."""
+        """A prompt has at least one token, every token in the vocabulary (an id past the
+        embedding table would fail the job mid-run), and leaves room in the context for
+        one more."""
         limit = self.config.max_position_embeddings
         if not ids:
             raise UserError("a prompt is empty; give it at least one token of text")
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if not _is_id(t) or not 0 <= t < vocab]
+        if bad:
+            shown = ", ".join(map(repr, bad[:5])) + (" ..." if len(bad) > 5 else "")
+            raise BadTokenIds(
+                f"prompt token id(s) {shown} are not in the model's vocabulary of {vocab} "
+                f"(ids 0 to {vocab - 1}); fix the ids"
+            )
         if len(ids) >= limit:
             raise PromptTooLong(
                 f"a prompt has {len(ids)} tokens but the model's context is {limit}; shorten it"
             )
+
+
+def _is_id(token: Any) -> bool:
+    """An integer token id (numpy's and torch's integers too; not a bool)."""
+    return isinstance(token, Integral) and not isinstance(token, bool)
 
 
 def chat_template(value: str | None) -> str | None:

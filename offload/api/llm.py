@@ -13,6 +13,8 @@ decode ... until every sequence hit EOS, a stop string or its token budget.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import logging
 import random
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -26,6 +28,7 @@ from offload.api.planning import Plan, plan_run
 from offload.core.config import DTYPES, resolve_dtype
 from offload.core.errors import UserError
 from offload.core.outputs import GenerationStats, RequestOutput
+from offload.core.progress import PromptsBar
 from offload.core.sampling import SamplingParams
 from offload.executor.runner import PlainRunner, Runner
 from offload.io.atomic import exclusive
@@ -39,6 +42,8 @@ if TYPE_CHECKING:  # the engine imports torch.distributed only for a TP rank
 
 Prompt = str | dict[str, Any] | list[int]
 
+log = logging.getLogger(__name__)
+
 
 class LLM:
     """A model ready to generate. `model` is anything `--model` accepts.
@@ -51,8 +56,9 @@ class LLM:
     ({"cuda:0": "24GB", "cpu": "100GB"}) and `offload_folder` (the weight store and KV
     spill directory): caps without a `policy` run the same plan search as offload-run.
     `policy` (a `Policy` or a JSON path) runs the offloading executor with that placement.
-    `hold_gpu_mem=True` holds this process's CUDA caching allocator to the GPU cap until
-    `close` (`caps.hold_gpu_allocator`: process-wide state, one held engine at a time).
+    A GPU cap holds this process's CUDA caching allocator to it until `close`
+    (`caps.hold_gpu_allocator`: process-wide state, one held engine at a time), except
+    under tensor parallelism; `hold_gpu_mem=False` leaves the allocator free.
     """
 
     def __init__(
@@ -74,7 +80,7 @@ class LLM:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise UserError(f"seed={seed!r} is not an integer")
         device = resolve_device(engine_args.get("device", "auto"))
-        gpu_mem, cpu_mem = caps_from_max_memory(max_memory, device)
+        gpu_mem, cpu_mem = _caps(max_memory, engine_args, device)
         engine_args, gpu_mem = from_vllm_arguments(engine_args, device, gpu_mem)
         if caps is not None:  # byte caps given as `Caps`: the same as sizes
             gpu_mem = gpu_mem or (f"{caps.gpu_bytes}B" if caps.gpu_bytes else None)
@@ -114,13 +120,14 @@ class LLM:
         front: ModelFront,
         plan: Plan,
         progress: bool = False,
-        trace: bool = False,
+        trace: bool | int = False,
         parallel: TensorParallel | None = None,
         seed: int | None = None,
     ) -> LLM:
         """Load the weights for a plan made already (`planning.plan_run`) with this front:
         offload-run judges its job and plans before anything long runs. Every `LLM` is
-        built here (`LLM(...)` and `from_engine_args` plan, then come through `_open`)."""
+        built here (`LLM(...)` and `from_engine_args` plan, then come through `_open`).
+        trace: lane traces of every forward step (True), or of one in N (N)."""
         llm = cls.__new__(cls)
         llm._open(args, front, plan, progress, trace, parallel, seed)
         return llm
@@ -131,7 +138,7 @@ class LLM:
         front: ModelFront,
         plan: Plan,
         progress: bool,
-        trace: bool,
+        trace: bool | int,
         parallel: TensorParallel | None,
         seed: int | None,
     ) -> None:
@@ -142,12 +149,15 @@ class LLM:
                 "buffers grow outside the allocator after the plan): drop it"
             )
         self.args, self.front, self.plan, self.parallel = args, front, plan, parallel
+        self.closed = False
         # vLLM's seed: the sampled requests without a seed of their own draw one from it,
         # in the order they come, so the same script samples the same text again
         self._seeds = None if seed is None else random.Random(seed)
         # process-wide allocator state, put back by `close` (or a failed load)
         self._hold = (
-            hold_gpu_allocator(plan.caps, plan.baseline, self.device) if args.hold_gpu_mem else None
+            hold_gpu_allocator(plan.caps, plan.baseline, self.device)
+            if _holds_allocator(args, plan, self.device, parallel is not None)
+            else None
         )
         try:
             self.runner: Runner = self._load(progress, trace)
@@ -156,6 +166,7 @@ class LLM:
             raise
         self.eos_ids = eos_ids(front)
         self.stats = GenerationStats()
+        self._request_ids = itertools.count()
         self.on_phase: Callable[[str], None] | None = None  # told "prefill" / "decode"
         self.loop = DecodeLoop(
             self.config, self.tokenizer, self.eos_ids, self.stats, self._phase, self.device
@@ -212,11 +223,16 @@ class LLM:
         return self.plan.batch_size
 
     @property
+    def holds_gpu_allocator(self) -> bool:
+        """Whether the caching allocator is held to the GPU cap (`_holds_allocator`)."""
+        return self._hold is not None
+
+    @property
     def planned_for(self) -> tuple[int, int]:
         """The prompt length and new tokens the plan was sized for."""
         return self.plan.prompt_len, self.plan.gen_len
 
-    def _load(self, progress: bool, trace: bool) -> Runner:
+    def _load(self, progress: bool, trace: bool | int) -> Runner:
         nvme, policy = self.args.nvme, self.policy
         # one process at a time builds or opens a weight store directory
         lock = exclusive(nvme / "store", "weight store directory") if nvme else nullcontext()
@@ -224,24 +240,26 @@ class LLM:
             if self.parallel is not None:
                 from offload.parallel.rank import make_rank_runner
 
-                return make_rank_runner(
+                runner = make_rank_runner(
                     source, self.parallel, policy, self.dtype, self.device, nvme, trace, progress
                 )
-            if policy is None:
+                executor = runner.executor
+            elif policy is None:
                 return PlainRunner(source, self.dtype, self.device, progress=progress)
-            from offload.executor.executor import Executor
+            else:
+                from offload.executor.executor import Executor
 
-            executor = Executor(
-                source,
-                policy,
-                self.dtype,
-                self.device,
-                nvme_dir=nvme,
-                trace=trace,
-                progress=progress,
-            )
-        executor.warm_up(progress)
-        return executor
+                runner = executor = Executor(
+                    source,
+                    policy,
+                    self.dtype,
+                    self.device,
+                    nvme_dir=nvme,
+                    trace=trace,
+                    progress=progress,
+                )
+        executor.warm_up(progress)  # (a rank's too: its kernels load before the job)
+        return runner
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (vLLM's)."""
@@ -266,7 +284,12 @@ class LLM:
             return prompt, self.encode_prompt(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                ids = prompt["prompt_token_ids"]
+                if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                    raise UserError(
+                        f'"prompt_token_ids" must be a list of token ids, got {ids!r:.40}'
+                    )
+                return prompt.get("prompt"), list(ids)
             if isinstance(prompt.get("prompt"), str):
                 return prompt["prompt"], self.encode_prompt(prompt["prompt"])
             raise UserError('a prompt dict needs "prompt" (text) or "prompt_token_ids"')
@@ -281,35 +304,48 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Generate for each prompt: text (never templated), {"prompt_token_ids": [...]}
         or {"prompt": text}. One SamplingParams for all, or one per prompt; None takes
-        the model's defaults. Outputs in the prompts' order."""
+        the model's defaults. Outputs in the prompts' order. use_tqdm: a progress bar on
+        stderr (plain lines where it is not a terminal), or a tqdm-like class to draw it."""
+        self._check_open()
+        if prompts is None:
+            raise UserError(
+                "generate() got no prompts (None); pass a prompt, a list of prompts or "
+                '{"prompt_token_ids": [...]}'
+            )
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         encoded = [self._prompt_ids(p) for p in prompts]
-        return self._run(encoded, sampling_params)
+        return self._run(encoded, sampling_params, use_tqdm)
 
     def chat(
         self,
         messages: list[Message] | Sequence[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = True,
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of {"role", "content"}) or to
         each of a list of them, rendered with the chat template."""
+        self._check_open()
+        if messages is None:
+            raise UserError(
+                'chat() got no conversation (None); pass a list of {"role", "content"} '
+                "messages, or a list of such lists"
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded = []
         for conversation in conversations:
             ids = self.encode_chat(list(conversation), chat_template)
             encoded.append((self.tokenizer.decode(ids, skip_special_tokens=False), ids))
-        return self._run(encoded, sampling_params)
+        return self._run(encoded, sampling_params, use_tqdm)
 
-    def _run(self, encoded, sampling_params) -> list[RequestOutput]:
+    def _run(self, encoded, sampling_params, use_tqdm=False) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(encoded)
         else:
@@ -327,15 +363,30 @@ class LLM:
                 else dataclasses.replace(p, seed=self._seeds.getrandbits(63))
                 for p in params
             ]  # fmt: skip
-        outs = self.generate_ids([(ids, p) for (_, ids), p in zip(encoded, params, strict=True)])
+        params = _checked(params)  # judged before any work, the bar included
+        requests = [(ids, p) for (_, ids), p in zip(encoded, params, strict=True)]
+        factory = use_tqdm if callable(use_tqdm) else None
+        bar = PromptsBar(len(requests), self.stats, factory) if use_tqdm else None
+        try:
+            outs = self.generate_ids(requests, bar.on_batch if bar else None)
+        finally:
+            if bar is not None:
+                bar.close()
         for out, (text, _) in zip(outs, encoded, strict=True):
             out.prompt = text
         return outs
 
     def generate_ids(
-        self, requests: Sequence[tuple[list[int], SamplingParams]]
+        self,
+        requests: Sequence[tuple[list[int], SamplingParams]],
+        on_batch: Callable[[int], None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for already-checked token-id prompts, each with its own sampling."""
+        """Generate for already-checked token-id prompts, each with its own sampling (as
+        it is now: `SamplingParams.checked`). Every output gets a request id unique for
+        the engine's life, as vLLM's. on_batch(requests finished) after each batch."""
+        self._check_open()
+        params = _checked([p for _, p in requests])
+        requests = [(ids, p) for (ids, _), p in zip(requests, params, strict=True)]
         if self.policy is not None and requests:
             limit = self.config.max_position_embeddings
             longest = max(len(ids) for ids, _ in requests)
@@ -350,16 +401,27 @@ class LLM:
                 longest,
                 budget,
             )
-        return self.loop.run(self.runner, requests, self.batch_size)
+        outs = self.loop.run(self.runner, requests, self.batch_size, on_batch)
+        for out in outs:
+            out.request_id = str(next(self._request_ids))
+        return outs
 
     # -- lifetime ---------------------------------------------------------------------
     def close(self) -> None:
         """Release pinned memory, spill files and reader threads of the executor, and the
-        GPU allocator's limit (`hold_gpu_mem`)."""
+        GPU allocator's limit (`hold_gpu_mem`). The engine cannot generate after it."""
+        self.closed = True
         try:
             self.runner.close()
         finally:
             self._release_hold()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise UserError(
+                "this LLM was closed (close(), or the end of its with-block); create a new "
+                "LLM(...) to generate again"
+            )
 
     def _release_hold(self) -> None:
         if self._hold is not None:
@@ -377,6 +439,46 @@ class LLM:
             self.on_phase(name)
 
 
+def _checked(params: list[SamplingParams]) -> list[SamplingParams]:
+    """A validated copy of each distinct params object as it is now (`checked`)."""
+    copies: dict[int, SamplingParams] = {}
+    for p in params:
+        if id(p) not in copies:
+            copies[id(p)] = p.checked()
+    return [copies[id(p)] for p in params]
+
+
+def _caps(
+    max_memory: dict[Any, Any] | None, engine_args: dict[str, Any], device
+) -> tuple[str | None, str | None]:
+    """(gpu_mem, cpu_mem) from accelerate's `max_memory` or the `EngineArgs` fields of
+    the same names (popped from engine_args), given one way or the other."""
+    caps = caps_from_max_memory(max_memory, device)
+    out = []
+    for name, from_max_memory in zip(("gpu_mem", "cpu_mem"), caps, strict=True):
+        value = engine_args.pop(name, None)
+        if value is not None and from_max_memory is not None:
+            raise UserError(f"{name} and max_memory both cap that memory; give one")
+        out.append(from_max_memory if value is None else value)
+    return out[0], out[1]
+
+
+def _holds_allocator(args: EngineArgs, plan: Plan, device, tensor_parallel: bool) -> bool:
+    """Whether the engine holds the GPU's caching allocator to the GPU cap: as
+    --hold-gpu-mem / --no-hold-gpu-mem say, else wherever there is a GPU cap on a GPU,
+    except a tensor-parallel rank's (its NCCL buffers grow outside the allocator after
+    the plan), which says so."""
+    if args.hold_gpu_mem is not None:
+        return args.hold_gpu_mem
+    capped = device.type == "cuda" and plan.caps.gpu_bytes is not None
+    if capped and tensor_parallel:
+        log.warning(
+            "the GPU's allocator is not held to --gpu-mem under tensor parallelism (not "
+            "supported): its reserved bytes may pass the cap where its allocated bytes do not"
+        )
+    return capped and not tensor_parallel
+
+
 def _front_and_plan(
     args: EngineArgs,
     policy: Policy | None,
@@ -388,5 +490,6 @@ def _front_and_plan(
     shard, memory is planned and checked for it, and caps and nvme are the rank's own."""
     device = resolve_device(args.device) if parallel is None else parallel.device
     front = ModelFront(args, device)
-    rank_config = None if parallel is None else parallel.shard.config
-    return front, plan_run(front, args, policy, gen_len, rank_config, parallel is not None)
+    return front, plan_run(
+        front, args, policy, gen_len, None if parallel is None else parallel.layout
+    )

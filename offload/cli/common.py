@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from offload.api.args import (  # re-exported: scripts and tests import them from here
     COMPRESS_HELP,
     KV_COMPRESS_HELP,
     EngineArgs,
+    add_engine_flags,
+    cli_engine_args,
     parse_compression,
     parse_kv_compression,
     parse_size,
@@ -40,6 +43,7 @@ __all__ = [
     "KV_COMPRESS_HELP",
     "add_engine_flags",
     "add_sampling_flags",
+    "add_version_flag",
     "engine_args",
     "exit_code",
     "fingerprint",
@@ -58,13 +62,27 @@ EXIT_OK, EXIT_ALL_FAILED, EXIT_USAGE, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1,
 
 # SamplingParams fields offered as flags: (help, argparse options)
 SAMPLING_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "max_tokens": ("tokens to generate at most (default 16)", {"type": int}),
+    "max_tokens": (
+        "tokens to generate at most, a chat's too (unset: the model's generation_config.json "
+        "max_new_tokens, else 16)",
+        {"type": int},
+    ),
     "min_tokens": ("tokens to generate before EOS or a stop id may end", {"type": int}),
-    "temperature": ("0 (default) is greedy", {"type": float}),
-    "top_p": ("nucleus sampling mass (1 switches it off)", {"type": float}),
-    "top_k": ("-1 (default) switches top-k off", {"type": int}),
-    "min_p": ("drop tokens below this share of the top token's probability", {"type": float}),
-    "repetition_penalty": ("> 1 discourages tokens already in prompt or output", {"type": float}),
+    "temperature": (
+        "0 is greedy (unset: the model's generation_config.json temperature, else 0: greedy; "
+        "the run's log says which applies and why)",
+        {"type": float},
+    ),
+    "top_p": ("nucleus sampling mass, 1 is off (unset: the model's, else 1)", {"type": float}),
+    "top_k": ("-1 switches top-k off (unset: the model's, else -1)", {"type": int}),
+    "min_p": (
+        "drop tokens below this share of the top token's probability (unset: the model's, else 0)",
+        {"type": float},
+    ),
+    "repetition_penalty": (
+        "> 1 discourages tokens already in prompt or output (unset: the model's, else 1)",
+        {"type": float},
+    ),
     "presence_penalty": ("OpenAI's presence penalty, -2..2", {"type": float}),
     "frequency_penalty": ("OpenAI's frequency penalty, -2..2", {"type": float}),
     "seed": ("makes sampling reproducible", {"type": int}),
@@ -82,35 +100,17 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_engine_flags(
-    parser: argparse.ArgumentParser, names: Sequence[str], required: Sequence[str] = ()
-) -> None:
-    """Flags for these `EngineArgs` fields, with the dataclass's defaults and help."""
-    by_name = {f.name: f for f in fields(EngineArgs)}
-    for name in names:
-        f = by_name[name]
-        meta = dict(f.metadata)
-        help_text = meta.pop("help")
-        must = meta.pop("required", False) or name in required
-        if f.type in (bool, "bool"):
-            parser.add_argument(_flag(name), action="store_true", help=help_text)
-            continue
-        default = None if must else f.default
-        suffix = "" if must or default in (None, "") else f" (default: {default})"
-        parser.add_argument(
-            _flag(name), required=must, default=default, help=help_text + suffix, **meta
-        )
-
-
 def engine_args(args: argparse.Namespace, **extra: Any) -> EngineArgs:
-    """The `EngineArgs` of parsed flags (fields the CLI has no flag for keep defaults)."""
-    names = {f.name for f in fields(EngineArgs)}
-    given = {k: v for k, v in vars(args).items() if k in names}
-    return EngineArgs(**{**given, **extra})
+    """The `EngineArgs` of parsed flags (fields the CLI has no flag for keep defaults;
+    vLLM's engine flags mapped or refused naming ours: `args.cli_engine_args`)."""
+    return cli_engine_args(args, **extra)
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser, names: Sequence[str] = ()) -> None:
-    group = parser.add_argument_group("sampling (vLLM's SamplingParams; unset: model defaults)")
+    group = parser.add_argument_group(
+        "sampling (vLLM's SamplingParams; a flag left unset takes the model's "
+        "generation_config.json value where it sets one, else offload's default)"
+    )
     for name in names or SAMPLING_FLAGS:
         help_text, options = SAMPLING_FLAGS[name]
         options = {"default": None, **options}
@@ -119,13 +119,43 @@ def add_sampling_flags(parser: argparse.ArgumentParser, names: Sequence[str] = (
         )
 
 
+def given_sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags given on the command line."""
+    return {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k, None) is not None}
+
+
 def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> SamplingParams:
     """SamplingParams from the sampling flags given, over the model's defaults."""
-    given = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k, None) is not None}
     try:
-        return with_defaults(None, {**defaults, **given})
+        return with_defaults(None, {**defaults, **given_sampling(args)})
     except ValueError as exc:
         raise UserError(str(exc)) from None
+
+
+def describe_sampling(args: argparse.Namespace, model_defaults: dict[str, Any]) -> str:
+    """Which sampling applies and where each setting came from: a flag, the model's
+    generation_config.json, or offload's default (the run's log)."""
+    given, params = given_sampling(args), sampling_params(args, model_defaults)
+
+    def source(name: str) -> str:
+        if name in given:
+            return _flag(name)
+        return "generation_config.json" if name in model_defaults else "offload's default"
+
+    names = ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens"]
+    names = [
+        n for n in names if n in ("temperature", "max_tokens") or source(n) != "offload's default"
+    ]
+    settings = ", ".join(f"{n} {getattr(params, n)} ({source(n)})" for n in names)
+    hint = "; --generation-config none ignores the model's" if model_defaults else ""
+    mode = "greedy" if params.greedy else "sampled"
+    return f"sampling: {mode}, {settings}{hint}; a request's own fields override these"
+
+
+def add_version_flag(parser: argparse.ArgumentParser) -> None:
+    import offload
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {offload.__version__}")
 
 
 def setup_logging(quiet: bool) -> None:
@@ -139,7 +169,9 @@ def setup_logging(quiet: bool) -> None:
 
 
 def run_cli(prog: str, body: Callable[[], int]) -> int:
-    """Run a CLI body; user mistakes print one line and exit 2, never a traceback."""
+    """Run a CLI body; user mistakes print one line and exit 2, never a traceback.
+    SIGTERM is taken as Ctrl-C (offload-run's job loop stops after its block)."""
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return body()
     except UserError as exc:
@@ -148,6 +180,18 @@ def run_cli(prog: str, body: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def trace_sampling(args: argparse.Namespace) -> int:
+    """The engine's `trace` for --trace and --trace-every: 0 (off), else one forward step
+    traced in N."""
+    if args.trace is None:
+        return 0
+    if args.trace_every < 1:
+        raise UserError(f"--trace-every must be at least 1, got {args.trace_every}")
+    return args.trace_every
 
 
 def exit_code(errors: int, total: int) -> int:
@@ -188,12 +232,13 @@ def generate(
     *,
     show_bar: bool = True,
     agree_to_stop: Callable[[bool], bool] | None = None,
-    write_trace: bool = True,
+    trace_path: Path | None = None,
 ) -> None:
     """Run the job's requests through `job.run_job` with a progress bar (unless --quiet or
     not `show_bar`); Ctrl-C stops after the block in flight. `agree_to_stop(requested)`
     (the ranks of a group) returns whether every rank stops after this block. The trace
-    is written at the end, also after an interruption."""
+    is written at the end (to `trace_path`, default --trace), also after an interruption."""
+    trace_path = trace_path or args.trace
     bar = report.Progress(stats, llm) if show_bar and not args.quiet else None
     try:
         with job.StopFlag() as stop:
@@ -210,8 +255,17 @@ def generate(
     finally:
         if bar:
             bar.close()
-        if write_trace and args.trace is not None and not llm.runner.write_trace(args.trace):
-            log.warning(
-                "--trace %s: only the offloading executor traces (give a policy or caps)",
-                args.trace,
-            )
+        if trace_path is not None:
+            _write_trace(llm, trace_path)
+
+
+def _write_trace(llm, path) -> None:
+    """The trace, or one line saying why there is none: a trace that cannot be written
+    never costs the job's results (they are written after it)."""
+    try:
+        written = llm.runner.write_trace(path)
+    except OSError as exc:
+        log.error("offload-run: could not write --trace %s (%s); the results are kept", path, exc)
+        return
+    if not written:
+        log.warning("--trace %s: only the offloading executor traces (give a policy or caps)", path)

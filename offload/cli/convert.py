@@ -7,7 +7,14 @@ import sys
 import time
 
 from offload.api.args import resolve_device
-from offload.cli.common import add_engine_flags, engine_args, run_cli, setup_logging
+from offload.api.planning import weight_formats
+from offload.cli.common import (
+    add_engine_flags,
+    add_version_flag,
+    engine_args,
+    run_cli,
+    setup_logging,
+)
 from offload.core.config import resolve_dtype
 from offload.core.errors import UserError
 from offload.io.atomic import exclusive
@@ -25,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         "complete store is reused. The store's dtype is the one offload-run uses for "
         "the same --dtype and --device.",
     )
+    add_version_flag(p)
     add_engine_flags(p, FLAGS, required=("nvme",))
-    p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true")
     return p
 
 
@@ -36,11 +44,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         engine = engine_args(args)
-        formats = engine.compressions()
+        spec = resolve_model(engine.model, dummy=engine.dummy, revision=engine.revision)
+        formats = weight_formats(spec.weight_format(), engine.compress, engine.compressions())
         if len(formats) != 1:
             raise UserError("offload-convert --compress takes one format (none, int4 or int8)")
         compression = formats[0]
-        spec = resolve_model(engine.model, dummy=engine.dummy, revision=engine.revision)
         on_gpu = resolve_device(engine.device).type == "cuda"
         dtype = resolve_dtype(engine.dtype, on_gpu, spec.config.checkpoint_dtype)
         started = time.perf_counter()

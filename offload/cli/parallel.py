@@ -12,9 +12,11 @@ decides the exit code (offload-run's EXIT_*), which it hands to the launching pr
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -25,21 +27,23 @@ import torch
 import torch.distributed as dist
 
 from offload.api.args import EngineArgs, resolve_device
+from offload.api.front import ModelFront
 from offload.api.llm import LLM
-from offload.cli import common, report, sources
+from offload.cli import common, report, sizing, sources
 from offload.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, engine_args, sampling_params
-from offload.core.config import resolve_dtype
 from offload.core.errors import UserError
+from offload.io.atomic import atomic_write
 from offload.jobs import data_parallel as data
 from offload.jobs import job
 from offload.jobs.resultlog import MemorySink, ResultLog
 from offload.models.resolve import resolve_model
+from offload.parallel.affinity import pin_rank
 from offload.parallel.comm import Topology, env_world
-from offload.parallel.launch import PEER_LOST
-from offload.parallel.rank import rank_nvme
-from offload.parallel.shard import check_divisible, rank_config
+from offload.parallel.launch import PEER_LOST, report_failure
+from offload.parallel.rank import rank_nvme, share_weights
+from offload.parallel.shard import check_divisible
+from offload.policies.memory import weight_plan
 from offload.policies.memory_limit import node_memory_limit, rank_cpu_bytes
-from offload.policies.policy import Policy
 
 log = logging.getLogger("offload")
 
@@ -61,9 +65,7 @@ def main(args: argparse.Namespace, argv: list[str], entry: Callable[[list[str]],
         raise UserError("--hold-gpu-mem is not supported with tensor parallelism: drop it")
     if env_world() is not None:
         return run_rank(args)
-    if args.input is not None and str(args.input) == "-":
-        raise UserError("-i - (standard input) cannot feed several ranks; use a file")
-    check_divisible(resolve_model(args.model, dummy=True).config, args.tp or 1)
+    _check_before_ranks(args)
     from offload.parallel.launch import launch
 
     fd, status = tempfile.mkstemp(prefix="offload-run-status-")
@@ -78,17 +80,43 @@ def main(args: argparse.Namespace, argv: list[str], entry: Callable[[list[str]],
         Path(status).unlink(missing_ok=True)
 
 
+def _check_before_ranks(args: argparse.Namespace) -> None:
+    """What every rank would refuse, refused once before any starts: the flags, the
+    input, the output paths, and a --tp the model's shapes cannot be cut into."""
+    if args.input is not None and str(args.input) == "-":
+        raise UserError("-i - (standard input) cannot feed several ranks; use a file")
+    if args.dp > 1 and args.output in (None, "-"):
+        raise UserError("--dp needs --output FILE (the groups' results are merged there)")
+    engine = engine_args(args)
+    sampling_params(args, {})
+    output = sources.check_output(args.output, args.restart)
+    sources.check_reports(args)
+    sources.open_source(args, output)
+    check_divisible(_model_config(engine), args.tp or 1)
+
+
+def _model_config(engine: EngineArgs):
+    """The model's own config (the one its weights have), as every rank resolves it."""
+    return resolve_model(engine.model, dummy=engine.dummy, revision=engine.revision).config
+
+
 def run_rank(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher stops ranks with it
     device = resolve_device(args.device)
-    topo = Topology.from_env(args.tp, args.dp, device)
+    topo = Topology.from_env(args.tp, args.dp, device)  # (its GPU set: no other's context)
+    # before any pool starts: the threads made from now on (OpenMP's, the readers')
+    # inherit the rank's cores
+    pin_rank(topo.local_rank, topo.local_world, topo.device)
     if topo.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // topo.local_world))
     try:
         code = _run_rank(args, topo)
-    except UserError as exc:
-        print(f"offload-run[rank {topo.rank}]: error: {exc}", file=sys.stderr)
+    except Refused as exc:  # every rank refused the job together: said once
+        if topo.rank == 0:
+            print(f"offload-run: error: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
+    except UserError as exc:  # its one line, which the launcher prints as the cause
+        report_failure(f"offload-run[rank {topo.rank}]: error: {exc}", str(exc))
         return EXIT_USAGE
     except dist.DistError as exc:  # a peer died under a collective: the cause is elsewhere
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -104,49 +132,64 @@ def run_rank(args: argparse.Namespace) -> int:
     return 0
 
 
+def rank_trace(path: Path, rank: int) -> Path:
+    """Where rank `rank` writes its trace for --trace PATH: <stem>.rank<i><suffix>."""
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+class Refused(UserError):
+    """A refusal every rank of the job reached together (world rank 0's, shared)."""
+
+
 def _rank_engine(engine: EngineArgs, topo: Topology) -> tuple[EngineArgs, str]:
-    """This rank's EngineArgs: --gpu-mem per GPU, --cpu-mem (default: the node's limit)
-    shared by the node's ranks, its own --nvme directory. And where the CPU cap came from."""
+    """This rank's EngineArgs: --gpu-mem per GPU, --cpu-mem (default: the node's limit,
+    where a plan is searched or given) shared by the node's ranks, its own --nvme
+    directory. And where the CPU cap came from."""
+    if not (engine.wants_search or engine.policy is not None):  # one block on each GPU
+        return engine.replace(nvme=rank_nvme(engine.nvme, topo.rank)), "no cap"
     if engine.cpu_bytes is not None:
         node_cpu, where = engine.cpu_bytes, "--cpu-mem"
     else:
         node_cpu, where = node_memory_limit()
     cpu_bytes = rank_cpu_bytes(node_cpu, topo.local_world)
     nvme = rank_nvme(engine.nvme, topo.rank)
-    return engine.replace(cpu_mem=f"{cpu_bytes}B", nvme=nvme, policy=None), where
+    return engine.replace(cpu_mem=f"{cpu_bytes}B", nvme=nvme), where
 
 
-def _policy(engine: EngineArgs, rank_args: EngineArgs, topo: Topology, gen_len: int, where):
-    """The policy every rank runs: --policy, world rank 0's plan search over a rank's
-    shard (with caps or --nvme), else one block of --batch-size on the GPU."""
-    if engine.policy is not None:
-        return Policy.from_file(engine.policy)
-    if not engine.wants_search:
-        return Policy(gpu_batch_size=engine.batch_size, num_gpu_batches=1)
-    policy = None
+def _sized_plan(
+    args: argparse.Namespace,
+    topo: Topology,
+    front: ModelFront,
+    rank_args: EngineArgs,
+    source: sources.Source,
+    params,
+    gen_len: int | None,
+    where: str,
+) -> sizing.SizedPlan:
+    """The job's plan on every rank: world rank 0 measures the job and plans one rank's
+    shard for it through offload-run's own sizing (`cli.sizing`: the job's prompts,
+    refusals before any load) and hands the plan to every rank, or its refusal
+    (`Refused`, raised on every rank)."""
+    found: tuple | str | None = None
     if topo.rank == 0:
-        from offload.executor.probe import measure_profile
-        from offload.policies.choose import choose_policy
-
         log.info("CPU cap from %s, %.1f GB per rank", where, (rank_args.cpu_bytes or 0) / 1e9)
-        cfg = resolve_model(engine.model, dummy=engine.dummy, revision=engine.revision).config
-        choice = choose_policy(
-            rank_config(cfg, topo.tp, 0),
-            resolve_dtype(engine.dtype, topo.device.type == "cuda", cfg.checkpoint_dtype),
-            rank_args.gpu_bytes,
-            rank_args.cpu_bytes,
-            rank_args.nvme,
-            engine.planned_prompt_len,
-            gen_len,
-            engine.profile,
-            compressions=engine.compressions(),
-            kv_compressions=engine.kv_compressions(),
-            tp=topo.tp,
-            measure_machine=measure_profile,
-        )
-        log.info("searched policy per rank: predicted %.1f tok/s", choice.best.total_tok_s)
-        policy = choice.best.policy
-    return topo.share(policy)
+        try:
+            shape = sizing.measure(
+                front, source.requests(params), source.from_flags, args.skip_invalid
+            )
+            sized = sizing.plan_for_job(
+                front, rank_args, shape, gen_len, args.skip_invalid, topo.layout
+            )
+            found = (sized.plan, sized.engine.prompt_len, sized.prompt_limit)
+        except UserError as exc:
+            found = str(exc)
+    found = topo.share(found)
+    if isinstance(found, str):
+        raise Refused(found)
+    plan, prompt_len, prompt_limit = found
+    if topo.rank == 0 and plan.policy is not None:
+        log.info("policy per rank %s", plan.policy.to_json())
+    return sizing.SizedPlan(rank_args.replace(prompt_len=prompt_len), plan, prompt_limit)
 
 
 class _RankSink(MemorySink):
@@ -167,7 +210,7 @@ class _RankSink(MemorySink):
 
 
 def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
-
+    """source -> front -> the job's plan (world rank 0's, shared) -> load -> run -> merge."""
     engine = engine_args(args)
     flag_params = sampling_params(args, {})  # sampling flags judged before any long work
     output = sources.check_output(args.output, args.restart)
@@ -175,17 +218,23 @@ def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
         raise UserError("--dp needs --output FILE (the groups' results are merged there)")
     source = sources.open_source(args, output)
     rank_args, where = _rank_engine(engine, topo)
-    gen_len = flag_params.max_tokens or 256
-    policy = _policy(engine, rank_args, topo, gen_len, where)
+    front = ModelFront(rank_args, topo.device)  # config and tokenizer only
+    params = sampling_params(args, front.default_sampling)
+    sized = _sized_plan(args, topo, front, rank_args, source, params, flag_params.max_tokens, where)
     started = time.perf_counter()
-    llm = LLM.from_engine_args(
-        rank_args,
-        gen_len=gen_len,
+    parallel = topo.tensor_parallel(front.config)
+    policy = sized.plan.policy
+    cpu_weights = weight_plan(parallel.shard.config, policy, front.dtype)["weights_cpu"] if policy else 0  # fmt: skip
+    parallel.shared_weights = share_weights(topo, cpu_weights)
+    llm = LLM.from_plan(
+        sized.engine,
+        front,
+        sized.plan,
         progress=topo.rank == 0 and not args.quiet,
-        trace=topo.rank == 0 and args.trace is not None,
-        policy=policy,
-        parallel=topo.tensor_parallel(resolve_model(engine.model, dummy=True).config),
+        trace=common.trace_sampling(args),
+        parallel=parallel,
     )
+    topo.barrier()  # every rank is loaded (a shared copy of the weights is complete)
     load_seconds = time.perf_counter() - started
     log.info(
         "model %s on %d ranks (tp %d x dp %d), %s; loaded in %.1f s",
@@ -198,24 +247,19 @@ def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
     )
     sink: ResultLog | MemorySink | None = None
     try:
-        params = sampling_params(args, llm.default_sampling)
         if topo.is_leader:
             path = data.group_output(output, topo.dp, topo.dp_index) if output else None
-            fingerprint = common.fingerprint(args, engine, params, source.sha256, policy)
+            fingerprint = common.fingerprint(args, engine, params, source.sha256, llm.policy)
             sink = sources.open_sink(path, fingerprint, args.restart)
         done = {i for i in range(source.total) if sink is not None and sink.done(i)}
         done = topo.share(done, tp_only=True)
         sink = sink or _RankSink(done, keep_rows=False)
         todo = data.group_requests(source.requests(params), topo.dp, topo.dp_index)
         todo = data.seeded(todo, topo.share(random.getrandbits(63)))
-        if source.from_flags:  # command-line prompts: a bad one fails the run
-            todo = list(todo)
-            for req in todo:
-                llm.check_prompt(job.encode_request(llm, req))
         stats = job.JobStats(total=source.total, skipped=len(done))
         if stats.skipped and topo.is_leader:
             log.info("group %d resuming: %d requests already done", topo.dp_index, stats.skipped)
-        _generate(args, topo, llm, todo, sink, stats)
+        _generate(args, topo, llm, todo, sink, stats, sized.prompt_limit)
         return _finish(args, topo, llm, sink, stats, output, source.total, load_seconds)
     finally:
         llm.close()
@@ -223,7 +267,9 @@ def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
             sink.close()
 
 
-def _generate(args, topo: Topology, llm: LLM, todo, sink, stats: job.JobStats) -> None:
+def _generate(
+    args, topo: Topology, llm: LLM, todo, sink, stats: job.JobStats, prompt_limit: int | None
+) -> None:
     def agree_to_stop(requested: bool) -> bool:  # every rank of a group stops after one block
         flag = torch.tensor([int(requested)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=topo.tp_control)
@@ -235,9 +281,10 @@ def _generate(args, topo: Topology, llm: LLM, todo, sink, stats: job.JobStats) -
         todo,
         sink,
         stats,
+        prompt_limit,
         show_bar=topo.rank == 0,
         agree_to_stop=agree_to_stop,
-        write_trace=topo.rank == 0,
+        trace_path=rank_trace(args.trace, topo.rank) if args.trace is not None else None,
     )
 
 
@@ -263,14 +310,35 @@ def _finish(args, topo: Topology, llm, sink, stats, output: Path | None, total: 
     if topo.rank == 0 and topo.dp > 1:
         assert output is not None
         data.merge_groups(output, topo.dp, total)
+    node = _node_stats(topo, llm)
     if topo.rank == 0:
-        s = llm.stats
         print(
             f"offload-run: {total} requests on {topo.world} ranks (tp {topo.tp} x dp "
-            f"{topo.dp}); group 0 generated {s.generated_tokens} tokens in {s.seconds:.2f} s "
-            f"({s.tokens_per_second:.1f} tok/s)",
+            f"{topo.dp}); {node['generated_tokens']} tokens generated in {node['seconds']:.2f} s "
+            f"({node['tokens_per_second']:.1f} tok/s for the node)",
             file=sys.stderr,
         )
         if args.stats is not None:
-            report.report(llm, stats, load_seconds, args.stats)
+            report.report(llm, stats, load_seconds, args.stats)  # group 0's, and the node's:
+            summary = json.loads(args.stats.read_text())
+            atomic_write(args.stats, json.dumps({**summary, "node": node}, indent=1, default=str))
     return common.exit_code(errors, total)
+
+
+def _node_stats(topo: Topology, llm: LLM) -> dict:
+    """Every group's generated tokens and seconds (from its TP rank 0), and the node's:
+    the tokens of all groups over the longest group's time (they run side by side)."""
+    s = llm.stats
+    mine = {"generated_tokens": s.generated_tokens, "seconds": s.seconds,
+            "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds}  # fmt: skip
+    every: list = [None] * topo.world
+    dist.all_gather_object(every, mine if topo.is_leader else None, group=topo.control)
+    groups = [g for g in every if g is not None]
+    tokens, seconds = sum(g["generated_tokens"] for g in groups), max(g["seconds"] for g in groups)
+    rate = tokens / seconds if seconds else 0.0
+    return {
+        "generated_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": rate,
+        "groups": groups,
+    }

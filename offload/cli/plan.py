@@ -9,10 +9,11 @@ import json
 import sys
 from pathlib import Path
 
-from offload.api.planning import VERIFY_TOP
+from offload.api.planning import VERIFY_TOP, weight_formats
 from offload.cli.common import (
     add_engine_flags,
     add_sampling_flags,
+    add_version_flag,
     engine_args,
     run_cli,
     sampling_params,
@@ -23,10 +24,13 @@ from offload.executor.probe import PROBE_DEPTHS, measure_profile, verify
 from offload.io.layout import store_bytes
 from offload.io.store import find_store, free_bytes, space_problem
 from offload.models.resolve import resolve_model
+from offload.models.tokenizer import BYTE_TOKENS
+from offload.policies.advice import FormatHint, format_hint
 from offload.policies.caps import Caps
 from offload.policies.choose import choose_policy
 from offload.policies.cost import Estimate, estimate
 from offload.policies.hardware import HardwareProfile
+from offload.policies.job import Job, JobEstimate, estimate_job, predict_job
 from offload.policies.search import search
 
 GB = 1e9
@@ -51,9 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Find the placement and batch shape with the highest predicted throughput "
         "that fits the memory caps, and explain it (only the model's config is read).",
     )
+    add_version_flag(p)
     add_engine_flags(p, FLAGS, required=("gpu_mem",))
     add_sampling_flags(p, ("max_tokens",))
-    p.add_argument("--num-prompts", type=int, help="requests in the job (caps the block size)")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        help="requests in the job: the plan with the least predicted time for all of them "
+        "(the load and every block, a last partial block at its own size), and that time",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--tp",
@@ -62,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel ranks: plan one rank's shard, --gpu-mem per GPU, --cpu-mem "
         "for the node shared by the ranks (the all-reduce as offload-profile measured it)",
     )
+    p.add_argument("--gpus", type=int, help="compare one GPU, tensor parallelism over N and N data-parallel groups on this node, and recommend one (docs/parallel.md)")  # fmt: skip
     p.add_argument(
         "--verify",
         action="store_true",
@@ -85,9 +96,20 @@ def _plan(args) -> int:
     args.gen_len = sampling_params(args, {}).max_tokens
     if args.num_prompts is not None and args.num_prompts < 1:
         raise UserError(f"--num-prompts must be positive, got {args.num_prompts}")
+    args.job = _job(args)
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before any search
         raise UserError("--plot needs matplotlib: pip install 'offload[plot]' (or matplotlib)")
-    model_cfg = cfg = resolve_model(engine.model, dummy=True, revision=engine.revision).config
+    spec = resolve_model(engine.model, dummy=True, revision=engine.revision)
+    model_cfg = cfg = spec.config
+    # (a hub id without --dummy plans from its preset's config, but runs its own tokenizer)
+    hub_run = spec.path is None and "/" in engine.model and not engine.dummy
+    args.token_note = f" ({BYTE_TOKENS})" if spec.byte_tokens and not hub_run else ""
+    args.checkpoint_bytes = spec.checkpoint_bytes()
+    if args.gpus is not None:  # one GPU, TP and DP side by side (a pre-quantized: no TP)
+        from offload.cli import layouts
+
+        formats = weight_formats(spec.checkpoint_format(), engine.compress, engine.compressions())
+        return layouts.main(cfg, engine, args, formats, spec.checkpoint_format() is not None)
     cpu_bytes = engine.cpu_bytes
     if args.tp > 1:  # tensor parallelism: the per-rank plan (offload.parallel)
         from offload.parallel import rank_config
@@ -95,7 +117,10 @@ def _plan(args) -> int:
 
         cfg = rank_config(cfg, args.tp, 0)
         cpu_bytes = (cpu_bytes or int(0.9 * node_memory_limit()[0])) // args.tp
-    args.compressions = engine.compressions()
+    # a pre-quantized checkpoint is planned in its own format
+    args.compressions = weight_formats(
+        spec.checkpoint_format(), engine.compress, engine.compressions()
+    )
     args.kv_compressions = engine.kv_compressions()
     choice = choose_policy(
         cfg,
@@ -113,6 +138,7 @@ def _plan(args) -> int:
         tp=args.tp,
         measure_machine=measure_profile,
         top=VERIFY_TOP if args.verify else 1,
+        job=args.job,
     )
     best, hw, caps, dtype = choice.best, choice.profile, choice.caps, choice.dtype
     probed = []
@@ -121,16 +147,50 @@ def _plan(args) -> int:
         best = probed[0][0]
     args.dtype = str(dtype).removeprefix("torch.")
     store = _weight_store(model_cfg, dtype, engine.nvme, best.policy, args.tp)
+    hint = format_hint(
+        cfg, dtype, args.prompt_len, args.gen_len, hw, caps, best, args.compressions,
+        args.kv_compressions, args.job, args.tp,
+    )  # fmt: skip
     if store is not None and store["problem"]:  # said before the what-if searches
-        print(f"offload-plan: problem: {store['problem']}", file=sys.stderr)
+        also = f"; or {hint.text()}" if hint else ""
+        print(f"offload-plan: problem: {store['problem']}{also}", file=sys.stderr)
     what_if = _what_if(cfg, dtype, args, hw, caps, best)
+    job = _job_prediction(cfg, dtype, args, hw, best, engine)
     if args.json:
-        print(json.dumps({**_as_json(best, what_if, probed), "weight_store": store}, indent=1))
+        extra = {
+            "weight_store": store,
+            "job": job and job.to_dict(),
+            "format_hint": _hint_json(hint),
+        }
+        print(json.dumps({**_as_json(best, what_if, probed), **extra}, indent=1))
     else:
-        print(_table(cfg, args, hw, best, what_if, store, probed))
+        print(_table(cfg, args, hw, best, what_if, store, probed, hint, job))
     if args.plot:
         _plot(args.plot, cfg, dtype, args, hw, caps, best)
     return 0
+
+
+def _job(args) -> Job | None:
+    """--num-prompts: a job of that many requests at the planned lengths."""
+    if args.num_prompts is None:
+        return None
+    return Job.uniform(args.num_prompts, args.prompt_len, args.gen_len)
+
+
+def _job_prediction(cfg, dtype, args, hw, best: Estimate, engine) -> JobEstimate | None:
+    """--num-prompts: the job's predicted time under the plan, its load included."""
+    if args.job is None:
+        return None
+    checkpoint = 0 if engine.dummy else args.checkpoint_bytes // args.tp
+    return predict_job(cfg, best.policy, dtype, args.job, hw, engine.nvme, checkpoint, args.tp)
+
+
+def _hint_json(hint: FormatHint | None) -> dict | None:
+    return (
+        None
+        if hint is None
+        else {"flags": hint.flags, "tok_s": hint.tok_s, "speedup": hint.speedup}
+    )
 
 
 def _verify(cfg, choice, engine, args) -> list:
@@ -212,11 +272,20 @@ def _what_if(cfg, dtype, args, hw, caps: Caps, best: Estimate) -> list[tuple[str
                 args.compressions,
                 args.kv_compressions,
                 args.tp,
+                job=args.job,
             )
         except UserError:
             continue
-        out.append((label, est.total_tok_s / best.total_tok_s))
+        out.append((label, _speedup(cfg, dtype, args, hw, best, est)))
     return out
+
+
+def _speedup(cfg, dtype, args, hw, best: Estimate, est: Estimate) -> float:
+    """est's throughput over best's: a full block's, or with --num-prompts the job's."""
+    if args.job is None:
+        return est.total_tok_s / best.total_tok_s
+    jobs = [estimate_job(cfg, e.policy, dtype, args.job, hw, args.tp).seconds for e in (best, est)]
+    return jobs[0] / jobs[1]
 
 
 def _as_json(best: Estimate, what_if, probed=()) -> dict:
@@ -275,8 +344,9 @@ def _format(c) -> str:
 
 
 def _table(
-    cfg, args, hw: HardwareProfile, best: Estimate, what_if, store: dict | None, probed=()
-) -> str:
+    cfg, args, hw: HardwareProfile, best: Estimate, what_if, store: dict | None, probed=(),
+    hint: FormatHint | None = None, job: JobEstimate | None = None,
+) -> str:  # fmt: skip
     p, d = best.policy, best.memory.detail
     weights = d["weights_gpu"] + d["weights_cpu"] + d["weights_disk"]
     kv = d["kv_gpu"] + d["kv_cpu"] + d["kv_disk"]
@@ -290,8 +360,8 @@ def _table(
         )
 
     lines = [
-        f"{cfg.name}: {cfg.param_count() / 1e9:.1f}B parameters, {args.dtype}; prompt {args.prompt_len}, "
-        f"generate {args.gen_len}",
+        f"{cfg.name}: {cfg.param_count() / 1e9:.1f}B parameters, {args.dtype}; prompt {args.prompt_len}"
+        f"{args.token_note}, generate {args.gen_len}",
         f"machine: {hw.device_name}",
         "",
         f"  {'placement':12s} {'GPU':>19s}  {'CPU':>19s}  {'disk':>19s}",
@@ -318,10 +388,11 @@ def _table(
     ]
     if store is not None:  # (a problem with it is told on stderr, first)
         lines.append(_store_line(store))
-    if what_if:
-        lines.append(
-            "what would help: " + "; ".join(f"{label} -> {x:.2f}x" for label, x in what_if)
-        )
+    if job is not None:
+        lines.append(job.summary())
+    helps = [f"{label} -> {x:.2f}x" for label, x in what_if] + ([hint.text()] if hint else [])
+    if helps:
+        lines.append("what would help: " + "; ".join(helps))
     for rank, (est, probe) in enumerate(probed):
         q = est.policy
         lines.append(

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from offload.cli.common import add_engine_flags, run_cli, setup_logging
+from offload.cli.common import add_engine_flags, add_version_flag, run_cli, setup_logging
 from offload.executor.probe import measure_profile
 from offload.policies.hardware import load_profile, profile_path, save_profile
 
@@ -20,9 +20,11 @@ def main(argv: list[str] | None = None) -> int:
         "HardwareProfile JSON: PCIe (each way and both at once), disk, HBM, DRAM, the matmul "
         "and decode attention per storage format (fp16, int8, int4), CPU attention, the "
         "executor's fixed cost per layer and micro-batch (eager and from CUDA graphs) and, "
-        "with two or more GPUs, the all-reduce between them. The profile records the code "
+        "with two or more GPUs, the all-reduce between them, the ranks' wait for each other "
+        "there and each GPU's H2D rate while all copy at once. The profile records the code "
         "version it was measured with; other code measures again.",
     )
+    add_version_flag(p)
     add_engine_flags(p, ("nvme",))
     p.add_argument("--show", action="store_true", help="print the cached profile")
     p.add_argument("--quick", action="store_true", help="smaller transfers (less accurate; under a minute)")  # fmt: skip
@@ -42,10 +44,9 @@ def main(argv: list[str] | None = None) -> int:
             print("offload-profile: no CUDA device: profiled the CPU path", file=sys.stderr)
         gpus = torch.cuda.device_count() if hw.has_gpu else 0
         if gpus >= 2:
-            from offload.parallel.bandwidth import measure_allreduce
+            from offload.parallel.bandwidth import measure_node
 
-            gbps, latency = measure_allreduce(gpus)
-            hw = dataclasses.replace(hw, allreduce_gbps=gbps, allreduce_latency_s=latency)
+            hw = dataclasses.replace(hw, **measure_node(gpus))
         save_profile(hw)
         print(hw.to_json())
         print(f"offload-profile: saved to {profile_path()}", file=sys.stderr)

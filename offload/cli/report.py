@@ -12,8 +12,20 @@ from typing import Any
 import torch
 
 from offload.api.llm import LLM
+from offload.core import progress
 from offload.io.atomic import atomic_write
 from offload.jobs.job import JobStats
+
+# the caching allocator's counters a run reports: how often it met the hold's limit (each
+# time it frees its cache and retries, a synchronization), how often it asked the driver
+# for memory and gave it back, and its peak of blocks split and left free inside segments
+ALLOCATOR_STATS = (
+    "num_alloc_retries",
+    "num_device_alloc",
+    "num_device_free",
+    "inactive_split_bytes.all.peak",
+    "segment.all.peak",
+)
 
 
 def peak_rss() -> int:
@@ -33,6 +45,10 @@ def peak_memory(llm: LLM) -> dict[str, int]:
         out["gpu_bytes"] = torch.cuda.max_memory_allocated(llm.device) + context
         # what the allocator held at most, with the context: what nvidia-smi shows
         out["gpu_reserved_bytes"] = torch.cuda.max_memory_reserved(llm.device) + context
+        # whether it was held to the cap, and its counters (ALLOCATOR_STATS)
+        out["gpu_held"] = llm.holds_gpu_allocator
+        stats = torch.cuda.memory_stats(llm.device)
+        out["gpu_allocator"] = {name: stats.get(name, 0) for name in ALLOCATOR_STATS}
     return out
 
 
@@ -53,10 +69,37 @@ def summary(llm: LLM, stats: JobStats, load_seconds: float) -> dict[str, Any]:
         },
         "policy": llm.policy.to_dict() if llm.policy else None,
         "planned_for": _planned_for(llm),
+        "predicted": _predicted(llm),
         "peak_memory": peak_memory(llm),
         "memory": llm.runner.memory_report(),
         "experts": llm.runner.expert_report(),
     }
+
+
+def _predicted(llm: LLM) -> dict[str, Any] | None:
+    """The job's predicted time (`policies.job`), where the plan has one."""
+    prediction = llm.plan.prediction
+    return None if prediction is None else prediction.to_dict()
+
+
+def _job_line(info: dict[str, Any]) -> str | None:
+    """The job's measured wall time (load included) beside its prediction."""
+    predicted = info["predicted"]
+    if predicted is None:
+        return None
+    took = info["seconds"]["loading"] + info["seconds"]["wall"]
+    tokens = info["generated_tokens"]
+    resumed = (
+        f"; the prediction is the whole job's, {info['done_before']} requests were done before"
+        if info["done_before"]
+        else ""
+    )
+    return (
+        f"job: {took:.1f} s, {tokens / took if took else 0.0:.1f} tok/s with the load "
+        f"(predicted {predicted['seconds']:.1f} s, {predicted['tok_s']:.1f} tok/s; load "
+        f"{info['seconds']['loading']:.1f} s, predicted {predicted['load']['seconds']:.1f} s"
+        f"{resumed})"
+    )
 
 
 def _planned_for(llm: LLM) -> dict[str, int] | None:
@@ -71,7 +114,11 @@ def report(llm: LLM, stats: JobStats, load_seconds: float, stats_path: Path | No
     """The summary line on stderr (and the runner's reports); `--stats` JSON, atomically."""
     info = summary(llm, stats, load_seconds)
     if stats_path is not None:
-        atomic_write(stats_path, json.dumps(info, indent=1, default=str))
+        try:
+            atomic_write(stats_path, json.dumps(info, indent=1, default=str))
+        except OSError as exc:  # (checked before the load; the drive changed since)
+            print(f"offload-run: could not write --stats {stats_path} ({exc}); the results "
+                  "are kept", file=sys.stderr)  # fmt: skip
     s = llm.stats
     print(
         f"offload-run: {_count(stats.total, 'request')}, {s.generated_tokens} tokens generated in "
@@ -81,15 +128,19 @@ def report(llm: LLM, stats: JobStats, load_seconds: float, stats_path: Path | No
         + ", ".join(f"{k} {v}" for k, v in sorted(stats.reasons.items())),
         file=sys.stderr,
     )
+    line = _job_line(info)
+    if line is not None:
+        print(f"offload-run: {line}", file=sys.stderr)
     if llm.policy is None:
         return
     trace = llm.runner.trace_report()
     if trace:
         print(trace, file=sys.stderr)
     gpu, reserved = info["peak_memory"]["gpu_bytes"], info["peak_memory"].get("gpu_reserved_bytes")
+    held = " held to --gpu-mem" if info["peak_memory"].get("gpu_held") else ""
     print(
         f"peak GPU {gpu / 1e9:.2f} GB (allocated + CUDA context"
-        + (f"; {reserved / 1e9:.2f} GB reserved" if reserved else "")
+        + (f"; {reserved / 1e9:.2f} GB reserved{held}" if reserved else "")
         + f"); peak host RSS "
         f"{info['peak_memory']['cpu_rss_bytes'] / 1e9:.2f} GB",
         file=sys.stderr,
@@ -101,19 +152,12 @@ def _count(n: int, noun: str) -> str:
 
 
 class Progress:
-    """A progress bar: requests, tokens, tok/s now and on average, phase, peak memory."""
+    """The job's progress: requests, tokens, tok/s now and on average, phase, peak memory
+    (a bar on a terminal, plain lines in a log: `api.progress`)."""
 
     def __init__(self, stats: JobStats, llm: LLM) -> None:
-        from tqdm import tqdm
-
         self.stats, self.llm = stats, llm
-        self.bar = tqdm(
-            total=stats.total,
-            initial=stats.skipped,
-            unit="req",
-            dynamic_ncols=True,
-            file=sys.stderr,
-        )
+        self.bar = progress.Progress(stats.total, "Requests", "req", initial=stats.skipped)
         self.last_t, self.last_tokens, self.rate = time.perf_counter(), 0, 0.0
         llm.on_phase = self.set_phase
 
@@ -127,14 +171,13 @@ class Progress:
 
     def set_phase(self, name: str) -> None:
         self.stats.phase = name
-        self.bar.set_postfix_str(self._postfix(), refresh=True)
+        self.bar.update(status=self._postfix())
 
     def update(self) -> None:
         now, gen = time.perf_counter(), self.llm.stats.generated_tokens
         self.rate = (gen - self.last_tokens) / max(now - self.last_t, 1e-9)  # the last block
         self.last_t, self.last_tokens = now, gen
-        self.bar.n = self.stats.done + self.stats.skipped
-        self.bar.set_postfix_str(self._postfix(), refresh=True)
+        self.bar.update(self.stats.done + self.stats.skipped, self._postfix())
 
     def close(self) -> None:
         self.bar.close()

@@ -21,8 +21,11 @@ from dataclasses import dataclass, field
 from offload.api.args import EngineArgs
 from offload.api.front import ModelFront
 from offload.api.planning import Plan, plan_run
-from offload.core.errors import PromptTooLong, UserError
+from offload.core.errors import BadTokenIds, PromptTooLong, UserError
 from offload.jobs import job
+from offload.models.tokenizer import BYTE_TOKENS
+from offload.policies.job import Job
+from offload.policies.node import Layout
 
 log = logging.getLogger("offload")
 
@@ -37,11 +40,22 @@ class JobShape:
     context: int
     by_length: dict[int, tuple[int, str]] = field(default_factory=dict)
     counts: Counter[int] = field(default_factory=Counter)  # requests of each length
+    # every sequence's prompt tokens and budget, in the job's order (`policies.job`)
+    order: list[tuple[int, int]] = field(default_factory=list)
 
-    def add(self, prompt_tokens: int, budget: int, request_id: str) -> None:
+    def add(self, prompt_tokens: int, budget: int, request_id: str, samples: int = 1) -> None:
         known_budget, known_id = self.by_length.get(prompt_tokens, (0, request_id))
         self.by_length[prompt_tokens] = (max(known_budget, budget), known_id)
         self.counts[prompt_tokens] += 1
+        self.order += [(prompt_tokens, budget)] * samples
+
+    def job(self, longest: int | None = None) -> Job | None:
+        """The sequences a plan for prompts of up to `longest` tokens runs (None: all);
+        None where there are none."""
+        kept = [(n, b) for n, b in self.order if longest is None or n <= longest]
+        if not kept:
+            return None
+        return Job([n for n, _ in kept], [b for _, b in kept])
 
     @property
     def longest(self) -> int | None:
@@ -72,8 +86,8 @@ def measure(
     stays flat however long the job. Requests an earlier run finished are measured too:
     the job is judged the same on every run, before the result log is opened. A bad
     command-line prompt stops the run (as before); in a file, a prompt past the context
-    stops it unless skip_invalid, and other bad requests are left to run_job, which
-    records them as error results."""
+    or with token ids outside the vocabulary stops it unless skip_invalid, and other bad
+    requests are left to run_job, which records them as error results."""
     shape = JobShape(front.config.max_position_embeddings)
     for req in requests:
         if req.error is not None:
@@ -81,7 +95,7 @@ def measure(
         try:
             ids = job.encode_request(front, req)
             front.check_prompt(ids)
-        except PromptTooLong as exc:
+        except (PromptTooLong, BadTokenIds) as exc:
             if from_flags:
                 raise
             if not skip_invalid:
@@ -92,7 +106,7 @@ def measure(
                 raise
             continue
         assert req.params is not None
-        shape.add(len(ids), req.params.budget(len(ids), shape.context), req.id)
+        shape.add(len(ids), req.params.budget(len(ids), shape.context), req.id, req.params.n)
     return shape
 
 
@@ -112,13 +126,15 @@ def plan_for_job(
     shape: JobShape,
     gen_len: int | None,
     skip_invalid: bool,
+    layout: Layout | None = None,
 ) -> SizedPlan:
     """The plan for the job's prompts: --prompt-len when given (never below the job's
     longest prompt), else the job's longest. gen_len: new tokens to plan for when the
-    job has nothing to generate."""
+    job has nothing to generate; layout: the plan of one rank of a parallel job
+    (`planning.plan_run`)."""
     longest = shape.longest
     if longest is None:  # nothing to generate: the flags' lengths, or the defaults
-        return SizedPlan(engine, plan_run(front, engine, gen_len=gen_len))
+        return SizedPlan(engine, plan_run(front, engine, gen_len=gen_len, layout=layout))
     if engine.prompt_len is not None:
         if engine.prompt_len < longest:
             raise UserError(
@@ -126,20 +142,29 @@ def plan_for_job(
                 f"--prompt-len is {engine.prompt_len}; raise --prompt-len to {longest} or "
                 "omit it (the plan is then sized for the job's longest prompt)"
             )
-        plan = plan_run(front, engine, gen_len=shape.gen_len(engine.prompt_len))
-        _log_sizing(plan, f"--prompt-len; the job's longest prompt has {longest}")
+        plan = plan_run(
+            front, engine, gen_len=shape.gen_len(engine.prompt_len), layout=layout, job=shape.job()
+        )
+        _log_sizing(plan, f"--prompt-len; the job's longest prompt has {longest}", front)
         return SizedPlan(engine, plan)
     sized = engine.replace(prompt_len=longest)
     try:
-        plan = plan_run(front, sized, gen_len=shape.gen_len(longest))
+        plan = plan_run(
+            front, sized, gen_len=shape.gen_len(longest), layout=layout, job=shape.job()
+        )
     except UserError as exc:
-        return _plan_what_fits(front, engine, shape, skip_invalid, exc)
-    _log_sizing(plan, "the job's longest")
+        return _plan_what_fits(front, engine, shape, skip_invalid, exc, layout)
+    _log_sizing(plan, "the job's longest", front)
     return SizedPlan(sized, plan)
 
 
 def _plan_what_fits(
-    front: ModelFront, engine: EngineArgs, shape: JobShape, skip_invalid: bool, error: UserError
+    front: ModelFront,
+    engine: EngineArgs,
+    shape: JobShape,
+    skip_invalid: bool,
+    error: UserError,
+    layout: Layout | None = None,
 ) -> SizedPlan:
     """The job's longest prompt has no plan: find the longest of its prompts that has
     one (a plan search or fit check a try, halving), and refuse the longer ones, or with
@@ -150,7 +175,10 @@ def _plan_what_fits(
     def attempt(prompt_tokens: int) -> SizedPlan | None:
         sized = engine.replace(prompt_len=prompt_tokens)
         try:
-            plan = plan_run(front, sized, gen_len=shape.gen_len(prompt_tokens))
+            runs = shape.job(prompt_tokens)
+            plan = plan_run(
+                front, sized, gen_len=shape.gen_len(prompt_tokens), layout=layout, job=runs
+            )
         except UserError:
             return None
         return SizedPlan(sized, plan, prompt_tokens)
@@ -181,15 +209,21 @@ def _plan_what_fits(
         fits,
         longest,
     )
-    _log_sizing(fitting.plan, "the longest that fits the caps")
+    _log_sizing(fitting.plan, "the longest that fits the caps", front)
     return fitting
 
 
-def _log_sizing(plan: Plan, why: str) -> None:
+def _log_sizing(plan: Plan, why: str, front: ModelFront) -> None:
+    """The lengths the plan was sized for and, where there is one, the job's predicted
+    time (a model with no tokenizer counts UTF-8 bytes as tokens: said beside them)."""
     if plan.policy is not None:  # without a policy nothing is sized
+        unit = f"; {BYTE_TOKENS}" if front.spec.byte_tokens else ""
         log.info(
-            "plan sized for prompts of %d tokens (%s) and %d new tokens",
+            "plan sized for prompts of %d tokens (%s%s) and %d new tokens",
             plan.prompt_len,
             why,
+            unit,
             plan.gen_len,
         )
+    if plan.prediction is not None:
+        log.info("%s", plan.prediction.summary())

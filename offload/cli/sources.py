@@ -1,13 +1,13 @@
 """offload-run's inputs and outputs: where requests come from (--prompt, --chat, or a
 file: ours, OpenAI Batch or plain text) and where results go (a locked, resumable
-JSONL file, standard output, or the terminal). All checked before the model loads."""
+JSONL file, standard output, or the terminal), and the reports written at the end.
+All checked before the model loads."""
 
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
-import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -16,6 +16,8 @@ from pathlib import Path
 
 from offload.core.errors import UserError
 from offload.core.sampling import SamplingParams
+from offload.executor.runner import prefill_trace_path
+from offload.io.atomic import check_writable
 from offload.jobs import job
 from offload.jobs.resultlog import MemorySink, ResultLog
 
@@ -29,6 +31,7 @@ class Source:
     requests: Callable[[SamplingParams], Iterator[job.JobRequest]]
     from_flags: bool  # --prompt / --chat: a bad one fails the run
     spooled: Path | None = None
+    invalid: int = 0  # lines refused by their schema (error results)
 
 
 def check_output(output: str | None, restart: bool = False) -> Path | None:
@@ -45,12 +48,20 @@ def check_output(output: str | None, restart: bool = False) -> Path | None:
         )
     if path.is_dir():
         raise UserError(f"--output {path} is a directory; give a file path")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise UserError(f"cannot write --output {path}: directory {parent} is missing or read-only")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise UserError(f"cannot write --output {path}: the file is read-only")
+    if not path.parent.is_dir():
+        raise UserError(f"cannot write --output {path}: directory {path.parent} is missing")
+    check_writable(path, "--output")
     return path
+
+
+def check_reports(args: argparse.Namespace) -> None:
+    """The files written at the end of a run (--stats, --trace and the prefill trace
+    beside it) can be written: refused before the load, not after the job."""
+    if args.stats is not None:
+        check_writable(args.stats, "--stats")
+    if args.trace is not None:
+        check_writable(args.trace, "--trace")
+        check_writable(prefill_trace_path(args.trace), "--trace")
 
 
 def open_source(args: argparse.Namespace, output: Path | None) -> Source:
@@ -72,21 +83,37 @@ def open_source(args: argparse.Namespace, output: Path | None) -> Source:
                 raise UserError(f"prompt {req.id}: {req.error}")
         return Source(len(flags), sha, from_flags, from_flags=True)
     path, spooled = args.input, None
-    if str(path) == "-":
-        path = spooled = job.spool_stdin(output.parent if output else Path(tempfile.gettempdir()))
-    scan = job.scan(path, args.skip_invalid)
+    if str(path) == "-" or _is_stream(path):  # read once: copied first, removed at the end
+        path = spooled = job.spool(
+            None if str(path) == "-" else path,
+            output.parent if output else Path(tempfile.gettempdir()),
+        )
+    try:
+        scan = job.scan(path, args.skip_invalid)
+    except BaseException:
+        if spooled is not None:
+            spooled.unlink(missing_ok=True)
+        raise
     return Source(
         scan.count,
         scan.sha256,
         lambda defaults: job.iter_requests(path, defaults, scan.format),
         from_flags=False,
         spooled=spooled,
+        invalid=scan.invalid,
     )
 
 
-def open_sink(output: Path | None, fingerprint: dict, restart: bool) -> ResultLog | MemorySink:
+def _is_stream(path: Path) -> bool:
+    """A pipe or a device (`-i <(cmd)`, /dev/stdin): its lines can be read only once."""
+    return path.exists() and not path.is_file() and not path.is_dir()
+
+
+def open_sink(
+    output: Path | None, fingerprint: dict, restart: bool, total: int | None = None
+) -> ResultLog | MemorySink:
     """A locked, resumable result file, or memory (printed at the end)."""
-    return ResultLog(output, fingerprint, restart) if output else MemorySink()
+    return ResultLog(output, fingerprint, restart, total) if output else MemorySink()
 
 
 def write_results(sink: ResultLog | MemorySink, total: int, to_stdout: bool) -> None:

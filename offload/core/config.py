@@ -1,16 +1,23 @@
 """`ModelConfig`: the facts of a decoder-only model, read from a Hugging Face `config.json`.
 
-One decoder stack expresses three families:
+One decoder stack expresses five families:
 
 | family | positions                 | norm      | MLP                | attention            |
 | ------ | ------------------------- | --------- | ------------------ | -------------------- |
-| llama  | RoPE (incl. llama3 scale) | RMSNorm   | SwiGLU (gated)     | GQA, optional bias   |
+| llama  | RoPE (llama3, LongRoPE)   | RMSNorm   | SwiGLU (gated)     | GQA, optional bias   |
+| gemma  | RoPE, local and global    | RMSNorm (1 + w), sandwich | GeGLU (gated) | GQA, q/k norms |
 | bloom  | ALiBi                     | LayerNorm | tanh-GELU          | fused qkv in the ckpt |
 | opt    | learned, offset 2         | LayerNorm | ReLU               | MHA with bias        |
+| falcon | RoPE                      | LayerNorm | GELU, parallel to attention | MQA / GQA   |
 
-Llama, Mistral and Qwen2 checkpoints all map onto the `llama` family.
-So do the mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5's `glm4_moe`):
-their layers' MLP is a router and experts (`models.moe`).
+Llama, Mistral, Qwen2, Qwen3 (q/k norms) and Phi-3 (fused qkv and gate-up, LongRoPE,
+partial rotary) checkpoints map onto the `llama` family; Gemma 2 and 3 onto `gemma`
+(`families.py` reads their configs and Falcon's). What differs inside a family is a
+field (`qk_norm`, `sandwich_norms`, `parallel_attn`, ...), read by the decoder's
+functions, not the model type.
+The mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5's `glm4_moe`) are
+Llama-like layers whose MLP is a router and experts (`models.moe`; `moe_config.py` reads
+their configs).
 """
 
 from __future__ import annotations
@@ -18,11 +25,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from offload.core import families, moe_config
 from offload.core.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,48 +48,38 @@ def resolve_dtype(name: str, on_gpu: bool, checkpoint_dtype: str) -> torch.dtype
     return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
 
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
-SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "bloom", "opt")
-# mixture-of-experts families: Llama-like layers whose MLP is a `models.moe` block
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
-LLAMA_LIKE += MOE_MODEL_TYPES
-SUPPORTED_MODEL_TYPES += MOE_MODEL_TYPES
-# fields added after stores were built: left out of a fingerprint at their defaults
-LATE_FIELDS = (
-    "gathered_vocab_size",
-    "qk_norm",
-    "partial_rotary_factor",
-    "num_experts",
-    "experts_per_token",
-    "moe_intermediate_size",
-    "shared_expert_intermediate_size",
-    "shared_expert_gate",
-    "router",
-    "norm_topk_prob",
-    "routed_scaling_factor",
-    "router_groups",
-    "router_topk_groups",
-    "dense_layers",
-)
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# the mixtures of experts: Llama-like layers whose MLP is a `models.moe` block
+LLAMA_LIKE += moe_config.MOE_MODEL_TYPES
+SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "bloom", "opt", *families.READERS)
 # OPT's learned position table starts at index 2 (fairseq heritage).
 OPT_POSITION_OFFSET = 2
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. `rope_type` is "default", "linear" or "llama3"."""
+    """RoPE frequency scaling: `rope_type` is one of ROPE_TYPES. LongRoPE (Phi-3) divides
+    the frequencies by `short_factor`, or by `long_factor` in a step whose positions
+    reach past original_max_position_embeddings, and scales cos and sin by
+    `attention_factor` (`models.ops.Rotary`)."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float | None = None
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("default", "linear", "llama3"):
+        if self.rope_type not in ROPE_TYPES:
             raise UserError(
                 f"rope scaling type {self.rope_type!r} is not supported; "
-                "supported: default, linear, llama3"
+                f"supported: {', '.join(ROPE_TYPES)}"
             )
 
 
@@ -106,6 +104,18 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     qkv_bias: bool = False
     sliding_window: int | None = None
+    # variants (the module doc's table), each read by the decoder function it changes
+    qk_norm: bool = False  # an RMS norm over each head's q and k before RoPE (Qwen3, Gemma 3)
+    rotary_fraction: float = 1.0  # RoPE turns this fraction of a head's channels (Phi-4-mini)
+    window_layers: tuple[bool, ...] = ()  # the layers the sliding window applies to; (): all
+    local_rope_theta: float | None = None  # RoPE base of windowed layers, where it differs
+    query_scale: float | None = None  # the attention's score scale, where not head_dim ** -0.5
+    embed_scale: float | None = None  # token embeddings times this, rounded to the dtype
+    sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too (Gemma)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    parallel_attn: bool = False  # attention and MLP both read the layer's input (Falcon)
+    parallel_mlp_norm: bool = False  # ... the MLP through its own norm (Falcon 40B, 180B)
+    linear_bias: bool = False  # every projection has a bias (Falcon's `bias`)
     # OPT
     do_layer_norm_before: bool = True
     word_embed_proj_dim: int | None = None
@@ -119,10 +129,6 @@ class ModelConfig:
     # a tensor-parallel rank's shard: the whole model's vocabulary, which its logits are
     # gathered to (`parallel.comm.gather_vocab`); 0 where vocab_size is the whole
     gathered_vocab_size: int = 0
-    # per-head RMSNorm of q and k before RoPE (Qwen3-MoE); RoPE over the first
-    # partial_rotary_factor of each head's channels (GLM-4.5: half)
-    qk_norm: bool = False
-    partial_rotary_factor: float = 1.0
     # mixture of experts (`models.moe`); num_experts 0: a dense model
     num_experts: int = 0
     experts_per_token: int = 0
@@ -150,6 +156,7 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         family = "llama" if self.model_type in LLAMA_LIKE else self.model_type
+        family = families.FAMILY_OF.get(family, family)
         object.__setattr__(self, "family", family)
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim"):
             if getattr(self, name) <= 0:
@@ -168,34 +175,49 @@ class ModelConfig:
     # -- derived facts --------------------------------------------------------------
     @property
     def norm_kind(self) -> str:
-        return "rms" if self.family == "llama" else "layer"
+        """`kernels.norm`'s kind: "rms", "rms_offset" (Gemma's (1 + w)) or "layer"."""
+        return {"llama": "rms", "gemma": "rms_offset"}.get(self.family, "layer")
 
     @property
     def activation(self) -> str:
-        return {"llama": "silu", "bloom": "gelu_tanh", "opt": "relu"}[self.family]
+        kinds = {"llama": "silu", "gemma": "gelu_tanh", "bloom": "gelu_tanh", "falcon": "gelu"}
+        return kinds.get(self.family, "relu")
 
     @property
     def rotary(self) -> bool:
-        """Rotary position embeddings (the Llama family); the others add positions or ALiBi."""
-        return self.family == "llama"
+        """Rotary position embeddings; BLOOM and OPT add ALiBi or learned positions."""
+        return self.family in ("llama", "gemma", "falcon")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of a head that RoPE turns (the first ones)."""
+        return int(self.head_dim * self.rotary_fraction)
 
     @property
     def gated_mlp(self) -> bool:
-        return self.family == "llama"
+        return self.family in ("llama", "gemma")
 
     @property
     def has_linear_bias(self) -> bool:
-        """o-proj and MLP biases (BLOOM and OPT have them; Llama-family models do not)."""
-        return self.family != "llama"
+        """o-proj and MLP biases (BLOOM, OPT and Falcon with `bias`; not Llama or Gemma)."""
+        return self.family in ("bloom", "opt") or self.linear_bias
+
+    @property
+    def has_mlp_norm(self) -> bool:
+        """A norm of the MLP's own (not a parallel layer sharing the attention's)."""
+        return not self.parallel_attn or self.parallel_mlp_norm
+
+    def window_of(self, local: bool) -> int | None:
+        """The sliding window of a windowed (local) layer, or of the others."""
+        return self.sliding_window if local or not self.window_layers else None
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` takes the local (windowed) inputs where layers differ."""
+        return bool(self.window_layers) and self.window_layers[layer]
 
     @property
     def has_qkv_bias(self) -> bool:
         return self.has_linear_bias or self.qkv_bias
-
-    @property
-    def rotary_dim(self) -> int:
-        """Channels of a head that RoPE rotates (the rest pass through)."""
-        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Layer `layer`'s MLP is a mixture of experts (`models.moe`)."""
@@ -233,7 +255,8 @@ class ModelConfig:
             mlp = experts * self.moe_intermediate_size + self.shared_expert_intermediate_size
             mlp = 3 * h * mlp + h * (self.num_experts + self.shared_expert_gate)
         count = h * self.qkv_out_features + q_out * h + mlp
-        norms = 2 * h * (2 if self.norm_kind == "layer" else 1)
+        norms = (2 + 2 * self.sandwich_norms) * h * (2 if self.norm_kind == "layer" else 1)
+        norms += 2 * self.head_dim * self.qk_norm
         biases = 0
         if self.has_qkv_bias:
             biases += self.qkv_out_features
@@ -249,10 +272,15 @@ class ModelConfig:
     def fingerprint(self) -> str:
         """A short stable hash of the architecture, for caches and stores."""
         facts = asdict(self)
-        defaults = {f.name: f.default for f in fields(self)}
-        for name in LATE_FIELDS:  # the fingerprints of stores built before them
-            if facts[name] == defaults[name]:
+        if not facts["gathered_vocab_size"]:  # the fingerprints of stores built before it
+            del facts["gathered_vocab_size"]
+        # a field at its default leaves the fingerprint as it was before the field existed
+        for name, default in {**families.VARIANT_DEFAULTS, **moe_config.MOE_DEFAULTS}.items():
+            if facts.get(name) == default:
                 del facts[name]
+        for name, default in families.ROPE_DEFAULTS.items():
+            if facts["rope_scaling"].get(name) == default:
+                del facts["rope_scaling"][name]
         text = json.dumps(facts, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -260,6 +288,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], name: str = "") -> ModelConfig:
         """Build from the dict of a Hugging Face `config.json`."""
+        hf = families.text_config(hf)
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UserError(
@@ -275,10 +304,14 @@ class ModelConfig:
             "pad_token_id": hf.get("pad_token_id"),
             "checkpoint_dtype": str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
         }
-        if model_type in MOE_MODEL_TYPES:
-            return cls(**common, **{**_llama_fields(hf), **_moe_fields(hf)})
+        if model_type in moe_config.MOE_MODEL_TYPES:
+            return cls(**common, **{**_llama_fields(hf), **moe_config.moe_fields(hf)})
         if model_type in LLAMA_LIKE:
             return cls(**common, **_llama_fields(hf))
+        if model_type in families.READERS:
+            fields = families.READERS[model_type](hf)
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+            return cls(**common, **fields)
         if model_type == "bloom":
             return cls(**common, **_bloom_fields(hf))
         return cls(**common, **_opt_fields(hf))
@@ -296,20 +329,9 @@ def _llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
     # transformers 5 writes rope settings as `rope_parameters`; older configs as
     # `rope_theta` plus `rope_scaling`.
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
-    rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
-    scaling_keys = {
-        "factor",
-        "low_freq_factor",
-        "high_freq_factor",
-        "original_max_position_embeddings",
-    }
-    scaling = RopeScaling(
-        rope_type=rope_type, **{k: v for k, v in rope.items() if k in scaling_keys}
-    )
+    rope = families.rope_fields(hf, hf.get("rope_parameters") or hf.get("rope_scaling"))
     window = hf.get("sliding_window")
-    if hf["model_type"] == "qwen2" and not hf.get("use_sliding_window", False):
+    if hf["model_type"] in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
         window = None
     return {
         "hidden_size": hidden,
@@ -320,58 +342,14 @@ def _llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "intermediate_size": hf["intermediate_size"],
         "max_position_embeddings": hf.get("max_position_embeddings", 2048),
         "norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "rope_theta": float(theta),
-        "rope_scaling": scaling,
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": RopeScaling(**rope["rope_scaling"]),
+        "rotary_fraction": rope["rotary_fraction"],
         "qkv_bias": bool(hf.get("attention_bias", False)) or hf["model_type"] == "qwen2",
+        "qk_norm": hf["model_type"] == "qwen3",
         "sliding_window": window,
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
-
-
-def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """A mixture of experts' fields, over `_llama_fields`' for its attention (Qwen's
-    sliding window and bias keys, Qwen3-MoE's q/k norms, GLM-4.5's partial RoPE)."""
-    model_type, layers = hf["model_type"], hf["num_hidden_layers"]
-    rope = hf.get("rope_parameters") or {}
-    out: dict[str, Any] = {
-        "moe_intermediate_size": hf.get("moe_intermediate_size") or hf["intermediate_size"],
-        "experts_per_token": hf["num_experts_per_tok"],
-        # Mixtral always renormalizes; GLM-4.5's default is to, Qwen's not to
-        "norm_topk_prob": model_type == "mixtral"
-        or bool(hf.get("norm_topk_prob", model_type == "glm4_moe")),
-        "sliding_window": hf.get("sliding_window") if model_type == "mixtral" else None,
-    }
-    if model_type.startswith("qwen") and hf.get("use_sliding_window", False):
-        raise UserError(f"{model_type} with use_sliding_window=true is not supported")
-    if model_type == "qwen3_moe" and hf.get("attention_bias", False):
-        raise UserError("qwen3_moe with attention_bias=true is not supported")
-    if model_type == "mixtral":
-        out["num_experts"] = hf["num_local_experts"]
-    elif model_type.startswith("qwen"):
-        out["num_experts"] = hf.get("num_experts") or hf["num_local_experts"]
-        step = hf.get("decoder_sparse_step", 1) or 1
-        only = set(hf.get("mlp_only_layers") or ())
-        out["dense_layers"] = tuple(i for i in range(layers) if i in only or (i + 1) % step)
-        out["qkv_bias"] = bool(hf.get("qkv_bias", True)) if model_type == "qwen2_moe" else False
-        out["qk_norm"] = model_type == "qwen3_moe"
-        if model_type == "qwen2_moe":
-            out["shared_expert_intermediate_size"] = hf.get("shared_expert_intermediate_size", 0)
-            out["shared_expert_gate"] = True
-    else:  # glm4_moe
-        out["num_experts"] = hf.get("n_routed_experts") or hf["num_local_experts"]
-        out["shared_expert_intermediate_size"] = out["moe_intermediate_size"] * hf.get(
-            "n_shared_experts", 1
-        )
-        out["router"] = "sigmoid"
-        out["routed_scaling_factor"] = float(hf.get("routed_scaling_factor", 1.0))
-        out["router_groups"] = hf.get("n_group", 1)
-        out["router_topk_groups"] = hf.get("topk_group", 1)
-        out["dense_layers"] = tuple(range(min(layers, hf.get("first_k_dense_replace", 1))))
-        out["qk_norm"] = bool(hf.get("use_qk_norm", False))
-        out["partial_rotary_factor"] = float(
-            hf.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 0.5
-        )
-    return out
 
 
 def _bloom_fields(hf: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,10 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: None = None
 
+    def finished(self) -> bool:
+        """Whether this sample has ended (vLLM's; every returned sample has)."""
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from offload.core.family_presets import FAMILY_HUB_IDS, FAMILY_PRESETS
+
 DEMO_NAME = "smollm2-135m-instruct"
 
 
@@ -172,6 +174,9 @@ HUB_IDS: dict[str, str] = {
     "Qwen/Qwen2-7B-Instruct": "qwen2-7b",
     "HuggingFaceTB/SmolLM2-135M-Instruct": DEMO_NAME,
 }
+
+PRESETS.update(FAMILY_PRESETS)
+HUB_IDS.update(FAMILY_HUB_IDS)
 
 
 def _mixtral(hidden: int, layers: int, heads: int, inter: int, vocab: int, ctx: int):

@@ -32,7 +32,7 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
     """How to pick tokens, with vLLM's field names. temperature 0 is greedy.
 
@@ -41,6 +41,12 @@ class SamplingParams:
     `max_tokens`; `max_tokens=None` generates up to the model's context. top_k -1 (or 0),
     top_p 1 and min_p 0 switch those filters off. With a seed, sample i of n draws from
     its own generator seeded `seed + i`, whatever else shares its batch.
+
+    Mutable, as vLLM's: its examples edit what `LLM.get_default_sampling_params()`
+    returns. Values are judged when made and again when used: the engine runs on
+    `checked()`, a validated copy, never on the caller's object, so an edit after the
+    call changes nothing in flight and a bad edit fails before any work. (Being mutable,
+    it is not hashable.)
     """
 
     n: int = 1
@@ -67,13 +73,17 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        self.stop_token_ids = tuple(self.stop_token_ids or ())
         if self.max_new_tokens is not None:  # the alias sets max_tokens, then clears itself
-            object.__setattr__(self, "max_tokens", self.max_new_tokens)
-            object.__setattr__(self, "max_new_tokens", None)
+            self.max_tokens, self.max_new_tokens = self.max_new_tokens, None
         self._validate()
+
+    def checked(self) -> SamplingParams:
+        """A validated copy of these params as they are now (fields may have been edited
+        since they were made): what the engine generates with. ValueError names a bad
+        value."""
+        return replace(self)
 
     def _validate(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:

@@ -33,31 +33,25 @@ import torch
 
 from offload.core.config import ModelConfig
 from offload.executor.activations import ActivationHomes, StoredAct
-from offload.executor.experts import ExpertFetcher
 from offload.executor.graphs import DecodeGraphs
 from offload.executor.kv import KVManager
 from offload.executor.lanes import Lanes, Tracer, busy_seconds
+from offload.executor.placing import SharedWeights, place_weights
 from offload.executor.runner import LaneReports
-from offload.executor.weights import WeightFetcher, WeightHomes
 from offload.io.layout import DISK_BUFFERS
-from offload.io.pinned import PinnedPool
-from offload.io.reader import ExtentReader
 from offload.io.spill import SWITCH_INTERVAL_S
-from offload.io.store import ensure_store
 from offload.io.tiers import MemoryLedger, Tier
-from offload.kernels import cpu_attention, qmatmul
+from offload.kernels import cpu_attention
 from offload.models import decoder, ops
 from offload.models.batch import PaddedBatch
 from offload.models.decoder import Parallel, StepInputs
 from offload.models.shapes import Weights
 from offload.models.weights import WeightSource
-from offload.policies.memory import row_splits, weight_plan
+from offload.policies.job import warm_up_prompt
+from offload.policies.memory import row_splits
 from offload.policies.policy import Policy
 
 log = logging.getLogger(__name__)
-
-# the warm-up block's shortest prompt: a multiple of 16, as Triton specializes integers
-WARM_PROMPT = 16
 
 
 @dataclass
@@ -87,13 +81,15 @@ class Executor(LaneReports):  # implements runner.Runner
         cuda_graphs: bool = True,
         parallel: Parallel | None = None,
         disk_buffers: int = DISK_BUFFERS,
+        shared_weights: SharedWeights | None = None,
     ) -> None:
         """cuda_graphs: replay decode steps from CUDA graphs where every stage's weights
         are on the GPU (`graphs.DecodeGraphs`); False runs every step eagerly.
         parallel: a tensor-parallel rank's collectives (`decoder.Parallel`); None is one
         device. disk_buffers: the KV manager's disk staging blocks; the memory plan
         counts `io.layout.DISK_BUFFERS` (another depth is for measuring one against it,
-        `scripts/executor_ab.py`)."""
+        `scripts/executor_ab.py`). shared_weights: the weights' CPU homes in one pinned
+        copy shared with other processes of the node (`placing.SharedWeights`)."""
         self.parallel = parallel
         # the GIL's switch interval while the executor runs (`spill.SWITCH_INTERVAL_S`)
         self._switch_interval = sys.getswitchinterval()
@@ -101,9 +97,17 @@ class Executor(LaneReports):  # implements runner.Runner
         self.cfg: ModelConfig = source.config
         self.policy, self.dtype, self.device = policy, dtype, device
         self.ledger = MemoryLedger()
-        self.tracer = Tracer(enabled=trace)
+        self.tracer = Tracer(enabled=bool(trace), every=max(1, int(trace)))
         self.lanes = Lanes(device, self.tracer)
-        self._load_weights(source, nvme_dir, progress)
+        self.weights = place_weights(
+            source, policy, dtype, device, self.lanes, self.ledger, nvme_dir, progress,
+            shared_weights,
+        )  # fmt: skip
+        self.homes, self.fetcher = self.weights.homes, self.weights.fetcher
+        self.experts = self.weights.experts
+        self.load_seconds = self.weights.seconds
+        # the parts `policies.job.load_estimate` predicts (the warm-up adds its own)
+        self.load_parts = dict(self.weights.parts)
         spill_dir = nvme_dir if nvme_dir is not None else Path(".")
         self.kv = KVManager(
             self.cfg,
@@ -117,11 +121,12 @@ class Executor(LaneReports):  # implements runner.Runner
             policy.kv_compression,
             disk_buffers,
         )
-        self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.rotary else None
+        self.rotary = ops.Rotary.of(self.cfg, device)
         self._micro: list[slice] = []
         self.acts = ActivationHomes(self.lanes, device, dtype)
         self.traces: list[StepTrace] = []
-        self.prefill_spans: list | None = None  # the last prefill's, while tracing
+        self.prefill_spans: list | None = None  # the last traced prefill's
+        self.last_spans: list | None = None  # the last traced decode step's
         # (the graphs capture no collectives: tensor-parallel ranks run eagerly; nor a
         # mixture of experts' routing, which the host reads every layer)
         self.cuda_graphs = (
@@ -131,40 +136,6 @@ class Executor(LaneReports):  # implements runner.Runner
         self._graph_rows: tuple[int, ...] = ()  # micro-batch rows the graphs are for
         self._warm_rows: tuple[int, ...] = ()  # ran one eager decode step (compiled)
         self._graph_bytes = 0  # what the graphs' buffers hold, in the ledger
-
-    def _load_weights(self, source: WeightSource, nvme_dir: Path | None, progress: bool) -> None:
-        """The weight store (for weights on disk), the pinned pool and every stage's
-        homes (`WeightHomes`), and the fetcher that streams them in."""
-        policy, dtype, device = self.policy, self.dtype, self.device
-        started = time.perf_counter()
-        store = None
-        if policy.weights.disk > 0:  # first: a disk short of room fails before pinning
-            assert nvme_dir is not None, "the caller checks --nvme for disk policies"
-            store = ensure_store(
-                source, nvme_dir, dtype, progress, policy.weight_compression, policy.weights
-            )
-        stored = time.perf_counter()
-        plan = weight_plan(self.cfg, policy, dtype)
-        self.pool = PinnedPool(max(4096, plan["weights_cpu"] + plan["weight_staging_cpu"]))
-        self.reader = ExtentReader(threads=8)
-        pinned = time.perf_counter()
-        self.homes = WeightHomes(
-            source, policy.weights, dtype, device, self.pool, self.ledger, store,
-            policy.weight_compression, progress,
-        )  # fmt: skip
-        self.fetcher = WeightFetcher(
-            self.homes, self.lanes, device, self.pool, self.reader, self.ledger
-        )
-        self.experts = ExpertFetcher(self.fetcher, device, self.pool, self.ledger, policy)
-        self.load_seconds = time.perf_counter() - started
-        if progress:
-            log.info(
-                "loaded in %.1f s: weight store %.1f s, pinning %.1f s, placing weights %.1f s",
-                self.load_seconds,
-                stored - started,
-                pinned - stored,
-                started + self.load_seconds - pinned,
-            )
 
     # -- before the job -------------------------------------------------------------------
     def warm_up(self, progress: bool = False) -> float:
@@ -188,17 +159,17 @@ class Executor(LaneReports):  # implements runner.Runner
             cpu_attention.available(compressed=self.policy.kv_compression is not None)
         if self.device.type == "cuda":
             decoder.warm_kernels(self.cfg, self.dtype, self.device)
-        if not (self.cuda_graphs and self.policy.decode_graphs) or self.tracer.enabled:
-            seconds = time.perf_counter() - started  # (a traced run replays no graphs)
+        if not (self.cuda_graphs and self.policy.decode_graphs) or (
+            self.tracer.every == 1 and self.tracer.enabled
+        ):
+            seconds = time.perf_counter() - started  # (a run traced whole replays no graphs)
             self.load_seconds += seconds
+            self.load_parts["warm_s"] = seconds
             if progress and seconds > 0.5:
                 log.info("warmed up in %.1f s (kernels loaded)", seconds)
             return seconds
         rows = self.policy.block_size
-        # prefill's matmuls take the dense path (qmatmul.DENSE_ROWS) as the job's will:
-        # a micro-batch of the warm-up's prompts has that many rows
-        prompt = -(-qmatmul.DENSE_ROWS // self.policy.gpu_batch_size)
-        prompt = min(max(WARM_PROMPT, -(-prompt // 16) * 16), self.cfg.max_position_embeddings - 3)
+        prompt = warm_up_prompt(self.cfg, self.policy)
         # the first decode step runs eagerly (compiling), the second captures the graphs
         batch = PaddedBatch(self.cfg, [[0] * prompt] * rows, 3, pad_id=0)
         self.start(batch)
@@ -208,6 +179,7 @@ class Executor(LaneReports):  # implements runner.Runner
             self.forward(token, self.step_inputs(batch, batch.prompt_len + t, 1))
         seconds = time.perf_counter() - started
         self.load_seconds += seconds
+        self.load_parts["warm_s"] = seconds
         if progress:
             log.info("warmed up in %.1f s (kernels compiled, decode graphs captured)", seconds)
         return seconds
@@ -228,7 +200,7 @@ class Executor(LaneReports):  # implements runner.Runner
         self.acts.start(act_gpu_rows, self.kv.start(splits, batch.max_slots, act_bytes))
 
     def step_inputs(self, batch: PaddedBatch, cache_start: int, num_new: int) -> StepInputs:
-        return batch.step_inputs(cache_start, num_new, self.dtype, self.device, self.inv_freq)
+        return batch.step_inputs(cache_start, num_new, self.dtype, self.device, self.rotary)
 
     @torch.inference_mode()
     def forward(
@@ -244,6 +216,7 @@ class Executor(LaneReports):  # implements runner.Runner
         returns once issued (no host buffer or transfer thread takes part in it), so the
         caller can issue the next step while this one runs (`decode_loop`); every other
         step waits for the GPU, as all do with wait=True."""
+        self.tracer.next_step()
         self.experts.rebalance()  # (a mixture of experts' placement by routing)
         self.tracer.spans.clear()
         self.tracer.begin(self.device.type == "cuda")
@@ -294,6 +267,8 @@ class Executor(LaneReports):  # implements runner.Runner
             )
             if prefill:
                 self.prefill_spans = spans
+            else:
+                self.last_spans = spans
         return out[:, -1] if last_only else out
 
     # -- a decode step from CUDA graphs ----------------------------------------------------
@@ -319,10 +294,9 @@ class Executor(LaneReports):  # implements runner.Runner
             self._drop_graphs()  # the old sizes' graphs and memory go first
             self.kv.settle()  # no transfer thread's CUDA call inside the capture
             stages = [self.fetcher.get(s) for s in range(len(self.homes.images))]
-            rope = self.inv_freq is not None
             before = torch.cuda.memory_allocated(self.device)
             self._graphs = [
-                DecodeGraphs(self.cfg, stages, n, self.dtype, self.device, rope) for n in rows
+                DecodeGraphs(self.cfg, stages, n, self.dtype, self.device, step) for n in rows
             ]
             self._graph_rows = rows
             self._graph_bytes = max(0, torch.cuda.memory_allocated(self.device) - before)
@@ -347,7 +321,7 @@ class Executor(LaneReports):  # implements runner.Runner
                 self.kv.load_layer(layer, steps[0].cache_start, copy_follows=False)
 
             def begin(k: int, layer=layer):
-                graph, step = graphs[k], steps[k]
+                graph, step = graphs[k], decoder.layer_step(self.cfg, steps[k], layer)
                 q, k_new, v_new = graph.qkv(layer)
                 return self.kv.attention(
                     layer, k, q, k_new, v_new, step.bias, step.cache_start, step.causal,
@@ -367,9 +341,9 @@ class Executor(LaneReports):  # implements runner.Runner
 
         def begin(k: int):
             x = self.acts.load(k, hidden[k])
+            step = decoder.layer_step(self.cfg, steps[k], layer)
             with self.lanes.on("compute", f"L{layer} mb{k} qkv"):
-                q, k_new, v_new, residual = decoder.attn_in(self.cfg, w, x, steps[k])
-            step = steps[k]
+                q, k_new, v_new, residual = decoder.attn_in(self.cfg, w, x, step)
             context = self.kv.attention(
                 layer, k, q, k_new, v_new, step.bias, step.cache_start, step.causal
             )
@@ -428,7 +402,7 @@ class Executor(LaneReports):  # implements runner.Runner
 
     def memory_report(self) -> dict[str, dict[str, int]]:
         report = self.ledger.snapshot()
-        report["weights_pool"] = self.pool.stats()
+        report["weights_pool"] = self.weights.pool.stats()
         if self.kv.pool is not None:
             report["kv_pool"] = self.kv.pool.stats()
         return report
@@ -437,14 +411,12 @@ class Executor(LaneReports):  # implements runner.Runner
         sys.setswitchinterval(self._switch_interval)
         self._drop_graphs()
         self.kv.close()
-        self.fetcher.close()
-        self.experts.close()
-        self.reader.close()
-        self.pool.close()
+        self.weights.close()
 
 
 def _slice_step(step: StepInputs, rows: slice) -> StepInputs:
     rope = None if step.rope is None else (step.rope[0][rows], step.rope[1][rows])
+    local = None if step.local is None else _slice_step(step.local, rows)
     return dataclasses.replace(
-        step, positions=step.positions[rows], bias=step.bias[rows], rope=rope
+        step, positions=step.positions[rows], bias=step.bias[rows], rope=rope, local=local
     )

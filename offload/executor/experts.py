@@ -35,7 +35,7 @@ from offload.executor.moe_layer import moe_layer
 from offload.io.layout import EXPERT_BUFFERS, ExpertSpan, TensorSlot
 from offload.io.pinned import PinnedPool, PoolBlock
 from offload.io.reader import ExtentReader
-from offload.io.store import Extent
+from offload.io.store_format import Extent
 from offload.io.tiers import MemoryLedger, Tier
 from offload.kernels.formats import Compression
 from offload.kernels.quant import assemble_stage
@@ -164,10 +164,14 @@ class ExpertFetcher:
         pool: PinnedPool,
         ledger: MemoryLedger,
         policy,  # the run's `policies.Policy`: its overlap and cpu_experts
+        movable: bool = True,
     ) -> None:
+        """movable: experts may change places by routing (`rebalance`); not where the
+        pinned homes are shared with other processes (`placing.SharedWeights`)."""
         self.lanes: Lanes = fetcher.lanes
         self.reader: ExtentReader = fetcher.reader
         self.overlap, self.cpu_share = policy.overlap, policy.cpu_experts
+        self.movable = movable
         # computes experts on the CPU (`kernels.cpu_expert`) beside the launching thread
         self.cpu_worker = ThreadPoolExecutor(1, "cpu-expert") if self.cpu_share else None
         # run every expert for every micro-batch, as model-based batching does, for
@@ -320,7 +324,9 @@ class ExpertFetcher:
         """Between steps: once the rows counted have doubled since the last time (or
         `now`), each layer's most used experts in pinned memory trade places with its
         least used on the GPU (while they took more rows). Returns the swaps made."""
-        if not self._counted or (self._counted < 2 * self._rebalanced_at and not now):
+        if not self.movable or not self._counted:
+            return 0
+        if self._counted < 2 * self._rebalanced_at and not now:
             return 0
         self._rebalanced_at = self._counted
         swaps = 0

@@ -35,31 +35,43 @@ class DecodeGraphs:
         rows: int,
         dtype: torch.dtype,
         device: torch.device,
-        rope: bool,
+        like: StepInputs,
     ) -> None:
-        """stages: every stage's GPU-resident weights (embed, layers, head)."""
+        """stages: every stage's GPU-resident weights (embed, layers, head); like: a
+        decode step's inputs, whose rope tables (and local ones) the buffers copy."""
         self.ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
-        self.rope = None
-        if rope:
-            shape = (rows, 1, cfg.rotary_dim)
-            self.rope = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "cs")
+
+        def buffers(rope):
+            if rope is None:
+                return None
+            shape = (rows, 1, rope[0].shape[-1])
+            return tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "cs")
+
+        self.rope = buffers(like.rope)
         self.ctx = torch.zeros((rows, 1, cfg.num_heads * cfg.head_dim), dtype=dtype, device=device)
         # attention reads none of the step's other fields inside the graphs
-        step = StepInputs(self.positions, self.ctx, 0, self.rope)
+        self.local_rope = None if like.local is None else buffers(like.local.rope)
+        local = None
+        if like.local is not None:  # the windowed layers' own rope tables
+            local = StepInputs(self.positions, self.ctx, 0, self.local_rope)
+        step = StepInputs(self.positions, self.ctx, 0, self.rope, local=local)
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.outputs: list = []  # per graph: (q, k, v, residual), the last: logits
         layers = cfg.num_layers
         pool = torch.cuda.graph_pool_handle()  # shared by these graphs: replayed in order
         with self._capture(pool):
             x = decoder.embed(cfg, stages[0], self.ids, self.positions)
-            self.outputs.append(decoder.attn_in(cfg, stages[1], x, step))
+            self.outputs.append(
+                decoder.attn_in(cfg, stages[1], x, decoder.layer_step(cfg, step, 0))
+            )
         for layer in range(layers):
             with self._capture(pool):
                 residual = self.outputs[layer][3]
                 h = decoder.attn_out_and_mlp(cfg, stages[1 + layer], self.ctx, residual)
                 if layer + 1 < layers:
-                    self.outputs.append(decoder.attn_in(cfg, stages[2 + layer], h, step))
+                    after = decoder.layer_step(cfg, step, layer + 1)
+                    self.outputs.append(decoder.attn_in(cfg, stages[2 + layer], h, after))
                 else:
                     self.outputs.append(decoder.head(cfg, stages[-1], h))
 
@@ -77,10 +89,14 @@ class DecodeGraphs:
         """The step's inputs into the static buffers; embedding and layer 0's QKV."""
         self.ids.copy_(token_ids)
         self.positions.copy_(step.positions)
-        if self.rope is not None:
-            assert step.rope is not None
-            self.rope[0].copy_(step.rope[0])
-            self.rope[1].copy_(step.rope[1])
+        for buffers, rope in (
+            (self.rope, step.rope),
+            (self.local_rope, step.local and step.local.rope),
+        ):
+            if buffers is not None:
+                assert rope is not None
+                buffers[0].copy_(rope[0])
+                buffers[1].copy_(rope[1])
         self.graphs[0].replay()
 
     def qkv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -158,7 +158,7 @@ class KVManager:
         overwrites a staging block in use. Reads run ahead by disk blocks, not by
         micro-batches: BLOOM-176B's searched plan has one disk block among a layer's 16
         micro-batches, and reading it two micro-batches ahead (3 ms of compute, against
-        an 8 ms read) stalled every layer 24 ms (H100 trace of run 180719)."""
+        an 8 ms read) stalled every layer 24 ms (H100 trace; docs/executor.md)."""
         done = bisect.bisect_right(self._disk_order, (layer, mb))
         for key in self._disk_order[done : done + self.disk_buffers]:
             self.prefetch(*key, num_tokens)
@@ -335,12 +335,12 @@ class KVManager:
         weights' copy stream (`Lanes`), so each one issued here runs before that copy
         and never behind it. Loaded one micro-batch ahead on a stream of their own, the
         copy engine drained the whole queued weight copy (25 ms) first, then the loads:
-        a BLOOM-176B layer took both, one after the other (H100 run 193922). So with a
+        a BLOOM-176B layer took both, one after the other (H100; docs/executor.md). So with a
         copy to follow the host waits here for each disk read; without one, a block
         whose read is still running loads at its attention instead, and the micro-
         batches before it go on computing meanwhile (OPT-30B, int4 weights on the GPU,
         a disk row in each of 2 micro-batches: the host waited for the second's read
-        before it issued the first's layer, H100 trace 20261125-0609).
+        before it issued the first's layer, H100 trace; docs/executor.md).
         Of the layer's blocks with disk rows, the first `disk_buffers` only: each later
         one is read into the staging block of one before it in this layer, which its
         attention still updates and writes back (they load at their attention)."""
@@ -429,7 +429,8 @@ class KVManager:
         # not queued on the h2d stream behind the next layer's weights. It still waits
         # for the copy engine to finish that weight copy (about 11 ms, the first micro-
         # batch of every layer; H2D copies of all streams share the engine in order):
-        # splitting weight copies into chunks is the measured next step (docs/executor.md).
+        # splitting weight copies into chunks would shorten that wait (not built;
+        # docs/executor.md).
         # A pinned high-priority stream for it measured no better.
         with self.lanes.on("compute", f"attn out mb{mb}", context.numel() * self.elt):
             return context.to(self.device, non_blocking=True)

@@ -74,7 +74,7 @@ def _page_spans(
 # read into its own staging block) when they are at most this far apart: each request
 # costs its thread two GIL handoffs beside the launching host thread, and the spill
 # file's threads run them in parallel, so a compressed home's eight tensor prefixes
-# were eight requests a block (Llama-3.1-8B, H100 profile 20261125); 256 KiB take the
+# were eight requests a block (Llama-3.1-8B, H100 profile; docs/io.md); 256 KiB take the
 # disk about 0.1 ms. A write-back never merges: the staging block holds only the pages
 # read, and the bytes between would overwrite the home's with another block's.
 READ_MERGE_GAP = 256 * 1024
@@ -92,7 +92,7 @@ class KVTransfer:
         # disk reads have a thread of their own: queued in `_io` behind stores that
         # wait for their micro-batch's compute, a read issued blocks ahead started only
         # when the GPU reached it, and the host then waited for it (BLOOM-176B: about
-        # 24 ms a layer, run 192418)
+        # 24 ms a layer; docs/executor.md)
         self._reads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-kv-read")
         # per store staging block: the stores in flight in it, (start, end, future), and
         # where the next one goes (`_claim`)

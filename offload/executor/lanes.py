@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
-LANES = ("compute", "h2d", "h2d_kv", "d2h", "disk", "cpu_attn", "cpu_copy", "host_wait")
+LANES = (
+    "compute", "h2d", "h2d_kv", "d2h", "disk", "cpu_attn", "cpu_copy", "host_wait", "allreduce",
+)  # fmt: skip
 LANES += ("cpu_expert",)  # a mixture of experts' experts computed on the CPU
 # lanes that share one physical link: their union is the link's busy time
 LINKS = {"pcie_h2d": ("h2d", "h2d_kv")}
@@ -38,9 +40,28 @@ class Tracer:
     """Collects spans; device spans hold CUDA events resolved when the step ends."""
 
     enabled: bool = False
+    # with tracing asked for (`enabled` at construction): one step traced in `every`
+    # (`next_step`), the others run untraced (and replay CUDA graphs where they can)
+    every: int = 1
     spans: list[_Span] = field(default_factory=list)
     _base_event: torch.cuda.Event | None = None
     _base_time: float = 0.0
+    _asked: bool = False
+    _steps: int = 0
+
+    def __post_init__(self) -> None:
+        self._asked = self.enabled
+
+    @property
+    def asked(self) -> bool:
+        """Whether a trace was asked for (some steps record spans)."""
+        return self._asked
+
+    def next_step(self) -> None:
+        """A step starts: sampled tracing records one step in `every` (from the first)."""
+        if self._asked and self.every > 1:
+            self.enabled = self._steps % self.every == 0
+            self._steps += 1
 
     def begin(self, cuda: bool) -> None:
         self._base_time = time.perf_counter()
@@ -48,7 +69,15 @@ class Tracer:
             self._base_event = torch.cuda.Event(enable_timing=True)
             self._base_event.record()
 
-    def host_span(self, lane: str, name: str, start: float, end: float, nbytes: int = 0) -> None:
+    def host_span(
+        self,
+        lane: str,
+        name: str,
+        start: float | torch.cuda.Event,
+        end: float | torch.cuda.Event,
+        nbytes: int = 0,
+    ) -> None:
+        """A span timed by the caller: host seconds, or CUDA events on a stream."""
         if self.enabled:
             self.spans.append(_Span(lane, name, start, end, nbytes))
 
@@ -166,14 +195,14 @@ class Lanes:
         # engine drains one stream's queue before it turns to another's, so the order
         # of copies on one stream is the only order there is (a layer's KV loads go
         # before the next layer's weights: `KVManager.load_layer`). On a stream of
-        # their own they waited for a whole queued weight copy (BLOOM-176B, H100 run
-        # 193922, H200 runs 195008 and 200257)
+        # their own they waited for a whole queued weight copy (BLOOM-176B, H100 and
+        # H200; docs/executor.md)
         self.h2d_kv = self.h2d
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
         self._copy_lanes = {"h2d": self.h2d, "h2d_kv": self.h2d_kv, "d2h": self.d2h}
         # the device by number: `torch.cuda.current_stream` resolves a torch.device
         # through several Python calls (about 800 a decode step of Llama-3.1-8B with
-        # two micro-batches of off-GPU KV, H100 profile 20261125)
+        # two micro-batches of off-GPU KV, H100 profile; docs/executor.md)
         self._index = None
         if self.cuda:
             self._index = device.index if device.index is not None else torch.cuda.current_device()

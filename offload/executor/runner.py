@@ -16,10 +16,11 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from offload.core.config import ModelConfig
+from offload.core.progress import tracked
 from offload.io.tiers import Tier
 from offload.kernels import cpu_attention
 from offload.kernels.formats import Compression
-from offload.kernels.quant import fake_quantize, is_quantized
+from offload.kernels.quant import QTensor, fake_quantize, is_quantized
 from offload.models import decoder, ops
 from offload.models.attention import LayerKV
 from offload.models.batch import PaddedBatch
@@ -29,11 +30,14 @@ from offload.models.weights import WeightSource
 
 
 def _compressed(weights: Weights, config: Compression | None) -> Weights:
-    """The values a compressed run computes with (quantize, dequantize)."""
+    """The values a compressed run computes with (quantize, dequantize); a pre-quantized
+    checkpoint's matrices (`QTensor`s) are those values already."""
     if config is None:
         return weights
     return {
-        k: fake_quantize(v, config) if is_quantized(k, tuple(v.shape), config) else v
+        k: fake_quantize(v, config)
+        if is_quantized(k, tuple(v.shape), config) and not isinstance(v, QTensor)
+        else v
         for k, v in weights.items()
     }
 
@@ -94,19 +98,24 @@ def prefill_trace_path(path: Path) -> Path:
 
 
 class LaneReports:
-    """The memory and trace reports of a runner with a `ledger`, `tracer`, `traces` and
-    `prefill_spans` (the last prefill's resolved spans, kept while tracing)."""
+    """The memory and trace reports of a runner with a `ledger`, `tracer`, `traces`,
+    `last_spans` and `prefill_spans` (the last traced decode step's and prefill's
+    resolved spans)."""
 
     def peak_disk_bytes(self) -> int:
         return self.ledger.peak(Tier.DISK)
 
     def write_trace(self, path: Path) -> bool:
-        """The last step's trace at path, and the last prefill's beside it
-        (<stem>_prefill<suffix>) when the last step was not that prefill."""
-        if not self.tracer.enabled:
+        """The last traced decode step's trace at path (the last traced prefill's where
+        no decode step was traced), and the last traced prefill's beside it
+        (<stem>_prefill<suffix>)."""
+        if not (self.tracer.enabled or self.tracer.asked):
             return False
-        self.tracer.write_chrome(path)
-        if self.prefill_spans is not None and self.traces and not self.traces[-1].prefill:
+        if self.last_spans is None:
+            self.tracer.write_chrome(path, self.prefill_spans)
+            return True
+        self.tracer.write_chrome(path, self.last_spans)
+        if self.prefill_spans is not None:
             self.tracer.write_chrome(prefill_trace_path(path), self.prefill_spans)
         return True
 
@@ -146,9 +155,7 @@ class PlainRunner:
         self.embed_w: Weights = source.embed(dtype, device)
         layers = range(self.cfg.num_layers)
         if progress:
-            from tqdm import tqdm
-
-            layers = tqdm(layers, desc="loading layers", unit="layer", leave=False)
+            layers = tracked(layers, self.cfg.num_layers, "loading layers", "layer")
         self.layer_w: list[Weights] = [
             _compressed(source.layer(i, dtype, device), weight_compression) for i in layers
         ]
@@ -166,7 +173,7 @@ class PlainRunner:
             # reported 1.0 tok/s, 6.8 s of its 7.5 s decode the build (2-core CI machine)
             cpu_attention.available(compressed=kv_compression is not None)
         self.load_seconds = time.perf_counter() - started
-        self.inv_freq = ops.rope_inv_freq(self.cfg, device) if self.cfg.rotary else None
+        self.rotary = ops.Rotary.of(self.cfg, device)
         self._cache: list[LayerKV] = []
 
     kv_pool_bytes = 0
@@ -203,7 +210,7 @@ class PlainRunner:
         ]
 
     def step_inputs(self, batch: PaddedBatch, cache_start: int, num_new: int) -> StepInputs:
-        return batch.step_inputs(cache_start, num_new, self.dtype, self.device, self.inv_freq)
+        return batch.step_inputs(cache_start, num_new, self.dtype, self.device, self.rotary)
 
     @torch.inference_mode()
     def forward(
@@ -216,8 +223,9 @@ class PlainRunner:
         """Run new tokens [B, T] through the stack; fp32 logits [B, V] (or [B, T, V]).
         (Stream-ordered where wait is False: no synchronize either way.)"""
         x = decoder.embed(self.cfg, self.embed_w, token_ids.to(self.device), step.positions)
-        for weights, kv in zip(self.layer_w, self._cache, strict=True):
-            x = decoder.layer_forward(self.cfg, weights, x, step, kv)
+        for layer, (weights, kv) in enumerate(zip(self.layer_w, self._cache, strict=True)):
+            layer_step = decoder.layer_step(self.cfg, step, layer)
+            x = decoder.layer_forward(self.cfg, weights, x, layer_step, kv)
         if last_only:
             x = x[:, -1:]
         logits = decoder.head(self.cfg, self.head_w, x)

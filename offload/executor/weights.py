@@ -27,6 +27,7 @@ import torch
 import xxhash
 
 from offload.core.errors import UserError
+from offload.core.progress import tracked
 from offload.executor.experts import ExpertHomes
 from offload.executor.lanes import Lanes
 from offload.io.layout import (
@@ -43,14 +44,14 @@ from offload.io.layout import (
     stage_keys,
     stage_layout,
 )
-from offload.io.pinned import PinnedPool, PoolBlock
+from offload.io.pinned import PinnedPool, PoolBlock, align_up
 from offload.io.reader import ExtentReader
-from offload.io.store import Extent, WeightStore
+from offload.io.store_format import Extent, WeightStore
 from offload.io.tiers import MemoryLedger, Tier
 from offload.kernels.formats import Compression
 from offload.kernels.quant import assemble_stage, compress_stage
 from offload.models.shapes import Weights, stage_shapes
-from offload.models.weights import DummySource, WeightSource
+from offload.models.weights import WeightSource
 from offload.policies.policy import Placement
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class StageImage:
     disk_extents: tuple[Extent, ...] = ()  # cover [cpu_end, fetch_end), offsets in the store file
     tail_start: int = 0  # where the store file begins in the image
     # a GPU-resident stage's views, built once (50 tensors' views cost 0.15 ms of host
-    # time a stage, 7 ms a decode step of OPT-30B: measured with scripts/profile_step.py)
+    # time a stage, 7 ms a decode step of OPT-30B; scripts/profile_step.py shows it)
     resident_views: Weights | None = None
     # the embedding's stage when not every weight is on the GPU (`io.layout.gathered`):
     # whole in pinned memory, its table read there a few rows a step
@@ -163,17 +164,26 @@ class WeightHomes:
         store: WeightStore | None,
         compression: Compression | None = None,
         progress: bool = False,
+        fill_cpu: bool = True,
     ) -> None:
+        """fill_cpu: False where another process writes the pool's pages (one pinned copy
+        shared by a node's processes, `placing.SharedWeights`): a stage held wholly in
+        CPU memory is then not made at all, and no stage's CPU part is written here."""
         cfg = source.config
         if placement.disk > 0 and store is None:
             raise UserError("the policy puts weights on disk; give --nvme DIR for the weight store")
         self.images: list[StageImage] = []
         cuts = stage_cuts(cfg, dtype, compression, placement)
+        # every stage's GPU home in one allocation, made before the stages are drawn or
+        # read: the caching allocator has no home to scatter among the load's transient
+        # blocks, so the transients' segments go back whole once the load ends
+        self.gpu_arena = torch.empty(
+            sum(align_up(gpu_end) for gpu_end, _ in cuts), dtype=torch.uint8, device=device
+        )
+        arena_at = 0
         stages = zip(stage_keys(cfg), cuts, strict=True)
         if progress:
-            from tqdm import tqdm
-
-            stages = tqdm(stages, desc="placing weights", unit="stage", total=len(cuts))
+            stages = tracked(stages, len(cuts), "placing weights", "stage")
         for key, (gpu_end, cpu_end) in stages:
             layout = (
                 store.layout(key)
@@ -187,13 +197,18 @@ class WeightHomes:
             image.span = expert_span(cfg, key, dtype, compression)
             image.gathered = gathered(key, placement)
             image.tail_start = store.tail_start(key) if store is not None else 0
-            host = self._host_image(source, image, dtype, device)
+            write = fill_cpu or image.gathered  # (its views are taken now: identical bytes)
+            make = write or gpu_end > 0 or size > cpu_end
+            host = self._host_image(source, image, dtype, device) if make else None
             if gpu_end:
-                image.gpu_home = host[:gpu_end].to(device, copy=True)
+                image.gpu_home = self.gpu_arena[arena_at : arena_at + gpu_end]
+                image.gpu_home.copy_(host[:gpu_end])
+                arena_at += align_up(gpu_end)
                 ledger.add(Tier.GPU, gpu_end)
             if cpu_end > gpu_end:
                 image.cpu_home = pool.alloc(cpu_end - gpu_end)
-                image.cpu_home.tensor.copy_(host[gpu_end:cpu_end])
+                if write:
+                    image.cpu_home.tensor.copy_(host[gpu_end:cpu_end])
                 ledger.add(Tier.CPU, image.cpu_home.reserved)
             if size > cpu_end:
                 assert store is not None
@@ -233,7 +248,7 @@ class WeightHomes:
     ) -> torch.Tensor:
         stage, _, index = image.key.partition(".")
         # dummy weights are made on the compute device (a GPU draws them far faster)
-        make_on = device if isinstance(source, DummySource) else torch.device("cpu")
+        make_on = device if source.draws_on_device else torch.device("cpu")
         weights = compress_stage(
             source.stage(stage, int(index or 0), dtype, make_on), image.compression
         )

@@ -49,10 +49,9 @@ if TYPE_CHECKING:
 # previous layer's write-back still holds, so the read waits for that chain (its
 # unpack and write-back) every layer; with four it reads a layer ahead. H100, full
 # models, 8 x 2, int4 weights, a decode step in same-process pairs, two against four
-# (2026-11-25, docs/cost_model.md): OPT-30B int4 KV 513 / 425 ms, fp16 KV 1069 / 933;
+# (docs/cost_model.md): OPT-30B int4 KV 513 / 425 ms, fp16 KV 1069 / 933;
 # Llama-3.1-8B int4 KV 219 / 207, 228 / 182, 178 / 199; fp16 KV 204 / 183, 187 / 157.
-# (Two had measured best in run 184357, when a read still waited on the host and went
-# in 1 MiB requests.)
+# (Two suffice only where a read waits on the host and goes in 1 MiB requests.)
 DISK_BUFFERS = 4
 
 

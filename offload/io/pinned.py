@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.core.errors import UserError
+from offload.io.shared import SharedMemory
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +63,23 @@ class PoolBlock:
 
 
 class PinnedPool:
-    """`capacity` bytes of (pinned, where CUDA exists) host memory. Close it when done."""
+    """`capacity` bytes of (pinned, where CUDA exists) host memory. Close it when done.
+    memory: the pool lives in this shared memory (`io.shared`: several processes of a node
+    hold the same pages; each pins them in its own CUDA context), which it does not own."""
 
-    def __init__(self, capacity: int, pin: bool | None = None) -> None:
+    def __init__(
+        self, capacity: int, pin: bool | None = None, memory: SharedMemory | None = None
+    ) -> None:
         if capacity <= 0:
             raise ValueError(f"pool capacity must be positive, got {capacity}")
         self.capacity = align_up(capacity)
-        self._map = mmap.mmap(-1, self.capacity)
-        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.shared = memory is not None
+        if memory is not None:
+            assert memory.nbytes >= self.capacity, "the shared memory holds the pool"
+            self._map, self.buffer = memory.mapping, memory.buffer[: self.capacity]
+        else:
+            self._map = mmap.mmap(-1, self.capacity)
+            self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
         self.pinned = torch.cuda.is_available() if pin is None else pin
         if self.pinned:
             err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.capacity, 0)
@@ -146,6 +156,8 @@ class PinnedPool:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
         del self.buffer
+        if self.shared:  # its owner (`SharedMemory.close`) unmaps it
+            return
         try:
             self._map.close()
         except BufferError:  # a view is still alive somewhere; the OS frees it at exit

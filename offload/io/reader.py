@@ -24,7 +24,7 @@ import xxhash
 from offload.core.errors import UserError
 from offload.io.direct import open_direct
 from offload.io.pinned import PoolBlock
-from offload.io.store import Extent
+from offload.io.store_format import Extent
 
 log = logging.getLogger(__name__)
 

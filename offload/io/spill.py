@@ -22,8 +22,8 @@ from offload.io.pinned import ALIGN, align_up
 
 # requests in flight, and the most one request moves: a disk KV home of a few MB is
 # read in one request. On the H100 machine's disk, beside a busy host thread, a 4.4 MB
-# home took 2.3 ms in one request against 3.6 in 1 MiB requests (`scripts/
-# disk_pattern.py --busy-host`, 2026-11-25); the weight store's reader moves 8 MiB too
+# home took 2.3 ms in one request against 3.6 in 1 MiB requests (`scripts/lab/
+# disk_pattern.py --busy-host`; docs/io.md); the weight store's reader moves 8 MiB too
 THREADS = 8
 CHUNK_BYTES = 8 * 2**20
 # the GIL's switch interval while an executor runs (it sets it). Worker threads (KV

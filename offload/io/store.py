@@ -1,19 +1,4 @@
-"""The NVMe weight store: per-stage files of 4 KiB-aligned tensor extents and a manifest.
-
-Layout of a store directory (one per model, dtype and compression):
-
-    manifest.json      format version, model, config hash, dtype, compression and, per
-                       stage, its file, image size and tail_start, and each tensor's
-                       image offset, nbytes, shape, dtype and xxh3-64 (of the whole tensor)
-    embed.bin, layer_0000.bin, ..., head.bin
-
-A stage file holds the bytes [tail_start, size) of the stage's image (`io.layout`): the
-part a policy puts on disk, which is all the executor ever reads from it (the rest it
-reads from the source once, at set-up). A tensor's file offset is its image offset -
-tail_start. Without a placement (`offload-convert`) tail_start is 0 and the store holds
-the whole model. Every extent starts on a 4 KiB boundary and is zero-padded to a
-multiple of 4 KiB, so it can be read with O_DIRECT straight into an aligned pinned
-buffer; tail_start is a cut, so 4 KiB aligned too.
+"""Building and finding NVMe weight stores (`io.store_format` gives their format).
 
 A store serves a plan when every stage's tail_start is at most the plan's cut (it holds
 at least what the plan reads from disk): a re-plan that moves less onto disk reuses it,
@@ -24,7 +9,9 @@ written whole by offload-convert serves every plan.
 
 A store is built in `<dir>.partial/` (each file fsynced, the manifest written last) and
 renamed into place, so an interrupted conversion never leaves a directory that looks
-complete and an existing store stays intact until the new one is whole.
+complete and an existing store stays intact until the new one is whole. A build that
+is killed keeps the stages it synced (named in `progress.json`), and the same command
+resumes it.
 """
 
 from __future__ import annotations
@@ -39,243 +26,39 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xxhash
 
 from offload.core.config import ModelConfig
-from offload.core.errors import UserError
-from offload.io.atomic import atomic_write, fsync_dir
-from offload.io.layout import (
-    TensorSlot,
-    shares_table,
-    stage_keys,
-    stage_layout,
-    store_bytes,
-    store_tails,
+from offload.core.errors import DiskFull, UserError
+from offload.core.progress import tracked
+from offload.io.atomic import atomic_write, fsync_dir, size_text
+from offload.io.layout import stage_keys, stage_layout, store_bytes, store_tails
+from offload.io.pinned import ALIGN
+from offload.io.store_format import (
+    DTYPE_NAMES,
+    FORMAT_VERSION,
+    MANIFEST,
+    WeightStore,
+    checksum,
+    compression_name,
+    split_key,
+    stage_file,
+    store_dir,
+    tensor_bytes,
+    write_stage_file,
 )
-from offload.io.pinned import ALIGN, align_up
 from offload.kernels.formats import Compression
 from offload.kernels.quant import compress_stage
 from offload.models.weights import WeightSource
 
 log = logging.getLogger(__name__)
 
-# 2 adds each stage's tail_start (a version 1 store is read as whole); 3 holds a tied
-# model's table once, in the head (`io.layout.shares_table`): a tied model's older store
-# has it in the embedding too, and is rebuilt
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
-MANIFEST = "manifest.json"
-DTYPE_NAMES = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-}
-DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 SPACE_MARGIN = 64 * 2**20
-
-
-def checksum(data: memoryview | bytes) -> str:
-    return xxhash.xxh3_64_hexdigest(data)
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """A tensor's bytes as a stage file holds them (and its checksum is taken of)."""
-    return memoryview(tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
+PROGRESS = "progress.json"
 
 
 def _file_bytes(entries: Iterable[dict]) -> int:
     """Bytes on disk of stage files (each holds its stage from its tail_start)."""
     return sum(entry["size"] - entry["tail_start"] for entry in entries)
-
-
-def _stage_file(key: str) -> str:
-    if key.startswith("layer."):
-        return f"layer_{int(key.split('.')[1]):04d}.bin"
-    return f"{key}.bin"
-
-
-def _split_key(key: str) -> tuple[str, int]:
-    stage, _, index = key.partition(".")
-    return stage, int(index or 0)
-
-
-@dataclass(frozen=True)
-class Extent:
-    """A piece of a stage file to read: `offset` is in the file."""
-
-    stage: str
-    name: str
-    path: Path
-    offset: int
-    nbytes: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    xxh3: str
-
-    @property
-    def padded(self) -> int:
-        return align_up(self.nbytes)
-
-
-def compression_name(compression: Compression | None) -> str | None:
-    if compression is None:
-        return None
-    kind = "sym" if compression.symmetric else "asym"
-    return f"int{compression.bits}-g{compression.group_size}-{kind}"
-
-
-def store_dir(
-    nvme_dir: Path, cfg: ModelConfig, dtype: torch.dtype, compression: Compression | None = None
-) -> Path:
-    safe_name = "".join(c if c.isalnum() or c in "-._" else "_" for c in cfg.name)
-    suffix = f"-{compression_name(compression)}" if compression is not None else ""
-    return nvme_dir / f"{safe_name}-{cfg.fingerprint()}-{DTYPE_NAMES[dtype]}{suffix}"
-
-
-class WeightStore:
-    """An opened, complete store. `extents(key)` lists a stage's tensors."""
-
-    def __init__(self, directory: Path, manifest: dict) -> None:
-        self.directory = directory
-        self.manifest = manifest
-        self.dtype = DTYPES_BY_NAME[manifest["dtype"]]
-
-    @classmethod
-    def open(
-        cls,
-        directory: Path,
-        cfg: ModelConfig,
-        dtype: torch.dtype,
-        compression: Compression | None = None,
-    ) -> WeightStore:
-        """Open a store, checking that it is complete and matches the model and dtype."""
-        path = directory / MANIFEST
-        if not path.is_file():
-            raise UserError(f"{directory} is not a complete weight store (no {MANIFEST})")
-        try:
-            manifest = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise UserError(
-                f"{path} is damaged ({exc}); delete {directory} to rebuild it"
-            ) from None
-        if manifest.get("format_version") not in READABLE_VERSIONS:
-            raise UserError(
-                f"weight store {directory} has format_version="
-                f"{manifest.get('format_version')!r}, this run reads {READABLE_VERSIONS}; "
-                "delete it or use another --nvme directory"
-            )
-        if manifest["format_version"] < 3 and shares_table(cfg):
-            raise UserError(
-                f"weight store {directory} holds the tied embedding twice (format_version="
-                f"{manifest['format_version']}); delete it or use another --nvme directory"
-            )
-        wanted = {
-            "config_hash": cfg.fingerprint(),
-            "dtype": DTYPE_NAMES[dtype],
-            "compression": compression_name(compression),
-        }
-        for key, value in wanted.items():
-            if manifest.get(key) != value:
-                raise UserError(
-                    f"weight store {directory} has {key}={manifest.get(key)!r}, this run needs "
-                    f"{value!r}; delete it or use another --nvme directory"
-                )
-        for stage in manifest["stages"].values():
-            file = directory / stage["file"]
-            held = stage["size"] - stage.get("tail_start", 0)
-            if not file.is_file() or file.stat().st_size < held:
-                raise UserError(
-                    f"weight store file {file} is missing or truncated; delete {directory} to rebuild"
-                )
-        return cls(directory, manifest)
-
-    def tail_start(self, key: str) -> int:
-        """Where the stage file begins in the stage's image."""
-        return self.manifest["stages"][key].get("tail_start", 0)
-
-    def holds(self, tails: Mapping[str, int]) -> bool:
-        """Whether the store holds, of every stage `key`, its image from `tails[key]` on:
-        all that a plan with these cuts reads from disk."""
-        stages = self.manifest["stages"]
-        return stages.keys() == tails.keys() and all(
-            self.tail_start(key) <= need for key, need in tails.items()
-        )
-
-    @property
-    def whole(self) -> bool:
-        """Holds every stage whole (written without a placement)."""
-        return all(stage.get("tail_start", 0) == 0 for stage in self.manifest["stages"].values())
-
-    def path(self, key: str) -> Path:
-        return self.directory / self.manifest["stages"][key]["file"]
-
-    def layout(self, key: str) -> tuple[TensorSlot, ...]:
-        """The stage's image layout: every tensor, at its offset in the image."""
-        return tuple(
-            TensorSlot(
-                name, t["offset"], t["nbytes"], tuple(t["shape"]), DTYPES_BY_NAME[t["dtype"]]
-            )
-            for name, t in self.manifest["stages"][key]["tensors"].items()
-        )
-
-    def checksum(self, key: str, name: str) -> str:
-        """xxh3-64 of the whole tensor `name` of stage `key`."""
-        return self.manifest["stages"][key]["tensors"][name]["xxh3"]
-
-    def extents(self, key: str) -> list[Extent]:
-        """The tensors that the stage file holds whole, at their offsets in the file."""
-        tail, path = self.tail_start(key), self.path(key)
-        return [
-            Extent(
-                key,
-                t.name,
-                path,
-                t.offset - tail,
-                t.nbytes,
-                t.shape,
-                t.dtype,
-                self.checksum(key, t.name),
-            )
-            for t in self.layout(key)
-            if t.offset >= tail
-        ]
-
-    def stage_bytes(self, key: str) -> int:
-        return sum(e.padded for e in self.extents(key))
-
-    def file_bytes(self) -> int:
-        """What the stage files take on disk."""
-        return sum(s["size"] - s.get("tail_start", 0) for s in self.manifest["stages"].values())
-
-
-def write_stage_file(path: Path, weights: dict[str, torch.Tensor], tail_start: int = 0) -> dict:
-    """Write the bytes [tail_start, size) of the stage image of `weights` (in order, each
-    tensor 4 KiB aligned) to `path`; returns the stage's manifest entry, whose checksums
-    are of the whole tensors."""
-    assert tail_start % ALIGN == 0, "a stage file starts on a 4 KiB boundary"
-    tensors = {}
-    offset = 0
-    with path.open("wb") as f:
-        for name, tensor in weights.items():
-            data = _tensor_bytes(tensor)
-            padded = align_up(data.nbytes)
-            skip = min(padded, max(0, tail_start - offset))  # bytes before the file begins
-            f.write(data[skip:])
-            f.write(b"\0" * (padded - max(skip, data.nbytes)))
-            tensors[name] = {
-                "offset": offset,
-                "nbytes": data.nbytes,
-                "shape": list(tensor.shape),
-                "dtype": DTYPE_NAMES[tensor.dtype],
-                "xxh3": checksum(data),
-            }
-            offset += padded
-        f.flush()
-        os.fsync(f.fileno())
-    assert tail_start <= offset, "the stage file begins past the stage's end"
-    return {"file": path.name, "size": offset, "tail_start": tail_start, "tensors": tensors}
 
 
 def free_bytes(directory: Path) -> int:
@@ -291,8 +74,9 @@ def space_problem(nvme_dir: Path, need: int) -> str | None:
     if free >= need + SPACE_MARGIN:
         return None
     return (
-        f"{nvme_dir} has {free / 1e9:.1f} GB free, the weight store needs {need / 1e9:.1f} GB; "
-        "free space or choose another --nvme directory"
+        f"{nvme_dir} has {size_text(free)} free; the weight store needs {size_text(need)} and "
+        f"a margin of {size_text(SPACE_MARGIN)} ({size_text(need + SPACE_MARGIN)} in all); free "
+        "space or choose another --nvme directory"
     )
 
 
@@ -310,9 +94,45 @@ def convert(
     are kept (`_resumable`), the rest are written."""
     cfg = source.config
     final = store_dir(nvme_dir, cfg, dtype, compression)
-    partial = final.with_name(final.name + ".partial")
-    need = store_bytes(cfg, dtype, compression, placement)
-    identity = {
+    tails = store_tails(cfg, dtype, compression, placement)
+    build = _Build(
+        source,
+        dtype,
+        compression,
+        nvme_dir,
+        final.with_name(final.name + ".partial"),
+        _identity(cfg, dtype, compression),
+        dict(zip(stage_keys(cfg), tails, strict=True)),
+        store_bytes(cfg, dtype, compression, placement),
+    )
+    done = _resumable(build.partial, build.identity, build.wanted, source, dtype, compression)
+    _start(build, done)
+    _write_stages(build, done, progress)
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(build.partial, final)
+    fsync_dir(nvme_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+@dataclass(frozen=True)
+class _Build:
+    """One build of a store: what it writes, where, and the bytes it needs in all."""
+
+    source: WeightSource
+    dtype: torch.dtype
+    compression: Compression | None
+    nvme_dir: Path
+    partial: Path  # the directory it is built in
+    identity: dict  # what the manifest and the progress file say the store is
+    wanted: dict[str, int]  # stage key -> the tail_start its file begins at
+    need: int  # the stage files' bytes
+
+
+def _identity(cfg: ModelConfig, dtype: torch.dtype, compression: Compression | None) -> dict:
+    return {
         "format_version": FORMAT_VERSION,
         "model": cfg.name,
         "config_hash": cfg.fingerprint(),
@@ -320,30 +140,35 @@ def convert(
         "compression": compression_name(compression),
         "alignment": ALIGN,
     }
-    wanted = dict(
-        zip(stage_keys(cfg), store_tails(cfg, dtype, compression, placement), strict=True)
-    )
-    done = _resumable(partial, identity, wanted, source, dtype, compression)
-    written = _file_bytes(done.values())
-    nvme_dir.mkdir(parents=True, exist_ok=True)
-    problem = space_problem(nvme_dir, need - written)
+
+
+def _start(build: _Build, done: dict[str, dict]) -> None:
+    """Check the free space for what is left to write, then keep the partial directory
+    of a build to resume (`done`: its stages) or make it empty."""
+    build.nvme_dir.mkdir(parents=True, exist_ok=True)
+    problem = space_problem(build.nvme_dir, build.need - _file_bytes(done.values()))
     if problem:
         raise UserError(problem)
     if done:
         log.info(
             "resuming the weight store's build in %s: %d of %d stages already written",
-            partial,
+            build.partial,
             len(done),
-            len(wanted),
+            len(build.wanted),
         )
     else:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir()
-    stages_in = iter(wanted.items())
-    if progress:
-        from tqdm import tqdm
+        shutil.rmtree(build.partial, ignore_errors=True)
+        build.partial.mkdir()
 
-        stages_in = tqdm(stages_in, desc="writing weight store", unit="stage", total=len(wanted))
+
+def _write_stages(build: _Build, done: dict[str, dict], progress: bool) -> None:
+    """Write the stages not `done` into the partial directory, naming each in the
+    progress file once its file is synced, then the manifest. A full disk keeps the
+    stages synced (the same command resumes); another error removes the directory."""
+    partial = build.partial
+    stages_in = iter(build.wanted.items())
+    if progress:
+        stages_in = tracked(stages_in, len(build.wanted), "writing weight store", "stage")
     stages: dict[str, dict] = {}  # the stages written, as the progress file names them
     writing = None  # the stage whose file is being written
     try:
@@ -351,40 +176,38 @@ def convert(
             if key in done:
                 stages[key] = done[key]
                 continue
-            tensors = _stored_tensors(source, cfg, key, dtype, compression)
-            writing = partial / _stage_file(key)
+            tensors = _stored_tensors(
+                build.source, build.source.config, key, build.dtype, build.compression
+            )
+            writing = partial / stage_file(key)
             entry = write_stage_file(writing, tensors, tail_start)
             # after the stage's file is synced: a build killed from here on keeps it
             named = {**stages, key: entry}
-            atomic_write(partial / PROGRESS, json.dumps({"identity": identity, "stages": named}))
+            progress_line = json.dumps({"identity": build.identity, "stages": named})
+            atomic_write(partial / PROGRESS, progress_line)
             stages, writing = named, None
-        manifest = {**identity, "checksum": "xxh3_64", "stages": stages}
+        manifest = {**build.identity, "checksum": "xxh3_64", "stages": stages}
         atomic_write(partial / MANIFEST, json.dumps(manifest, indent=1))
         (partial / PROGRESS).unlink(missing_ok=True)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             # the stages synced are kept: the same command resumes once there is room
-            kept = _file_bytes(stages.values())
             if writing is not None:
                 writing.unlink(missing_ok=True)  # the stage cut short
-            raise UserError(
-                f"disk full while writing the weight store in {nvme_dir} ({len(stages)} of "
-                f"{len(wanted)} stages written, {kept / 1e9:.1f} GB, kept in {partial.name}); "
-                f"free {(need - kept) / 1e9:.1f} GB and run again to resume, or choose another "
-                "--nvme directory and delete that one (existing stores are intact)"
-            ) from None
+            raise DiskFull(_disk_full(build, stages)) from None
         shutil.rmtree(partial, ignore_errors=True)
-        raise UserError(f"cannot write the weight store in {nvme_dir}: {exc}") from None
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        os.replace(final, old)
-    os.replace(partial, final)
-    fsync_dir(nvme_dir)
-    shutil.rmtree(old, ignore_errors=True)
-    return final
+        raise UserError(f"cannot write the weight store in {build.nvme_dir}: {exc}") from None
 
 
-PROGRESS = "progress.json"
+def _disk_full(build: _Build, stages: dict[str, dict]) -> str:
+    kept = _file_bytes(stages.values())
+    return (
+        f"disk full while writing the weight store in {build.nvme_dir} ({len(stages)} of "
+        f"{len(build.wanted)} stages written, {size_text(kept)}, kept in "
+        f"{build.partial.name}); free {size_text(build.need - kept + SPACE_MARGIN)} and run the "
+        "same command again to resume, or choose another --nvme directory and delete that "
+        "one (existing stores are intact)"
+    )
 
 
 def _stored_tensors(
@@ -396,7 +219,7 @@ def _stored_tensors(
 ) -> dict[str, torch.Tensor]:
     """A stage's tensors as the store holds them (quantized where compressed; a tied
     model's embedding leaves its table to the head)."""
-    stage, index = _split_key(key)
+    stage, index = split_key(key)
     stored = compress_stage(source.stage(stage, index, dtype, torch.device("cpu")), compression)
     return {t.name: stored[t.name] for t in stage_layout(cfg, key, dtype, compression)}
 
@@ -422,7 +245,7 @@ def _resumable(
         return {}
     done = {}
     for key, entry in left.get("stages", {}).items():
-        path = partial / _stage_file(key)
+        path = partial / stage_file(key)
         if (
             key in wanted
             and entry["tail_start"] <= wanted[key]
@@ -434,7 +257,7 @@ def _resumable(
         key = min(done, key=lambda k: done[k]["size"])  # the cheapest to make again
         tensors = _stored_tensors(source, source.config, key, dtype, compression)
         sums = {name: entry["xxh3"] for name, entry in done[key]["tensors"].items()}
-        made = {name: checksum(_tensor_bytes(t)) for name, t in tensors.items()}
+        made = {name: checksum(tensor_bytes(t)) for name, t in tensors.items()}
         if made != sums:
             log.warning("the weights differ from the killed build's: writing the store again")
             return {}

@@ -9,7 +9,7 @@ from offload.core.errors import UserError
 from offload.io.layout import EMBED_TABLE, HEAD_TABLE, shares_table
 from offload.io.pinned import PinnedPool
 from offload.io.reader import ExtentReader
-from offload.io.store import WeightStore
+from offload.io.store_format import WeightStore
 from offload.models.shapes import Weights
 from offload.models.weights import WeightSource
 

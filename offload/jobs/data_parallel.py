@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from offload.io.atomic import atomic_writer, lock_path
+from offload.io.atomic import atomic_writer
 from offload.jobs.job import JobRequest
 
 
@@ -44,7 +44,7 @@ def seeded(requests: Iterator[JobRequest], job_seed: int) -> Iterator[JobRequest
 
 def merge_groups(output: Path, dp: int, total: int) -> None:
     """Write the groups' results in input order to `output` (atomically, fsynced) and remove
-    the groups' partial and lock files. Each of the `total` indices must appear exactly once."""
+    the groups' partial files. Each of the `total` indices must appear exactly once."""
     partials = [
         group_output(output, dp, g).with_name(group_output(output, dp, g).name + ".partial")
         for g in range(dp)
@@ -77,7 +77,5 @@ def merge_groups(output: Path, dp: int, total: int) -> None:
     finally:
         for f in files:
             f.close()
-    for group, path in enumerate(partials):
+    for path in partials:
         path.unlink()
-        # the group's writer has closed: its lock file goes with its results
-        lock_path(group_output(output, dp, group)).unlink(missing_ok=True)

@@ -5,8 +5,9 @@ JSONL (`prompt` raw text or `messages` a chat, with sampling fields), OpenAI Bat
 lines (spotted by `custom_id`; `offload.jobs.openai_batch`), or plain text, one prompt a
 line. Every line is checked against its format's schema by `scan` before the model
 loads: duplicate ids are refused, and a file of nothing but bad lines is an error.
-Each window is sorted by prompt length and cut into blocks of the engine's batch size;
-finished blocks go to a `ResultLog` (`offload.jobs.resultlog`), durable and resumable.
+Each window (whole blocks: `policies.job.window_requests`) is sorted by prompt length
+and cut into blocks of the engine's batch size; finished blocks go to a `ResultLog`
+(`offload.jobs.resultlog`), durable and resumable.
 """
 
 from __future__ import annotations
@@ -20,18 +21,28 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from offload.core.errors import UserError
 from offload.core.sampling import SAMPLING_FIELDS, SamplingParams
+from offload.io.atomic import NO_SPACE, disk_full
 from offload.jobs import openai_batch
+from offload.policies.job import window_requests
 
 log = logging.getLogger(__name__)
 
 KNOWN_FIELDS = {"id", "prompt", "messages", *SAMPLING_FIELDS}
 FORMATS = ("text", "jsonl", "openai")
+FORMAT_NAMES = {
+    "text": "plain text, one prompt a line",
+    "jsonl": "JSON lines in offload's format",
+    "openai": "OpenAI Batch lines",
+}
+# a request's id as the input line gives it: a JSON scalar, written back unchanged
+RequestId = str | int | float | bool | None
 
 
 @dataclass(frozen=True)
@@ -40,7 +51,7 @@ class JobRequest:
     the error it makes. kind: "flat" (ours), "completions" or "chat" (OpenAI)."""
 
     index: int
-    id: str
+    id: RequestId
     kind: str = "flat"
     prompt: str | None = None
     prompt_ids: list[int] | None = None
@@ -50,24 +61,52 @@ class JobRequest:
 
 
 # -- input ------------------------------------------------------------------------------
-def spool_stdin(directory: Path) -> Path:
-    """Copy standard input to a file so it can be checked and fingerprinted first."""
+def spool(source: Path | None, directory: Path) -> Path:
+    """Copy standard input (source None), or a pipe, to a file in `directory` so it can be
+    checked and fingerprinted first; the caller removes it when the run ends."""
     import sys
 
     fd, name = tempfile.mkstemp(prefix="offload-stdin-", suffix=".input", dir=directory)
-    with os.fdopen(fd, "wb") as f:
-        while chunk := sys.stdin.buffer.read(1 << 20):
-            f.write(chunk)
+    copied = 0
+    try:
+        with (
+            os.fdopen(fd, "wb") as f,
+            nullcontext(sys.stdin.buffer) if source is None else source.open("rb") as stream,
+        ):
+            while chunk := stream.read(1 << 20):
+                copied += len(chunk)
+                f.write(chunk)
+    except OSError as exc:
+        Path(name).unlink(missing_ok=True)
+        if exc.errno in NO_SPACE:
+            fix = "free space there, or give -i a file instead of a pipe"
+            raise disk_full(Path(name), copied, fix, at_least=True) from None
+        raise
     return Path(name)
 
 
+def check_input(path: Path) -> None:
+    """The input exists and is a file that can be read (a pipe is spooled first)."""
+    if not path.exists():
+        raise UserError(f"prompts file {path} does not exist; check the path")
+    if path.is_dir():
+        raise UserError(f"prompts file {path} is a directory; give a file of prompts")
+    if not os.access(path, os.R_OK):
+        raise UserError(f"cannot read prompts file {path}: permission denied")
+
+
+# a byte-order mark is read as whitespace: editors on Windows begin UTF-8 files with one
+BOM = "\ufeff"
+
+
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, text) of the non-blank lines."""
+    """(line number, text) of the non-blank lines (a byte-order mark is blank)."""
     try:
         with path.open(encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
+                line = line.rstrip("\n").strip(BOM)
                 if line.strip():
-                    yield lineno, line.rstrip("\n")
+                    yield lineno, line
     except FileNotFoundError:
         raise UserError(f"prompts file {path} does not exist; check the path") from None
     except UnicodeDecodeError as exc:
@@ -75,15 +114,18 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
 
 
 def file_format(path: Path) -> str:
-    """ "openai" (first line has custom_id), "jsonl" (JSON lines) or "text"."""
+    """The format of a file, from its first non-blank line: a JSON object with custom_id
+    is "openai", any other JSON object (or a line that opens one) "jsonl", anything else
+    "text", one prompt a line, but for a .jsonl/.json name, which is "jsonl" (its bad
+    first line is then named)."""
     for _, line in _lines(path):
-        if not line.lstrip().startswith("{") and path.suffix not in (".jsonl", ".json"):
-            return "text"
-        try:
-            first = json.loads(line)
-        except json.JSONDecodeError:
-            return "jsonl"
-        return "openai" if openai_batch.is_openai_line(first) else "jsonl"
+        if line.lstrip().startswith("{"):
+            try:
+                first = json.loads(line)
+            except json.JSONDecodeError:
+                return "jsonl"
+            return "openai" if openai_batch.is_openai_line(first) else "jsonl"
+        return "jsonl" if path.suffix in (".jsonl", ".json") else "text"
     return "jsonl"
 
 
@@ -101,14 +143,13 @@ def scan(path: Path, skip_invalid: bool) -> Scan:
     Unparsable JSON is a `UserError` naming the line unless skip_invalid (then an error
     result); schema errors become error results; duplicate ids and a file without one
     good line are `UserError`s."""
+    check_input(path)
     digest = hashlib.sha256()
-    try:
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-    except FileNotFoundError:
-        raise UserError(f"prompts file {path} does not exist; check the path") from None
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
     fmt = file_format(path)
+    log.info("input %s: %s, detected from its content", path, FORMAT_NAMES[fmt])
     seen: dict[str, int] = {}
     duplicates: list[str] = []
     bad: list[str] = []
@@ -117,9 +158,10 @@ def scan(path: Path, skip_invalid: bool) -> Scan:
         count += 1
         if req.error is not None:
             bad.append(f"line {lineno}: {req.error}")
-        if req.id in seen:
-            duplicates.append(f"{req.id!r} on lines {seen[req.id]} and {lineno}")
-        seen.setdefault(req.id, lineno)
+        key = json.dumps(req.id)  # 7 and "7" are different ids, as true and 1 are
+        if key in seen:
+            duplicates.append(f"{req.id!r} on lines {seen[key]} and {lineno}")
+        seen.setdefault(key, lineno)
     if count == 0:
         raise UserError(f"prompts file {path} holds no prompts")
     name = "custom_id" if fmt == "openai" else "id"
@@ -128,7 +170,7 @@ def scan(path: Path, skip_invalid: bool) -> Scan:
             f"{path}: duplicate {name}s: {'; '.join(duplicates[:5])}"
             f"{' ...' if len(duplicates) > 5 else ''}; give every request its own {name}"
         )
-    if len(bad) == count:
+    if len(bad) == count and fmt != "openai":  # (a Batch file gets an error line each)
         raise UserError(f"{path}: no valid request in {count} line(s); {bad[0]}")
     for problem in bad[:20]:
         log.warning("%s: %s (recorded as an error result)", path, problem)
@@ -140,11 +182,18 @@ def make_request(
 ) -> JobRequest:
     """Validate one flat request object; problems become the request's error.
 
-    Without an "id" the request is named by its line number (its position otherwise)."""
+    Without an "id" the request is named by its line number (its position otherwise); an
+    id is kept as the line gives it (a number stays a number), and must be a scalar."""
     default_id = str(lineno if lineno is not None else index + 1)
     if not isinstance(obj, dict):
         return JobRequest(index, default_id, error="a line must be a JSON object")
-    rid = str(obj.get("id", default_id))
+    rid = obj.get("id", default_id)
+    if isinstance(rid, (dict, list)):
+        return JobRequest(
+            index,
+            default_id,
+            error=f'"id" must be a string or a number, got {json.dumps(rid)[:40]}; give a scalar id',
+        )
     unknown = sorted(set(obj) - KNOWN_FIELDS)
     prompt, messages = obj.get("prompt"), obj.get("messages")
     if prompt is None and messages is None:
@@ -252,24 +301,36 @@ class JobStats:
 
 
 class StopFlag:
-    """SIGINT once: finish the current block and stop; twice: abandon it."""
+    """SIGINT (Ctrl-C) or SIGTERM once: finish the current block and stop; twice: abandon it.
+
+    It takes over the signals that interrupt the process now (Python's Ctrl-C handler:
+    SIGINT, and SIGTERM under `cli.common.run_cli`); a rank leaves SIGTERM to its
+    launcher, which stops ranks with it."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous = None
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopFlag:
         def handler(signum, frame):
             if self.requested:
                 raise KeyboardInterrupt
             self.requested = True
-            log.warning("stopping after the current block (Ctrl-C again to abandon it)")
+            name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            log.warning("%s: stopping after the current block (a second one abandons it)", name)
 
-        self._previous = signal.signal(signal.SIGINT, handler)
+        self._previous = {
+            sig: signal.signal(sig, handler)
+            for sig in self.SIGNALS
+            if signal.getsignal(sig) is signal.default_int_handler
+        }
         return self
 
     def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
 
 
 def result_row(req: JobRequest, out=None, error: str | None = None, model: str = "") -> dict:
@@ -310,7 +371,7 @@ def run_job(
 
     prompt_limit: the longest prompt the plan fits in the memory caps (offload-run with
     --skip-invalid, `cli.sizing`); a longer one is an error result."""
-    window = max(llm.batch_size * 8, 64)
+    window = window_requests(llm.batch_size)  # whole blocks, as the plan predicted them
     pending: list[tuple[JobRequest, list[int]]] = []
     errors: list[dict[str, Any]] = []
     model = llm.spec.name

@@ -94,8 +94,6 @@ def body_request(kind: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[
     overrides = {k: body[k] for k in SAME_NAME if k in body and body[k] is not None}
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         overrides["max_tokens"] = body["max_completion_tokens"]
-    if kind == "chat" and "max_tokens" not in overrides:
-        overrides["max_tokens"] = None  # chat: up to the context, as OpenAI and vLLM
     if kind == "completions":
         if "messages" in body:
             raise ValueError('a /v1/completions body takes "prompt", not "messages"')

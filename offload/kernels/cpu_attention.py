@@ -1,5 +1,5 @@
 """Decode attention on the CPU at DRAM speed: one new token a sequence over its cached
-keys and values, through a C kernel (`cpu_attention_c.py`, built by `native.py`).
+keys and values, through a C kernel (`cpu_attention.c`, built by `native.py`).
 
 - `decode_attention_dense`: a full-precision cache (fp32, fp16, bf16), keys/values
   [B, Hkv, S, D] with any strides but contiguous channels (the executor's CPU home is a
@@ -31,8 +31,9 @@ import time
 import torch
 
 from offload.kernels import native
-from offload.kernels.cpu_attention_c import SOURCE
 from offload.kernels.kv_cache import QuantKV
+
+SOURCE = native.source("cpu_attention.c")  # the kernel's C source (`native.load_library`)
 
 # tokens a work item takes at most: longer contexts are split and the splits merged, so
 # a sequence's result depends on its context length only (never on the batch or the

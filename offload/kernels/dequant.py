@@ -3,7 +3,8 @@
 
 Codes are uint8 (int8: one a byte; int4: two a byte, low nibble first), each group's
 scale (and minimum, asymmetric) float16, as `formats.Compression` describes. A code c
-is the value c x scale + minimum, or (c - (2^bits - 1) // 2) x scale symmetric: the
+is the value c x scale + minimum, (c - (2^bits - 1) // 2) x scale symmetric, or
+(c - zero) x scale with zero points (`formats.Compression.zero_point`): the
 arithmetic of `quant.dequantize`, the plain-torch reference these helpers must match
 (the kernels that use them are tested against it, `tests/kernel_cases.py`).
 
@@ -30,8 +31,9 @@ if triton is not None:
 
     @triton.jit
     def dequant(
-        codes, scale, minimum, BITS: tl.constexpr, SYMMETRIC: tl.constexpr, out_dtype: tl.constexpr
-    ):
+        codes, scale, minimum, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
+        out_dtype: tl.constexpr, ZERO_POINT: tl.constexpr = False,
+    ):  # fmt: skip
         """Codes (uint8, any shape) to values in the compute dtype out_dtype, the fp16 scale (and
         minimum) broadcast against them.
 
@@ -39,10 +41,16 @@ if triton is not None:
         it (exact for c < 1024), and one fused multiply-add in float16 gives the correctly
         rounded c x scale + minimum: no integer-to-float conversions, the slow part of
         the float32 way, and the reference's values (float32, then rounded to float16)
-        up to double-rounding ties. A float16 multiply and a separate add instead, tried
-        earlier, measured up to 17x torch's error on groups with large minimums. Other
+        up to double-rounding ties. A float16 multiply and a separate add instead make up
+        to 17x torch's error on groups with large minimums. Other
         dtypes, and the interpreter (its fma rounds the product first): float32
-        arithmetic, then the cast."""
+        arithmetic, then the cast.
+
+        ZERO_POINT: minimum holds the group's integer zero z, and the value is
+        (c - z) x scale: exact in float32, then the one rounding of the cast."""
+        if ZERO_POINT:
+            values = codes.to(tl.float32) - minimum.to(tl.float32)
+            return (values * scale.to(tl.float32)).to(out_dtype)
         if out_dtype == tl.float16 and FMA16:
             magic = (codes.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
             if SYMMETRIC:
@@ -100,11 +108,13 @@ if triton is not None:
     @triton.jit
     def dequant_bytes(
         codes, scale, minimum, SYMMETRIC: tl.constexpr, out_dtype: tl.constexpr,
-        HOISTABLE: tl.constexpr = True,
+        HOISTABLE: tl.constexpr = True, ZERO_POINT: tl.constexpr = False,
     ):  # fmt: skip
         """int8 codes (uint8, any shape whose threads hold four consecutive codes: loaded
         rows of codes) to values, as `dequant`; four at a time in inline PTX for float16
-        on the GPU. HOISTABLE=False: as `dequant_nibbles`."""
+        on the GPU (but zero points: `dequant`). HOISTABLE=False: as `dequant_nibbles`."""
+        if ZERO_POINT:
+            return dequant(codes, scale, minimum, 8, SYMMETRIC, out_dtype, ZERO_POINT)
         if out_dtype == tl.float16 and FMA16:
             scale = tl.broadcast_to(scale, codes.shape)
             if SYMMETRIC:
@@ -122,7 +132,7 @@ if triton is not None:
     @triton.jit
     def dequant_nibbles(
         packed, scale, minimum, SYMMETRIC: tl.constexpr, out_dtype: tl.constexpr,
-        HOISTABLE: tl.constexpr = True,
+        HOISTABLE: tl.constexpr = True, ZERO_POINT: tl.constexpr = False,
     ):  # fmt: skip
         """int4 codes, two a byte (uint8, any shape), to the values of their low and high
         nibbles (each packed's shape), the fp16 scale (and minimum) broadcast against
@@ -133,8 +143,9 @@ if triton is not None:
         it is: when its values feed a tl.dot through shared memory, they otherwise move
         the operand's layout conversion above it, onto the codes, which are then read
         from shared memory a byte at a time (the decode attention's keys and values:
-        2-3x the instructions a byte, compiled for sm_90 with triton 3.6)."""
-        if out_dtype == tl.float16 and FMA16:
+        2-3x the instructions a byte, compiled for sm_90 with triton 3.6). Zero points
+        take `dequant`'s float32 arithmetic."""
+        if out_dtype == tl.float16 and FMA16 and not ZERO_POINT:
             scale = tl.broadcast_to(scale, packed.shape)
             if SYMMETRIC:
                 return tl.inline_asm_elementwise(
@@ -154,6 +165,6 @@ if triton is not None:
                 pack=4,
             )
         return (
-            dequant(packed & 0xF, scale, minimum, 4, SYMMETRIC, out_dtype),
-            dequant(packed >> 4, scale, minimum, 4, SYMMETRIC, out_dtype),
+            dequant(packed & 0xF, scale, minimum, 4, SYMMETRIC, out_dtype, ZERO_POINT),
+            dequant(packed >> 4, scale, minimum, 4, SYMMETRIC, out_dtype, ZERO_POINT),
         )

@@ -3,8 +3,8 @@ stores, moves or computes on compressed tensors shares.
 
 A `Compression` is group-wise quantization to `bits` (4 or 8) a value: groups of
 `group_size` consecutive values share a float16 scale, and a float16 minimum unless
-`symmetric` (then codes are centred on (2^bits - 1) // 2). int4 codes are packed two
-a byte, low nibble first.
+`symmetric` (then codes are centred on (2^bits - 1) // 2), or with `zero_point` a
+float16 integer zero. int4 codes are packed two a byte, low nibble first.
 
 - Weights (`quant.py`): groups along a matrix's last dimension (its input features).
 - KV cache (`kvcache.py`): keys per channel over groups of `group_size` tokens, which
@@ -22,13 +22,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Compression:
+    """head: the LM head is quantized too (weights); a pre-quantized checkpoint whose
+    head ships dense keeps it in the compute dtype (`models.prequant`).
+    zero_point (weights, asymmetric): the minimum's place holds each group's integer
+    zero z, and a code c is the value (c - z) x scale, rounded once: GPTQ's and AWQ's
+    arithmetic, which c x scale + minimum matches only where z x scale is exact."""
+
     bits: int = 4
     group_size: int = 64
     symmetric: bool = False
+    head: bool = True
+    zero_point: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"compression bits must be 4 or 8, got {self.bits!r}")
+        if self.zero_point and self.symmetric:
+            raise ValueError("a symmetric compression has no zero points")
         if not isinstance(self.group_size, int) or self.group_size < 2:
             raise ValueError(
                 f"compression group_size must be an integer >= 2, got {self.group_size!r}"

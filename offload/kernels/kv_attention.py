@@ -4,11 +4,11 @@ slots 0 .. end - 1 of a `kv_cache.QuantKV` (the format is in that module's docst
 `decode_attention_reference` is the plain-torch definition: dequantize the cache, then
 SDPA. `decode_attention` sends the int4 caches that `kv_attention_mma` serves (float16,
 128 channels, up to 8 query heads a KV head, sm_80 on) to its kernel, one launch.
-Otherwise it launches two Triton kernels (flash-decoding): the first
-splits each (sequence, KV head)'s token groups among programs, dequantizes K and V in
-registers (`dequant.py`), runs the query heads of one KV head together (grouped-query)
-with any additive bias (padding, causality, ALiBi) and writes each split's softmax
-partial; the second merges the splits. Where the kernels do not run (no CUDA, no
+Otherwise it launches two Triton kernels (flash-decoding): the first splits each
+(sequence, KV head)'s token groups among programs, dequantizes K and V in registers
+(`kv_attention_loads.py`, `dequant.py`), runs the query heads of one KV head together
+(grouped-query) with any additive bias (padding, causality, ALiBi) and writes each
+split's softmax partial; the second merges the splits. Where the kernels do not run (no CUDA, no
 interpreter) it runs `kv_attention_cpu.decode_attention_cpu` instead.
 """
 
@@ -30,7 +30,13 @@ try:
 except ImportError:  # CPU-only installs: the reference path runs instead
     triton = None
 else:
-    from offload.kernels.dequant import dequant_bytes, dequant_nibbles
+    from offload.kernels.kv_attention_loads import (
+        load_bias,
+        load_keys,
+        load_values,
+        tail_keys,
+        tail_values,
+    )
 
 
 def decode_attention_reference(
@@ -50,7 +56,7 @@ def decode_attention_reference(
 # batch fills the GPU; the row's last program to finish merges the splits' softmax
 # partials (fused_merge), or a second kernel does. Splits are sized for about
 # SPLIT_WAVES programs an SM (`_split_groups`). H100 sweep (`bench_kernels --kernels
-# attention-sweep`, run 232230, OPT-30B, Llama-2-70B/13B, BLOOM shapes): fixed split
+# attention-sweep`, OPT-30B, Llama-2-70B/13B, BLOOM shapes; docs/throughput.md): fixed split
 # sizes of 4-32 groups came within 3-8% of this either way; 4 warps lost 40%. The fused
 # merge is the default: its time was within -3.5%..+2.6% of the two kernels', it saves
 # a launch a layer in the eager decode attention, and the merge kernel's BLOCK_S (the
@@ -212,16 +218,16 @@ if triton is not None:
             # the tail: tokens of the incomplete last group, in the compute dtype
             e_ok = 2 * i < tail_len
             o_ok = 2 * i + 1 < tail_len
-            k_e, k_o = _tail_keys(kt_ptr, row, i, d, e_ok, o_ok, HEAD_DIM, GROUP)
-            b_e, b_o = _bias(
+            k_e, k_o = tail_keys(kt_ptr, row, i, d, e_ok, o_ok, HEAD_DIM, GROUP)
+            b_e, b_o = load_bias(
                 bias_row, heads, r_ok, bias_sh, bias_ss, full_groups * GROUP + 2 * i, e_ok,
                 o_ok, BIAS_PER_HEAD,
             )  # fmt: skip
             m_i, l_i, p_e, p_o, alpha = _softmax_step(
                 q, k_e, k_o, b_e, b_o, e_ok, o_ok, qk_scale, m_i, l_i, True, PRECISION
             )  # fmt: skip
-            v_ee, v_eo = _tail_values(vt_ptr, row, 2 * i, e_ok, HEAD_DIM, BLOCK_D, GROUP)
-            v_oe, v_oo = _tail_values(vt_ptr, row, 2 * i + 1, o_ok, HEAD_DIM, BLOCK_D, GROUP)
+            v_ee, v_eo = tail_values(vt_ptr, row, 2 * i, e_ok, HEAD_DIM, BLOCK_D, GROUP)
+            v_oe, v_oo = tail_values(vt_ptr, row, 2 * i + 1, o_ok, HEAD_DIM, BLOCK_D, GROUP)
             acc_e, acc_o = _accumulate(
                 acc_e, acc_o, alpha, p_e, p_o, v_ee, v_eo, v_oe, v_oo, PRECISION
             )  # fmt: skip
@@ -229,7 +235,7 @@ if triton is not None:
             first = split * split_groups
             last = tl.minimum(first + split_groups, full_groups)
             slot = first * GROUP + 2 * i
-            b_e, b_o = _bias(
+            b_e, b_o = load_bias(
                 bias_row, heads, r_ok, bias_sh, bias_ss, slot, slot < last * GROUP,
                 slot + 1 < last * GROUP, BIAS_PER_HEAD,
             )  # fmt: skip
@@ -238,11 +244,11 @@ if triton is not None:
                 t_ok = j + i // (GROUP // 2) < last
                 bias_e, bias_o = b_e, b_o  # loaded a step ahead
                 slot = (j + TILE_GROUPS) * GROUP + 2 * i
-                b_e, b_o = _bias(
+                b_e, b_o = load_bias(
                     bias_row, heads, r_ok, bias_sh, bias_ss, slot, slot < last * GROUP,
                     slot + 1 < last * GROUP, BIAS_PER_HEAD,
                 )  # fmt: skip
-                k_e, k_o = _keys(
+                k_e, k_o = load_keys(
                     kc_ptr, ks_ptr, km_ptr, row * num_groups + j, j, last, HEAD_DIM, BLOCK_D,
                     GROUP, BITS, SYMMETRIC, TILE_GROUPS, dtype,
                 )  # fmt: skip
@@ -252,7 +258,7 @@ if triton is not None:
                     TILE_GROUPS > 1, PRECISION,
                 )  # fmt: skip
                 slots = row * max_slots + j * GROUP + 2 * i
-                v_ee, v_eo, v_oe, v_oo = _values(
+                v_ee, v_eo, v_oe, v_oo = load_values(
                     vc_ptr, vs_ptr, vm_ptr, slots, t_ok, TOKENS, HEAD_DIM, BLOCK_D, VGROUP, BITS,
                     SYMMETRIC, dtype,
                 )  # fmt: skip
@@ -309,149 +315,6 @@ if triton is not None:
             (o_run / l_run[None, :]).to(out_ptr.dtype.element_ty),
             mask=r_ok[None, :] & (d < HEAD_DIM)[:, None],
         )
-
-    @triton.jit
-    def _planes(
-        codes, scale, minimum, BITS: tl.constexpr, SYMMETRIC: tl.constexpr, dtype: tl.constexpr,
-        ROWS: tl.constexpr, COLUMNS: tl.constexpr, BYTES: tl.constexpr,
-    ):  # fmt: skip
-        """Codes [ROWS, COLUMNS, BYTES] (uint8) to the values of their even and odd codes
-        along the last axis, each [ROWS, COLUMNS, codes / 2] (int4: a byte holds two
-        codes, the low nibble first)."""
-        if BITS == 4:
-            even, odd = dequant_nibbles(codes, scale, minimum, SYMMETRIC, dtype, False)
-        else:
-            even, odd = tl.split(tl.reshape(codes, (ROWS, COLUMNS, BYTES // 2, 2)))
-            even = dequant_bytes(even, scale, minimum, SYMMETRIC, dtype, False)
-            odd = dequant_bytes(odd, scale, minimum, SYMMETRIC, dtype, False)
-        return even, odd
-
-    @triton.jit
-    def _keys(
-        kc_ptr, ks_ptr, km_ptr, group_row, j, last,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
-        SYMMETRIC: tl.constexpr, TILE_GROUPS: tl.constexpr, dtype: tl.constexpr,
-    ):  # fmt: skip
-        """Keys of groups j .. j + TILE_GROUPS - 1 (cache groups group_row ..), those
-        from last on masked: even and odd tokens [TILE_GROUPS x GROUP / 2, D]."""
-        n = tl.arange(0, TILE_GROUPS)
-        d = tl.arange(0, BLOCK_D)
-        ok = (j + n < last)[:, None] & (d < HEAD_DIM)[None, :]
-        # channel d of token t is byte d * k_bytes + t * BITS / 8 of its group
-        params = (group_row + n[:, None]) * HEAD_DIM + d[None, :]
-        scale = tl.load(ks_ptr + params, mask=ok, other=0.0)[:, :, None]
-        minimum = tl.load(km_ptr + params, mask=ok, other=0.0)[:, :, None]
-        k_bytes: tl.constexpr = GROUP * BITS // 8
-        codes = tl.load(
-            kc_ptr + params[:, :, None] * k_bytes + tl.arange(0, k_bytes)[None, None, :],
-            mask=ok[:, :, None],
-            other=0,
-        )
-        k_e, k_o = _planes(
-            codes, scale, minimum, BITS, SYMMETRIC, dtype, TILE_GROUPS, BLOCK_D, k_bytes
-        )
-        tokens: tl.constexpr = TILE_GROUPS * GROUP // 2
-        return (
-            tl.reshape(tl.permute(k_e, (0, 2, 1)), (tokens, BLOCK_D)),
-            tl.reshape(tl.permute(k_o, (0, 2, 1)), (tokens, BLOCK_D)),
-        )
-
-    @triton.jit
-    def _values(
-        vc_ptr, vs_ptr, vm_ptr, slots, ok, TOKENS: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VGROUP: tl.constexpr, BITS: tl.constexpr,
-        SYMMETRIC: tl.constexpr, dtype: tl.constexpr,
-    ):  # fmt: skip
-        """Values of cache rows slots (even tokens) and slots + 1 (odd), by token and
-        channel parity, transposed for the product: v_<token><channel> [D / 2, T]."""
-        v_groups: tl.constexpr = HEAD_DIM // VGROUP
-        BLOCK_G: tl.constexpr = BLOCK_D // VGROUP
-        g = tl.arange(0, BLOCK_G)
-        mask = ok[:, None] & (g < v_groups)[None, :]
-        # a token's scales and minimums, even then odd tokens: [T, G, 2] split
-        params = (slots[:, None, None] + tl.arange(0, 2)[None, None, :]) * v_groups
-        params += g[None, :, None]
-        scale_e, scale_o = tl.split(tl.load(vs_ptr + params, mask=mask[:, :, None], other=0.0))
-        min_e, min_o = tl.split(tl.load(vm_ptr + params, mask=mask[:, :, None], other=0.0))
-        v_ee, v_eo = _value_row_planes(
-            vc_ptr, slots, mask, scale_e, min_e, TOKENS, HEAD_DIM, BLOCK_D, VGROUP, BITS, SYMMETRIC,
-            dtype,
-        )  # fmt: skip
-        v_oe, v_oo = _value_row_planes(
-            vc_ptr, slots + 1, mask, scale_o, min_o, TOKENS, HEAD_DIM, BLOCK_D, VGROUP, BITS,
-            SYMMETRIC, dtype,
-        )  # fmt: skip
-        return v_ee, v_eo, v_oe, v_oo
-
-    @triton.jit
-    def _value_row_planes(
-        vc_ptr, slots, mask, scale, minimum, TOKENS: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VGROUP: tl.constexpr, BITS: tl.constexpr,
-        SYMMETRIC: tl.constexpr, dtype: tl.constexpr,
-    ):  # fmt: skip
-        """Cache rows slots [T]: even and odd channels, [D / 2, T] each. A row's bytes
-        are read as [value groups, bytes a group], so each group's scale and minimum
-        broadcast along the last axis."""
-        g_bytes: tl.constexpr = VGROUP * BITS // 8
-        g = tl.arange(0, BLOCK_D // VGROUP)
-        codes = tl.load(
-            vc_ptr
-            + slots[:, None, None] * (HEAD_DIM * BITS // 8)
-            + (g * g_bytes)[None, :, None]
-            + tl.arange(0, g_bytes)[None, None, :],
-            mask=mask[:, :, None],
-            other=0,
-        )
-        even, odd = _planes(
-            codes, scale[:, :, None], minimum[:, :, None], BITS, SYMMETRIC, dtype, TOKENS,
-            BLOCK_D // VGROUP, g_bytes,
-        )  # fmt: skip
-        even = tl.reshape(even, (TOKENS, BLOCK_D // 2))
-        odd = tl.reshape(odd, (TOKENS, BLOCK_D // 2))
-        return tl.trans(even), tl.trans(odd)
-
-    @triton.jit
-    def _tail_keys(
-        kt_ptr, row, i, d, e_ok, o_ok, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr
-    ):  # fmt: skip
-        """The tail's keys (compute dtype): even and odd tokens [T, D]."""
-        keys = kt_ptr + (row * GROUP + 2 * i[:, None]) * HEAD_DIM + d[None, :]
-        d_ok = (d < HEAD_DIM)[None, :]
-        k_e = tl.load(keys, mask=e_ok[:, None] & d_ok, other=0.0)
-        k_o = tl.load(keys + HEAD_DIM, mask=o_ok[:, None] & d_ok, other=0.0)
-        return k_e, k_o
-
-    @triton.jit
-    def _tail_values(
-        vt_ptr, row, t, t_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr
-    ):  # fmt: skip
-        """The tail's values of tokens t (compute dtype): even and odd channels [D / 2, T],
-        from whole rows [T, D / 2, 2] split in registers."""
-        c = tl.arange(0, BLOCK_D // 2)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
-        values = tl.load(
-            vt_ptr + (row * GROUP + t[:, None, None]) * HEAD_DIM + c,
-            mask=t_ok[:, None, None] & (c < HEAD_DIM),
-            other=0.0,
-        )
-        v_e, v_o = tl.split(values)
-        return tl.trans(v_e), tl.trans(v_o)
-
-    @triton.jit
-    def _bias(
-        bias_row, heads, r_ok, bias_sh, bias_ss, slot_e, e_ok, o_ok, BIAS_PER_HEAD: tl.constexpr
-    ):  # fmt: skip
-        """The bias of slots slot_e (even tokens) and slot_e + 1 (odd) [T, R] (a bias
-        shared by the heads: [T, 1]); 0 where not e_ok / o_ok."""
-        if BIAS_PER_HEAD:
-            columns = bias_row + heads[None, :] * bias_sh
-            b_e = tl.load(columns + slot_e[:, None] * bias_ss, mask=e_ok[:, None] & r_ok, other=0.0)
-            b_o = tl.load(
-                columns + (slot_e + 1)[:, None] * bias_ss, mask=o_ok[:, None] & r_ok, other=0.0
-            )
-        else:
-            b_e = tl.load(bias_row + slot_e * bias_ss, mask=e_ok, other=0.0)[:, None]
-            b_o = tl.load(bias_row + (slot_e + 1) * bias_ss, mask=o_ok, other=0.0)[:, None]
-        return b_e, b_o
 
     @triton.jit
     def _softmax_step(

@@ -37,7 +37,7 @@ from offload.kernels.kv_cache import QuantKV
 CPU_CHUNK_VALUES = 1 << 20
 # channels a key dot product sums in one float32 chain; the blocks are summed after.
 # Chains of 64 made up to 1.12x the tests' bound (2x torch's own SDPA error, float32),
-# of 32 up to 1.04x, of 16 0.995x (the old dequantizing path: 0.96x); 16 costs ~10%
+# of 32 up to 1.04x, of 16 0.995x (a dequantize-then-dot path: 0.96x); 16 costs ~10%
 CHANNEL_BLOCK = 16
 
 

@@ -66,8 +66,8 @@ STAGES = 2
 MAX_SPLITS = 16
 # a program's time besides its groups' (q, the first group's copies, the tail, the
 # partials and the merge), in groups' time: `split_groups`'s cost model. With 1.5 (or 1
-# or 2) it picks the fastest split measured on each of six shapes (docs/throughput.md,
-# probe runs 003700 and 003708); with none it chose the slower on four of them.
+# or 2) it picks the fastest split measured on each of six shapes (docs/throughput.md);
+# with none it chose the slower on four of them.
 PROGRAM_GROUPS = 1.5
 LOG2E = 1.4426950408889634
 

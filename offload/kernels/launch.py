@@ -1,9 +1,9 @@
 """Launching a Triton kernel without Triton's per-call argument binding.
 
 Triton's own launch path binds every argument, works out its specialization and
-looks the compiled kernel up on every call: 39.1 us of host time a launch on one lent
-H100 machine's host, against 10.6 us for calling the compiled kernel's launcher
-directly (`scripts/bench_kernels.py --kernels launch`, same run; this key costs about
+looks the compiled kernel up on every call: 39.1 us of host time a launch on an H100
+machine's host, against 10.6 us for calling the compiled kernel's launcher directly
+(`scripts/bench_kernels.py --kernels launch`, both in one run; this key costs about
 6 us more). Eager decode steps launch a few hundred kernels, and there the host
 thread, not the GPU, sets the step's time.
 
@@ -124,7 +124,7 @@ class CompileCount:
 def hooks_installed() -> bool:
     """Whether a Triton launch hook is installed (a profiler's), which only Triton's own
     launch path calls. The Tritons the project allows (3.6+) keep the hooks in a chain
-    that is never None (the fast path's old test, `is not None`, sent every launch down
+    that is never None (so a test of `is not None` would send every launch down
     Triton's path: the W1c decode step's host time 13.7 ms, H100)."""
     return bool(knobs.runtime.launch_enter_hook.calls)
 

@@ -1,7 +1,7 @@
 """C kernels for the CPU, compiled once per machine and loaded with ctypes.
 
-A kernel's C source lives in a Python module (so it installs and is versioned with
-the package); `load_library` compiles it with the system's C compiler (`$CC`, else
+A kernel's C source is a `.c` file beside this module, shipped as package data
+(`pyproject.toml`'s package-data) and read with `source`; `load_library` compiles it with the system's C compiler (`$CC`, else
 `cc`, `gcc` or `clang`) at -O3 for this CPU (-march=native) with OpenMP, caches the
 shared library under the cache directory (`$OFFLOAD_CACHE`, else
 `$XDG_CACHE_HOME/offload`, else `~/.cache/offload`) keyed by the source, the compiler,
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.resources
 import logging
 import os
 import platform
@@ -63,6 +64,11 @@ def _cpu() -> str:
     except OSError:
         pass
     return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def source(name: str) -> str:
+    """The C source `name` shipped in this package (`offload/kernels/<name>`)."""
+    return importlib.resources.files(__package__).joinpath(name).read_text()
 
 
 @functools.cache

@@ -4,14 +4,16 @@
 - LayerNorm is `F.layer_norm`: float32 inside, weight and bias applied, rounded once.
 - RMSNorm is Llama's: the row is normalized in float32 and rounded to its dtype, and
   then the weight multiplies it in that dtype.
+- "rms_offset" is Gemma's RMSNorm: the weight applies as (1 + weight), in float32,
+  and the product is rounded once.
 
-A residual, when given, is first added into x in place (`x += residual`, as the
-decoder's unfused code did), and the norm is then taken of the sum.
+A residual, when given, is first added into x in place (`x += residual`), and the norm
+is then taken of the sum.
 
 `norm` launches one Triton program a row that does all of it: it reads x (and the
 residual) once, and writes the sum back and the normed row out.
 - torch's layer norm spends 12 us a call on 12 rows of 7168. That is 1.2 ms of W1c's
-  15.2 ms decode step (97 calls; H100, `decode_step_20261125-012840.json`).
+  15.2 ms decode step (97 calls; H100, docs/throughput.md).
 - The RMS norm above is six elementwise kernels, and the residual add one more.
 
 The kernel's products of two float16 (or bfloat16) values are exact in float32, so
@@ -44,12 +46,15 @@ def norm_reference(
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x's rows normed ("layer" or "rms"); residual, if given, is added into x first."""
+    """x's rows normed ("layer", "rms" or "rms_offset"); residual, if given, is added
+    into x first."""
     if residual is not None:
         x += residual
-    if kind == "rms":
+    if kind in ("rms", "rms_offset"):
         variance = x.float().pow(2).mean(-1, keepdim=True)
         normed = x.float() * torch.rsqrt(variance + eps)
+        if kind == "rms_offset":
+            return (normed * (1.0 + weight.float())).to(x.dtype)
         return weight * normed.to(x.dtype)
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
@@ -76,8 +81,8 @@ def norm(
         (x.numel() // width,), min(16, max(4, block // 1024)),
         x, x if residual is None else residual, weight, weight if bias is None else bias, out,
         width, eps,
-        # RMS, HAS_RESIDUAL, HAS_BIAS, BLOCK
-        kind == "rms", residual is not None, bias is not None, block,
+        # RMS, OFFSET, HAS_RESIDUAL, HAS_BIAS, BLOCK
+        kind != "layer", kind == "rms_offset", residual is not None, bias is not None, block,
     )  # fmt: skip
     return out
 
@@ -94,6 +99,7 @@ if triton is not None:
         width,
         eps,
         RMS: tl.constexpr,
+        OFFSET: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -108,7 +114,11 @@ if triton is not None:
             tl.store(x_ptr + row + cols, x, mask=ok)
         xf = x.to(tl.float32)
         weight = tl.load(weight_ptr + cols, mask=ok, other=0.0)
-        if RMS:
+        if RMS and OFFSET:
+            variance = tl.sum(xf * xf, axis=0) / width
+            normed = xf * tl.math.rsqrt(variance + eps)
+            out = (normed * (1.0 + weight.to(tl.float32))).to(x.dtype)
+        elif RMS:
             variance = tl.sum(xf * xf, axis=0) / width
             normed = (xf * tl.math.rsqrt(variance + eps)).to(x.dtype)
             out = (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)

@@ -9,8 +9,8 @@ few hundred rows of x; the W read dominates, so tiles are wide in N) and mid-siz
 (tiles in M and N); the launcher picks the tiles from the shape.
 
 Prefill shapes (`DENSE_ROWS` rows or more) are compute-bound, and there the fused kernel
-reached 364 TFLOP/s at int4 against cuBLAS fp16's 751 on the H100 machine (profile run
-154500). So they dequantize W into an fp16 scratch and multiply it with cuBLAS: the
+reached 364 TFLOP/s at int4 against cuBLAS fp16's 751 on the H100 machine
+(docs/throughput.md). So they dequantize W into an fp16 scratch and multiply it with cuBLAS: the
 whole matrix at once where the layer's largest fits `DENSE_WHOLE_BYTES`, else a slice
 of rows at a time (`DENSE_SLICE_BYTES`) into its columns of the output
 (`dense_scratch_bytes`: the memory plan counts it). The dequantization reads 0.5-1 and writes 2 bytes
@@ -30,21 +30,23 @@ kernel must match; it also runs wherever Triton or CUDA is absent (the CPU tests
 
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
 from offload.kernels import qmatmul_wgmma
-from offload.kernels.formats import Compression
 from offload.kernels.launch import (
     Launcher,
     arrival_counters,
     shared_memory_limit,
-    sm_count,
     split_of,
     use_kernel,
+)
+from offload.kernels.qmatmul_tiles import (
+    DENSE_ROWS,
+    Tiles,
+    block_k_of,
+    fit_tiles,
+    tiles_for,
 )
 from offload.kernels.quant import QTensor, dequantize
 
@@ -93,25 +95,6 @@ def dense_linear(
     return torch.addmm(bias, x, weight.t(), out=out)
 
 
-class Tiles(NamedTuple):
-    """How one `qlinear` call is tiled. split > 1 divides K among up to that many programs
-    per output tile (split-K; the largest divisor of the K steps not above it), for
-    decode shapes whose output tiles alone would leave SMs idle or too few bytes in
-    flight; the last of a tile's programs to finish sums the partials in a fixed order
-    (the result does not depend on which finished last). registers: a cap on a thread's
-    registers (more programs an SM), or None."""
-
-    block_m: int
-    block_n: int
-    max_k: int  # largest K step (several groups)
-    warps: int
-    stages: int
-    split: int = 1
-    registers: int | None = None
-
-
-# rows of x from which a matmul dequantizes W and multiplies with cuBLAS (module doc)
-DENSE_ROWS = 1024
 # The dequantized W a prefill matmul holds at once (`dense_scratch_bytes`): a layer
 # whose largest matrix dequantizes to DENSE_WHOLE_BYTES or less takes every matrix
 # whole, so one cuBLAS call writes the contiguous output with the bias in its epilogue.
@@ -142,7 +125,7 @@ def qlinear(
     after; both in the fused kernel's epilogue (rounded once there; prefill's dense
     path adds the residual after rounding).
 
-    tiles overrides `_tiles` and always runs the fused Triton kernel (the kernel
+    tiles overrides `tiles_for` and always runs the fused Triton kernel (the kernel
     benchmark's sweeps), never `qmatmul_wgmma`; scratch_bytes: the most of W
     dequantized at once from DENSE_ROWS rows (`dense_scratch_bytes`)."""
     if not use_kernel(x):
@@ -164,9 +147,9 @@ def qlinear(
         qmatmul_wgmma.qlinear(rows, w, bias, out, relu, residual)
         return out.view(*x.shape[:-1], n)
     cfg = w.config
-    t = tiles or _tiles(m, n, k, cfg.group_size, x.device)
-    block_k = _block_k(k, cfg.group_size, t.max_k)
-    t = _fitted(t, block_k, x.element_size(), cfg, shared_memory_limit(x.device))
+    t = tiles or tiles_for(m, n, k, cfg.group_size, x.device)
+    block_k = block_k_of(k, cfg.group_size, t.max_k)
+    t = fit_tiles(t, block_k, x.element_size(), cfg, shared_memory_limit(x.device))
     steps = k // block_k
     split = split_of(t.split, steps)
     grid = (-(-m // t.block_m), -(-n // t.block_n), split)
@@ -193,6 +176,7 @@ def qlinear(
         cfg.bits,
         cfg.group_size,
         cfg.symmetric,
+        cfg.zero_point,
         bias is not None,
         relu,
         residual is not None,
@@ -207,15 +191,6 @@ def qlinear(
         registers=t.registers,
     )
     return out.view(*x.shape[:-1], n)
-
-
-def _block_k(k: int, group: int, max_k: int) -> int:
-    """The widest K step up to max_k (whole groups, dividing K); the group itself at least."""
-    return next(
-        b
-        for b in (256, 128, 64, group)
-        if (b <= max_k or b == group) and b % group == 0 and k % b == 0
-    )
 
 
 def _dense_slices(
@@ -234,7 +209,7 @@ def _dense_slices(
     step = slice_bytes // (k * rows.element_size())
     step = n if step >= n else max(32, step // 32 * 32)
     scratch = torch.empty((min(step, n), k), dtype=rows.dtype, device=rows.device)
-    block_k = _block_k(k, cfg.group_size, 256)
+    block_k = block_k_of(k, cfg.group_size, 256)
     minimum = w.minimum if w.minimum is not None else w.scale
     for start in range(0, n, step):
         stop = min(n, start + step)
@@ -251,6 +226,7 @@ def _dense_slices(
             cfg.bits,
             cfg.group_size,
             cfg.symmetric,
+            cfg.zero_point,
             DEQUANT_ROWS,
             block_k,
         )
@@ -261,63 +237,6 @@ def _dense_slices(
 
 
 DEQUANT_ROWS = 32  # W rows a dequantizing program writes
-
-
-# The fused kernel's tiles by rows of x: those of the first bucket at or above m, and
-# the programs an SM its K is split for (`_split`). Measured on the H100 machine
-# (`scripts/bench_kernels.py --kernels decode`, OPT-30B and Llama-2-70B matrices, int4;
-# docs/throughput.md): at 32 rows, 32-row tiles read 1.8x faster than 64-row ones; at
-# 64, K steps of 128 beat 256 by 10-30% (fewer registers); at 16, a cap of 128
-# registers (4 programs an SM, not 2) 2-5%; from 128 rows split-K loses.
-ROW_TILES = (
-    (16, Tiles(16, 64, 256, 4, 3, registers=128), 4),
-    (32, Tiles(32, 64, 256, 4, 3), 4),
-    (64, Tiles(64, 64, 128, 4, 3), 4),
-    (DENSE_ROWS, Tiles(128, 128, 64, 8, 3), 1),
-)
-
-
-def _tiles(m: int, n: int, k: int, group: int, device: torch.device) -> Tiles:
-    """The tiles for [m, k] x [k, n] below DENSE_ROWS rows (`ROW_TILES`); K steps are whole
-    groups (`_block_k`), so a group longer than the bucket's K step takes its own."""
-    tiles, per_sm = next((t, p) for rows, t, p in ROW_TILES if m <= rows)
-    return tiles._replace(split=_split(m, n, k, tiles, device, per_sm))
-
-
-def shared_bytes(t: Tiles, block_k: int, element: int, cfg: Compression) -> int:
-    """The fused kernel's shared memory, from above: every pipeline stage holds a K step
-    of x, of the codes and of the group parameters, and the dequantized W tile goes
-    through one more buffer on its way to the tensor cores. (Triton allocated 278528
-    bytes for 128 x 128 tiles, K steps of 128 and float32 x; this counts 288256.)"""
-    params = 2 * t.block_n * max(1, block_k // cfg.group_size) * 2
-    stage = t.block_m * block_k * element + t.block_n * block_k * cfg.bits // 8 + params
-    return t.stages * stage + t.block_n * block_k * element
-
-
-@functools.cache  # on every call's path: one lookup, not the count
-def _fitted(t: Tiles, block_k: int, element: int, cfg: Compression, limit: int | None) -> Tiles:
-    """t with fewer stages, then smaller tiles in M and N, until its shared memory fits
-    the device's limit (None: no limit, the interpreter). float32 x, or a group longer
-    than the bucket's K step, needs it: 128 x 128 tiles with K steps of 128 over float32
-    asked for 272 KiB where an H100 gives a program 227 KiB."""
-    while limit is not None and shared_bytes(t, block_k, element, cfg) > limit:
-        if t.stages > 2:
-            t = t._replace(stages=t.stages - 1)
-        elif t.block_m > 16:
-            t = t._replace(block_m=t.block_m // 2)
-        elif t.block_n > 16:
-            t = t._replace(block_n=t.block_n // 2)
-        else:
-            break  # the smallest tiles: let Triton say what does not fit
-    return t
-
-
-def _split(m: int, n: int, k: int, tiles: Tiles, device: torch.device, per_sm: int) -> int:
-    """The most programs to divide K among for each output tile: enough that every SM
-    holds per_sm programs, each with 4 K steps at least."""
-    count = -(-m // tiles.block_m) * -(-n // tiles.block_n)
-    wanted = -(-per_sm * sm_count(device) // count)
-    return max(1, min(wanted, k // (4 * tiles.max_k)))
 
 
 if triton is not None:
@@ -341,6 +260,7 @@ if triton is not None:
         BITS: tl.constexpr,
         GROUP: tl.constexpr,
         SYMMETRIC: tl.constexpr,
+        ZERO_POINT: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         RELU: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
@@ -403,6 +323,7 @@ if triton is not None:
                     low[:, :, None],
                     SYMMETRIC,
                     xt.dtype,
+                    ZERO_POINT=ZERO_POINT,
                 )
                 even = tl.reshape(even, (BLOCK_N, BLOCK_K // 2))
                 odd = tl.reshape(odd, (BLOCK_N, BLOCK_K // 2))
@@ -412,12 +333,14 @@ if triton is not None:
                 codes = tl.reshape(codes, (BLOCK_N, PER_STEP, GROUP))
                 if BITS == 8:
                     values = dequant_bytes(
-                        codes, scale[:, :, None], low[:, :, None], SYMMETRIC, xt.dtype
-                    )
+                        codes, scale[:, :, None], low[:, :, None], SYMMETRIC, xt.dtype,
+                        ZERO_POINT=ZERO_POINT,
+                    )  # fmt: skip
                 else:  # int4 in K steps too short for planes
                     values = dequant(
-                        codes, scale[:, :, None], low[:, :, None], BITS, SYMMETRIC, xt.dtype
-                    )
+                        codes, scale[:, :, None], low[:, :, None], BITS, SYMMETRIC, xt.dtype,
+                        ZERO_POINT,
+                    )  # fmt: skip
                 values = tl.reshape(values, (BLOCK_N, BLOCK_K))
                 acc = tl.dot(xt, tl.trans(values), acc, input_precision=PRECISION)
         mask = m_ok[:, None] & n_ok[None, :]
@@ -476,6 +399,7 @@ if triton is not None:
         BITS: tl.constexpr,
         GROUP: tl.constexpr,
         SYMMETRIC: tl.constexpr,
+        ZERO_POINT: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
@@ -512,6 +436,7 @@ if triton is not None:
             BITS,
             SYMMETRIC,
             out_ptr.dtype.element_ty,
+            ZERO_POINT,
         )
         tl.store(
             out_ptr + rn[:, None] * K + step * BLOCK_K + kk[None, :],

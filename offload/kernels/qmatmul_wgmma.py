@@ -21,7 +21,7 @@ sm_90 GPU; everything else stays on the Triton kernel. The differences from it:
   tile by tile, which may begin or end inside a tile; a tile one program covers is
   stored whole, and a tile shared by several is added up in K order, from float32
   partials, by the last of them to arrive. `programs` sets the runs: K split among the
-  most programs a tile that keep one wave (split-K, launched tile by tile as before),
+  most programs a tile that keep one wave (split-K, launched tile by tile),
   or, where the tiles need more than one wave and the last would be at most half full,
   one wave of runs that cross tiles (stream-K: 1.21x on OPT-30B's qkv at 32 rows).
 - **Two warpgroups a program at 33-64 rows** where W's rows divide into their 128-row
@@ -67,7 +67,7 @@ W_ROWS = 64  # W rows a warpgroup: wgmma's M
 # by wgmma's N (x's rows in a tile): the warpgroups a program (each its own 64 W rows,
 # all of them reading the same x tile), the programs an SM (at most what shared memory
 # and registers allow), and the ring's stages (at 64 rows a stage's x tile is 32 KB).
-# Programs an SM, probe run 232755 (H100, one tile a program, K 14336 / 28672): at 1-16
+# Programs an SM (H100, one tile a program, K 14336 / 28672; docs/throughput.md): at 1-16
 # rows 3 or 4 read 80-84 / 86-89% of HBM, 2 80-82 / 85-86%, 1 61-67 / 66-69%; 5 (at 8
 # rows, where 4 fill an SM's registers at 128 a thread) 68-69 / 72%
 WARPGROUPS = {8: 1, 16: 1, 32: 1, 64: 2}
@@ -101,6 +101,7 @@ def eligible(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None) -> bool:
         and cfg.bits == 4
         and cfg.group_size == GROUP
         and not cfg.symmetric
+        and not cfg.zero_point
         and n % W_ROWS == 0
         and k % (2 * K_STEP) == 0  # TMA: the scale rows' strides are multiples of 16 bytes
         and (bias is None or bias.dtype == torch.float16)
@@ -120,7 +121,7 @@ def programs(m: int, n: int, k: int, device: torch.device, warpgroups: int | Non
     divided among the most programs that keep one wave, at least 1, a divisor of its K
     steps (split-K); where they need more than one and the last would be at most half
     full, one wave in equal runs of (tile, K step) units (stream-K); else one tile a
-    program. Probe runs 233604 and 234039 (H100): at 48-64 rows split-K read 42-64% of
+    program. On the H100 (docs/throughput.md): at 48-64 rows split-K read 42-64% of
     HBM where stream-K read 22-59% (its partials: 64 x 128 float32 a shared tile,
     written and read); on OPT-30B's qkv at 32 rows (336 tiles, 1.27 waves) stream-K read
     65% where one tile a program read 54%."""
@@ -147,8 +148,8 @@ def registers(x_rows: int, warpgroups: int) -> int | None:
 def _warpgroups(m: int, n: int, k: int, device: torch.device) -> int:
     """`WARPGROUPS` where W's rows divide into their tiles and the tiles take no split,
     else 1. A split adds float32 partials, written and read: at 64 rows 512 N bytes a
-    part, 14% of the bytes of a W 7168 columns wide. Probe run 230417 (H100, 48 and 64
-    rows): unsplit, two warpgroups were 1.0-1.23x one (OPT-30B's qkv and mlp_in,
+    part, 14% of the bytes of a W 7168 columns wide. On the H100 (48 and 64 rows;
+    docs/throughput.md): unsplit, two warpgroups were 1.0-1.23x one (OPT-30B's qkv and mlp_in,
     Llama-2-70B's mlp_in); where they needed 4 parts to one warpgroup's 2, 0.75-1.1x
     (OPT-30B's out_proj and mlp_out)."""
     groups = WARPGROUPS[_x_rows(m)]

@@ -97,6 +97,10 @@ def _quantize(t: torch.Tensor, config: Compression) -> QTensor:
         minimum = groups.amin(dim=-1, keepdim=True)
         scale = (groups.amax(dim=-1, keepdim=True) - minimum).clamp(min=1e-12) * (1.0 / levels)
         codes = ((groups - minimum) / scale).round().clamp(0, levels)
+        if config.zero_point:  # the zero in the minimum's place, codes around it
+            scale = scale.to(torch.float16).float()
+            minimum = (-minimum / scale).round().clamp(0, levels)
+            codes = (groups / scale + minimum).round().clamp(0, levels)
     codes = codes.to(torch.uint8)
     if config.bits == 4:
         codes = pack_int4(codes)
@@ -115,6 +119,8 @@ def dequantize(q: QTensor) -> torch.Tensor:
     values = codes.float()
     if q.config.symmetric:
         values = (values - ((1 << q.config.bits) - 1) // 2) * q.scale.float()
+    elif q.config.zero_point:
+        values = (values - q.minimum.float()) * q.scale.float()
     else:
         values = values * q.scale.float() + q.minimum.float()
     return values.reshape(q.shape).to(q.dtype)
@@ -162,8 +168,10 @@ SCALE, MINIMUM = ".scale", ".min"
 
 
 def is_quantized(name: str, shape: tuple[int, ...], config: Compression | None) -> bool:
+    if config is None or (name == "lm_head.weight" and not config.head):
+        return False
     matrix = name in MATRICES or name.endswith(EXPERT_MATRICES)
-    return config is not None and matrix and shape[-1] % config.group_size == 0
+    return matrix and shape[-1] % config.group_size == 0
 
 
 def stored_layout(
@@ -189,14 +197,17 @@ def stored_layout(
 def compress_stage(
     weights: dict[str, torch.Tensor], config: Compression | None
 ) -> dict[str, torch.Tensor]:
-    """A stage's weights as stored: quantized matrices split into codes and parameters."""
+    """A stage's weights as stored: quantized matrices split into codes and parameters
+    (a `QTensor` already in the format, a pre-quantized checkpoint's, as it is)."""
     out = {}
     for name, t in weights.items():
         if not is_quantized(name, tuple(t.shape), config):
+            assert not isinstance(t, QTensor), f"{name} is quantized, the stage's format not"
             out[name] = t
             continue
         assert config is not None
-        q = quantize(t, config)
+        q = t if isinstance(t, QTensor) else quantize(t, config)
+        assert q.config == config, f"{name} is in {q.config}, the stage in {config}"
         out[name], out[name + SCALE] = q.codes, q.scale
         if q.minimum is not None:
             out[name + MINIMUM] = q.minimum

@@ -8,6 +8,8 @@ counted over real tokens only, as Hugging Face derives positions from the mask.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from offload.core.config import ModelConfig
@@ -48,9 +50,11 @@ class PaddedBatch:
         num_new: int,
         dtype: torch.dtype,
         device: torch.device,
-        inv_freq: torch.Tensor | None,
+        rotary: ops.Rotary | None,
     ) -> StepInputs:
-        """Inputs for the tokens in slots cache_start .. cache_start + num_new - 1.
+        """Inputs for the tokens in slots cache_start .. cache_start + num_new - 1; where
+        the windowed layers differ from the others (`ModelConfig.window_layers`), theirs
+        ride along as `StepInputs.local`.
 
         A decode step's bias is a prefix of the last slot's (every earlier slot is
         visible but padding; no sliding window can cut inside the block), built once.
@@ -61,21 +65,35 @@ class PaddedBatch:
         if key not in self._on_device:
             valid, pos = self.key_valid.to(device), self.key_pos.to(device)
             last = self.max_slots - 1
-            decode_bias = ops.attention_bias(self.cfg, valid, pos, pos[:, last:], last, dtype)
+            decode_bias = [
+                ops.attention_bias(self.cfg, valid, pos, pos[:, last:], last, dtype, local)
+                for local in ((False, True) if self.cfg.window_layers else (False,))
+            ]
             self._on_device[key] = valid, pos, decode_bias
         key_valid, key_pos, decode_bias = self._on_device[key]
         positions = key_pos[:, cache_start:end]
-        window = self.cfg.sliding_window
-        if num_new == 1 and (window is None or window >= self.max_slots):
-            bias = decode_bias[..., :end]
-        else:
-            bias = ops.attention_bias(
-                self.cfg, key_valid[:, :end], key_pos[:, :end], positions, cache_start, dtype
+        # the largest position + 1, counted on the host (LongRoPE switches on it)
+        longest = int(self.key_pos[:, cache_start:end].max()) + 1
+
+        def inputs(local: bool, rotary: ops.Rotary | None) -> StepInputs:
+            window = self.cfg.window_of(local)
+            if num_new == 1 and (window is None or window >= self.max_slots):
+                bias = decode_bias[local][..., :end]
+            else:
+                valid, pos = key_valid[:, :end], key_pos[:, :end]
+                bias = ops.attention_bias(
+                    self.cfg, valid, pos, positions, cache_start, dtype, local
+                )
+            rope = None if rotary is None else rotary.cos_sin(positions, dtype, longest)
+            causal = (
+                self.unpadded
+                and self.cfg.family != "bloom"  # ALiBi
+                and (window is None or window >= end)
             )
-        rope = ops.rope_cos_sin(inv_freq, positions, dtype) if inv_freq is not None else None
-        causal = (
-            self.unpadded
-            and self.cfg.family != "bloom"  # ALiBi
-            and (window is None or window >= end)
-        )
-        return StepInputs(positions, bias, cache_start, rope, causal)
+            return StepInputs(positions, bias, cache_start, rope, causal)
+
+        step = inputs(False, rotary)
+        if self.cfg.window_layers:
+            local_rotary = rotary if rotary is None or rotary.local is None else rotary.local
+            step = dataclasses.replace(step, local=inputs(True, local_rotary))
+        return step

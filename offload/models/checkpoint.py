@@ -16,7 +16,9 @@ from safetensors import SafetensorError, safe_open
 
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
-from offload.models.shapes import Weights, expert_name
+from offload.kernels.quant import is_quantized
+from offload.models import family_names, prequant
+from offload.models.shapes import Part, Parts, Weights
 from offload.models.weights import WeightSource
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -27,7 +29,9 @@ NameMap = dict[str, list[str]]
 
 
 def _hf_names(cfg: ModelConfig, stage: str, index: int) -> NameMap:
-    if cfg.family == "llama":
+    if cfg.family == "falcon":
+        return family_names.falcon(cfg, stage, index)
+    if cfg.family in ("llama", "gemma"):
         p = f"model.layers.{index}."
         layer = {
             "attn_norm.weight": [p + "input_layernorm.weight"],
@@ -39,9 +43,11 @@ def _hf_names(cfg: ModelConfig, stage: str, index: int) -> NameMap:
         }
         embed = {"tok.weight": ["model.embed_tokens.weight"]}
         head = {"final_norm.weight": ["model.norm.weight"], "lm_head.weight": ["lm_head.weight"]}
-        if cfg.num_experts:
-            layer.update(_moe_names(cfg, p))
-    elif cfg.family == "bloom":
+        if cfg.num_experts and stage == "layer":
+            layer.update(family_names.moe(cfg, index))
+        stages = {"embed": embed, "layer": layer, "head": head}
+        return family_names.llama_variant(cfg, stage, index, stages[stage])
+    if cfg.family == "bloom":
         p = f"transformer.h.{index}."
         layer = {
             "attn_norm": [p + "input_layernorm"],
@@ -79,28 +85,6 @@ def _hf_names(cfg: ModelConfig, stage: str, index: int) -> NameMap:
     return {"embed": embed, "layer": layer, "head": head}[stage]
 
 
-def _moe_names(cfg: ModelConfig, p: str) -> NameMap:
-    """A mixture of experts' layer names (Mixtral's `block_sparse_moe` with w1 (gate), w3
-    (up) and w2 (down); Qwen's and GLM-4.5's `mlp` with gate, up and down projections),
-    as the hub's checkpoints and transformers' save_pretrained write them."""
-    mixtral = cfg.model_type == "mixtral"
-    block = p + ("block_sparse_moe." if mixtral else "mlp.")
-    names: NameMap = {"router.weight": [block + "gate.weight"]}
-    names["router.correction"] = [block + "gate.e_score_correction_bias"]
-    shared = block + ("shared_expert." if cfg.model_type == "qwen2_moe" else "shared_experts.")
-    names["shared.mlp_in.weight"] = [shared + "gate_proj.weight", shared + "up_proj.weight"]
-    names["shared.mlp_out.weight"] = [shared + "down_proj.weight"]
-    names["shared.gate.weight"] = [block + "shared_expert_gate.weight"]
-    for e in range(cfg.num_experts):
-        expert = f"{block}experts.{e}."
-        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-        names[expert_name(e, "mlp_in")] = [f"{expert}{gate}.weight", f"{expert}{up}.weight"]
-        names[expert_name(e, "mlp_out")] = [f"{expert}{down}.weight"]
-    for which in "qk":
-        names[f"{which}_norm.weight"] = [p + f"self_attn.{which}_norm.weight"]
-    return names
-
-
 def _expand(names: NameMap, wanted: dict[str, tuple[int, ...]]) -> NameMap:
     """Turn module entries ("qkv": [modules]) into tensor entries ("qkv.weight", ...)."""
     out: NameMap = {}
@@ -113,13 +97,6 @@ def _expand(names: NameMap, wanted: dict[str, tuple[int, ...]]) -> NameMap:
         else:
             raise AssertionError(f"no checkpoint name for {canon}")
     return out
-
-
-def _bloom_qkv_to_blocks(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """BLOOM stores qkv per head as [H, 3, D, ...]; reorder to [q heads | k heads | v heads]."""
-    rest = t.shape[1:]
-    t = t.view(cfg.num_heads, 3, cfg.head_dim, *rest).transpose(0, 1)
-    return t.reshape(3 * cfg.num_heads * cfg.head_dim, *rest)
 
 
 class SafetensorsReader:
@@ -139,6 +116,7 @@ class SafetensorsReader:
             )
         self._file_of = weight_map
         self._handles: dict[str, object] = {}
+        self.bytes_read = 0  # tensor bytes handed out (whole tensors and slices)
         self._prefix = self._detect_prefix()
 
     @staticmethod
@@ -158,7 +136,7 @@ class SafetensorsReader:
             mapping["transformer."] = ""
         if any(n.startswith("decoder.") for n in names):
             mapping["model.decoder."] = "decoder."
-        return mapping
+        return mapping | family_names.language_model_prefix(names)
 
     def stored_name(self, name: str) -> str:
         for full, short in self._prefix.items():
@@ -169,7 +147,8 @@ class SafetensorsReader:
     def has(self, name: str) -> bool:
         return self.stored_name(name) in self._file_of
 
-    def get(self, name: str) -> torch.Tensor:
+    def _slice(self, name: str):
+        """safetensors' lazy slice of a tensor (nothing read yet), and the file's path."""
         stored = self.stored_name(name)
         file_name = self._file_of[stored]
         handle = self._handles.get(file_name)
@@ -178,11 +157,29 @@ class SafetensorsReader:
             if handle is None:
                 handle = safe_open(str(path), framework="pt")
                 self._handles[file_name] = handle
-            return handle.get_tensor(stored)
+            return handle.get_slice(stored), path
         except (SafetensorError, OSError) as exc:
             raise UserError(
                 f"cannot read tensor {stored} from {path}: {exc}; the file is damaged or truncated"
             ) from exc
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name)[0].get_shape())
+
+    def get(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The tensor, or its rows (dim 0) or columns (dim 1) [start, stop): only those
+        bytes are read (`bytes_read` counts what was handed out)."""
+        piece, path = self._slice(name)
+        stop = piece.get_shape()[dim] if stop is None else stop
+        try:
+            tensor = piece[start:stop] if dim == 0 else piece[:, start:stop]
+        except (SafetensorError, OSError) as exc:
+            raise UserError(
+                f"cannot read tensor {self.stored_name(name)} from {path}: {exc}; the file "
+                "is damaged or truncated"
+            ) from exc
+        self.bytes_read += tensor.nbytes
+        return tensor
 
     def close(self) -> None:
         """Drop open files; their mapped pages leave this process's RSS."""
@@ -195,47 +192,114 @@ class CheckpointSource(WeightSource):
     def __init__(self, directory: Path, config: ModelConfig) -> None:
         self.config = config
         self.reader = SafetensorsReader(directory)
+        self.quant = prequant.format_of(directory)  # GPTQ, AWQ, compressed-tensors
 
     def stored_stage(
         self, stage: str, index: int, dtype: torch.dtype, device: torch.device
     ) -> Weights:
+        return self.stored_parts(stage, index, dtype, device, {})
+
+    def stored_parts(
+        self, stage: str, index: int, dtype: torch.dtype, device: torch.device, parts: Parts
+    ) -> Weights:
+        """Each tensor whole, or only the rows or columns of its part (slices of the
+        files: a tensor-parallel rank reads its share of the checkpoint)."""
         wanted = self.stored_shapes(stage, index)
         names = _expand(_hf_names(self.config, stage, index), wanted)
         out: Weights = {}
         try:
             for canon, hf_names in names.items():
-                out[canon] = self._load(canon, hf_names, wanted[canon], stage, dtype, device)
+                shape = wanted[canon]
+                if self.quant is not None and is_quantized(canon, shape, self.quant.compression):
+                    assert canon not in parts, "a pre-quantized checkpoint is read whole (no --tp)"
+                    q = prequant.load_matrix(self.reader, self.config, self.quant, canon, hf_names, shape)  # fmt: skip
+                    out[canon] = prequant.to(q, dtype, device)
+                    continue
+                self._check_present(canon, hf_names, stage)
+                part = parts.get(canon, Part(0, ((0, shape[0]),)))
+                out[canon] = self._load(canon, hf_names, shape, part, dtype, device)
         finally:
             # safetensors maps shards; closing after each stage keeps the touched pages
             # of earlier stages out of RSS, so it stays near one layer.
             self.reader.close()
         return out
 
-    def _load(
-        self,
-        canon: str,
-        hf_names: list[str],
-        shape: tuple[int, ...],
-        stage: str,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
+    def _check_present(self, canon: str, hf_names: list[str], stage: str) -> None:
         missing = [n for n in hf_names if not self.reader.has(n)]
         if missing:
             raise UserError(
                 f"checkpoint {self.reader.directory} lacks tensor {missing[0]} "
                 f"({stage} weight {canon}); is it a {self.config.model_type} checkpoint?"
             )
-        parts = [self.reader.get(n) for n in hf_names]
-        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        if self.config.family == "bloom" and canon.startswith("qkv."):
-            tensor = _bloom_qkv_to_blocks(tensor, self.config)
-        if tuple(tensor.shape) != shape:
+
+    def _load(
+        self,
+        canon: str,
+        hf_names: list[str],
+        shape: tuple[int, ...],
+        part: Part,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        stored = self._stored_shape(hf_names)
+        if stored != shape:
             raise UserError(
-                f"tensor {hf_names[0]} in {self.reader.directory} has shape "
-                f"{tuple(tensor.shape)}, config.json implies {shape}"
+                f"tensor {hf_names[0]} in {self.reader.directory} has shape {stored}, "
+                f"config.json implies {shape}"
             )
+        if part.zeros:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        pieces = [p for start, stop in part.ranges for p in self._range(canon, hf_names, part.dim, start, stop)]  # fmt: skip
+        tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=part.dim)
         return tensor.to(device=device, dtype=dtype)
+
+    def _stored_shape(self, hf_names: list[str]) -> tuple[int, ...]:
+        shapes = [self.reader.shape(n) for n in hf_names]
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+    def _range(
+        self, canon: str, hf_names: list[str], dim: int, start: int, stop: int
+    ) -> list[torch.Tensor]:
+        """Rows (dim 0) or columns (dim 1) [start, stop) of the canonical tensor, which is
+        the checkpoint's tensors one under the other (BLOOM's qkv: its heads reordered),
+        as the pieces the files hold."""
+        read = self.reader.get
+        if dim == 1:
+            return [torch.cat([read(n, 1, start, stop) for n in hf_names])]
+        if family_names.grouped_qkv(self.config) and canon.startswith("qkv."):
+            return self._grouped_qkv_rows(hf_names[0], start, stop)
+        pieces, offset = [], 0
+        for name in hf_names:
+            rows = self.reader.shape(name)[0]
+            lo, hi = max(start, offset), min(stop, offset + rows)
+            if lo < hi:
+                pieces.append(read(name, 0, lo - offset, hi - offset))
+            offset += rows
+        return pieces
+
+    def _grouped_qkv_rows(self, name: str, start: int, stop: int) -> list[torch.Tensor]:
+        """Canonical qkv rows [start, stop) from a layout grouped per KV head
+        (`family_names.grouped_qkv`: each group its query heads, its key, its value): the
+        whole tensor in one read, reordered; a part a read a head."""
+        cfg = self.config
+        if (start, stop) == (0, cfg.qkv_out_features):
+            return [family_names.grouped_qkv_to_blocks(self.reader.get(name), cfg)]
+        dim, per_group = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+        q_rows, kv_rows = cfg.num_heads * dim, cfg.num_kv_heads * dim
+        pieces, at = [], start
+        while at < stop:
+            if at < q_rows:  # q: head h is the (h % per_group)-th of group h // per_group
+                head, offset = divmod(at, dim)
+                group, slot, block_end = head // per_group, head % per_group, q_rows
+            else:  # k, then v: one head a group, after the group's query heads
+                block, row = divmod(at - q_rows, kv_rows)
+                (group, offset), slot = divmod(row, dim), per_group + block
+                block_end = q_rows + (block + 1) * kv_rows
+            end = min(stop, at + dim - offset, block_end)
+            first = (group * (per_group + 2) + slot) * dim + offset
+            pieces.append(self.reader.get(name, 0, first, first + end - at))
+            at = end
+        return pieces
 
     def close(self) -> None:
         self.reader.close()

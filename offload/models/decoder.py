@@ -94,6 +94,14 @@ class StepInputs:
     cache_start: int
     rope: tuple[torch.Tensor, torch.Tensor] | None
     causal: bool = False
+    # the windowed layers' bias, rope and causal flag, where they differ from the
+    # others' (`ModelConfig.window_layers`; `layer_step` picks)
+    local: StepInputs | None = None
+
+
+def layer_step(cfg: ModelConfig, step: StepInputs, layer: int) -> StepInputs:
+    """The step inputs layer `layer` attends with (its window's, where layers differ)."""
+    return step.local if step.local is not None and cfg.is_local(layer) else step
 
 
 def embed(
@@ -118,6 +126,8 @@ def embed(
         x = x + F.embedding(positions.clamp(min=0) + OPT_POSITION_OFFSET, w["pos.weight"])
     if cfg.family == "bloom":
         x = norm(x, w["embed_norm.weight"], w["embed_norm.bias"], "layer", cfg.norm_eps)
+    if cfg.embed_scale is not None:  # the scale rounded to the dtype first, as Gemma's
+        x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
     return x
 
 
@@ -138,15 +148,18 @@ def attn_in(cfg: ModelConfig, w: Weights, x: torch.Tensor, step: StepInputs):
     q_size = cfg.num_heads * cfg.head_dim
     kv_size = cfg.num_kv_heads * cfg.head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q = q.view(batch, num_new, cfg.num_heads, cfg.head_dim)
-    k = k.view(batch, num_new, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:  # each head's q and k RMS-normed before RoPE
-        q, k = _norm(cfg, w, "q_norm", q), _norm(cfg, w, "k_norm", k)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    q = q.view(batch, num_new, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+    k = k.view(batch, num_new, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
     v = v.view(batch, num_new, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+    if cfg.qk_norm:  # each head's q and k normed over its channels
+        q, k = _norm(cfg, w, "q_norm", q), _norm(cfg, w, "k_norm", k)
     if step.rope is not None:
         cos, sin = step.rope
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+    if cfg.query_scale is not None:
+        # the attention scales scores by head_dim ** -0.5 (SDPA, the CPU and Triton
+        # kernels alike); q takes the ratio to the model's scale, so every path has it
+        q = q * (cfg.query_scale * math.sqrt(cfg.head_dim))
     return q, k, v, residual
 
 
@@ -200,6 +213,8 @@ def mlp_block(
     """The attention's residual and the MLP block over the projected attention output x;
     the layer's output hidden states. Its rows go in `mlp_chunks`; a mixture of
     experts' layer runs `moe.moe_block` instead."""
+    if cfg.sandwich_norms:  # the attention's output normed before the residual joins
+        x = _norm(cfg, w, "post_attn_norm", x)
     if moe.is_moe(w):
         assert parallel is None, "tensor parallelism does not split experts"
         return moe.moe_block(cfg, w, x, residual)
@@ -230,20 +245,45 @@ def _mlp(
     """The MLP with its residual (and OPT's post-norm) over token rows x [N, hidden].
 
     attn_residual (pre-norm models): the attention block's residual, not yet added to
-    x; the norm adds it into x in place, in the same kernel (`kernels.norm`)."""
+    x; the norm adds it into x in place, in the same kernel (`kernels.norm`). A parallel
+    layer (Falcon) has its MLP read that residual, the layer's input, and adds the
+    attention's output x and the input to the MLP's, in transformers' order."""
+    if cfg.parallel_attn:
+        assert attn_residual is not None
+        h = _norm(cfg, w, "mlp_norm" if cfg.has_mlp_norm else "attn_norm", attn_residual)
+        out = _mlp_out(cfg, w, h, parallel)
+        out += x
+        out += attn_residual
+        return out
     h = _norm(cfg, w, "mlp_norm", x, attn_residual) if cfg.do_layer_norm_before else x
     residual = h if cfg.residual_from_norm else x
+    if cfg.sandwich_norms:  # the MLP's output normed before the residual joins
+        out = _norm(cfg, w, "post_mlp_norm", _mlp_out(cfg, w, h, parallel))
+        out += residual
+        return out
+    out = _mlp_out(cfg, w, h, parallel, residual)
+    if not cfg.do_layer_norm_before:
+        out = _norm(cfg, w, "mlp_norm", out)
+    return out
+
+
+def _mlp_out(
+    cfg: ModelConfig,
+    w: Weights,
+    h: torch.Tensor,
+    parallel: Parallel | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The MLP's projections of normed rows h, with the residual added where given."""
     if cfg.activation == "relu" and not cfg.gated_mlp:
         act = _linear(cfg, w, "mlp_in", h, relu=True)
     else:
         act = ops.mlp_activation(_linear(cfg, w, "mlp_in", h), cfg.activation, cfg.gated_mlp)
     if parallel is None:
-        out = _linear(cfg, w, "mlp_out", act, residual=residual)
-    else:  # the residual joins the ranks' summed outputs
-        out = parallel.reduce(_linear(cfg, w, "mlp_out", act))
+        return _linear(cfg, w, "mlp_out", act, residual=residual)
+    out = parallel.reduce(_linear(cfg, w, "mlp_out", act))  # the ranks' summed outputs
+    if residual is not None:
         out += residual
-    if not cfg.do_layer_norm_before:
-        out = _norm(cfg, w, "mlp_norm", out)
     return out
 
 
@@ -253,7 +293,10 @@ def head(cfg: ModelConfig, w: Weights, x: torch.Tensor) -> torch.Tensor:
         x = _norm(cfg, w, "final_norm", x)
     if "proj_out.weight" in w:
         x = F.linear(x, w["proj_out.weight"])
-    return _linear(cfg, w, "lm_head", x).float()
+    logits = _linear(cfg, w, "lm_head", x)
+    if cfg.final_softcap is not None:  # in the model's dtype, as transformers does
+        logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+    return logits.float()
 
 
 def warm_kernels(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
@@ -282,7 +325,8 @@ def warm_kernels(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
 def layer_forward(
     cfg: ModelConfig, w: Weights, x: torch.Tensor, step: StepInputs, kv: LayerKV
 ) -> torch.Tensor:
-    """One decoder layer with its KV cache on the same device as x."""
+    """One decoder layer with its KV cache on the same device as x (step: this layer's,
+    `layer_step`)."""
     q, k, v, residual = attn_in(cfg, w, x, step)
     context = kv.attention(q, k, v, step.bias, step.cache_start, step.causal)
     return attn_out_and_mlp(cfg, w, context, residual)

@@ -16,6 +16,7 @@ from typing import Any
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
 from offload.core.presets import DEMO_NAME, PRESETS, preset_for
+from offload.kernels.formats import Compression
 from offload.models.weights import DummySource, WeightSource
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,21 @@ class ModelSpec:
 
         return CheckpointSource(self.path, self.config)
 
+    def weight_format(self) -> Compression | None:
+        """A pre-quantized checkpoint's format, which its plan must keep (None: the
+        checkpoint is not quantized, or runs with dummy weights)."""
+        return self.checkpoint_format() if self.kind == "safetensors" else None
+
+    def checkpoint_format(self) -> Compression | None:
+        """The format of the checkpoint directory's weights, whatever this run loads
+        (offload-plan resolves a model without its weights)."""
+        if self.path is None or not self.path.is_dir():
+            return None
+        from offload.models.prequant import format_of
+
+        fmt = format_of(self.path)
+        return None if fmt is None else fmt.compression
+
     def generation_config(self) -> dict[str, Any]:
         """The model's generation_config.json ({} when it has none, as GGUF files)."""
         if self.path is None or not self.path.is_dir():
@@ -60,13 +76,36 @@ class ModelSpec:
             raise UserError(f"{path} is not valid JSON ({exc}); fix or delete it") from None
         return config if isinstance(config, dict) else {}
 
-    def tokenizer(self):
+    @property
+    def byte_tokens(self) -> bool:
+        """No tokenizer ships with the model (a preset's dummy weights, a directory
+        without one): its tokens are the text's UTF-8 bytes (`tokenizer.ByteTokenizer`)."""
+        from offload.models.tokenizer import ships_tokenizer
+
+        if self.kind == "gguf":
+            return False
+        return not (self.path is not None and self.path.is_dir() and ships_tokenizer(self.path))
+
+    def checkpoint_bytes(self) -> int:
+        """Bytes of the weight files at the model's path (0 where it has none)."""
+        if self.path is None:
+            return 0
+        if self.path.is_file():
+            return self.path.stat().st_size
+        return sum(f.stat().st_size for f in self.path.glob("*.safetensors"))
+
+    def tokenizer(self, byte_tokenizer: bool = False):
+        """The model's tokenizer; byte_tokenizer: UTF-8 bytes for a checkpoint without
+        one (else a real checkpoint without one is refused, naming the files)."""
         from offload.models.tokenizer import load_tokenizer
 
         if self.kind == "gguf":
             assert self.path is not None
             return load_tokenizer(self.path.parent, gguf_file=self.path.name)
-        return load_tokenizer(self.path if self.path and self.path.is_dir() else None)
+        byte_ids = "asked" if byte_tokenizer else "dummy" if self.kind == "dummy" else "refuse"
+        return load_tokenizer(
+            self.path if self.path and self.path.is_dir() else None, None, byte_ids
+        )
 
 
 def _config_from_dir(directory: Path, name: str) -> ModelConfig:
@@ -85,7 +124,9 @@ def _config_from_dir(directory: Path, name: str) -> ModelConfig:
 def _from_path(path: Path, dummy: bool, seed: int) -> ModelSpec:
     if path.is_dir():
         config = _config_from_dir(path, path.name)
-        return ModelSpec(path.name, config, "dummy" if dummy else "safetensors", path, seed)
+        spec = ModelSpec(path.name, config, "dummy" if dummy else "safetensors", path, seed)
+        spec.weight_format()  # a quantization we cannot read is refused here, by name
+        return spec
     if path.suffix == ".gguf":
         from offload.models.gguf_file import gguf_config, open_gguf
 

@@ -4,10 +4,12 @@ out and every layer reads:
     embed stage:  tok.weight [V, E]; pos.weight [P, hidden] (OPT);
                   embed_norm.weight/.bias (BLOOM); proj_in.weight [hidden, E] (OPT-350m)
     layer i:      attn_norm.weight(/.bias); qkv.weight [(H + 2*Hkv)*D, hidden](/.bias);
-                  o.weight [hidden, H*D](/.bias); mlp_norm.weight(/.bias);
+                  o.weight [hidden, H*D](/.bias); mlp_norm.weight(/.bias) (absent where a
+                  parallel layer's MLP shares attn_norm: Falcon-7B);
                   mlp_in.weight [I or 2*I (gate | up), hidden](/.bias);
-                  mlp_out.weight [hidden, I](/.bias);
-                  q_norm.weight, k_norm.weight [D] (per-head q/k norms: Qwen3-MoE)
+                  mlp_out.weight [hidden, I](/.bias); q_norm.weight, k_norm.weight [D]
+                  (`qk_norm`); post_attn_norm.weight, post_mlp_norm.weight [hidden]
+                  (`sandwich_norms`)
     a mixture-of-experts layer (`models.moe`; `ModelConfig.is_moe_layer`), in place of
                   mlp_in/mlp_out: router.weight [E, hidden]; router.correction [E]
                   (the sigmoid router's score bias); shared.mlp_in.weight
@@ -24,6 +26,8 @@ out and every layer reads:
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -77,12 +81,17 @@ def stage_shapes(cfg: ModelConfig, stage: str, index: int = 0) -> dict[str, tupl
     if cfg.norm_kind == "layer":
         shapes["attn_norm.bias"] = (hidden,)
         shapes["mlp_norm.bias"] = (hidden,)
+    if not cfg.has_mlp_norm:  # a parallel layer's MLP reads the attention's norm
+        shapes.pop("mlp_norm.weight")
+        shapes.pop("mlp_norm.bias", None)
+    if cfg.qk_norm:
+        shapes["q_norm.weight"] = shapes["k_norm.weight"] = (cfg.head_dim,)
+    if cfg.sandwich_norms:
+        shapes["post_attn_norm.weight"] = shapes["post_mlp_norm.weight"] = (hidden,)
     if cfg.has_qkv_bias:
         shapes["qkv.bias"] = (cfg.qkv_out_features,)
     if cfg.has_linear_bias:
         shapes.update({"o.bias": (hidden,), "mlp_in.bias": (mlp_in,), "mlp_out.bias": (hidden,)})
-    if cfg.qk_norm:
-        shapes.update({"q_norm.weight": (cfg.head_dim,), "k_norm.weight": (cfg.head_dim,)})
     if cfg.is_moe_layer(index):
         del shapes["mlp_in.weight"], shapes["mlp_out.weight"]
         shapes.update(_moe_shapes(cfg))
@@ -106,3 +115,35 @@ def _moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[expert_name(expert, "mlp_in")] = (2 * inter, hidden)
         shapes[expert_name(expert, "mlp_out")] = (hidden, inter)
     return shapes
+
+
+@dataclass(frozen=True)
+class Part:
+    """A piece of a canonical tensor that one tensor-parallel rank holds: the ranges
+    [start, stop) along `dim`, concatenated in order (a rank's q, k and v heads of the
+    fused qkv rows; its columns of a row-parallel matrix). zeros: a tensor of zeros of
+    the whole shape instead (a row-parallel bias off the first rank: the all-reduce adds
+    the first rank's once)."""
+
+    dim: int = 0
+    ranges: tuple[tuple[int, int], ...] = ()
+    zeros: bool = False
+
+    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
+        if self.zeros:
+            return full
+        size = sum(stop - start for start, stop in self.ranges)
+        return (*full[: self.dim], size, *full[self.dim + 1 :])
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This part of the whole `tensor`, in fresh memory of its own."""
+        if self.zeros:
+            return torch.zeros_like(tensor)
+        pieces = [tensor.narrow(self.dim, start, stop - start) for start, stop in self.ranges]
+        if len(pieces) > 1:
+            return torch.cat(pieces, dim=self.dim)
+        return pieces[0].clone(memory_format=torch.contiguous_format)
+
+
+# canonical name -> the part of it wanted (a name not in it: the whole tensor)
+Parts = dict[str, Part]

@@ -1,7 +1,9 @@
-"""Tokenizers: the model's own (Hugging Face) or, where a model ships none, bytes.
+"""Tokenizers: the model's own (Hugging Face), or UTF-8 bytes where there is none.
 
-Dummy presets and bare test checkpoints have no tokenizer; `ByteTokenizer` maps UTF-8
-bytes to ids 0..255 so text still goes in and comes out. A warning says so.
+Dummy presets (random weights) have no tokenizer; `ByteTokenizer` maps UTF-8 bytes to
+ids 0..255 so text still goes in and comes out. A real checkpoint without tokenizer
+files is refused, naming them: its outputs in byte ids would be garbage, unless the
+model was trained on bytes, which the user says with `--byte-tokenizer`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import logging
 import os
 from pathlib import Path
 from typing import Any
+
+from offload.core.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -89,20 +93,41 @@ def _gguf_tokenizer(path: Path) -> Tokenizer:
     return Tokenizer(hf)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+# what a token is for a model that ships no tokenizer, said beside its prompt lengths
+BYTE_TOKENS = "tokens are UTF-8 bytes: the model ships no tokenizer"
+
+
+def ships_tokenizer(directory: Path) -> bool:
+    """Whether a model directory holds a tokenizer (else its text is UTF-8 bytes)."""
+    return any((directory / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(
-    directory: Path | None, gguf_file: str | None = None
+    directory: Path | None, gguf_file: str | None = None, byte_ids: str = "refuse"
 ) -> Tokenizer | ByteTokenizer:
-    """The tokenizer in a model directory (or GGUF file), else the byte fallback."""
+    """The tokenizer in a model directory (or GGUF file). byte_ids: what a directory
+    without one gets: "refuse" (a real checkpoint), "asked" (--byte-tokenizer) or
+    "dummy" (random weights: bytes are as good as any); no directory is a preset's."""
     from transformers import AutoTokenizer
 
     if directory is not None and gguf_file is not None:
         return _gguf_tokenizer(directory / gguf_file)
-    if directory is not None:
-        has_files = any(
-            (directory / name).is_file()
-            for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    found = [name for name in TOKENIZER_FILES if directory and (directory / name).is_file()]
+    if found and byte_ids == "asked":
+        raise UserError(
+            f"{directory} ships a tokenizer ({found[0]}); drop --byte-tokenizer "
+            "(byte_tokenizer=True), which is for checkpoints without one"
         )
-        if has_files:
-            return Tokenizer(AutoTokenizer.from_pretrained(str(directory)))
-    log.warning("the model ships no tokenizer; using UTF-8 bytes as token ids")
+    if found:
+        return Tokenizer(AutoTokenizer.from_pretrained(str(directory)))
+    if directory is not None and byte_ids == "refuse":
+        raise UserError(
+            f"model directory {directory} has no tokenizer ({', '.join(TOKENIZER_FILES)}); "
+            "copy the tokenizer files from the model's repo into it, or pass "
+            "--byte-tokenizer (byte_tokenizer=True) to use UTF-8 bytes as token ids (right "
+            "only for a model trained on bytes)"
+        )
+    log.info("the model has no tokenizer; UTF-8 bytes are its token ids")
     return ByteTokenizer()

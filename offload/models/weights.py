@@ -16,19 +16,31 @@ from abc import ABC, abstractmethod
 import torch
 
 from offload.core.config import ModelConfig
-from offload.models.shapes import Weights, stage_shapes
+from offload.models.shapes import Part, Parts, Weights, stage_shapes
 
 
 class WeightSource(ABC):
     """Hands out canonical stage weights on demand. Use as a context manager."""
 
     config: ModelConfig
+    # whether the source makes its tensors on the compute device it is asked for, faster
+    # there than on the CPU (dummy weights: a GPU draws them far faster)
+    draws_on_device: bool = False
 
     @abstractmethod
     def stored_stage(
         self, stage: str, index: int, dtype: torch.dtype, device: torch.device
     ) -> Weights:
         """The stage's tensors as the source holds them (a tied head has no lm_head)."""
+
+    def stored_parts(
+        self, stage: str, index: int, dtype: torch.dtype, device: torch.device, parts: Parts
+    ) -> Weights:
+        """The stage's tensors as the source holds them, each cut to its part in `parts`
+        (a name not in it: whole). Here the whole stage is made and cut; a source that
+        can make a part alone (a checkpoint's slices, dummy tiles) makes only the part."""
+        weights = self.stored_stage(stage, index, dtype, device)
+        return {name: parts[name].take(t) if name in parts else t for name, t in weights.items()}
 
     def stored_shapes(self, stage: str, index: int = 0) -> dict[str, tuple[int, ...]]:
         """Canonical shapes of what the source itself holds for a stage (a tied head
@@ -69,7 +81,10 @@ class WeightSource(ABC):
         self.close()
 
 
-DRAW_ELEMENTS = 1 << 26  # 256 MiB of fp32 a draw
+# a dummy tensor is drawn in tiles of at most this many rows and columns, each from a
+# generator of its own: a rank draws only the tiles that hold its part, and the draw's
+# transient is one tile (not an fp32 copy of BLOOM's 250880 x 14336 table)
+TILE = 1024
 
 
 # the widest dummy router row's scale over the narrowest's (`DummySource`)
@@ -89,14 +104,18 @@ class DummySource(WeightSource):
 
     Linear weights ~ N(0, 1/fan_in) (unit-variance outputs, as trained models keep),
     embeddings ~ N(0, 1), norm weights 1 + N(0, 0.02^2), biases N(0, 0.02^2). Each
-    tensor has its own seed derived from (seed, stage, layer, name), so any layer can be
-    made alone and the same layer is the same on every call on the same device type.
+    TILE x TILE tile of a tensor has its own seed derived from (seed, stage, layer,
+    name, tile), so any layer, and any rank's part of it, can be made alone, and the
+    same tensor is the same on every call on the same device type (a part is the same
+    as the whole tensor cut).
 
     A mixture of experts' router rows are scaled by factors from sqrt(2) down to its
-    inverse, spread over the experts in a seeded order: the wider an expert's logits, the more tokens
-    choose it, so dummy routing is skewed as trained routers' are and placement by
-    usage has something to find (`ROUTER_SKEW`).
+    inverse, spread over the experts in a seeded order: the wider an expert's logits,
+    the more tokens choose it, so dummy routing is skewed as trained routers' are and
+    placement by usage has something to find (`ROUTER_SKEW`).
     """
+
+    draws_on_device = True
 
     def __init__(self, config: ModelConfig, seed: int = 0) -> None:
         self.config = config
@@ -105,27 +124,55 @@ class DummySource(WeightSource):
     def stored_stage(
         self, stage: str, index: int, dtype: torch.dtype, device: torch.device
     ) -> Weights:
+        return self.stored_parts(stage, index, dtype, device, {})
+
+    def stored_parts(
+        self, stage: str, index: int, dtype: torch.dtype, device: torch.device, parts: Parts
+    ) -> Weights:
         device = torch.device(device)
         out: Weights = {}
         for name, shape in self.stored_shapes(stage, index).items():
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self._tensor_seed(stage, index, name))
-            # drawn a slice at a time, so a giant (BLOOM's 250880 x 14336 table) never
-            # holds an fp32 copy beside its own bytes: the draw's transient is one slice
-            tensor = torch.empty(shape, dtype=dtype, device=device)
-            flat = tensor.view(-1)
-            for start in range(0, flat.numel(), DRAW_ELEMENTS):
-                count = min(DRAW_ELEMENTS, flat.numel() - start)
-                values = torch.randn(count, generator=gen, device=device, dtype=torch.float32)
-                flat[start : start + count] = self._scale(name, shape, values)
-            if name == "router.weight":
+            part = parts.get(name, Part(0, ((0, shape[0]),)))
+            tensor = torch.empty(part.shape(shape), dtype=dtype, device=device)
+            if part.zeros:
+                tensor.zero_()
+            else:
+                self._draw(tensor, name, shape, part, f"{self.seed}/{stage}/{index}/{name}")
+            if name == "router.weight":  # (whole: tensor parallelism splits no experts)
+                gen = torch.Generator(device=device)
+                gen.manual_seed(_seed(f"{self.seed}/{stage}/{index}/{name}/skew"))
                 tensor *= _router_skew(shape[0], gen, device).to(dtype)[:, None]
             out[name] = tensor
         return out
 
-    def _tensor_seed(self, stage: str, index: int, name: str) -> int:
-        digest = hashlib.sha256(f"{self.seed}/{stage}/{index}/{name}".encode()).digest()
-        return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    def _draw(
+        self, out: torch.Tensor, name: str, shape: tuple[int, ...], part: Part, key: str
+    ) -> None:
+        """Fill `out` with `part` of the tensor `shape`: each tile it touches drawn once
+        a range (a 1-D tensor is one column)."""
+        rows, cols = shape[0], shape[1] if len(shape) > 1 else 1
+        flat = out.view(out.shape[0], -1)
+        gen = torch.Generator(device=out.device)
+        at = 0  # where the range lands in out, along the part's dim
+        for start, stop in part.ranges:
+            row_span = (start, stop) if part.dim == 0 else (0, rows)
+            col_span = (start, stop) if part.dim == 1 else (0, cols)
+            for r0 in range(row_span[0] // TILE * TILE, row_span[1], TILE):
+                for c0 in range(col_span[0] // TILE * TILE, col_span[1], TILE):
+                    gen.manual_seed(_seed(f"{key}/{r0 // TILE}/{c0 // TILE}"))
+                    tile = torch.randn(
+                        min(TILE, rows - r0), min(TILE, cols - c0),
+                        generator=gen, device=out.device, dtype=torch.float32,
+                    )  # fmt: skip
+                    tile = self._scale(name, shape, tile)
+                    r_lo, r_hi = max(r0, row_span[0]), min(r0 + TILE, row_span[1])
+                    c_lo, c_hi = max(c0, col_span[0]), min(c0 + TILE, col_span[1])
+                    dst_r = r_lo - row_span[0] + (at if part.dim == 0 else 0)
+                    dst_c = c_lo - col_span[0] + (at if part.dim == 1 else 0)
+                    flat[dst_r : dst_r + r_hi - r_lo, dst_c : dst_c + c_hi - c_lo] = tile[
+                        r_lo - r0 : r_hi - r0, c_lo - c0 : c_hi - c0
+                    ]
+            at += stop - start
 
     @staticmethod
     def _scale(name: str, shape: tuple[int, ...], values: torch.Tensor) -> torch.Tensor:
@@ -136,3 +183,8 @@ class DummySource(WeightSource):
         if name in ("tok.weight", "pos.weight"):
             return values
         return values.mul_(1.0 / math.sqrt(shape[-1]))
+
+
+def _seed(key: str) -> int:
+    digest = hashlib.sha256(key.encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

@@ -22,8 +22,11 @@ import torch
 import torch.distributed as dist
 
 from offload.core.errors import UserError
+from offload.executor.lanes import Tracer
+from offload.executor.placing import SharedWeights
 from offload.kernels.quant import QTensor, embedding
 from offload.parallel.shard import RankShard
+from offload.policies.node import Layout
 
 # overrides the backend (nccl on CUDA, gloo on the CPU): gloo lets two ranks share one
 # GPU, which NCCL refuses (a correctness run on a one-GPU machine)
@@ -90,7 +93,9 @@ class Topology:
             torch.cuda.set_device(device)
         backend = os.environ.get(BACKEND_ENV) or ("nccl" if device.type == "cuda" else "gloo")
         if not dist.is_initialized():
-            dist.init_process_group(backend, init_method="env://")
+            # bound to its GPU, NCCL makes its communicator now, not in the first step
+            bound = {"device_id": device} if backend == "nccl" else {}
+            dist.init_process_group(backend, init_method="env://", **bound)
         topo = cls(rank, world, local_rank, local_world, tp, dp, device)
         # every rank creates every group, in the same order (torch.distributed's rule)
         for index in range(dp):
@@ -100,7 +105,16 @@ class Topology:
             if index == topo.dp_index:
                 topo.tp_group, topo.tp_control = group, control
         topo.control = None if backend == "gloo" else dist.new_group(backend="gloo")
+        topo.warm_up()
         return topo
+
+    def warm_up(self) -> None:
+        """One all-reduce in this rank's TP group: its communicator and buffers are set
+        up here, before the load, so none of that falls in the job's first step."""
+        if self.tp > 1:
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.tp_group)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     # -- agreeing on Python objects -------------------------------------------------------
     def share(self, obj, tp_only: bool = False):
@@ -115,10 +129,15 @@ class Topology:
     def barrier(self) -> None:
         dist.barrier(group=self.control)
 
-    def tensor_parallel(self, shard_of, timing: bool = False) -> TensorParallel:
+    def tensor_parallel(self, shard_of) -> TensorParallel:
         """This rank's `TensorParallel` for model config `shard_of` (a full config)."""
         shard = RankShard.of(shard_of, self.tp, self.tp_rank)
-        return TensorParallel(shard, self.tp_group, self.device, timing)
+        return TensorParallel(shard, self.tp_group, self.device, self.layout)
+
+    @property
+    def layout(self) -> Layout:
+        """This node's ranks: the TP groups that run on it share its cores and memory."""
+        return Layout(self.tp, max(1, self.local_world // self.tp))
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -129,16 +148,18 @@ class Topology:
 class TensorParallel:
     """One rank's collectives over its TP group (implements `decoder.Parallel`).
 
-    `reduce_seconds` adds up the time spent in all-reduces when `timing` is on (CUDA
-    events on the GPU), for the all-reduce share of a step."""
+    Where its executor traces a step (`tracer`, set by `rank.make_rank_runner`), each
+    all-reduce is a span on the "allreduce" lane: on the GPU its events on the compute
+    stream, so a span is the collective's time there, the wait for the slowest rank
+    included (the per-rank traces show the skew)."""
 
     shard: RankShard
     group: dist.ProcessGroup | None
     device: torch.device  # the rank's compute device (its own GPU)
-    timing: bool = False
-    reduce_seconds: float = 0.0
-    reduce_count: int = 0
-    _events: list = field(default_factory=list)
+    layout: Layout = field(default_factory=Layout)  # the job's ranks on this node
+    # the weights' CPU homes shared with the node's other groups (`rank.share_weights`)
+    shared_weights: SharedWeights | None = None
+    tracer: Tracer | None = None
 
     @property
     def size(self) -> int:
@@ -152,20 +173,19 @@ class TensorParallel:
         """Sum the ranks' partial outputs of a row-parallel matmul, in place."""
         if self.size == 1:  # data parallelism alone: nothing to sum
             return x
-        if not self.timing:
+        if self.tracer is None or not self.tracer.enabled:
             dist.all_reduce(x, group=self.group)
             return x
-        self.reduce_count += 1
         if x.is_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             dist.all_reduce(x, group=self.group)
             end.record()
-            self._events.append((start, end))
         else:
-            started = time.perf_counter()
+            start = time.perf_counter()
             dist.all_reduce(x, group=self.group)
-            self.reduce_seconds += time.perf_counter() - started
+            end = time.perf_counter()
+        self.tracer.host_span("allreduce", f"all-reduce {tuple(x.shape)}", start, end, x.nbytes)
         return x
 
     def embed(self, token_ids: torch.Tensor, table: torch.Tensor | QTensor) -> torch.Tensor:
@@ -189,15 +209,6 @@ class TensorParallel:
         pieces = [torch.empty_like(logits) for _ in sizes]
         dist.all_gather(pieces, logits.contiguous(), group=self.group)
         return torch.cat([p[..., :n] for p, n in zip(pieces, sizes, strict=True)], dim=-1)
-
-    def take_reduce_seconds(self) -> float:
-        """All-reduce seconds since the last call (waits for the GPU's events)."""
-        if self._events:
-            self._events[-1][1].synchronize()
-            self.reduce_seconds += sum(s.elapsed_time(e) for s, e in self._events) / 1e3
-            self._events.clear()
-        seconds, self.reduce_seconds = self.reduce_seconds, 0.0
-        return seconds
 
 
 def allreduce_bus_gbps(

@@ -10,9 +10,11 @@ ends every rank when one fails. Across nodes, start `torchrun` on each node inst
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
 import uuid
 from collections.abc import Callable
 
@@ -21,6 +23,21 @@ from offload.core.errors import UserError
 # a rank's exit status when another rank went away under a collective (cli.parallel);
 # apart from offload-run's own exit codes (0-3, 130)
 PEER_LOST = 4
+USAGE = 2  # a rank refused the user's input (offload-run's EXIT_USAGE)
+# set in the ranks `launch` starts: a rank's failure is told by the launcher's one line
+LAUNCHED_ENV = "OFFLOAD_LAUNCHED"
+
+
+def report_failure(line: str, cause: str) -> None:
+    """A rank's one-line failure: into the error file torch's elastic agent reads (the
+    launcher prints `cause` from it, as torchrun shows it in its summary), and on the
+    rank's stderr unless `launch` started it (then the launcher's line says it)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": cause, "timestamp": int(time.time())}, f)
+    if os.environ.get(LAUNCHED_ENV) is None:
+        print(line, file=sys.stderr)
 
 
 def _worker(main: Callable[[list[str]], int], argv: list[str]) -> None:
@@ -64,15 +81,14 @@ def launch(
     # a failure becomes the one line below
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
+    os.environ[LAUNCHED_ENV] = "1"
     try:
         elastic_launch(local_config(nprocs, fork), entrypoint=_worker)(main, argv)
     except ChildFailedError as exc:
         rank, failure = _root_failure(exc.failures)
-        raise UserError(
-            f"rank {rank} of {nprocs} {_cause(failure.exitcode, failure.signal_name())}; "
-            "all ranks were stopped. Results of finished blocks are kept: run the same "
-            "command again to resume"
-        ) from None
+        raise UserError(f"rank {rank} of {nprocs} {_cause(failure)}") from None
+    finally:
+        os.environ.pop(LAUNCHED_ENV, None)
     return 0
 
 
@@ -88,12 +104,23 @@ def _root_failure(failures: dict):
     return min(failures.items(), key=rank_of)
 
 
-def _cause(exitcode: int, signal_name: str) -> str:
-    if exitcode == 2:
-        return "stopped on an error (its message is above)"
-    if exitcode == PEER_LOST:
-        return "lost contact with the other ranks"
+RESUME = "Results of finished blocks are kept: run the same command again to resume"
+
+
+def _cause(failure) -> str:
+    """What a failed rank's line says: its own message, and the advice to run the same
+    command again only where a rerun can succeed (a rank killed, or lost, from outside;
+    not one that refused the input or raised, which a rerun repeats)."""
+    message = failure.message
+    message = message.get("message", "") if isinstance(message, dict) else str(message or "")
+    exitcode = failure.exitcode
     if exitcode < 0:
-        hint = " (out of memory?)" if signal_name == "SIGKILL" else ""
-        return f"was killed by {signal_name}{hint}"
-    return f"failed with exit code {exitcode} (its message is above)"
+        hint = " (out of memory?)" if failure.signal_name() == "SIGKILL" else ""
+        return f"was killed by {failure.signal_name()}{hint}; all ranks were stopped. {RESUME}"
+    if exitcode == PEER_LOST:
+        return f"lost contact with the other ranks; all ranks were stopped. {RESUME}"
+    if exitcode == USAGE and message:
+        return f"refused the run: {message}"
+    if message and not message.startswith("To enable traceback"):
+        return f"failed: {message}; all ranks were stopped"
+    return f"failed with exit code {exitcode}; all ranks were stopped"

@@ -9,17 +9,26 @@ logits, so the engine samples from the full logits on every rank.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import socket
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from offload.core.errors import UserError
 from offload.executor.executor import Executor
+from offload.executor.placing import SharedWeights
+from offload.io.pinned import align_up
+from offload.io.shared import SharedMemory
 from offload.models.batch import PaddedBatch
 from offload.models.decoder import StepInputs
 from offload.models.weights import WeightSource
-from offload.parallel.comm import TensorParallel
+from offload.parallel.comm import TensorParallel, Topology
 from offload.parallel.shard import ShardSource
 from offload.policies.policy import Policy
+
+log = logging.getLogger(__name__)
 
 
 class RankRunner:
@@ -70,6 +79,34 @@ def rank_nvme(nvme: Path | None, world_rank: int) -> Path | None:
     return path
 
 
+def share_weights(topo: Topology, nbytes: int) -> SharedWeights | None:
+    """One pinned copy of this rank's weights' CPU homes (`nbytes`) for the data-parallel
+    groups on its node: the node's first group's rank of each TP rank makes it, the
+    others of that TP rank map the same pages (`io.shared`). None with one group on the
+    node or no weights in CPU memory. Every rank calls it (a collective), after the plan;
+    a rank that cannot open the owner's memory keeps a copy of its own, and says so."""
+    if topo.local_world // topo.tp <= 1:
+        return None
+    size = align_up(max(4096, nbytes))
+    owner = topo.local_rank < topo.tp
+    mine = SharedMemory.create(size) if owner and nbytes else None
+    host = socket.gethostname()
+    entries: list = [None] * topo.world
+    dist.all_gather_object(
+        entries, (host, topo.tp_rank, mine.handle if mine else None), group=topo.control
+    )
+    if mine is not None:
+        return SharedWeights(mine, owner=True)
+    found = [h for node, tp_rank, h in entries if (node, tp_rank) == (host, topo.tp_rank) and h]
+    if not nbytes or not found:
+        return None
+    try:
+        return SharedWeights(SharedMemory.attach(found[0]), owner=False)
+    except UserError as exc:
+        log.warning("%s; this group keeps a pinned copy of its own", exc)
+        return None
+
+
 def make_rank_runner(
     source: WeightSource,
     parallel: TensorParallel,
@@ -77,18 +114,23 @@ def make_rank_runner(
     dtype: torch.dtype,
     device: torch.device,
     nvme: Path | None,
-    trace: bool = False,
+    trace: bool | int = False,
     progress: bool = False,
 ) -> RankRunner:
-    """The executor over this rank's shard of `source` (nvme: the rank's own directory)."""
+    """The executor over this rank's shard of `source` (nvme: the rank's own directory).
+    A group of one rank (data parallelism alone) runs the plain executor over the whole
+    model: no collective, so decode steps replay CUDA graphs where the plan allows."""
+    alone = parallel.size == 1
     executor = Executor(
-        ShardSource(source, parallel.shard),
+        source if alone else ShardSource(source, parallel.shard),
         policy,
         dtype,
         device,
         nvme_dir=nvme,
         trace=trace,
         progress=progress,
-        parallel=parallel,
+        parallel=None if alone else parallel,
+        shared_weights=parallel.shared_weights,
     )
+    parallel.tracer = executor.tracer  # its all-reduces are spans of the rank's trace
     return RankRunner(executor, parallel)

@@ -16,8 +16,10 @@ fewer KV heads than ranks each rank holds the one KV head its query heads read
 (replicated across the ranks that share it). A row-parallel bias is zero on the other
 ranks, so the all-reduce adds it once.
 
-The shard is taken from the source's full-precision tensors, so compression
-(`WeightHomes`, the store) quantizes each rank's own matrices.
+A rank's source makes only its parts (`RankShard.parts`, `WeightSource.stored_parts`:
+a checkpoint reads its slices, dummy weights draw the tiles that hold them, on the
+rank's GPU), in full precision, so compression (`WeightHomes`, the store) quantizes
+each rank's own matrices.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
-from offload.models.shapes import Weights
+from offload.models.shapes import Part, Parts, Weights, stage_shapes
 from offload.models.weights import WeightSource
 
 # MLP columns move between ranks in units of this many (when I allows), so a rank's
@@ -100,52 +102,45 @@ class RankShard:
         )
 
     # -- slicing one stage ----------------------------------------------------------------
-    def stage(self, stage: str, weights: Weights) -> Weights:
-        """The rank's part of a full stage's canonical tensors (fresh, contiguous)."""
-        out: Weights = {}
-        for name, tensor in weights.items():
-            part = self._slice(stage, name, tensor)
-            if part is not tensor and _same_storage(part, tensor):
-                part = part.clone()  # a view would keep the full tensor's storage alive
-            out[name] = part
+    def parts(self, stage: str) -> Parts:
+        """The rank's part of each canonical tensor of a stage that it does not hold whole
+        (a source makes only those parts: `WeightSource.stored_parts`)."""
+        cfg, dim = self.cfg, self.cfg.head_dim
+        out: Parts = {}
+        for name in stage_shapes(cfg, stage):
+            if name in ("tok.weight", "lm_head.weight"):
+                out[name] = _rows(self.vocab)
+            elif stage != "layer":
+                continue
+            elif name.startswith("qkv."):
+                q_rows, k_rows = cfg.num_heads * dim, cfg.num_kv_heads * dim
+                kv = (self.kv_heads.start * dim, self.kv_heads.stop * dim)
+                out[name] = Part(0, (
+                    (self.heads.start * dim, self.heads.stop * dim),
+                    (q_rows + kv[0], q_rows + kv[1]),
+                    (q_rows + k_rows + kv[0], q_rows + k_rows + kv[1]),
+                ))  # fmt: skip
+            elif name == "o.weight":
+                out[name] = Part(1, ((self.heads.start * dim, self.heads.stop * dim),))
+            elif name in ("mlp_in.weight", "mlp_in.bias"):
+                inter, mlp = cfg.intermediate_size, (self.mlp.start, self.mlp.stop)
+                gated = ((inter + mlp[0], inter + mlp[1]),) if cfg.gated_mlp else ()  # [gate | up]
+                out[name] = Part(0, (mlp, *gated))
+            elif name == "mlp_out.weight":
+                out[name] = Part(1, ((self.mlp.start, self.mlp.stop),))
+            elif name in ("o.bias", "mlp_out.bias") and self.rank != 0:
+                out[name] = Part(zeros=True)
         return out
 
-    def _slice(self, stage: str, name: str, t: torch.Tensor) -> torch.Tensor:
-        cfg, dim = self.cfg, self.cfg.head_dim
-        if name in ("tok.weight", "lm_head.weight"):
-            return t[self.vocab].contiguous()
-        if stage != "layer":
-            return t
-        if name.startswith("qkv."):
-            q_rows = cfg.num_heads * dim
-            k_rows = cfg.num_kv_heads * dim
-            return torch.cat(
-                [
-                    t[self.heads.start * dim : self.heads.stop * dim],
-                    t[q_rows + self.kv_heads.start * dim : q_rows + self.kv_heads.stop * dim],
-                    t[
-                        q_rows + k_rows + self.kv_heads.start * dim : q_rows
-                        + k_rows
-                        + self.kv_heads.stop * dim
-                    ],
-                ]
-            )
-        if name == "o.weight":
-            return t[:, self.heads.start * dim : self.heads.stop * dim].contiguous()
-        if name in ("mlp_in.weight", "mlp_in.bias"):
-            if cfg.gated_mlp:  # [gate | up]
-                inter = cfg.intermediate_size
-                return torch.cat([t[self.mlp], t[inter + self.mlp.start : inter + self.mlp.stop]])
-            return t[self.mlp].contiguous()
-        if name == "mlp_out.weight":
-            return t[:, self.mlp].contiguous()
-        if name in ("o.bias", "mlp_out.bias"):
-            return t.clone() if self.rank == 0 else torch.zeros_like(t)
-        return t  # norms: replicated
+    def stage(self, stage: str, weights: Weights) -> Weights:
+        """The rank's part of a full stage's canonical tensors (fresh memory for every
+        part; norms and the other replicated tensors as they are)."""
+        parts = self.parts(stage)
+        return {name: parts[name].take(t) if name in parts else t for name, t in weights.items()}
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+def _rows(span: slice) -> Part:
+    return Part(0, ((span.start, span.stop),))
 
 
 def check_divisible(cfg: ModelConfig, tp: int) -> None:
@@ -184,10 +179,15 @@ class ShardSource(WeightSource):
         self.inner, self.shard = inner, shard
         self.config = shard.config
 
+    @property
+    def draws_on_device(self) -> bool:
+        return self.inner.draws_on_device
+
     def stored_stage(
         self, stage: str, index: int, dtype: torch.dtype, device: torch.device
     ) -> Weights:
-        return self.shard.stage(stage, self.inner.stored_stage(stage, index, dtype, device))
+        """Only the rank's parts are made (read, drawn) by the inner source."""
+        return self.inner.stored_parts(stage, index, dtype, device, self.shard.parts(stage))
 
     def close(self) -> None:
         self.inner.close()

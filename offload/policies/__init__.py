@@ -1,4 +1,5 @@
-"""Placement policies: the `Policy` the executor runs (and, later, the cost model and search)."""
+"""Placement: the `Policy` the executor runs, its memory plan and caps, the hardware profile,
+the cost model and the search that chooses a policy."""
 
 from offload.policies.policy import Placement, Policy
 

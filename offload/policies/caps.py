@@ -35,24 +35,27 @@ GPU_SLACK = 0.02
 # Nor does it count what the process's heap grows by as a run goes on: glibc keeps the
 # freed memory of a step's host temporaries (CPU attention's fp32 query, output and
 # split partials, logits) and libraries load on first use. Measured outside the pools
-# with scripts/rss_watch.py on the H100 machine, OPT-30B at prompt 512: +0.14 GB over
-# the profile's baseline with GPU attention (6 x 16, run 031129), +0.64 GB with CPU
-# attention (96 x 1, run 021705, which broke its CPU cap by 0.56 GB without this).
+# with scripts/lab/rss_watch.py on the H100 machine, OPT-30B at prompt 512: +0.14 GB over
+# the profile's baseline with GPU attention (6 x 16), +0.64 GB with CPU attention
+# (96 x 1, which breaks its CPU cap by 0.56 GB without this; docs/cost_model.md).
 HOST_SLACK_BYTES = 1 << 30
 # Nor the libraries' workspaces (cuBLAS, cuBLASLt), which the caching allocator hands out
 # on first use: a run's allocations held 25-26 MB beyond the plan's parts, the same at
-# 12, 14 and 16 sequences (OPT-30B int4 W + KV cut to 3 layers, memory_truth 075644 and
-# 101131, H100). Counted where there is a GPU (a CUDA context).
+# 12, 14 and 16 sequences (OPT-30B int4 W + KV cut to 3 layers, scripts/memory_truth.py,
+# H100; docs/cost_model.md). Counted where there is a GPU (a CUDA context).
 GPU_WORKSPACE_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
 class Caps:
-    """Byte caps per tier (None: the device's own size) and whether a disk is given."""
+    """Byte caps per tier (None: the device's own size) and whether a disk is given.
+    shared_weights: processes of this node that share one pinned copy of the weights'
+    CPU homes (the data-parallel groups of `--dp`), each counting its share of it."""
 
     gpu_bytes: int | None = None
     cpu_bytes: int | None = None
     nvme: bool = False
+    shared_weights: int = 1
 
     def __post_init__(self) -> None:
         for name in ("gpu_bytes", "cpu_bytes"):
@@ -108,11 +111,11 @@ def hold_gpu_allocator(caps: Caps, base: Baseline, device: torch.device) -> Allo
     (with the context, what nvidia-smi shows) is held under the cap, not only what it
     hands out, which is what the plan counts. Left to itself, W1c (24 GB cap, 23.48 GB
     allocated with the context) reserved 27.25 GB; held, 23.85 GB, at 396-397 tok/s
-    against 410-419 (H100, gpu_allocator_hold_ab_h100_20261128-0147.json). At the limit
+    against 410-419 (H100; docs/throughput.md). At the limit
     the allocator frees its cached blocks and retries (a synchronization); with
     expandable segments it maps pages into a segment rather than keeping whole blocks no
     other size fits: held without them, W1c and a BLOOM plan cut to 3 layers ran out of
-    memory (memory_truth 013859). W1u held reserved 24.32 GB with the context measured
+    memory (scripts/memory_truth.py). W1u held reserved 24.32 GB with the context measured
     at its end, which grew after the plan's. The process's other allocator settings
     (`PYTORCH_ALLOC_CONF`, `PYTORCH_CUDA_ALLOC_CONF`) are kept, and expandable segments
     that they name (or CUDA's own asynchronous allocator, which has none) are left as
@@ -148,10 +151,19 @@ def process_rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def peak_bytes(plan: MemoryPlan, base: Baseline) -> tuple[int, int]:
-    """(GPU, CPU) peak of a run of this plan: the one accounting."""
+def peak_bytes(plan: MemoryPlan, base: Baseline, shared_weights: int = 1) -> tuple[int, int]:
+    """(GPU, CPU) peak of a run of this plan: the one accounting. shared_weights: the
+    processes that share the weights' CPU homes (`Caps.shared_weights`)."""
     gpu = max(gpu_phase_peaks(plan, base))
-    return gpu, plan.cpu_bytes + base.process_bytes + HOST_SLACK_BYTES
+    cpu = plan.cpu_bytes - others_weight_bytes(plan, shared_weights)
+    return gpu, cpu + base.process_bytes + HOST_SLACK_BYTES
+
+
+def others_weight_bytes(plan: MemoryPlan, shared_weights: int) -> int:
+    """The part of a plan's CPU weight homes that the other processes sharing them count
+    (`Caps.shared_weights`): a node holds one copy, each process its share."""
+    weights = plan.detail.get("weights_cpu", 0)
+    return weights - weights // max(1, shared_weights)
 
 
 def gpu_phase_peaks(plan: MemoryPlan, base: Baseline) -> tuple[int, int]:
@@ -185,6 +197,14 @@ def device_limits(device: torch.device) -> tuple[int, int]:
     return cpu, cpu
 
 
+def cpu_only_caps(cpu_bytes: int, base: Baseline) -> tuple[int, int]:
+    """(device, host) caps of a run without a GPU given only a CPU cap: the CPU computes,
+    so the plan's device tier is host memory too. The host keeps what it holds whatever
+    the plan (this process, its heap growth); the two tiers share the rest in halves."""
+    device = max(0, cpu_bytes - base.process_bytes - HOST_SLACK_BYTES) // 2
+    return device, cpu_bytes - device
+
+
 def check_caps_within_machine(caps: Caps, device: torch.device) -> None:
     """A cap above what the machine has is a promise the search would plan for and the
     engine could not keep (its fit check holds the smaller): refused before any search.
@@ -209,7 +229,7 @@ def fit_problem(
 ) -> str | None:
     """None when the plan's peaks fit the caps (and the devices' sizes, where given);
     else which tier overflows, by how much, and with what in it."""
-    gpu, cpu = peak_bytes(plan, base)
+    gpu, cpu = peak_bytes(plan, base, caps.shared_weights)
     gpu_limit, cpu_limit = _limits(caps, limits)
     if gpu_limit is not None and gpu > gpu_limit:
         return (

@@ -9,6 +9,7 @@ measurement.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import torch
 from offload.core.config import ModelConfig, resolve_dtype
 from offload.core.errors import UserError
 from offload.kernels.formats import Compression
-from offload.policies.caps import Caps
+from offload.policies.caps import Baseline, Caps, cpu_only_caps
 from offload.policies.cost import Estimate
 from offload.policies.hardware import (
     HardwareProfile,
@@ -28,7 +29,9 @@ from offload.policies.hardware import (
     profile_path,
     save_profile,
 )
+from offload.policies.job import Job
 from offload.policies.measure import measure
+from offload.policies.node import rank_profile
 from offload.policies.search import ranked
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,12 @@ def hardware_profile(
     return hw
 
 
+def known_profile(path: Path | None) -> HardwareProfile | None:
+    """The profile at `path`, else this machine's cached one; None where there is none
+    (nothing is measured: a prediction is not worth a measurement)."""
+    return HardwareProfile.from_file(path) if path is not None else load_profile()
+
+
 def plan_caps(gpu_bytes: int, cpu_bytes: int | None, nvme: bool, hw: HardwareProfile) -> Caps:
     """The search budget; a cap the machine cannot honour is an error."""
     cpu = cpu_bytes if cpu_bytes is not None else hw.default_cpu_cap
@@ -82,6 +91,13 @@ def plan_caps(gpu_bytes: int, cpu_bytes: int | None, nvme: bool, hw: HardwarePro
             f"--gpu-mem {gpu_bytes / GB:.1f} GB is more than the GPU's {hw.gpu_mem_bytes / GB:.1f} GB"
         )
     return Caps(gpu_bytes, cpu, nvme)
+
+
+def _needs_gpu_cap() -> UserError:
+    return UserError(
+        "the plan search needs a GPU budget: give --gpu-mem (in Python, max_memory="
+        '{"cuda:0": "24GB", ...}) along with the CPU cap or store directory'
+    )
 
 
 def choose_policy(
@@ -100,24 +116,38 @@ def choose_policy(
     tp: int = 1,
     measure_machine: Callable[[Path | None], HardwareProfile] | None = None,
     top: int = 1,
+    dp: int = 1,
+    job: Job | None = None,
 ) -> Choice:
-    """The placement and batch shape with the highest predicted throughput in the caps.
+    """The placement and batch shape with the highest predicted throughput in the caps,
+    or with a job, the least predicted wall time for its requests (`search.ranked`).
 
-    dtype may be a flag's name ("auto": as offload-run would pick on the profiled machine)."""
-    if gpu_bytes is None:
-        raise UserError(
-            "the plan search needs a GPU budget: give --gpu-mem (in Python, max_memory="
-            '{"cuda:0": "24GB", ...}) along with the CPU cap or store directory'
-        )
+    dtype may be a flag's name ("auto": as offload-run would pick on the profiled machine).
+    tp: tensor-parallel ranks (cfg is one rank's shard); dp: data-parallel groups of them
+    on this node. The node's cores, DRAM and disk are divided among its tp x dp ranks
+    (`node.rank_profile`: the choice's profile is one rank's view), and its groups share
+    one pinned copy of the weights (`Caps.shared_weights`). On a machine without a GPU,
+    no GPU cap is needed: the plan's device share and its host share are the same
+    memory, and share the CPU cap (`caps.cpu_only_caps`)."""
+    if gpu_bytes is None and profile is None and torch.cuda.is_available():  # (not measured)
+        raise _needs_gpu_cap()
     if prompt_len < 1 or gen_len < 1:
         raise UserError("--prompt-len and --max-tokens must be positive")
-    hw = hardware_profile(profile, nvme, announce, measure_machine)
+    hw = rank_profile(hardware_profile(profile, nvme, announce, measure_machine), tp * dp)
+    if gpu_bytes is None:
+        if hw.has_gpu:
+            raise _needs_gpu_cap()
+        gpu_bytes, cpu_bytes = cpu_only_caps(
+            cpu_bytes or hw.default_cpu_cap, Baseline.from_profile(hw)
+        )
     if tp > 1 and not hw.allreduce_gbps:
         log.warning(
             "the hardware profile has no all-reduce figure (offload-profile measures it on a "
             "node with two or more GPUs): the plan leaves the all-reduce out"
         )
-    caps = plan_caps(gpu_bytes, cpu_bytes, nvme is not None, hw)
+    caps = dataclasses.replace(
+        plan_caps(gpu_bytes, cpu_bytes, nvme is not None, hw), shared_weights=dp
+    )
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype, hw.has_gpu, cfg.checkpoint_dtype)
     plans = ranked(
@@ -132,5 +162,6 @@ def choose_policy(
         kv_compressions,
         tp,
         top,
+        job=job,
     )
     return Choice(plans[0], hw, caps, dtype, plans)

@@ -25,6 +25,9 @@ Lanes per layer (bytes over the profile's measured rates, `policies.hardware`):
     host     the executor's own time: a fixed cost per layer and per micro-batch of a
              layer (launches, Python, stream waits), measured by `executor.probe`; a
              step replayed from CUDA graphs pays the graph's cost instead
+    rank_wait  under tensor parallelism, a rank's wait for the slowest of its group at
+             the layer's all-reduces (`cost_parallel`); a rank's rates are its share of
+             the node's (`policies.node.rank_profile`)
 How the executor overlaps them (measured on OPT-30B, docs/executor.md): with attention
 on the GPU a layer takes its busiest lane; with attention on the CPU the first micro-
 batch's output waits for the layer's weight copy, so a layer takes
@@ -41,12 +44,13 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.core.config import ModelConfig
-from offload.io.layout import expert_span, gathered, stage_cuts, stage_image_bytes, stage_keys
+from offload.io.layout import gathered, stage_cuts
 from offload.kernels.kv_cache import kv_row_bytes
 from offload.kernels.qmatmul import DENSE_ROWS
 from offload.models.decoder import LAYER_MATMULS, mlp_chunks
 from offload.policies.caps import Baseline, peak_bytes
-from offload.policies.cost_moe import expert_steps, fetched_params
+from offload.policies.cost_moe import expert_steps, fetched_params, streamed_bytes
+from offload.policies.cost_parallel import allreduce_s, rank_wait_s
 from offload.policies.hardware import GB, HardwareProfile
 from offload.policies.memory import MemoryPlan, micro_batch_sizes, plan_memory, row_splits
 from offload.policies.policy import Policy
@@ -76,16 +80,8 @@ def _layer_bytes(
     """Average per-layer off-GPU and on-disk bytes, the embed + head off-GPU bytes, and
     the average layer's bytes: of a mixture of experts' layer its dense part, which
     streams as a stage (its experts: `cost_moe`)."""
-    compression = policy.weight_compression
-    sizes = [
-        size if span is None else span.dense_end
-        for size, span in zip(
-            stage_image_bytes(cfg, dtype, compression),
-            (expert_span(cfg, key, dtype, compression) for key in stage_keys(cfg)),
-            strict=True,
-        )
-    ]
-    cuts = stage_cuts(cfg, dtype, compression, policy.weights)
+    sizes = streamed_bytes(cfg, dtype, policy.weight_compression)
+    cuts = stage_cuts(cfg, dtype, policy.weight_compression, policy.weights)
     off = [max(0, size - g) for size, (g, _) in zip(sizes, cuts, strict=True)]
     if gathered("embed", policy.weights):  # only the block's rows cross, not the table
         off[0] = 0
@@ -204,6 +200,8 @@ def estimate(
         h2d, layer = _layer_with_cpu_attention_s(lanes, shape, hw)
     else:
         h2d, layer = lanes.h2d, _layer_with_gpu_attention_s(lanes)
+    wait = rank_wait_s(lanes.cpu_attn + lanes.host, hw, tp)
+    layer += wait
     head_flops = 2 * shape.n_seqs * cfg.vocab_size * cfg.embed_dim
     ends_h2d = shape.ends / (hw.h2d_gbps * GB)
     step = cfg.num_layers * layer + (ends_h2d + head_flops / (hw.decode_tflops * 1e12))
@@ -214,13 +212,13 @@ def estimate(
         "cpu_attn": cfg.num_layers * lanes.cpu_attn,
         "host": cfg.num_layers * lanes.host,
     }
+    if wait:
+        step_lanes["rank_wait"] = cfg.num_layers * wait
     prefill = _prefill_s(cfg, policy, hw, shape, prompt_len, tp)
     prefill += ends_h2d + head_flops / (hw.prefill_tflops * 1e12)
     experts = expert_steps(cfg, policy, dtype, hw, shape.sizes, prompt_len, dense_experts)
     if experts is not None:  # a mixture of experts' expert phases
-        step, prefill = step + experts.decode_s, prefill + experts.prefill_s
-        for lane, seconds in experts.lanes.items():
-            step_lanes[lane] = step_lanes.get(lane, 0.0) + seconds
+        step, prefill = experts.added(step, prefill, step_lanes)
     decode = (gen_len - 1) * step
     total = prefill + decode
     n_seqs = shape.n_seqs
@@ -297,10 +295,10 @@ def _decode_compute_s(
     )
     kernels += hw.attention_seconds(policy.kv_compression, kv_hbm, gpu_attended, gpu_pairs)
     # the layer's other kernels and the gaps between them, a micro-batch
-    kernels += micro * hw.decode_elementwise_s.get(cfg.family, 0.0)
+    kernels += micro * hw.decode_elementwise_s.get(_probed_family(cfg), 0.0)
     params, _ = fetched_params(cfg)
     compute = max(2 * n_seqs * params / (hw.decode_tflops * 1e12), kernels)
-    compute += _allreduce_s(cfg, hw, tp, n_seqs, micro, shape.elt)
+    compute += allreduce_s(cfg, hw, tp, n_seqs, micro, shape.elt)
     if shape.rows(1) + shape.rows(2) and not policy.attention_on_cpu:
         # the off-GPU KV's chain a micro-batch (its attention over the scratch, the
         # merge with the GPU rows' and the store of the new entries, and the host's
@@ -351,8 +349,8 @@ def _prefill_s(
     compute = (
         _prefill_matmul_s(cfg, policy, hw, shape.sizes, prompt_len, shape.layer_w)
         + attn_flops / (hw.prefill_attention_rate() * 1e12)
-        + tokens * cfg.hidden_size * hw.prefill_elementwise_s.get(cfg.family, 0.0)
-        + _allreduce_s(cfg, hw, tp, tokens, micro, shape.elt)
+        + tokens * cfg.hidden_size * hw.prefill_elementwise_s.get(_probed_family(cfg), 0.0)
+        + allreduce_s(cfg, hw, tp, tokens, micro, shape.elt)
     )
     rows_off = shape.rows(1) + shape.rows(2)
     h2d = shape.off_w / (hw.h2d_gbps * GB)
@@ -431,15 +429,11 @@ def _offgpu_chain_s(graphs: bool, hw: HardwareProfile, tp: int, disk: bool = Fal
     return hw.offgpu_kv_graph_s if graphs and hw.offgpu_kv_graph_s else hw.offgpu_kv_s
 
 
-def _allreduce_s(
-    cfg: ModelConfig, hw: HardwareProfile, tp: int, rows: int, micro: int, elt: int
-) -> float:
-    """A layer's two all-reduces (after attention and after the MLP) for each micro-
-    batch: ring all-reduce moves 2 (tp - 1) / tp of the [rows, hidden] activations.
-    0 where the profile has no all-reduce figure (`choose_policy` says so)."""
-    if tp == 1 or not hw.allreduce_gbps:
-        return 0.0
-    nbytes = rows * cfg.hidden_size * elt
-    return 2 * (
-        micro * hw.allreduce_latency_s + 2 * (tp - 1) / tp * nbytes / (hw.allreduce_gbps * GB)
-    )
+# families the elementwise probe does not run (`executor.probe.elementwise`), rated as
+# the probed family nearest in their layers' work besides matmuls and attention: Gemma
+# as Llama (RMS norms, a gated MLP, RoPE), Falcon as BLOOM (LayerNorm, GELU)
+_ELEMENTWISE_LIKE = {"gemma": "llama", "falcon": "bloom"}
+
+
+def _probed_family(cfg: ModelConfig) -> str:
+    return _ELEMENTWISE_LIKE.get(cfg.family, cfg.family)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.core.config import ModelConfig
-from offload.io.layout import expert_span, stage_cuts, stage_keys
+from offload.io.layout import expert_span, stage_cuts, stage_image_bytes, stage_keys
 from offload.kernels.formats import Compression
 from offload.kernels.qmatmul import DENSE_ROWS
 from offload.models.moe import EXPERT_CHUNK_ROWS
@@ -79,6 +79,18 @@ def expert_layers(
     params = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     gpu, cpu, disk = (sum(t[i] for t in tiers) / n for i in range(3))
     return ExpertLayers(n, cfg.num_experts, cfg.experts_per_token, nbytes, params, gpu, cpu, disk)
+
+
+def streamed_bytes(
+    cfg: ModelConfig, dtype: torch.dtype, compression: Compression | None
+) -> list[int]:
+    """Every stage's bytes that stream as a stage: its image, or of a mixture of
+    experts' layer its dense part (its experts are fetched one by one)."""
+    sizes = stage_image_bytes(cfg, dtype, compression)
+    spans = (expert_span(cfg, key, dtype, compression) for key in stage_keys(cfg))
+    return [
+        size if span is None else span.dense_end for size, span in zip(sizes, spans, strict=True)
+    ]
 
 
 @functools.cache
@@ -218,6 +230,12 @@ class ExpertSteps:
     prefill_s: float
     lanes: dict[str, float]
     facts: dict[str, float]
+
+    def added(self, step: float, prefill: float, lanes: dict[str, float]):
+        """(step, prefill) with these phases added, and their lanes into `lanes`."""
+        for lane, seconds in self.lanes.items():
+            lanes[lane] = lanes.get(lane, 0.0) + seconds
+        return step + self.decode_s, prefill + self.prefill_s
 
 
 def expert_steps(

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 GB = 1e9
 # the rows of x at which the decode matmul rates are measured (`matmul_gbps`,
 # `matmul_gbps_mid`, `matmul_gbps_wide`): the row tiles of the dequantizing kernel
-# (`qmatmul.ROW_TILES`; on Hopper, int4 up to 64 rows: `qmatmul_wgmma`'s wgmma N of 16,
+# (`qmatmul_tiles.ROW_TILES`; on Hopper, int4 up to 64 rows: `qmatmul_wgmma`'s wgmma N of 16,
 # 32 and 64), each of which runs every row count up to it at its own rate
 DECODE_ROWS, MID_DECODE_ROWS, WIDE_DECODE_ROWS = 16, 32, 64
 # what the profile's figures depend on (relative to the package): the code they time,
@@ -46,7 +46,11 @@ VERSIONED_SOURCES = (
     "models/ops.py",
     "models/moe.py",
     "policies/measure.py",
+    "policies/measure_cpu_attention.py",
+    "policies/measure_disk.py",
     "policies/measure_experts.py",
+    "policies/measure_kernels.py",
+    "policies/timers.py",
 )
 # figures that may be zero: "not measured" (the cost model then leaves the term out)
 OPTIONAL_FIGURES = (
@@ -60,6 +64,8 @@ OPTIONAL_FIGURES = (
     "graph_layer_s",
     "allreduce_gbps",
     "allreduce_latency_s",
+    "rank_skew",
+    "h2d_all_gbps",
     "h2d_under_cpu_attention_gbps",
     "disk_kv_read_gbps",
     "prefill_attention_tflops",
@@ -72,6 +78,8 @@ OPTIONAL_FIGURES = (
     "cpu_quant_attention_pair_s",
     "expert_fixed_s",
     "cpu_expert_fixed_s",
+    "pin_gbps",
+    "place_gbps",
 )
 
 
@@ -101,22 +109,22 @@ class HardwareProfile:
     dram_gbps: float
     # pinned host -> GPU copies while the CPU attention reads DRAM beside them: the
     # weight stream of a CPU-attention policy. W1u (OPT-30B, 88 x 1) copied 0.93 GB a
-    # layer in 18.4-19.3 ms (48-50 GB/s) where the copy alone ran at 53 (H100 machine,
-    # 2026-11-25); 0: not measured (the alone rate is used)
+    # layer in 18.4-19.3 ms (48-50 GB/s) where the copy alone ran at 53 (H100 machine;
+    # docs/cost_model.md); 0: not measured (the alone rate is used)
     h2d_under_cpu_attention_gbps: float = 0.0
     # the two CPU attention rates above at grouped-query shapes, keyed by the query
     # heads a KV head ("4", "8"; the figures above are one a KV head): the kernel runs
     # every query head of a KV head over each block it reads, so its arithmetic a KV
     # byte grows with the group. Llama-3.1-8B (4 a KV head), 88 x 8: its CPU attention
     # ran at 43 GB/s at most in the executor where the MHA shape measured 97 (H100,
-    # validate_cost_model 162630); missing: the MHA figure stands for every group
+    # validate_cost_model; docs/cost_model.md); missing: the MHA figure stands for every group
     cpu_attention_grouped_gbps: dict[str, float] = field(default_factory=dict)
     cpu_quant_attention_grouped_gbps: dict[str, float] = field(default_factory=dict)
     # per group ("1", "4", "8"): the CPU attention's time a (sequence, KV head) beyond
     # its bytes at the rates above (each work item's query load, softmax, output and
     # last partial block), fitted with the rate from 1024 and 256 slots
-    # (`measure._cpu_attention_rates`). Llama-3.1-8B's executor attended 88 x 8 KV heads
-    # x 528 slots at 57.6 GB/s where 64 x 8 x 1024 read 80.5 (H100, c103): about 2.8 us
+    # (`measure_cpu_attention.cpu_attention_rates`). Llama-3.1-8B's executor attended 88 x 8 KV heads
+    # x 528 slots at 57.6 GB/s where 64 x 8 x 1024 read 80.5 (H100): about 2.8 us
     # a pair beyond 140 GB/s. Missing or 0: not measured
     cpu_attention_pair_s: dict[str, float] = field(default_factory=dict)
     cpu_quant_attention_pair_s: dict[str, float] = field(default_factory=dict)
@@ -132,10 +140,10 @@ class HardwareProfile:
     # prefill_tflops
     matmul_gbps: dict[str, float] = field(default_factory=dict)
     # the same at WIDE_DECODE_ROWS (the kernel's 64-row tiles: Llama-3.1-8B int4 at 48
-    # rows took 15.5 ms a step against 7.9 predicted from the 16-row rate, run 001205)
+    # rows took 15.5 ms a step against 7.9 predicted from the 16-row rate)
     # and at MID_DECODE_ROWS (its 32-row tiles: at 24 rows Llama-3.1-8B's int4 matmuls
-    # read 940 GB/s where a rate interpolated between 16 and 64 rows said 1557, H100,
-    # decode_step 023330)
+    # read 940 GB/s where a rate interpolated between 16 and 64 rows said 1557, H100;
+    # docs/cost_model.md)
     matmul_gbps_wide: dict[str, float] = field(default_factory=dict)
     matmul_gbps_mid: dict[str, float] = field(default_factory=dict)
     prefill_format_tflops: dict[str, float] = field(default_factory=dict)
@@ -146,13 +154,13 @@ class HardwareProfile:
     # decode attention call's beyond its cache bytes at gpu_attention_gbps (launch,
     # ramp-up, the last wave), fitted with those rates from a large and a small call.
     # W1c's four matrices averaged 1.75 TB/s where one 8192 x 28672 matrix read 2.0, and
-    # its attention 1.1 TB/s where 32 x 32 heads x 2048 slots read 1.95 (H100, 2026-11-25)
+    # its attention 1.1 TB/s where 32 x 32 heads x 2048 slots read 1.95 (H100)
     matmul_call_s: dict[str, float] = field(default_factory=dict)
     attention_call_s: dict[str, float] = field(default_factory=dict)
     # per format: a decode attention's time a (sequence, KV head) beyond its bytes (the
     # query's load, the tail's program, the splits' merge, the output's store), fitted
-    # with the two figures above from three calls (`measure._gpu_attention_rates`). On
-    # the H100 (call c65, 2026-11-25) dense's is 22 ns and int4's and int8's come out 0:
+    # with the two figures above from three calls (`measure_kernels.gpu_attention_rates`). On
+    # the H100 dense's is 22 ns and int4's and int8's come out 0:
     # the fit's calls do not show what W1c's shape costs (its int4 attention, 14 x 56
     # heads x 544 slots, read about 1.6 TB/s against the fitted 1.92). 0: not measured
     attention_pair_s: dict[str, float] = field(default_factory=dict)
@@ -167,39 +175,39 @@ class HardwareProfile:
     # the off-GPU KV's chain a layer and micro-batch where the work between attentions
     # replays from CUDA graphs (every weight on the GPU): measured with the weights on
     # the GPU, where offgpu_kv_s is measured with them streamed. Llama-3.1-8B int4,
-    # 8 x 2, every row's KV in CPU homes (H100, 2026-11-25): 63 ms a step against 28
+    # 8 x 2, every row's KV in CPU homes (H100): 63 ms a step against 28
     # predicted with offgpu_kv_s's 0.26 ms, about 0.75 ms a layer and micro-batch
     offgpu_kv_graph_s: float = 0.0
     # per layer and micro-batch with KV rows on disk, beyond a CPU home's chain: the
     # read's and the write-back's latency and their turns (OPT-30B int4, 8 x 2, one row
     # of each micro-batch on disk: 675 ms a step where the bytes over the disk's
-    # sequential rates took 373, validate_cost_model 021229)
+    # sequential rates took 373; docs/cost_model.md)
     disk_kv_s: float = 0.0
     # the same where decode replays graphs (every weight on the GPU), measured with the
     # weights on the GPU beyond offgpu_kv_graph_s's chain
     disk_kv_graph_s: float = 0.0
     # disk KV homes read whole, one after another, beside the launching host thread
-    # (`measure.kv_disk_read_rate`): OPT-30B int4, 8 x 2, read 4.4 MB homes in 2.6-2.9
-    # ms where the profile's 16 MiB sequential reads measured 2.7 GB/s (H100 machine,
-    # 2026-11-25); 0: not measured (disk_read_gbps is used)
+    # (`measure_disk.kv_disk_read_rate`): OPT-30B int4, 8 x 2, read 4.4 MB homes in 2.6-2.9
+    # ms where the profile's 16 MiB sequential reads measured 2.7 GB/s (H100 machine;
+    # docs/io.md); 0: not measured (disk_read_gbps is used)
     disk_kv_read_gbps: float = 0.0
     # per layer and micro-batch attended on the CPU: the fixed part of the CPU
-    # attention's chain (Llama-3.1-8B, 8 x 8, H100 run validate_cost_model 000155:
-    # about 1.3 ms a call beyond the KV bytes over the measured rate)
+    # attention's chain (Llama-3.1-8B, 8 x 8, H100, validate_cost_model: about 1.3 ms
+    # a call beyond the KV bytes over the measured rate; docs/cost_model.md)
     cpu_attention_fixed_s: float = 0.0
     # prefill: masked attention (the executor's `decoder.attend`) in TFLOP/s of
     # 4 x rows x T x S x heads x head_dim, and a layer's time beyond its matmuls and
     # attention (norms, activations, residuals, the KV's quantization and store, the
     # gaps between kernels) per token and hidden unit, per model family
     # (`ModelConfig.family`): on CUDA the wall time beyond the matmul and attention
-    # kernels' GPU time (`executor.probe.elementwise`)
+    # kernels' GPU time (`executor.fixed_costs.elementwise`)
     prefill_attention_tflops: float = 0.0
     prefill_elementwise_s: dict[str, float] = field(default_factory=dict)
     # decode, per model family: a layer's GPU time a micro-batch beyond its matmuls and
     # attention: the other kernels' (norms, activations, residuals, the KV's write) and
     # the short gaps between kernels, measured by kernel name on a full-width layer
-    # replayed from CUDA graphs (`executor.probe._decode_kernels`). W1c: 0.7 ms of such
-    # kernels and 0.8 ms of gaps in a 14.3 ms step (H100, 2026-11-25)
+    # replayed from CUDA graphs (`executor.timing.decode_kernels`). W1c: 0.7 ms of such
+    # kernels and 0.8 ms of gaps in a 14.3 ms step (H100; docs/cost_model.md)
     decode_elementwise_s: dict[str, float] = field(default_factory=dict)
     # tensor parallelism: NCCL all-reduce bus bandwidth and latency between this node's
     # GPUs (measured where there are two or more)
@@ -215,6 +223,26 @@ class HardwareProfile:
     # worker thread); missing: not measured (no expert is computed on the CPU)
     cpu_expert_gbps: dict[str, float] = field(default_factory=dict)
     cpu_expert_fixed_s: float = 0.0
+    # ranks meeting at an all-reduce: the mean time a rank waits there for the slowest,
+    # as a share of the host-side work since the last one (the same CPU work on every
+    # rank, with each rank's threads on its share of the cores: `parallel.bandwidth`);
+    # 0: not measured (the cost model leaves the wait out)
+    rank_skew: float = 0.0
+    # pinned host -> GPU, each GPU's rate while every GPU of the node copies at once
+    # (`parallel.bandwidth`); 0: not measured (each link's own rate, h2d_gbps, stands)
+    h2d_all_gbps: float = 0.0
+    # how many ranks of a node this profile is the view of (`policies.node.rank_profile`:
+    # the shared rates divided among them); a measured profile is the node's, 1
+    node_ranks: int = 1
+    # the load (`policies.job.load_estimate`): host memory pinned a second for the
+    # weights' and the KV homes' pools (`io.pinned.PinnedPool`: mapped, then registered
+    # with CUDA), and, per weight format and the tier that holds the bytes
+    # ("int4/gpu", "dense/cpu"), the stage bytes (as stored) the executor places a
+    # second from dummy weights (drawn and quantized on the device, assembled in host
+    # memory, copied to their home: `executor.probe.place_rates`). 0 or missing: not
+    # measured (the term is left out)
+    pin_gbps: float = 0.0
+    place_gbps: dict[str, float] = field(default_factory=dict)
     code_version: str = ""
 
     def __post_init__(self) -> None:
@@ -305,6 +333,11 @@ class HardwareProfile:
             return 0.0
         return _linear_in_group({int(g): s for g, s in pairs.items()}, group)
 
+    def place_rate(self, compression: Compression | None, tier: str) -> float:
+        """GB/s of stage bytes in this format that loading places in `tier` ("gpu" or
+        "cpu"; a disk's bytes are assembled as a CPU home's are); 0: not measured."""
+        return self.place_gbps.get(f"{format_name(compression)}/{tier}", 0.0)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
@@ -351,7 +384,10 @@ def code_version() -> str:
     digest = xxhash.xxh3_64(f"torch {torch.__version__} triton {triton_version}".encode())
     for name in VERSIONED_SOURCES:
         path = root / name
-        for source in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+        sources = [path]  # a folder's Python and C sources (the C kernels' too)
+        if path.is_dir():
+            sources = sorted(p for p in path.rglob("*") if p.suffix in (".py", ".c"))
+        for source in sources:
             digest.update(source.relative_to(root).as_posix().encode())
             digest.update(source.read_bytes())
     return digest.hexdigest()

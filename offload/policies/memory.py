@@ -155,7 +155,7 @@ def _weight_plan(
         ("load_stage_gpu", load_gpu),
         # the fetcher's two ring slots are allocated as the load ends, after the stage
         # being placed is freed: the load phase holds the larger of the two (Llama-3.1-8B
-        # streamed, H200 c109: 6.70 GB at the load's end against 5.73 planned without)
+        # streamed, H200: 6.70 GB at the load's end against 5.73 planned without)
         ("load_slots_gpu", max(0, 2 * slot + buffers * expert_bytes - load_gpu)),
     )
 
@@ -173,7 +173,7 @@ def _load_transients(sizes: tuple[int, ...], full_sizes: tuple[int, ...]) -> tup
     peak is usually set by this."""
     # a stage stored as its source gives it (the embedding table: `size == full`) is
     # not quantized, so it holds no compressed copy and no quantizer beside it (Llama-3.1-8B
-    # int4, H100 c115: the load phase planned 9.17 GB, counting the 1.05 GB table twice
+    # int4, H100: the load phase planned 9.17 GB, counting the 1.05 GB table twice
     # and the quantizer, against 7.94-8.05 GB measured)
     held = [
         (size, full + (size + quant.QUANT_WORK_BYTES if size < full else 0))
@@ -226,8 +226,8 @@ def activation_plan(
     # (the larger phase: decode's is one token a sequence), or at the head every micro-
     # batch's last-position logits (fp32), their cat, and the logits of the micro-batch
     # at hand in the compute dtype before their conversion. Summed, the two counted 2.1
-    # GB never held at once on Llama-3.1-70B at 2048 sequences (validate_cost_model
-    # 034609: peak 18.5 GB against 24.0 planned). The caller drops a step's logits once
+    # GB never held at once on Llama-3.1-70B at 2048 sequences (validate_cost_model:
+    # peak 18.5 GB against 24.0 planned; docs/cost_model.md). The caller drops a step's logits once
     # sampled (`decode_loop`), so none are held through the next step's layers. A
     # tensor-parallel rank then gathers its slice to the whole vocabulary: every rank's
     # slice and their cat, beside its own.
@@ -241,12 +241,13 @@ def activation_plan(
     if cfg.gathered_vocab_size:
         head = max(head, batch * (2 * cfg.gathered_vocab_size + cfg.vocab_size) * 4)
     # the step's attention bias [B, 1|heads, T, S] and RoPE's cos and sin [B, T, D],
-    # built once for the whole block (`batch.PaddedBatch.step_inputs`)
+    # built once for the whole block (`batch.PaddedBatch.step_inputs`); twice where the
+    # windowed layers have their own (`StepInputs.local`)
     heads = cfg.num_heads if cfg.family == "bloom" else 1
     step = batch * heads * prompt_len * max_slots * elt
     if cfg.rotary:
-        step += 2 * batch * prompt_len * cfg.head_dim * elt
-    transient = max(layer, head) + step
+        step += 2 * batch * prompt_len * cfg.rotary_dim * elt
+    transient = max(layer, head) + step * (2 if cfg.window_layers else 1)
     return {
         # every micro-batch's hidden states, and the output of the one in its layer
         # (the executor replaces each micro-batch's input with its output)

@@ -19,19 +19,20 @@ from offload.core.config import ModelConfig
 from offload.core.errors import UserError
 from offload.io.layout import stage_image_bytes
 from offload.kernels.formats import Compression
-from offload.policies.caps import Baseline, Caps, fit_problem, plan_budget
+from offload.policies.caps import Baseline, Caps, fit_problem, others_weight_bytes, plan_budget
 from offload.policies.cost import Estimate, estimate
 from offload.policies.cost_moe import with_cpu_experts
 from offload.policies.hardware import HardwareProfile
+from offload.policies.job import Block, Job, estimate_job
 from offload.policies.memory import plan_memory
 from offload.policies.policy import Placement, Policy
 
 # rows a micro-batch and micro-batches a block: fine enough that memory, not the grid,
-# sets the block (the 7.2 GB that the tied table freed on BLOOM-176B hold 40 sequences,
-# between the old grid's 32 and 48, which does not fit: run 222029; OPT-30B fp16 at
-# 24 GB, whose 96 x 1 no longer fits once the host heap is counted, predicts 88 x 1 at
-# 90.5 tok/s where the old grid's best was 48 x 2 at 69.8, on run 021705's profile;
-# W1c, OPT-30B int4 W + KV all on the GPU at 24 GB: 14 sequences fit where 16 do not)
+# sets the block (the 7.2 GB that the tied table frees on BLOOM-176B hold 40 sequences,
+# between 32 and 48, which does not fit; OPT-30B fp16 at 24 GB, where 96 x 1 does not
+# fit once the host heap is counted, predicts 88 x 1 at 90.5 tok/s where a grid of
+# powers of two's best is 48 x 2 at 69.8; W1c, OPT-30B int4 W + KV all on the GPU at
+# 24 GB: 14 sequences fit where 16 do not; docs/cost_model.md)
 BATCH_SIZES = (1, 2, 4, 5, 6, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32, 40, 48, 56, 64, 72)
 BATCH_SIZES += (80, 88, 96)
 BATCH_SIZES += (112, 128, 160, 192, 224, 256)
@@ -54,23 +55,29 @@ def _kv_placement(
     gpu_budget, cpu_budget = plan_budget(caps, Baseline.from_profile(hw))
     gpu_left = gpu_budget - (probe.run_bytes("gpu") - probe.detail["kv_gpu"])
     cpu_left = cpu_budget - (probe.run_bytes("cpu") - probe.detail["kv_cpu"])
+    cpu_left += others_weight_bytes(probe, caps.shared_weights)
     if gpu_left + scratch >= kv_total:  # all on the GPU, which needs no scratch
         return Placement(1.0, 0.0, 0.0)
     if gpu_left < 0 or cpu_left < 0:  # over a cap before any KV is placed: none fits
         return None
-    gpu = min(1.0, max(0.0, gpu_left / kv_total))
-    cpu = min(1.0 - gpu, max(0.0, cpu_left / kv_total))
-    disk_ok = caps.nvme
-    if 1.0 - gpu - cpu > 1e-9 and not disk_ok:
-        return None
-    # whole sequences, rounded down: a fraction's rows are rounded to the nearest
-    # (`Placement.split`), which could place one more sequence than the budget holds
-    rows = base.block_size
-    gpu = math.floor(gpu * rows) / rows
-    if not disk_ok:  # the rounding's remainder goes to the CPU (checked against the cap later)
-        return Placement(gpu, round(1.0 - gpu, 6), 0.0)
-    cpu = math.floor(cpu * rows) / rows
-    return Placement(gpu, cpu, round(1.0 - gpu - cpu, 6))
+    return _whole_rows(base.block_size, gpu_left / kv_total, cpu_left / kv_total, caps.nvme)
+
+
+def _whole_rows(rows: int, gpu_room: float, cpu_room: float, disk_ok: bool) -> Placement | None:
+    """KV fractions of whole sequences out of `rows`: as many on the GPU as its room
+    holds (rounded down: a fraction's rows are rounded to the nearest by
+    `Placement.split`, which could place one more sequence than the budget holds), then
+    the CPU's out of the rows the GPU leaves (counted after the GPU's rounding, so a
+    CPU with room leaves nothing for the disk), the rest on disk. Without a disk the
+    CPU takes the rest (its cap is checked later); None where that needs a disk. Room
+    is in multiples of the whole cache."""
+    gpu = min(rows, math.floor(max(0.0, gpu_room) * rows + 1e-9))
+    cpu = min(rows - gpu, math.floor(max(0.0, cpu_room) * rows + 1e-9))
+    if not disk_ok:
+        if min(1.0, gpu_room) + cpu_room < 1.0 - 1e-9:
+            return None
+        return Placement(gpu / rows, (rows - gpu) / rows, 0.0)
+    return Placement(gpu / rows, cpu / rows, round(1.0 - (gpu + cpu) / rows, 6))
 
 
 def _with(p: Policy, kv: Placement | None = None, weights: Placement | None = None) -> Policy:
@@ -134,6 +141,8 @@ def candidates(
                 if max_block is not None and size * count > max(max_block, 1) and count > 1:
                     continue
                 for cpu_attention in (False, True):
+                    if not _overlaps(cpu_attention, count, hw):
+                        continue
                     for placement in weights:
                         yield Policy(
                             size,
@@ -144,6 +153,13 @@ def candidates(
                             weight_compression=compression,
                             kv_compression=kv_compression,
                         )
+
+
+def _overlaps(cpu_attention: bool, micro_batches: int, hw: HardwareProfile) -> bool:
+    """Whether a block of `micro_batches` overlaps its CPU attention with GPU work where a
+    rank shares its node (`hw.node_ranks`): one micro-batch leaves the GPU idle while the
+    CPU attends, and under tensor parallelism the group's all-reduces wait for it."""
+    return not cpu_attention or hw.node_ranks == 1 or micro_batches >= 2
 
 
 def search(
@@ -157,14 +173,17 @@ def search(
     compressions: tuple[Compression | None, ...] = (None,),
     kv_compressions: tuple[Compression | None, ...] = (None,),
     tp: int = 1,
+    job: Job | None = None,
 ) -> Estimate:
     """The best fitting policy's estimate; `UserError` with the smallest fit if none.
 
     `compressions` and `kv_compressions` are the weight and KV formats the search may
-    choose among (None: uncompressed); tp: tensor-parallel ranks (cfg is a rank's shard)."""
+    choose among (None: uncompressed); tp: tensor-parallel ranks (cfg is a rank's shard);
+    job: the requests to plan for (`ranked`)."""
     return ranked(
-        cfg, dtype, prompt_len, gen_len, hw, caps, num_prompts, compressions, kv_compressions, tp
-    )[0]
+        cfg, dtype, prompt_len, gen_len, hw, caps, num_prompts, compressions, kv_compressions, tp,
+        job=job,
+    )[0]  # fmt: skip
 
 
 def ranked(
@@ -179,10 +198,14 @@ def ranked(
     kv_compressions: tuple[Compression | None, ...] = (None,),
     tp: int = 1,
     top: int = 1,
+    job: Job | None = None,
 ) -> list[Estimate]:
     """The `top` fitting plans, fastest first, one per kind of plan (batch shape,
     attention placement and formats: the best weight and KV split of each), so the
-    runners-up differ in what a probe can tell apart (`executor.probe`)."""
+    runners-up differ in what a probe can tell apart (`executor.probe`).
+
+    Fastest: the highest throughput of a full block; with a job, the least predicted
+    wall time for its requests (`by_job_time`)."""
     if caps.gpu_bytes is None or caps.cpu_bytes is None:
         raise ValueError(f"the search needs both caps resolved to bytes, got {caps}")
     if prompt_len + gen_len > cfg.max_position_embeddings:
@@ -191,6 +214,8 @@ def ranked(
             f"{cfg.max_position_embeddings}"
         )
     best: dict[tuple, Estimate] = {}  # per kind of plan
+    if num_prompts is None and job is not None:
+        num_prompts = job.count
     for base in candidates(cfg, dtype, hw, caps, num_prompts, compressions, kv_compressions):
         kv = _kv_placement(cfg, base, dtype, prompt_len, gen_len, hw, caps)
         if kv is None:
@@ -210,20 +235,49 @@ def ranked(
     if not best:
         smallest = min(compressions, key=lambda c: sum(stage_image_bytes(cfg, dtype, c)))
         smallest_kv = min(kv_compressions, key=lambda c: 16 if c is None else c.bits)
-        message = _smallest_fit(cfg, dtype, prompt_len, gen_len, hw, caps, smallest, smallest_kv)
-        int4 = Compression(4, 64, False)  # the smaller formats' fit, where it is smaller
-        need = _smallest_need(cfg, dtype, prompt_len, gen_len, hw, caps, int4, int4)
-        if need not in message:
-            message += f"; with --compress int4 --kv-compress int4 it needs {need}"
+        args = (cfg, dtype, prompt_len, gen_len, hw, caps)
+        need = _smallest_need(*args, smallest, smallest_kv)
+        message = _smallest_fit(caps, need)
+        int4 = Compression(4, 64, False)  # the smaller formats' fit, where it is nearer
+        need_int4 = _smallest_need(*args, int4, int4)
+        if _beyond_caps(need_int4, caps) < _beyond_caps(need, caps):
+            message += f"; with --compress int4 --kv-compress int4 it needs {_peaks(need_int4)}"
         raise UserError(message)
+    if job is not None:  # each request at the lengths the plans were sized for
+        uniform = Job.uniform(job.count, prompt_len, gen_len)
+        return by_job_time(list(best.values()), cfg, dtype, hw, uniform, tp, top)
     return sorted(best.values(), key=lambda e: -e.total_tok_s)[:top]
+
+
+def by_job_time(
+    plans: list[Estimate], cfg: ModelConfig, dtype: torch.dtype, hw: HardwareProfile, job: Job,
+    tp: int = 1, top: int = 1,
+) -> list[Estimate]:  # fmt: skip
+    """The `top` plans by the job's predicted wall time (`policies.job`: the load and
+    every block at its own shape); on a tie, the smaller block. The plans' estimates are
+    for a full block at the job's longest request.
+
+    A block fuller than another streams the same weights for more rows, so no block
+    runs faster than its plan's full block: the job's tokens at that rate bound its
+    time from below, and plans are timed by that bound until it passes the top's."""
+    prompt_len, gen_len = job.longest
+    tokens = sum(job.gen_lens)
+    timed: list[tuple[tuple[float, int], Estimate]] = []
+    for est in sorted(plans, key=lambda e: -e.total_tok_s):
+        kept = sorted(key for key, _ in timed)
+        if len(kept) >= top and tokens / est.total_tok_s >= kept[top - 1][0]:
+            break  # (the plans after it have lower rates: larger bounds)
+        full = Block(est.policy.block_size, prompt_len, gen_len)
+        total = estimate_job(cfg, est.policy, dtype, job, hw, tp, known=(full, est)).seconds
+        timed.append(((round(total, 6), est.policy.block_size), est))
+    return [est for _, est in sorted(timed, key=lambda pair: pair[0])][:top]
 
 
 def _smallest_need(
     cfg, dtype, prompt_len, gen_len, hw: HardwareProfile, caps: Caps, compression, kv_compression
-) -> str:
-    """The peaks of the smallest plan: one sequence, weights and KV on disk (with a
-    disk) or in CPU memory, attention on the CPU, in these formats."""
+) -> tuple[int, int]:
+    """The (GPU, CPU) peaks of the smallest plan: one sequence, weights and KV on disk
+    (with a disk) or in CPU memory, attention on the CPU, in these formats."""
     on_disk = caps.nvme
     weights = Placement(0.0, 0.0, 1.0) if on_disk else Placement(0.0, 1.0, 0.0)
     kv = Placement(0.0, 0.0, 1.0) if on_disk else Placement(0.0, 1.0, 0.0)
@@ -232,15 +286,23 @@ def _smallest_need(
         weight_compression=compression, kv_compression=kv_compression,
     )  # fmt: skip
     est = estimate(cfg, policy, dtype, prompt_len, gen_len, hw)
-    return f"{est.gpu_peak_bytes / 1e9:.1f} GB GPU and {est.cpu_peak_bytes / 1e9:.1f} GB CPU"
+    return est.gpu_peak_bytes, est.cpu_peak_bytes
 
 
-def _smallest_fit(
-    cfg, dtype, prompt_len, gen_len, hw: HardwareProfile, caps: Caps, compression, kv_compression
-) -> str:
-    need = _smallest_need(cfg, dtype, prompt_len, gen_len, hw, caps, compression, kv_compression)
+def _beyond_caps(peaks: tuple[int, int], caps: Caps) -> int:
+    """How far (GPU, CPU) peaks go past the caps, in bytes: a hint must bring it down
+    (int4's dequantization buffers can need more GPU than the dense plan's)."""
+    gpu, cpu = peaks
+    return max(0, gpu - (caps.gpu_bytes or 0)) + max(0, cpu - (caps.cpu_bytes or 0))
+
+
+def _peaks(peaks: tuple[int, int]) -> str:
+    return f"{peaks[0] / 1e9:.1f} GB GPU and {peaks[1] / 1e9:.1f} GB CPU"
+
+
+def _smallest_fit(caps: Caps, need: tuple[int, int]) -> str:
     hint = "" if caps.nvme else " (less CPU memory with --nvme)"
     return (
         f"no policy fits --gpu-mem {caps.gpu_bytes / 1e9:.1f} GB and --cpu-mem "
-        f"{caps.cpu_bytes / 1e9:.1f} GB; the smallest fit needs {need}{hint}"
+        f"{caps.cpu_bytes / 1e9:.1f} GB; the smallest fit needs {_peaks(need)}{hint}"
     )

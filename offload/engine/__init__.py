@@ -1,0 +1,1 @@
+"""vLLM's `vllm.engine` import path as `offload.engine` (only `arg_utils` is here)."""
