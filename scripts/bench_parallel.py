@@ -163,7 +163,7 @@ def run_part(name, layout, engine, plan, prompts, args, budget, work, env, cap_s
     part.mkdir(parents=True, exist_ok=True)
     out, stats, trace = part / "out.jsonl", part / "stats.json", part / "trace.json"
     cmd = [sys.executable, "-m", "offload.cli.run", *engine, *LAYOUT_FLAGS[layout]]
-    cmd += ["-i", str(prompts), "-o", str(out), "--stats", str(stats), "--ignore-eos", "-q"]
+    cmd += ["-i", str(prompts), "-o", str(out), "--stats", str(stats), "--ignore-eos", "--quiet"]
     cmd += ["--max-tokens", str(args.gen_len), "--trace", str(trace)]
     cmd += ["--trace-every", str(args.trace_every)]
     record = bench.run_part(name, cmd, min(cap_s, budget.left()), part, env)

@@ -229,7 +229,7 @@ def hold_part(name: str, args, budget: bench.Budget, work: Path, env) -> dict[st
     record: dict[str, Any] = {"flags": " ".join(flags), "block": block, "runs": {}}
     for label, extra in (("held", ()), ("free", ("--no-hold-gpu-mem",))):
         limit = min(TIMES[name][0], budget.left())
-        run = run_job(f"{name}-{label}", flags, prompts, gen_len, work, env, limit, ("-q", *extra))
+        run = run_job(f"{name}-{label}", flags, prompts, gen_len, work, env, limit, ("--quiet", *extra))
         record["runs"][label] = run
         print(f"  {name} {label}: {_job_status(run)}", flush=True)
     return record
@@ -343,7 +343,7 @@ def main() -> int:
         if name == "hold-bloom" and args.smoke:
             return {"skipped": "a smoke run's hold is W1c's and W1u's toys"}
         if name == "caps-test":
-            cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu_caps.py"]
+            cmd = [sys.executable, "-m", "pytest", "--quiet", "-m", "gpu", "tests/test_gpu_caps.py"]
             return bench.run_part(name, cmd, min(TIMES[name][0], budget.left()), work, env)
         return hold_part(name, args, budget, work, env)
 

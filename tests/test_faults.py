@@ -300,7 +300,7 @@ def test_dp_without_an_output_and_bad_input_are_refused_before_any_rank_starts(
     from offload.parallel import launch
 
     monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("ranks were started"))
-    base = ["--model", str(model_dir), "--device", "cpu", "-q"]
+    base = ["--model", str(model_dir), "--device", "cpu", "--quiet"]
     assert main([*base, "--prompt", "hi", "--dp", "2"]) == 2
     assert "--dp needs --output FILE" in capsys.readouterr().err
     assert main([*base, "--prompt", "hi", "--dp", "2", "-o", "-"]) == 2
@@ -317,7 +317,7 @@ def test_the_demo_runs_on_three_ranks_as_on_one(tmp_path, capsys):
     """The demo's --tp 3 failed every time ("its message is above", and nothing above):
     the ranks sharded the preset's config, not the GGUF file's own."""
     argv = ["--model", "demo", "--device", "cpu", "--prompt", "The capital of France is"]
-    argv += ["--max-tokens", "4", "-q", "--output"]
+    argv += ["--max-tokens", "4", "--quiet", "--output"]
     assert main([*argv, "-"]) == 0
     one = capsys.readouterr()
     three = subprocess.run(

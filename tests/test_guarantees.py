@@ -103,7 +103,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_the_load(
         "\n".join([_batch_line("ok", [5, 6, 7]), _batch_line("past", [5, 320]),
                    _batch_line("negative", [-1, 5])]) + "\n"
     )  # fmt: skip
-    args = ["--model", str(model_dir), "-i", str(jobs), "-o", str(out), "-q"]
+    args = ["--model", str(model_dir), "-i", str(jobs), "-o", str(out), "--quiet"]
     with monkeypatch.context() as patch:
         patch.setattr(
             LLM, "_load", lambda *a, **k: pytest.fail("loaded before the ids were judged")
@@ -153,7 +153,7 @@ def test_the_format_comes_from_the_content_and_the_first_log_line_says_it(
     assert json.loads(run.stdout)["custom_id"] == "q"
     text = tmp_path / "prompts.jsonl"  # a .jsonl name whose lines are not JSON: named
     text.write_text("just words\n")
-    assert main(["--model", str(model_dir), "-i", str(text), "-q"]) == 2
+    assert main(["--model", str(model_dir), "-i", str(text), "--quiet"]) == 2
     assert "prompts.jsonl:1: not valid JSON" in _error(capsys)
 
 
@@ -165,7 +165,7 @@ def test_a_checkpoint_without_a_tokenizer_is_refused_unless_bytes_are_asked_for(
     shutil.copytree(model_dir, bare)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (bare / name).unlink()
-    args = ["--model", str(bare), "--prompt", "hello", "--max-tokens", "2", "-q"]
+    args = ["--model", str(bare), "--prompt", "hello", "--max-tokens", "2", "--quiet"]
     with monkeypatch.context() as patch:
         patch.setattr(LLM, "_load", lambda *a, **k: pytest.fail("loaded"))
         assert main(args) == 2
@@ -191,7 +191,17 @@ def test_json_scalar_ids_are_kept_exactly_and_others_refused(model_dir, tmp_path
     lines += [json.dumps({"id": rid, "prompt": "hi"}) for rid in ids]
     jobs, out = tmp_path / "jobs.jsonl", tmp_path / "out.jsonl"
     jobs.write_text("\n".join(lines) + "\n")
-    args = ["--model", str(model_dir), "-i", str(jobs), "-o", str(out), "-q", "--max-tokens", "2"]
+    args = [
+        "--model",
+        str(model_dir),
+        "-i",
+        str(jobs),
+        "-o",
+        str(out),
+        "--quiet",
+        "--max-tokens",
+        "2",
+    ]
     assert main(args) == 3
     rows = _rows(out)
     for row in rows[:2]:  # (named by their line numbers)
@@ -205,7 +215,7 @@ def test_json_scalar_ids_are_kept_exactly_and_others_refused(model_dir, tmp_path
 def test_an_id_repeated_is_refused_but_7_and_the_string_7_are_two(model_dir, tmp_path, capsys):
     jobs = tmp_path / "jobs.jsonl"
     jobs.write_text("\n".join(json.dumps({"id": i, "prompt": "hi"}) for i in (7, "7", 7)) + "\n")
-    assert main(["--model", str(model_dir), "-i", str(jobs), "-q"]) == 2
+    assert main(["--model", str(model_dir), "-i", str(jobs), "--quiet"]) == 2
     assert "duplicate ids: 7 on lines 1 and 3" in _error(capsys)
 
 
@@ -217,7 +227,7 @@ def test_an_unwritable_output_path_is_refused_before_the_load(
     """An unwritable --trace failed after the whole job and skipped the final output; an
     unwritable --stats turned a successful job into exit 1: each is judged first."""
     with read_only_dir(tmp_path / "ro") as ro:
-        args = ["--model", str(model_dir), "--prompt", "hi", "-q", flag, str(ro / "f.json")]
+        args = ["--model", str(model_dir), "--prompt", "hi", "--quiet", flag, str(ro / "f.json")]
         assert main(args) == 2
         line = _error(capsys)
         assert f"cannot write {flag} {ro / 'f.json'}: directory {ro} is read-only" in line
@@ -227,7 +237,7 @@ def test_a_read_only_nvme_and_an_input_that_is_no_file_are_refused(
     model_dir, tmp_path, capsys, no_load
 ):
     with read_only_dir(tmp_path / "ro") as ro:
-        args = ["--model", str(model_dir), "--prompt", "hi", "-q", "--gpu-mem", "1GB"]
+        args = ["--model", str(model_dir), "--prompt", "hi", "--quiet", "--gpu-mem", "1GB"]
         assert main([*args, "--nvme", str(ro / "store")]) == 2
         assert f"cannot write --nvme {ro / 'store'}: directory {ro} is read-only" in _error(capsys)
         with pytest.raises(UserError, match="--nvme"):
@@ -236,7 +246,7 @@ def test_a_read_only_nvme_and_an_input_that_is_no_file_are_refused(
     a_file.write_text("")
     assert main([*args, "--nvme", str(a_file)]) == 2
     assert f"--nvme {a_file} is not a directory" in _error(capsys)
-    assert main(["--model", str(model_dir), "-i", str(tmp_path), "-q"]) == 2
+    assert main(["--model", str(model_dir), "-i", str(tmp_path), "--quiet"]) == 2
     assert f"prompts file {tmp_path} is a directory" in _error(capsys)
 
 
@@ -278,7 +288,7 @@ def test_a_cpu_cap_alone_plans_a_machine_without_a_gpu(model_dir, tmp_path, caps
         "--profile",
         str(profile),
     ]
-    assert main([*args, "--cpu-mem", "3GB", "--max-tokens", "2", "-q", "--output", "-"]) == 0
+    assert main([*args, "--cpu-mem", "3GB", "--max-tokens", "2", "--quiet", "--output", "-"]) == 0
     assert json.loads(capsys.readouterr().out)["completion_tokens"] == 2
     with pytest.raises(UserError, match=r"max_memory=\{'cpu': '8GB'\}"):
         LLM(str(model_dir), device="cpu", gpu_memory_utilization=0.5)

@@ -135,7 +135,7 @@ def test_a_job_runs_the_blocks_its_prediction_costs(tiny_checkpoints, tmp_path, 
     monkeypatch.setattr(LLM, "generate_ids", spy)
     argv = ["--model", str(directory), "--device", "cpu", "--policy", str(policy)]
     argv += ["--profile", str(profile), "-i", str(jobs), "-o", str(out), "--stats", str(stats)]
-    assert run_main([*argv, "-q"]) == 0
+    assert run_main([*argv, "--quiet"]) == 0
     predicted = json.loads(stats.read_text())["predicted"]
     costed = Counter({(b["rows"], b["prompt_len"], b["gen_len"]): b["count"] for b in predicted["blocks"]})  # fmt: skip
     assert costed == ran and sum(ran.values()) == 9  # 70 requests: 8 blocks of 8 and one of 6

@@ -22,7 +22,7 @@ def _argv(model_dir, tmp_path, jobs: str, out, *extra: str) -> list[str]:
     profile = tmp_path / "hw.json"
     profile.write_text(CPU_PROFILE.to_json())
     caps = ["--gpu-mem", "2MB", "--cpu-mem", "3GB", "--profile", str(profile)]
-    return ["--model", str(model_dir), "--device", "cpu", *caps, "-i", jobs, "-o", str(out), "-q", *extra]  # fmt: skip
+    return ["--model", str(model_dir), "--device", "cpu", *caps, "-i", jobs, "-o", str(out), "--quiet", *extra]  # fmt: skip
 
 
 def test_tp_and_dp_jobs_are_sized_for_the_job_and_match_one_gpu(model_dir, tmp_path):
@@ -82,7 +82,7 @@ def test_data_parallel_groups_share_one_pinned_copy_of_the_weights(model_dir, tm
     texts = {}
     for name, layout in (("one", []), ("dp2", ["--tp", "1", "--dp", "2"])):
         out = tmp_path / f"{name}.jsonl"
-        argv = ["--model", str(model_dir), "--device", "cpu", "--dtype", "float32", "-q"]
+        argv = ["--model", str(model_dir), "--device", "cpu", "--dtype", "float32", "--quiet"]
         argv += ["--policy", str(policy), "-i", jobs, "-o", str(out), "--max-tokens", "4"]
         assert main([*argv, *layout]) == 0, name
         texts[name] = [json.loads(line)["text"] for line in out.read_text().splitlines()]

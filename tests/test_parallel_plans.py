@@ -145,3 +145,21 @@ def test_each_rank_takes_its_share_of_its_gpu_s_numa_node():
     assert rank_cpus(2, [None, None, None], list(range(7)), nodes.get) == [5, 6]
     # a node whose cores this process may not use: the allowed ones, split
     assert rank_cpus(1, [0, 1], list(range(4)), nodes.get) == [2, 3]
+
+
+def test_the_search_counts_the_gpu_context_of_the_process_that_runs_the_plan(tmp_path):
+    """A rank's NCCL buffers make its CUDA context larger than the profile's: the plan
+    the search returns for it fits that rank's own accounting (the run's fit check),
+    where a plan for the profile's context alone does not."""
+    from offload.policies.caps import Baseline, fit_problem
+    from offload.policies.choose import choose_policy
+
+    profile = tmp_path / "hw.json"
+    profile.write_text(dataclasses.replace(NODE, gpu_context_bytes=800 * 2**20).to_json())
+    cfg = rank_config(cfg_of("opt-30b"), 2, 0)
+    rank = Baseline(gpu_context_bytes=1800 * 2**20, process_bytes=NODE.process_base_bytes)
+    args = (cfg, torch.float16, 24 * GB, 64 * GB, None, 128, 8, profile)
+    for_profile = choose_policy(*args, tp=2)
+    for_rank = choose_policy(*args, tp=2, baseline=rank)
+    assert fit_problem(for_profile.best.memory, for_profile.caps, rank) is not None
+    assert fit_problem(for_rank.best.memory, for_rank.caps, rank) is None

@@ -21,12 +21,12 @@ def test_a_policy_from_a_fifo_runs_the_job(tiny_checkpoints, tmp_path, capsys):
     fifo = tmp_path / "policy.fifo"
     os.mkfifo(fifo)
     policy = Policy(2, 2)
-    writer = threading.Thread(target=lambda: fifo.write_text(policy.to_json()))
+    writer = threading.Thread(target=lambda: fifo.write_text(policy.to_json()), daemon=True)
     writer.start()
     out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
     argv = ["--model", str(directory), "--device", "cpu", "--policy", str(fifo)]
     argv += ["--prompt", "hello", "--max-tokens", "2", "-o", str(out), "--stats", str(stats)]
-    assert run_main([*argv, "-q"]) == 0
+    assert run_main([*argv, "--quiet"]) == 0
     writer.join(timeout=10)
     assert json.loads(stats.read_text())["policy"] == policy.to_dict()
 

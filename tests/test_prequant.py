@@ -223,7 +223,7 @@ def test_offload_plan_and_convert_keep_the_checkpoints_format(checkpoints, tmp_p
     assert rc == 0
     chosen = json.loads(capsys.readouterr().out)["policy"]["weight_compression"]
     assert Compression(**chosen) == ZERO_POINTS
-    assert convert.main(["--model", str(directory), "--nvme", str(tmp_path), "-q"]) == 0
+    assert convert.main(["--model", str(directory), "--nvme", str(tmp_path), "--quiet"]) == 0
     stores = list(tmp_path.glob("*-int4-g32-zp-dense-head"))
     assert len(stores) == 1, list(tmp_path.iterdir())
     capsys.readouterr()

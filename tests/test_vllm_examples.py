@@ -229,8 +229,6 @@ def test_sampling_params_fields(llm):
 def test_max_memory_that_cannot_take_effect_is_an_error():
     with pytest.raises(UserError, match="disk"):
         LLM("demo", max_memory={"cpu": "8GB", "disk": "100GB"})
-    with pytest.raises(UserError, match="GPU budget"):
-        LLM("demo", max_memory={"cpu": "8GB"}, profile=None, device="cpu")
     with pytest.raises(UserError, match="not a device"):
         LLM("demo", max_memory={"mps": "8GB"})
 

@@ -85,15 +85,17 @@ def plan_run(
         # one memory: the device's and the host's tiers share the CPU cap
         split = cpu_only_caps(caps.cpu_bytes, Baseline.measure(front.device))
         caps = Caps(*split, nvme=caps.nvme, shared_weights=shared)
+    # what the process holds before any weights: the baseline of the one accounting,
+    # which the search counts too
+    baseline = Baseline.measure(front.device)
     hw = None
     if policy is None and args.wants_search:
         policy, hw = _search(
-            front, args, caps, cfg, (prompt_len, gen_len), weight_formats, layout or Layout(), job
-        )
+            front, args, (caps, baseline), cfg, (prompt_len, gen_len), weight_formats,
+            layout or Layout(), job,
+        )  # fmt: skip
     if layout is not None and policy is None:
         policy = Policy(gpu_batch_size=args.batch_size, num_gpu_batches=1)
-    # what the process holds before any weights: the baseline of the one accounting
-    baseline = Baseline.measure(front.device)
     if policy is not None:
         check_weights_fit(cfg, policy, front.dtype, front.device, caps, baseline)
         # the block as planned (prompt_len + gen_len) fits, before anything loads
@@ -163,7 +165,7 @@ def _refuse_compression_without_a_plan(args: EngineArgs) -> None:
 def _search(
     front: ModelFront,
     args: EngineArgs,
-    caps: Caps,
+    limits: tuple[Caps, Baseline],
     cfg: ModelConfig,
     lengths: tuple[int, int],
     weight_formats: tuple[Compression | None, ...],
@@ -172,9 +174,11 @@ def _search(
 ) -> tuple[Policy, HardwareProfile]:
     """The searched policy (for the job where there is one) and the profile it was
     searched on; the formats' advice and the store's room judged before any load."""
-    prompt_len, gen_len = lengths
     from offload.executor.probe import measure_profile, verify
     from offload.policies.choose import choose_policy
+
+    prompt_len, gen_len = lengths
+    caps, baseline = limits
 
     choice = choose_policy(
         cfg,
@@ -192,6 +196,7 @@ def _search(
         tp=layout.tp,
         dp=layout.dp,
         job=job,
+        baseline=baseline,
     )
     best = choice.best
     log.info(

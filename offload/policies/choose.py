@@ -118,6 +118,7 @@ def choose_policy(
     top: int = 1,
     dp: int = 1,
     job: Job | None = None,
+    baseline: Baseline | None = None,
 ) -> Choice:
     """The placement and batch shape with the highest predicted throughput in the caps,
     or with a job, the least predicted wall time for its requests (`search.ranked`).
@@ -128,12 +129,18 @@ def choose_policy(
     (`node.rank_profile`: the choice's profile is one rank's view), and its groups share
     one pinned copy of the weights (`Caps.shared_weights`). On a machine without a GPU,
     no GPU cap is needed: the plan's device share and its host share are the same
-    memory, and share the CPU cap (`caps.cpu_only_caps`)."""
+    memory, and share the CPU cap (`caps.cpu_only_caps`). baseline: what the process
+    that will run the plan holds already (`Baseline.measure`): the search counts the
+    larger of its GPU context and the profile's, so the plan it returns passes that
+    run's fit check (a tensor- or data-parallel rank's NCCL buffers are in it, not in
+    the profile: 1.5-1.8 GB against 0.8 on the H200 pair, docs/parallel.md)."""
     if gpu_bytes is None and profile is None and torch.cuda.is_available():  # (not measured)
         raise _needs_gpu_cap()
     if prompt_len < 1 or gen_len < 1:
         raise UserError("--prompt-len and --max-tokens must be positive")
     hw = rank_profile(hardware_profile(profile, nvme, announce, measure_machine), tp * dp)
+    if baseline is not None and baseline.gpu_context_bytes > hw.gpu_context_bytes:
+        hw = dataclasses.replace(hw, gpu_context_bytes=baseline.gpu_context_bytes)
     if gpu_bytes is None:
         if hw.has_gpu:
             raise _needs_gpu_cap()
