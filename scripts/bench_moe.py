@@ -60,11 +60,7 @@ ACCELERATE_BATCH, ACCELERATE_GPU_WEIGHTS = 16, "19GiB"
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = bench.doc_parser(__doc__)
     p.add_argument("--smoke", action="store_true", help="CPU, toy configs, prompt 32, gen 4")
     p.add_argument("--parts", default=",".join(PARTS), help="comma-separated, run in this order")
     p.add_argument("--time-budget", type=float, default=540, help="seconds in all (default 540)")
@@ -75,9 +71,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--child", help=argparse.SUPPRESS)  # a part, run in its own process
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
-    unknown = set(args.parts.split(",")) - set(PARTS)
-    if unknown:
-        p.error(f"--parts: unknown {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
+    bench.check_names(p, "--parts", args.parts, PARTS)
     if args.smoke:  # (measuring a profile on a small CPU machine takes minutes)
         args.prompt_len, args.gen_len, args.gpu_mem = 32, 4, "64MB"
         CAPS["profile"] = (600, 40)

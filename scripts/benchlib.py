@@ -312,6 +312,23 @@ def ceilings_part(
 
 
 # -- our engine: plan, then run one block ---------------------------------------------
+def doc_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's parser: its docstring's first paragraph as the description, the
+    rest (its parts and commands) as the epilog, as written."""
+    return argparse.ArgumentParser(
+        description=doc.split("\n\n")[0],
+        epilog=doc.split("\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def check_names(p: argparse.ArgumentParser, flag: str, value: str, known: Sequence[str]) -> None:
+    """Refuse a comma-separated flag value that names anything not in `known`."""
+    unknown = set(value.split(",")) - set(known)
+    if unknown:
+        p.error(f"{flag}: unknown {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
+
+
 def add_probe_args(p: argparse.ArgumentParser) -> None:
     """The flags of the scripts that probe a policy's steps on a model with dummy
     weights (scripts/lab/decode_step.py)."""
