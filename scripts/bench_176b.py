@@ -46,11 +46,7 @@ MODEL_CAP_S, MODEL_MIN_S = 540, 240  # seconds: a model's timeout, the least wor
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = bench.doc_parser(__doc__)
     p.add_argument("--smoke", action="store_true", help="CPU, toy models, prompt 32, gen 4; about a minute")  # fmt: skip
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated, run in this order")  # fmt: skip
     p.add_argument("--skip-ceilings", action="store_true", help="no ceilings (no ideal step)")
@@ -65,9 +61,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--keep-store", action="store_true", help="keep each model's weight store")
     p.add_argument("--ceiling-bytes", type=int, default=2**29, help="bytes a ceiling copy moves")  # fmt: skip
     args = p.parse_args()
-    unknown = set(args.models.split(",")) - set(MODELS)
-    if unknown:
-        p.error(f"--models: unknown {', '.join(sorted(unknown))}; choose from {', '.join(MODELS)}")
+    bench.check_names(p, "--models", args.models, MODELS)
     if args.smoke:
         args.prompt_len, args.gen_len, args.gpu_mem = 32, 4, "8MB"
         args.ceiling_bytes = 2**24
@@ -318,10 +312,7 @@ def main() -> None:
             budget,
         )
     finally:
-        results.data["seconds"] = budget.elapsed()
-        results.save()
-        print_table(results.data)
-        print("wrote " + ", ".join(map(str, results.paths)))
+        bench.finish(results, budget, print_table)
 
 
 if __name__ == "__main__":

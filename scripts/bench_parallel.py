@@ -72,11 +72,7 @@ TIMES |= {"bloom": (420, 240)}
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = bench.doc_parser(__doc__)
     p.add_argument("--smoke", action="store_true", help="CPU, toy models, gloo (a minute or two)")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--time-budget", type=float, default=530, help="seconds for the whole script")
@@ -87,9 +83,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trace-every", type=int, default=3, help="trace one forward in N")
     p.add_argument("--nvme", type=Path, help="offload-profile's disk directory (default: a new one under /tmp)")  # fmt: skip
     args = p.parse_args()
-    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
-    if unknown:
-        p.error(f"--workloads: unknown {', '.join(sorted(unknown))}")
+    bench.check_names(p, "--workloads", args.workloads, WORKLOADS)
     if args.smoke:
         args.prompt_len, args.gen_len, args.cpu_mem, args.max_prompts = 24, 4, "8GB", 48
     return args

@@ -63,11 +63,7 @@ WORKLOADS = {
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = bench.doc_parser(__doc__)
     p.add_argument(
         "--smoke",
         action="store_true",
@@ -87,9 +83,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--flexgen-peer", type=Path, default=ROOT / ".whl" / "flexgen_peer.py")
     p.add_argument("--ceiling-bytes", type=int, default=2**29, help="bytes a ceiling copy moves")  # fmt: skip
     args = p.parse_args()
-    unknown = set(args.parts.split(",")) - set(PARTS)
-    if unknown:
-        p.error(f"--parts: unknown {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
+    bench.check_names(p, "--parts", args.parts, PARTS)
     if args.smoke:
         args.prompt_len, args.gen_len, args.gpu_mem, args.dtype = 32, 4, "8MB", "float32"
         args.ceiling_bytes = 2**24

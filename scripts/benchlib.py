@@ -312,6 +312,23 @@ def ceilings_part(
 
 
 # -- our engine: plan, then run one block ---------------------------------------------
+def doc_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's parser: its docstring's first paragraph as the description, the
+    rest (its parts and commands) as the epilog, as written."""
+    return argparse.ArgumentParser(
+        description=doc.split("\n\n")[0],
+        epilog=doc.split("\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def check_names(p: argparse.ArgumentParser, flag: str, value: str, known: Sequence[str]) -> None:
+    """Refuse a comma-separated flag value that names anything not in `known`."""
+    unknown = set(value.split(",")) - set(known)
+    if unknown:
+        p.error(f"{flag}: unknown {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
+
+
 def add_probe_args(p: argparse.ArgumentParser) -> None:
     """The flags of the scripts that probe a policy's steps on a model with dummy
     weights (scripts/lab/decode_step.py)."""
@@ -547,6 +564,15 @@ def start(args, name: str, what: str) -> tuple[Budget, Path, Results]:
         },
     )
     return budget, work, results
+
+
+def finish(results: Results, budget: Budget, print_table: Callable[[dict], None]) -> None:
+    """A benchmark's end, whatever happened: its seconds saved with the results, the
+    table printed and where the JSON went."""
+    results.data["seconds"] = budget.elapsed()
+    results.save()
+    print_table(results.data)
+    print("wrote " + ", ".join(map(str, results.paths)))
 
 
 def run_parts(

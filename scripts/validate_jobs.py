@@ -74,20 +74,14 @@ SMOKE_PRESETS = {"jobs": ("llama-3.1-8b", "llama-2-7b", "opt-6.7b"), "hold": "op
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = bench.doc_parser(__doc__)
     p.add_argument("--smoke", action="store_true", help="CPU, toy models: the plumbing only")
     p.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset, in order")
     p.add_argument("--time-budget", type=float, default=540, help="seconds for everything")
     p.add_argument("--profile", type=Path, help="a profile of this machine and code (no measuring)")  # fmt: skip
     p.add_argument("--nvme", type=Path, help="where the profile measures the disk and BLOOM spills")  # fmt: skip
     args = p.parse_args()
-    unknown = set(args.parts.split(",")) - set(PARTS)
-    if unknown:
-        p.error(f"--parts: unknown {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
+    bench.check_names(p, "--parts", args.parts, PARTS)
     return args
 
 
@@ -229,7 +223,9 @@ def hold_part(name: str, args, budget: bench.Budget, work: Path, env) -> dict[st
     record: dict[str, Any] = {"flags": " ".join(flags), "block": block, "runs": {}}
     for label, extra in (("held", ()), ("free", ("--no-hold-gpu-mem",))):
         limit = min(TIMES[name][0], budget.left())
-        run = run_job(f"{name}-{label}", flags, prompts, gen_len, work, env, limit, ("--quiet", *extra))
+        run = run_job(
+            f"{name}-{label}", flags, prompts, gen_len, work, env, limit, ("--quiet", *extra)
+        )
         record["runs"][label] = run
         print(f"  {name} {label}: {_job_status(run)}", flush=True)
     return record

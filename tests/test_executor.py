@@ -241,6 +241,7 @@ def test_policy_json_round_trip_and_validation(tmp_path):
         "overlap",
         "weight_compression",
         "kv_compression",
+        "cpu_experts",
     }
     with pytest.raises(ValueError, match=r"sum to 1\.2"):
         Placement(0.5, 0.5, 0.2)

@@ -135,7 +135,7 @@ def test_predicted_memory_matches_what_the_executor_allocates(policy, tiny_check
         )
         assert ledger.used(Tier.DISK) == d["weights_disk"] + d["kv_disk"]
         weights_cpu = d["weights_cpu"] + d["weight_staging_cpu"]
-        assert llm.runner.pool.stats()["reserved_bytes"] == weights_cpu
+        assert llm.runner.weights.pool.stats()["reserved_bytes"] == weights_cpu
         kv_cpu = ledger.used(Tier.CPU) - d["weights_cpu"]  # the KV manager's pinned blocks
         assert kv_cpu == d["kv_cpu"] + d["kv_staging_cpu"] + d["act_cpu"]
 

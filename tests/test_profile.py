@@ -679,12 +679,12 @@ def _injected_chains(policies, device, steps, nvme) -> list[float]:
 def test_executor_fixed_costs_from_injected_timings(monkeypatch, tmp_path, device):
     """The fixed costs' arithmetic on timings injected in place of the probes' (a loaded
     machine's timings cannot move it; `offload-profile` measures for real)."""
-    from offload.executor import probe
+    from offload.executor import fixed_costs
 
-    monkeypatch.setattr(probe, "_stage_seconds", _injected_stage_seconds)
-    monkeypatch.setattr(probe, "_chains", _injected_chains)
+    monkeypatch.setattr(fixed_costs, "_stage_seconds", _injected_stage_seconds)
+    monkeypatch.setattr(fixed_costs, "_chains", _injected_chains)
     figures = overheads(torch.device(device), tmp_path, steps=2)
-    stages_per_layer = (probe.OVERHEAD_LAYERS + 2) / probe.OVERHEAD_LAYERS
+    stages_per_layer = (fixed_costs.OVERHEAD_LAYERS + 2) / fixed_costs.OVERHEAD_LAYERS
     per_block = stages_per_layer / 4  # a layer's share of a stage over 4 micro-batches
     cuda = device == "cuda"
     assert figures == pytest.approx({
@@ -718,26 +718,26 @@ def test_elementwise_figures_from_injected_timings(monkeypatch):
     """A layer's element-wise time: the difference of a deep and a shallow model beyond
     its matmuls and attention, per token and hidden unit in prefill (clamped at 0 where
     the model's own terms exceed it), on timings injected in place of the probes'."""
-    from offload.executor import probe
+    from offload.executor import fixed_costs
 
     def figures(device, prefill_slope, decode_slope):
         injected = _injected_full_width(prefill_slope, decode_slope, device == "cuda")
-        monkeypatch.setattr(probe, "_full_width_seconds", injected)
+        monkeypatch.setattr(fixed_costs, "_full_width_seconds", injected)
         return elementwise(PROFILE, torch.device(device))
 
-    rows, tokens = probe.ELEMENTWISE_SHAPE["cuda"]
+    rows, tokens = fixed_costs.ELEMENTWISE_SHAPE["cuda"]
     gpu = figures("cuda", 5e-3, 2e-4)  # on CUDA: the kernels' own time taken out
     assert set(gpu["prefill_elementwise_s"]) == {"opt", "bloom", "llama"}
     for family, per_unit in gpu["prefill_elementwise_s"].items():
-        hidden = probe._elementwise_config(family, torch.device("cuda")).hidden_size
+        hidden = fixed_costs._elementwise_config(family, torch.device("cuda")).hidden_size
         assert per_unit == pytest.approx(5e-3 / (rows * tokens * hidden))
         assert gpu["decode_elementwise_s"][family] == pytest.approx(2e-4 + 1e-4)
     # on the CPU the matmuls and attention are the profile's model: a slope 1 ms higher
     # a layer is that much more element-wise time, and a slope of 0 leaves none
-    rows, tokens = probe.ELEMENTWISE_SHAPE["cpu"]
+    rows, tokens = fixed_costs.ELEMENTWISE_SHAPE["cpu"]
     low, high, none = figures("cpu", 5e-3, 2e-3), figures("cpu", 6e-3, 3e-3), figures("cpu", 0, 0)
     for family in low["prefill_elementwise_s"]:
-        hidden = probe._elementwise_config(family, torch.device("cpu")).hidden_size
+        hidden = fixed_costs._elementwise_config(family, torch.device("cpu")).hidden_size
         step = high["prefill_elementwise_s"][family] - low["prefill_elementwise_s"][family]
         assert step == pytest.approx(1e-3 / (rows * tokens * hidden))
         step = high["decode_elementwise_s"][family] - low["decode_elementwise_s"][family]
@@ -748,7 +748,7 @@ def test_elementwise_figures_from_injected_timings(monkeypatch):
 def test_the_chain_probe_leaves_no_spill_file(tmp_path):
     """The real probe of the KV chains (its figures are timings, not asserted here)
     closes its executors: the disk homes' spill file is gone."""
-    from offload.executor.probe import _chains
+    from offload.executor.fixed_costs import _chains
 
     off_gpu = Policy(1, 4, weights=Placement(0.0, 1.0, 0.0), kv_cache=Placement(0, 0, 1),
                      kv_compression=INT4)  # fmt: skip

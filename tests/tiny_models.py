@@ -14,18 +14,26 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     OPTConfig,
     OPTForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 VOCAB = 320
@@ -173,6 +181,34 @@ CASES = {
     **FAMILY_CASES,
 }
 
+# mixtures of experts: the expert MLPs are 32 wide, a layer's dense MLP (Qwen's
+# mlp_only_layers, GLM-4.5's first layer) 96
+_moe_dims = {**_llama_dims, "num_key_value_heads": 2, "intermediate_size": 96}
+MOE_CASES = {
+    "mixtral": (
+        MixtralForCausalLM,
+        MixtralConfig(**{**_moe_dims, "intermediate_size": 32}, num_local_experts=4,
+                      num_experts_per_tok=2),
+    ),
+    "qwen3-moe": (
+        Qwen3MoeForCausalLM,
+        Qwen3MoeConfig(**_moe_dims, head_dim=16, moe_intermediate_size=32, num_experts=16,
+                       num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1]),
+    ),
+    "qwen2-moe": (
+        Qwen2MoeForCausalLM,
+        Qwen2MoeConfig(**_moe_dims, moe_intermediate_size=32, num_experts=8,
+                       num_experts_per_tok=2, shared_expert_intermediate_size=48),
+    ),
+    "glm4-moe": (
+        Glm4MoeForCausalLM,
+        Glm4MoeConfig(**_moe_dims, head_dim=16, moe_intermediate_size=32, n_routed_experts=8,
+                      num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                      attention_bias=True, first_k_dense_replace=1),
+    ),
+}  # fmt: skip
+CASES.update(MOE_CASES)
+
 
 def build(name: str) -> torch.nn.Module:
     cls, config = CASES[name]
@@ -184,6 +220,11 @@ def build(name: str) -> torch.nn.Module:
         for pname, param in model.named_parameters():
             if "norm" in pname or pname.endswith(".bias") or "ln_" in pname:
                 param.add_(torch.randn_like(param) * 0.1)
+            if pname.endswith("mlp.gate.weight"):  # routers: clear margins between experts
+                param.mul_(10)
+        for bname, buffer in model.named_buffers():  # GLM-4.5's router score bias
+            if bname.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
     return model
 
 

@@ -319,7 +319,22 @@ def _as_json(best: Estimate, what_if, probed=()) -> dict:
             "detail": best.memory.detail,
         },
         "what_if": {label: speedup for label, speedup in what_if},
+        "experts": best.experts,  # a mixture of experts' (`policies.cost_moe`)
     }
+
+
+def _experts_lines(x: dict) -> list[str]:
+    """A mixture of experts' placement and a decode step's expert traffic (none for a
+    dense model)."""
+    if not x:
+        return []
+    return [
+        f"experts: {x['layers']} layers x {x['experts']}, {x['expert_bytes'] / 1e6:.0f} MB each; "
+        f"a layer's {x['gpu']:.0f} on the GPU, {x['cpu']:.0f} in CPU memory, {x['disk']:.0f} on disk",
+        f"experts a decode step: {x['decode_chosen']:.1f} chosen a layer, {x['decode_moved']:.1f} "
+        f"copied ({x['decode_moved_bytes'] / GB:.1f} GB a step), {x['decode_on_cpu']:.1f} "
+        "computed on the CPU",
+    ]
 
 
 def _format(c) -> str:
@@ -357,6 +372,7 @@ def _table(
         f"batch: {p.num_gpu_batches} x {p.gpu_batch_size} = {p.block_size} sequences; attention over "
         f"off-GPU KV on the {'CPU' if p.attention_on_cpu else 'GPU'}",
         f"compression: weights {_format(p.weight_compression)}, KV cache {_format(p.kv_compression)}",
+        *_experts_lines(best.experts),
         f"predicted: {best.total_tok_s:.1f} tok/s total (prefill {best.prefill_s:.1f} s = "
         f"{best.prefill_tok_s:.0f} tok/s, decode {best.decode_step_s:.2f} s/step = "
         f"{best.decode_tok_s:.1f} tok/s)",

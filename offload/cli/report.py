@@ -72,6 +72,7 @@ def summary(llm: LLM, stats: JobStats, load_seconds: float) -> dict[str, Any]:
         "predicted": _predicted(llm),
         "peak_memory": peak_memory(llm),
         "memory": llm.runner.memory_report(),
+        "experts": llm.runner.expert_report(),
     }
 
 

@@ -15,6 +15,9 @@ partial rotary) checkpoints map onto the `llama` family; Gemma 2 and 3 onto `gem
 (`families.py` reads their configs and Falcon's). What differs inside a family is a
 field (`qk_norm`, `sandwich_norms`, `parallel_attn`, ...), read by the decoder's
 functions, not the model type.
+The mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5's `glm4_moe`) are
+Llama-like layers whose MLP is a router and experts (`models.moe`; `moe_config.py` reads
+their configs).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 
 import torch
 
-from offload.core import families
+from offload.core import families, moe_config
 from offload.core.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,6 +49,8 @@ def resolve_dtype(name: str, on_gpu: bool, checkpoint_dtype: str) -> torch.dtype
 
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# the mixtures of experts: Llama-like layers whose MLP is a `models.moe` block
+LLAMA_LIKE += moe_config.MOE_MODEL_TYPES
 SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "bloom", "opt", *families.READERS)
 # OPT's learned position table starts at index 2 (fairseq heritage).
 OPT_POSITION_OFFSET = 2
@@ -124,6 +129,25 @@ class ModelConfig:
     # a tensor-parallel rank's shard: the whole model's vocabulary, which its logits are
     # gathered to (`parallel.comm.gather_vocab`); 0 where vocab_size is the whole
     gathered_vocab_size: int = 0
+    # mixture of experts (`models.moe`); num_experts 0: a dense model
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    # an always-on expert beside the routed ones (0: none), with its own sigmoid gate
+    # over the hidden state where shared_expert_gate (Qwen2-MoE)
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    # "softmax" (Mixtral, Qwen: top-k of the softmax, renormalized where norm_topk_prob)
+    # or "sigmoid" (DeepSeek-V3, GLM-4.5: sigmoid scores plus a correction bias choose,
+    # within the best router_topk_groups of router_groups groups; the chosen scores,
+    # renormalized where norm_topk_prob, times routed_scaling_factor weigh)
+    router: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    # layers whose MLP is a plain one of intermediate_size (GLM-4.5's first layers)
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -141,6 +165,12 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"experts_per_token={self.experts_per_token} must be in 1..{self.num_experts}"
+            )
+        if self.router not in ("softmax", "sigmoid"):
+            raise ValueError(f"router {self.router!r} must be softmax or sigmoid")
 
     # -- derived facts --------------------------------------------------------------
     @property
@@ -189,6 +219,14 @@ class ModelConfig:
     def has_qkv_bias(self) -> bool:
         return self.has_linear_bias or self.qkv_bias
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layer `layer`'s MLP is a mixture of experts (`models.moe`)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
     @property
     def embed_dim(self) -> int:
         """Width of the token embedding (OPT-350m embeds at 512 and projects to 1024)."""
@@ -203,10 +241,20 @@ class ModelConfig:
         """KV cache bytes per token over all layers at 2 bytes per element."""
         return 2 * 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
-    def layer_param_count(self) -> int:
+    def layer_param_count(self, layer: int | None = None, active: bool = False) -> int:
+        """A layer's parameters (default: the average layer's); active: those one token
+        computes with (a mixture of experts' routed experts it chose, not all)."""
+        if layer is None:
+            counts = [self.layer_param_count(i, active) for i in range(self.num_layers)]
+            return sum(counts) // max(1, len(counts))
         h, q_out = self.hidden_size, self.num_heads * self.head_dim
         mlp_in = self.intermediate_size * (2 if self.gated_mlp else 1)
-        count = h * self.qkv_out_features + q_out * h + h * mlp_in + self.intermediate_size * h
+        mlp = h * mlp_in + self.intermediate_size * h
+        if self.is_moe_layer(layer):
+            experts = self.experts_per_token if active else self.num_experts
+            mlp = experts * self.moe_intermediate_size + self.shared_expert_intermediate_size
+            mlp = 3 * h * mlp + h * (self.num_experts + self.shared_expert_gate)
+        count = h * self.qkv_out_features + q_out * h + mlp
         norms = (2 + 2 * self.sandwich_norms) * h * (2 if self.norm_kind == "layer" else 1)
         norms += 2 * self.head_dim * self.qk_norm
         biases = 0
@@ -219,7 +267,7 @@ class ModelConfig:
     def param_count(self) -> int:
         embed = self.vocab_size * self.embed_dim
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.embed_dim
-        return embed + head + self.num_layers * self.layer_param_count()
+        return embed + head + sum(self.layer_param_count(i) for i in range(self.num_layers))
 
     def fingerprint(self) -> str:
         """A short stable hash of the architecture, for caches and stores."""
@@ -227,7 +275,7 @@ class ModelConfig:
         if not facts["gathered_vocab_size"]:  # the fingerprints of stores built before it
             del facts["gathered_vocab_size"]
         # a field at its default leaves the fingerprint as it was before the field existed
-        for name, default in families.VARIANT_DEFAULTS.items():
+        for name, default in {**families.VARIANT_DEFAULTS, **moe_config.MOE_DEFAULTS}.items():
             if facts.get(name) == default:
                 del facts[name]
         for name, default in families.ROPE_DEFAULTS.items():
@@ -256,6 +304,8 @@ class ModelConfig:
             "pad_token_id": hf.get("pad_token_id"),
             "checkpoint_dtype": str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
         }
+        if model_type in moe_config.MOE_MODEL_TYPES:
+            return cls(**common, **{**_llama_fields(hf), **moe_config.moe_fields(hf)})
         if model_type in LLAMA_LIKE:
             return cls(**common, **_llama_fields(hf))
         if model_type in families.READERS:

@@ -179,6 +179,74 @@ PRESETS.update(FAMILY_PRESETS)
 HUB_IDS.update(FAMILY_HUB_IDS)
 
 
+def _mixtral(hidden: int, layers: int, heads: int, inter: int, vocab: int, ctx: int):
+    return {
+        **_llama(hidden, layers, heads, 8, inter, vocab, ctx, rope_theta=1000000.0),
+        "model_type": "mixtral",
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
+    }
+
+
+def _qwen3_moe(hidden: int, layers: int, heads: int, inter: int, moe_inter: int):
+    return {
+        **_llama(hidden, layers, heads, 4, inter, 151936, 40960, rope_theta=1000000.0),
+        "model_type": "qwen3_moe",
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": moe_inter,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    }
+
+
+# mixtures of experts (`models.moe`): dummy weights route with a skew (`DummySource`)
+PRESETS.update(
+    {
+        "mixtral-8x7b": _mixtral(4096, 32, 32, 14336, 32000, 32768),
+        "mixtral-8x22b": _mixtral(6144, 56, 48, 16384, 32768, 65536),
+        "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 6144, 768),
+        "qwen3-235b-a22b": _qwen3_moe(4096, 94, 64, 12288, 1536),
+        "glm-4.5-air": {
+            **_llama(4096, 46, 96, 8, 10944, 151552, 131072, rope_theta=1000000.0),
+            "model_type": "glm4_moe",
+            "head_dim": 128,
+            "attention_bias": True,
+            "partial_rotary_factor": 0.5,
+            "n_routed_experts": 128,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 1408,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.0,
+            "norm_topk_prob": True,
+            "use_qk_norm": False,
+            "bos_token_id": None,
+            "eos_token_id": [151329, 151336, 151338],
+            "pad_token_id": 151329,
+        },
+    }
+)
+HUB_IDS.update(
+    {
+        "mistralai/Mixtral-8x7B-v0.1": "mixtral-8x7b",
+        "mistralai/Mixtral-8x7B-Instruct-v0.1": "mixtral-8x7b",
+        "mistralai/Mixtral-8x22B-Instruct-v0.1": "mixtral-8x22b",
+        "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b",
+        "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b",
+        "zai-org/GLM-4.5-Air": "glm-4.5-air",
+    }
+)
+
+
 def preset_for(name: str) -> str | None:
     """The preset a name or hub repo id stands for, or None. Case-insensitive."""
     lowered = name.lower()

@@ -104,6 +104,7 @@ class Executor(LaneReports):  # implements runner.Runner
             shared_weights,
         )  # fmt: skip
         self.homes, self.fetcher = self.weights.homes, self.weights.fetcher
+        self.experts = self.weights.experts
         self.load_seconds = self.weights.seconds
         # the parts `policies.job.load_estimate` predicts (the warm-up adds its own)
         self.load_parts = dict(self.weights.parts)
@@ -126,8 +127,11 @@ class Executor(LaneReports):  # implements runner.Runner
         self.traces: list[StepTrace] = []
         self.prefill_spans: list | None = None  # the last traced prefill's
         self.last_spans: list | None = None  # the last traced decode step's
-        # (the graphs capture no collectives: tensor-parallel ranks run eagerly)
-        self.cuda_graphs = cuda_graphs and device.type == "cuda" and parallel is None
+        # (the graphs capture no collectives: tensor-parallel ranks run eagerly; nor a
+        # mixture of experts' routing, which the host reads every layer)
+        self.cuda_graphs = (
+            cuda_graphs and device.type == "cuda" and parallel is None and not self.cfg.num_experts
+        )
         self._graphs: list[DecodeGraphs] = []
         self._graph_rows: tuple[int, ...] = ()  # micro-batch rows the graphs are for
         self._warm_rows: tuple[int, ...] = ()  # ran one eager decode step (compiled)
@@ -213,6 +217,7 @@ class Executor(LaneReports):  # implements runner.Runner
         caller can issue the next step while this one runs (`decode_loop`); every other
         step waits for the GPU, as all do with wait=True."""
         self.tracer.next_step()
+        self.experts.rebalance()  # (a mixture of experts' placement by routing)
         self.tracer.spans.clear()
         self.tracer.begin(self.device.type == "cuda")
         started = time.perf_counter()
@@ -344,6 +349,9 @@ class Executor(LaneReports):  # implements runner.Runner
             )
             return context, residual
 
+        if self.cfg.is_moe_layer(layer):  # experts by module (`moe_layer`)
+            return self.experts.layer(self, layer, w, hidden, steps, begin)
+
         def end(k: int, started) -> None:
             context, residual = started
             context = context()
@@ -388,6 +396,9 @@ class Executor(LaneReports):  # implements runner.Runner
     @property
     def kv_pool_bytes(self) -> int:
         return self.kv.pool.capacity if self.kv.pool is not None else 0
+
+    def expert_report(self) -> dict | None:
+        return self.experts.report()
 
     def memory_report(self) -> dict[str, dict[str, int]]:
         report = self.ledger.snapshot()

@@ -21,6 +21,7 @@ import torch
 LANES = (
     "compute", "h2d", "h2d_kv", "d2h", "disk", "cpu_attn", "cpu_copy", "host_wait", "allreduce",
 )  # fmt: skip
+LANES += ("cpu_expert",)  # a mixture of experts' experts computed on the CPU
 # lanes that share one physical link: their union is the link's busy time
 LINKS = {"pcie_h2d": ("h2d", "h2d_kv")}
 

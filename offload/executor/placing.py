@@ -1,12 +1,15 @@
 """Placing a model's weights before a run: the weight store (for weights on disk), the
 pinned pools, every stage's homes (`weights.WeightHomes`) and the fetcher that streams
-them in (`weights.WeightFetcher`).
+them in (`weights.WeightFetcher`), with a mixture of experts' expert fetcher
+(`experts.ExpertFetcher`) beside it.
 
 The data-parallel groups of a node can share one pinned copy of the weights' CPU homes
 (`SharedWeights`): its pool lives in shared memory (`io.shared`), every process
 allocates its blocks in the same order (so at the same offsets), the owner writes them
 and the others make only what they hold elsewhere (GPU parts, disk tails). The disk
-staging of each process is its own pool.
+staging of each process is its own pool. Shared experts keep their places: moving the
+most used to the GPU (`ExpertFetcher.rebalance`) rewrites pinned bytes that other
+processes read.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from offload.executor.experts import ExpertFetcher
 from offload.executor.lanes import Lanes
 from offload.executor.weights import WeightFetcher, WeightHomes
 from offload.io.pinned import PinnedPool
@@ -49,6 +53,7 @@ class PlacedWeights:
     reader: ExtentReader
     homes: WeightHomes
     fetcher: WeightFetcher
+    experts: ExpertFetcher  # a mixture of experts' routed experts (none in a dense model)
     shared: SharedWeights | None
     seconds: float
     # the load's parts (`policies.job.load_estimate` predicts each): store_s, pin_s, place_s
@@ -56,6 +61,7 @@ class PlacedWeights:
 
     def close(self) -> None:
         self.fetcher.close()
+        self.experts.close()
         self.reader.close()
         if self.staging is not self.pool:
             self.staging.close()
@@ -110,6 +116,7 @@ def place_weights(
     if device.type == "cuda":  # the load's transient segments go back before the run's
         torch.cuda.empty_cache()
     fetcher = WeightFetcher(homes, lanes, device, staging, reader, ledger)
+    experts = ExpertFetcher(fetcher, device, staging, ledger, policy, movable=shared is None)
     seconds = time.perf_counter() - started
     parts = {
         "store_s": stored - started,
@@ -125,4 +132,4 @@ def place_weights(
             started + seconds - pinned,
             "" if shared is None else " (the pinned copy shared by the node's groups)",
         )
-    return PlacedWeights(pool, staging, reader, homes, fetcher, shared, seconds, parts)
+    return PlacedWeights(pool, staging, reader, homes, fetcher, experts, shared, seconds, parts)

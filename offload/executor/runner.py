@@ -81,6 +81,10 @@ class Runner(Protocol):
     def trace_report(self) -> str | None:
         """Per-lane busy time of the last traced step (None when not tracing)."""
 
+    def expert_report(self) -> dict | None:
+        """A mixture of experts' placement and traffic over the job, layer by layer
+        (`executor.experts.ExpertFetcher.report`; None: no experts streamed)."""
+
     def write_trace(self, path: Path) -> bool:
         """A Chrome/Perfetto trace of the last step; False when there is none."""
 
@@ -184,6 +188,9 @@ class PlainRunner:
         return 0
 
     def trace_report(self) -> str | None:
+        return None
+
+    def expert_report(self) -> dict | None:
         return None
 
     def write_trace(self, path: Path) -> bool:

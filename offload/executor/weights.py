@@ -10,6 +10,10 @@ tensors to one tier). Before a stage computes, its image is assembled in one of 
 GPU ring slots (GPU part by a device copy, CPU part by host -> GPU, disk part by
 disk -> pinned staging -> GPU) while the previous stage computes; a stage held
 entirely on the GPU is used in place.
+
+A mixture of experts' layer is fetched this way only up to its experts (its dense part:
+`StageImage.fetch_end`); its experts have homes of their own (`experts.ExpertHomes`)
+and are fetched one by one once the layer has routed (`experts.ExpertFetcher`).
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ import xxhash
 
 from offload.core.errors import UserError
 from offload.core.progress import tracked
+from offload.executor.experts import ExpertHomes
 from offload.executor.lanes import Lanes
 from offload.io.layout import (
     EMBED_TABLE,
     HEAD_TABLE,
+    ExpertSpan,
     TensorSlot,
+    expert_span,
     gathered,
     gathered_gpu_bytes,
     image_bytes,
@@ -62,7 +69,7 @@ class StageImage:
     compression: Compression | None
     gpu_home: torch.Tensor | None = None  # uint8 [gpu_end] on the compute device
     cpu_home: PoolBlock | None = None  # [cpu_end - gpu_end] pinned
-    disk_extents: tuple[Extent, ...] = ()  # cover [cpu_end, size), offsets in the store file
+    disk_extents: tuple[Extent, ...] = ()  # cover [cpu_end, fetch_end), offsets in the store file
     tail_start: int = 0  # where the store file begins in the image
     # a GPU-resident stage's views, built once (50 tensors' views cost 0.15 ms of host
     # time a stage, 7 ms a decode step of OPT-30B; scripts/profile_step.py shows it)
@@ -70,36 +77,50 @@ class StageImage:
     # the embedding's stage when not every weight is on the GPU (`io.layout.gathered`):
     # whole in pinned memory, its table read there a few rows a step
     gathered: bool = False
+    span: ExpertSpan | None = None  # a mixture of experts' layer: where its experts lie
+    experts: ExpertHomes | None = None
+
+    @property
+    def fetch_end(self) -> int:
+        """Where the part fetched as a whole ends: the image, or a mixture of experts'
+        dense part (its experts are fetched one by one)."""
+        return self.size if self.span is None else self.span.dense_end
 
     @property
     def resident(self) -> bool:
-        """Used in place: held whole on the GPU, or gathered from."""
-        return self.gpu_end == self.size or self.gathered
+        """Used in place: held whole on the GPU (up to `fetch_end`), or gathered from."""
+        return self.gpu_end >= self.fetch_end or self.gathered
 
     def staging_offset(self, extent: Extent) -> int:
         """Where a disk extent lands in the staging block that holds [cpu_end, size)."""
         return extent.offset + self.tail_start - self.cpu_end
 
     def views(self, image: torch.Tensor) -> Weights:
+        """The stage's tensors up to `fetch_end` over its image's bytes."""
         stored = {
             t.name: image[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape)
             for t in self.layout
+            if t.offset < self.fetch_end
         }
         return assemble_stage(stored, self.shapes, self.dtype, self.compression)
 
 
-def _disk_extents(image: StageImage, store: WeightStore, host: torch.Tensor) -> tuple[Extent, ...]:
-    """Extents over [cpu_end, size) at their offsets in the store file (image offset -
-    tail_start): whole tensors keep the store's checksum; the piece of the tensor the cut
-    falls in gets a checksum computed now from the verified bytes."""
+def _disk_extents(
+    image: StageImage, store: WeightStore, host: torch.Tensor, span: tuple[int, int] | None = None
+) -> tuple[Extent, ...]:
+    """Extents over [cpu_end, fetch_end) (or the image bytes `span`) at their offsets in
+    the store file (image offset - tail_start): whole tensors keep the store's
+    checksum; the piece of the tensor the cut falls in gets a checksum computed now from
+    the verified bytes."""
     path: Path = store.path(image.key)
     assert image.tail_start <= image.cpu_end, "the store lacks part of what is read from disk"
+    low, high = span or (image.cpu_end, image.fetch_end)
     out = []
     for t in image.layout:
-        start, end = max(t.offset, image.cpu_end), t.offset + t.nbytes
+        start, end = max(t.offset, low), min(t.offset + t.nbytes, high)
         if start >= end:
             continue
-        whole = start == t.offset
+        whole = start == t.offset and end == t.offset + t.nbytes
         xxh = (
             store.checksum(image.key, t.name)
             if whole
@@ -110,6 +131,23 @@ def _disk_extents(image: StageImage, store: WeightStore, host: torch.Tensor) -> 
             Extent(image.key, t.name, path, at, end - start, (end - start,), torch.uint8, xxh)
         )
     return tuple(out)
+
+
+def _expert_homes(image: StageImage, store: WeightStore | None, host: torch.Tensor) -> ExpertHomes:
+    """A mixture of experts' layer's expert homes over its placed image: its disk
+    slots' extents (each expert whole: the cut falls on an expert's edge)."""
+    span = image.span
+    assert span is not None
+    disk = {}
+    for slot in range(span.slots_below(image.cpu_end), span.count):
+        assert store is not None
+        start = span.offset(slot)
+        extents = _disk_extents(image, store, host, (start, start + span.expert_bytes))
+        disk[slot] = tuple((e, e.offset + image.tail_start - start) for e in extents)
+    return ExpertHomes(
+        image.key, span, image.layout, image.shapes, image.dtype, image.compression,
+        (image.gpu_end, image.cpu_end), (image.gpu_home, image.cpu_home), disk,
+    )  # fmt: skip
 
 
 class WeightHomes:
@@ -153,8 +191,10 @@ class WeightHomes:
                 else stage_layout(cfg, key, dtype, compression)
             )
             size = image_bytes(layout)
-            shapes = stage_shapes(cfg, key.partition(".")[0])
+            stage, _, index = key.partition(".")
+            shapes = stage_shapes(cfg, stage, int(index or 0))
             image = StageImage(key, layout, size, gpu_end, cpu_end, shapes, dtype, compression)
+            image.span = expert_span(cfg, key, dtype, compression)
             image.gathered = gathered(key, placement)
             image.tail_start = store.tail_start(key) if store is not None else 0
             write = fill_cpu or image.gathered  # (its views are taken now: identical bytes)
@@ -174,6 +214,8 @@ class WeightHomes:
                 assert store is not None
                 image.disk_extents = _disk_extents(image, store, host)
                 ledger.add(Tier.DISK, size - cpu_end)
+            if image.span is not None:
+                image.experts = _expert_homes(image, store, host)
             if image.gathered:  # the table stays in pinned memory, the rest goes up
                 views = image.views(image.cpu_home.tensor[:size]) if size else {}
                 image.resident_views = {
@@ -219,12 +261,13 @@ class WeightHomes:
 
     @property
     def slot_bytes(self) -> int:
-        """Ring slot size: the largest stage not held entirely on the GPU (0 if none)."""
-        return max((i.size for i in self.images if not i.resident), default=0)
+        """Ring slot size: the largest stage not held entirely on the GPU (0 if none);
+        of a mixture of experts' layer, its dense part."""
+        return max((i.fetch_end for i in self.images if not i.resident), default=0)
 
     @property
     def staging_bytes(self) -> int:
-        return max((i.size - i.cpu_end for i in self.images), default=0)
+        return max((max(0, i.fetch_end - i.cpu_end) for i in self.images), default=0)
 
 
 class WeightFetcher:
@@ -304,12 +347,15 @@ class WeightFetcher:
         which = index % 2
         slot = self.slots[which]
         self.lanes.wait("h2d", self._slot_free[which])
-        moved = image.size - image.gpu_end
+        end = image.fetch_end  # (a mixture of experts': its dense part)
+        moved = end - image.gpu_end
         with self.lanes.on("h2d", f"weights {image.key}", moved):
             if image.gpu_end:
                 slot[: image.gpu_end].copy_(image.gpu_home, non_blocking=True)
             if image.cpu_home is not None:
-                slot[image.gpu_end : image.cpu_end].copy_(image.cpu_home.tensor, non_blocking=True)
+                cpu_end = min(image.cpu_end, end)
+                part = image.cpu_home.tensor[: cpu_end - image.gpu_end]
+                slot[image.gpu_end : cpu_end].copy_(part, non_blocking=True)
             if image.disk_extents:
                 started = time.perf_counter()
                 for future in self._disk.pop(index):
@@ -317,8 +363,8 @@ class WeightFetcher:
                 self.lanes.tracer.host_span(
                     "disk", f"wait {image.key}", started, time.perf_counter()
                 )
-                staged = self.staging[which].tensor[: image.size - image.cpu_end]
-                slot[image.cpu_end : image.size].copy_(staged, non_blocking=True)
+                staged = self.staging[which].tensor[: end - image.cpu_end]
+                slot[image.cpu_end : end].copy_(staged, non_blocking=True)
         self._loaded[index] = self.lanes.record("h2d")
         if image.disk_extents:
             self._staging_free[which] = self._loaded[index]

@@ -9,6 +9,12 @@ extents. A placement cuts an image at two 4 KiB boundaries (`stage_cut`): bytes
 on disk. The weight store holds each image's disk part (`store_tails`), or the whole
 image when it is written without a placement.
 
+A mixture of experts' layer image ends with its routed experts, one after another
+(`ExpertSpan`): a cut that falls among them is moved to the nearest expert's edge, so
+each expert lives whole on one tier, the first experts of the image on the GPU, the
+next in pinned memory, the last on disk. The bytes before them (the attention, norms,
+router and shared expert: the layer's dense part) are cut as any stage's.
+
 A tied model's one table lives in the head's image (`lm_head.weight`, compressed with
 the head under weight compression); the embedding's image has none and reads the
 block's rows from the head's home (`shares_table`). BLOOM-176B's table is 7.2 GB in
@@ -81,7 +87,8 @@ def stage_layout(
 ) -> tuple[TensorSlot, ...]:
     """The stored tensors of stage `key` ("embed", "layer.<i>", "head") in image order."""
     slots, offset = [], 0
-    shapes = stage_shapes(cfg, key.partition(".")[0])
+    stage, _, index = key.partition(".")
+    shapes = stage_shapes(cfg, stage, int(index or 0))
     if key == "embed" and shares_table(cfg):
         del shapes[EMBED_TABLE]
     stored = stored_layout(shapes, dtype, compression)
@@ -107,13 +114,81 @@ def stage_image_bytes(
     return tuple(image_bytes(stage_layout(cfg, k, dtype, compression)) for k in stage_keys(cfg))
 
 
-def stage_cut(size: int, placement) -> tuple[int, int]:
+@dataclass(frozen=True)
+class ExpertSpan:
+    """Where a mixture-of-experts layer's routed experts lie in its image: from
+    dense_end on, `count` experts of `expert_bytes` each (4 KiB aligned), in order."""
+
+    dense_end: int
+    expert_bytes: int
+    count: int
+
+    def offset(self, slot: int) -> int:
+        """Where the image's slot-th expert begins."""
+        return self.dense_end + slot * self.expert_bytes
+
+    def snap(self, cut: int) -> int:
+        """A cut among the experts moved to the nearest expert's edge."""
+        if cut <= self.dense_end:
+            return cut
+        return self.offset(min(self.count, round((cut - self.dense_end) / self.expert_bytes)))
+
+    def slots_below(self, cut: int) -> int:
+        """Experts wholly before a (snapped) cut."""
+        return max(0, (cut - self.dense_end) // self.expert_bytes)
+
+
+@functools.lru_cache(maxsize=1024)
+def expert_span(
+    cfg: ModelConfig, key: str, dtype: torch.dtype, compression: Compression | None
+) -> ExpertSpan | None:
+    """The experts of stage `key`'s image, or None where it has none."""
+    stage, _, index = key.partition(".")
+    if stage != "layer" or not cfg.is_moe_layer(int(index)):
+        return None
+    layout = stage_layout(cfg, key, dtype, compression)
+    first = next(t.offset for t in layout if t.name.startswith("experts."))
+    return ExpertSpan(first, (image_bytes(layout) - first) // cfg.num_experts, cfg.num_experts)
+
+
+# GPU buffers that a mixture of experts' experts not on the GPU are copied into, a
+# layer's copies running up to this many experts ahead of its compute
+# (`executor.experts.ExpertFetcher`)
+EXPERT_BUFFERS = 4
+
+
+@functools.lru_cache(maxsize=4096)
+def expert_buffers(
+    cfg: ModelConfig, dtype: torch.dtype, compression: Compression | None, placement
+) -> tuple[int, int, int]:
+    """(GPU buffers, an expert's bytes, a layer's most experts on disk) of a mixture of
+    experts under a placement: the expert fetcher's buffers and its disk staging, two
+    layers' worth, take buffers x bytes and 2 x disk experts x bytes."""
+    buffers = expert_bytes = disk = 0
+    cuts = stage_cuts(cfg, dtype, compression, placement)
+    for key, (gpu_end, cpu_end) in zip(stage_keys(cfg), cuts, strict=True):
+        span = expert_span(cfg, key, dtype, compression)
+        if span is None:
+            continue
+        expert_bytes = max(expert_bytes, span.expert_bytes)
+        buffers = max(buffers, min(EXPERT_BUFFERS, span.count - span.slots_below(gpu_end)))
+        disk = max(disk, span.count - span.slots_below(cpu_end))
+    return buffers, expert_bytes, disk
+
+
+def stage_cut(size: int, placement, span: ExpertSpan | None = None) -> tuple[int, int]:
     """(gpu_end, cpu_end): the 4 KiB-aligned byte offsets where a stage image is cut by
-    a placement (fractions `gpu`, `cpu`, `disk`: a `policies.Placement`)."""
-    gpu_end = min(size, align_up(int(placement.gpu * size)))
+    a placement (fractions `gpu`, `cpu`, `disk`: a `policies.Placement`); a cut among a
+    layer's experts (span) at the nearest expert's edge."""
+
+    def at(fraction: float) -> int:
+        cut = min(size, align_up(int(fraction * size)))
+        return cut if span is None else span.snap(cut)
+
+    gpu_end = at(placement.gpu)
     if placement.disk == 0:
         return gpu_end, size
-    return gpu_end, min(size, max(gpu_end, align_up(int((placement.gpu + placement.cpu) * size))))
+    return gpu_end, max(gpu_end, at(placement.gpu + placement.cpu))
 
 
 def shares_table(cfg: ModelConfig) -> bool:
@@ -146,7 +221,9 @@ def stage_cuts(
     executor."""
     sizes = stage_image_bytes(cfg, dtype, compression)
     return tuple(
-        (0, size) if whole_in_cpu(cfg, key, placement) else stage_cut(size, placement)
+        (0, size)
+        if whole_in_cpu(cfg, key, placement)
+        else stage_cut(size, placement, expert_span(cfg, key, dtype, compression))
         for key, size in zip(stage_keys(cfg), sizes, strict=True)
     )
 

@@ -162,13 +162,16 @@ def fake_quantize(t: torch.Tensor, config: Compression) -> torch.Tensor:
 # fp16); norms, biases and the input embedding (read a few rows a step) stay in the
 # compute dtype.
 MATRICES = ("qkv.weight", "o.weight", "mlp_in.weight", "mlp_out.weight", "lm_head.weight")
+# a mixture of experts' expert matrices (`experts.<e>.mlp_in.weight`, `shared.mlp_out...`)
+EXPERT_MATRICES = (".mlp_in.weight", ".mlp_out.weight")
 SCALE, MINIMUM = ".scale", ".min"
 
 
 def is_quantized(name: str, shape: tuple[int, ...], config: Compression | None) -> bool:
     if config is None or (name == "lm_head.weight" and not config.head):
         return False
-    return name in MATRICES and shape[-1] % config.group_size == 0
+    matrix = name in MATRICES or name.endswith(EXPERT_MATRICES)
+    return matrix and shape[-1] % config.group_size == 0
 
 
 def stored_layout(

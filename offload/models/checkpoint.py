@@ -43,6 +43,8 @@ def _hf_names(cfg: ModelConfig, stage: str, index: int) -> NameMap:
         }
         embed = {"tok.weight": ["model.embed_tokens.weight"]}
         head = {"final_norm.weight": ["model.norm.weight"], "lm_head.weight": ["lm_head.weight"]}
+        if cfg.num_experts and stage == "layer":
+            layer.update(family_names.moe(cfg, index))
         stages = {"embed": embed, "layer": layer, "head": head}
         return family_names.llama_variant(cfg, stage, index, stages[stage])
     if cfg.family == "bloom":
@@ -202,7 +204,7 @@ class CheckpointSource(WeightSource):
     ) -> Weights:
         """Each tensor whole, or only the rows or columns of its part (slices of the
         files: a tensor-parallel rank reads its share of the checkpoint)."""
-        wanted = self.stored_shapes(stage)
+        wanted = self.stored_shapes(stage, index)
         names = _expand(_hf_names(self.config, stage, index), wanted)
         out: Weights = {}
         try:

@@ -28,7 +28,7 @@ from offload.kernels import qmatmul
 from offload.kernels.norm import norm, norm_reference
 from offload.kernels.qmatmul import qlinear
 from offload.kernels.quant import QTensor, embedding
-from offload.models import ops
+from offload.models import moe, ops
 from offload.models.attention import LayerKV, attend
 from offload.models.shapes import Weights, stage_shapes
 
@@ -58,7 +58,8 @@ def _linear(
 def dense_scratch_bytes(cfg: ModelConfig, element_size: int) -> int:
     """Bytes of W a compressed prefill matmul dequantizes at once
     (`qmatmul.dense_scratch_bytes` of the layer's largest matrix)."""
-    shapes = stage_shapes(cfg, "layer").values()
+    layers = {0, *cfg.moe_layers[:1]}  # a dense layer's and a mixture of experts'
+    shapes = [s for i in layers for s in stage_shapes(cfg, "layer", i).values()]
     largest = max(math.prod(shape) for shape in shapes if len(shape) == 2)
     return qmatmul.dense_scratch_bytes(largest * element_size)
 
@@ -210,9 +211,13 @@ def mlp_block(
     parallel: Parallel | None = None,
 ) -> torch.Tensor:
     """The attention's residual and the MLP block over the projected attention output x;
-    the layer's output hidden states. Its rows go in `mlp_chunks`."""
+    the layer's output hidden states. Its rows go in `mlp_chunks`; a mixture of
+    experts' layer runs `moe.moe_block` instead."""
     if cfg.sandwich_norms:  # the attention's output normed before the residual joins
         x = _norm(cfg, w, "post_attn_norm", x)
+    if moe.is_moe(w):
+        assert parallel is None, "tensor parallelism does not split experts"
+        return moe.moe_block(cfg, w, x, residual)
     if not cfg.do_layer_norm_before:
         x = _norm(cfg, w, "attn_norm", x, residual)
         residual = None  # added by the norm

@@ -1,5 +1,6 @@
 """Checkpoint tensor names of the families beyond Llama, BLOOM and OPT (`checkpoint.py`
-reads with them): Falcon's own, and what Qwen3, Phi-3 and Gemma change in Llama's.
+reads with them): Falcon's own, and what Qwen3, Phi-3, Gemma and the mixtures of experts
+change in Llama's.
 
 A name map takes canonical names (`models.shapes`) to the Hugging Face names that are
 concatenated along dim 0 into them; an entry without a suffix is a module whose
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from offload.core.config import ModelConfig
+from offload.models.shapes import expert_name
 
 NameMap = dict[str, list[str]]
 
@@ -32,6 +34,26 @@ def llama_variant(cfg: ModelConfig, stage: str, index: int, names: NameMap) -> N
         names["post_attn_norm.weight"] = [p + "post_attention_layernorm.weight"]
         names["mlp_norm.weight"] = [p + "pre_feedforward_layernorm.weight"]
         names["post_mlp_norm.weight"] = [p + "post_feedforward_layernorm.weight"]
+    return names
+
+
+def moe(cfg: ModelConfig, index: int) -> NameMap:
+    """A mixture of experts' layer names (Mixtral's `block_sparse_moe` with w1 (gate), w3
+    (up) and w2 (down); Qwen's and GLM-4.5's `mlp` with gate, up and down projections),
+    as the hub's checkpoints and transformers' save_pretrained write them."""
+    p, mixtral = f"model.layers.{index}.", cfg.model_type == "mixtral"
+    block = p + ("block_sparse_moe." if mixtral else "mlp.")
+    names: NameMap = {"router.weight": [block + "gate.weight"]}
+    names["router.correction"] = [block + "gate.e_score_correction_bias"]
+    shared = block + ("shared_expert." if cfg.model_type == "qwen2_moe" else "shared_experts.")
+    names["shared.mlp_in.weight"] = [shared + "gate_proj.weight", shared + "up_proj.weight"]
+    names["shared.mlp_out.weight"] = [shared + "down_proj.weight"]
+    names["shared.gate.weight"] = [block + "shared_expert_gate.weight"]
+    for e in range(cfg.num_experts):
+        expert = f"{block}experts.{e}."
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        names[expert_name(e, "mlp_in")] = [f"{expert}{gate}.weight", f"{expert}{up}.weight"]
+        names[expert_name(e, "mlp_out")] = [f"{expert}{down}.weight"]
     return names
 
 

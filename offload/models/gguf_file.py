@@ -180,6 +180,10 @@ def gguf_config(reader: Any, name: str) -> ModelConfig:
     tensor_names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in tensor_names:
         raise UserError("GGUF files with llama3 rope frequency tensors are not supported yet")
+    if int(_field(reader, f"{arch}.expert_count", 0) or 0):
+        raise UserError(
+            "GGUF mixtures of experts are not supported; use the model's safetensors checkpoint"
+        )
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
@@ -247,7 +251,7 @@ class GGUFSource(WeightSource):
         self, stage: str, index: int, dtype: torch.dtype, device: torch.device
     ) -> Weights:
         cfg = self.config
-        wanted = self.stored_shapes(stage)
+        wanted = self.stored_shapes(stage, index)
         out: Weights = {}
         for canon, names in _names(stage, index).items():
             if canon not in wanted:

@@ -10,6 +10,15 @@ out and every layer reads:
                   mlp_out.weight [hidden, I](/.bias); q_norm.weight, k_norm.weight [D]
                   (`qk_norm`); post_attn_norm.weight, post_mlp_norm.weight [hidden]
                   (`sandwich_norms`)
+    a mixture-of-experts layer (`models.moe`; `ModelConfig.is_moe_layer`), in place of
+                  mlp_in/mlp_out: router.weight [E, hidden]; router.correction [E]
+                  (the sigmoid router's score bias); shared.mlp_in.weight
+                  [2*Is, hidden], shared.mlp_out.weight [hidden, Is] and
+                  shared.gate.weight [1, hidden] (a shared expert, its gate); then each
+                  expert e in order, last in the stage: experts.<e>.mlp_in.weight
+                  [2*Im, hidden], experts.<e>.mlp_out.weight [hidden, Im]. Each expert's
+                  tensors are its own, together at the image's end (`io.layout`), so an
+                  expert is placed and fetched alone.
     head stage:   final_norm.weight(/.bias) (absent for OPT-350m);
                   proj_out.weight [E, hidden] (OPT-350m); lm_head.weight [V, E]
                   (for tied embeddings a source hands out tok.weight under this name,
@@ -30,8 +39,14 @@ from offload.kernels.quant import QTensor
 Weights = dict[str, torch.Tensor | QTensor]
 
 
-def stage_shapes(cfg: ModelConfig, stage: str) -> dict[str, tuple[int, ...]]:
-    """Canonical tensor names and shapes of a stage: "embed", "layer" or "head"."""
+def expert_name(expert: int, matrix: str) -> str:
+    """The canonical name of routed expert `expert`'s matrix "mlp_in" or "mlp_out"."""
+    return f"experts.{expert}.{matrix}.weight"
+
+
+def stage_shapes(cfg: ModelConfig, stage: str, index: int = 0) -> dict[str, tuple[int, ...]]:
+    """Canonical tensor names and shapes of a stage: "embed", "layer" (layer `index`:
+    a mixture of experts' layers differ) or "head"."""
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     if stage == "embed":
         shapes: dict[str, tuple[int, ...]] = {"tok.weight": (cfg.vocab_size, cfg.embed_dim)}
@@ -77,6 +92,28 @@ def stage_shapes(cfg: ModelConfig, stage: str) -> dict[str, tuple[int, ...]]:
         shapes["qkv.bias"] = (cfg.qkv_out_features,)
     if cfg.has_linear_bias:
         shapes.update({"o.bias": (hidden,), "mlp_in.bias": (mlp_in,), "mlp_out.bias": (hidden,)})
+    if cfg.is_moe_layer(index):
+        del shapes["mlp_in.weight"], shapes["mlp_out.weight"]
+        shapes.update(_moe_shapes(cfg))
+    return shapes
+
+
+def _moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A mixture-of-experts block's tensors: router and shared expert, then the experts."""
+    hidden, experts = cfg.hidden_size, cfg.num_experts
+    shapes: dict[str, tuple[int, ...]] = {"router.weight": (experts, hidden)}
+    if cfg.router == "sigmoid":
+        shapes["router.correction"] = (experts,)
+    shared = cfg.shared_expert_intermediate_size
+    if shared:
+        shapes["shared.mlp_in.weight"] = (2 * shared, hidden)
+        shapes["shared.mlp_out.weight"] = (hidden, shared)
+        if cfg.shared_expert_gate:
+            shapes["shared.gate.weight"] = (1, hidden)
+    inter = cfg.moe_intermediate_size
+    for expert in range(experts):
+        shapes[expert_name(expert, "mlp_in")] = (2 * inter, hidden)
+        shapes[expert_name(expert, "mlp_out")] = (hidden, inter)
     return shapes
 
 

@@ -42,10 +42,10 @@ class WeightSource(ABC):
         weights = self.stored_stage(stage, index, dtype, device)
         return {name: parts[name].take(t) if name in parts else t for name, t in weights.items()}
 
-    def stored_shapes(self, stage: str) -> dict[str, tuple[int, ...]]:
+    def stored_shapes(self, stage: str, index: int = 0) -> dict[str, tuple[int, ...]]:
         """Canonical shapes of what the source itself holds for a stage (a tied head
         holds no lm_head of its own)."""
-        shapes = stage_shapes(self.config, stage)
+        shapes = stage_shapes(self.config, stage, index)
         if stage == "head" and self.config.tie_word_embeddings:
             del shapes["lm_head.weight"]
         return shapes
@@ -87,6 +87,18 @@ class WeightSource(ABC):
 TILE = 1024
 
 
+# the widest dummy router row's scale over the narrowest's (`DummySource`)
+ROUTER_SKEW = 2.0
+
+
+def _router_skew(experts: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Each expert's router-row scale: ROUTER_SKEW ** 0.5 down to its inverse,
+    geometrically, in the generator's order."""
+    steps = torch.linspace(0.5, -0.5, experts, device=device, dtype=torch.float32)
+    order = torch.randperm(experts, generator=gen, device=device)
+    return (ROUTER_SKEW**steps)[order]
+
+
 class DummySource(WeightSource):
     """Deterministic random weights of realistic scale, generated per stage on demand.
 
@@ -95,7 +107,13 @@ class DummySource(WeightSource):
     TILE x TILE tile of a tensor has its own seed derived from (seed, stage, layer,
     name, tile), so any layer, and any rank's part of it, can be made alone, and the
     same tensor is the same on every call on the same device type (a part is the same
-    as the whole tensor cut)."""
+    as the whole tensor cut).
+
+    A mixture of experts' router rows are scaled by factors from sqrt(2) down to its
+    inverse, spread over the experts in a seeded order: the wider an expert's logits,
+    the more tokens choose it, so dummy routing is skewed as trained routers' are and
+    placement by usage has something to find (`ROUTER_SKEW`).
+    """
 
     draws_on_device = True
 
@@ -113,13 +131,17 @@ class DummySource(WeightSource):
     ) -> Weights:
         device = torch.device(device)
         out: Weights = {}
-        for name, shape in self.stored_shapes(stage).items():
+        for name, shape in self.stored_shapes(stage, index).items():
             part = parts.get(name, Part(0, ((0, shape[0]),)))
             tensor = torch.empty(part.shape(shape), dtype=dtype, device=device)
             if part.zeros:
                 tensor.zero_()
             else:
                 self._draw(tensor, name, shape, part, f"{self.seed}/{stage}/{index}/{name}")
+            if name == "router.weight":  # (whole: tensor parallelism splits no experts)
+                gen = torch.Generator(device=device)
+                gen.manual_seed(_seed(f"{self.seed}/{stage}/{index}/{name}/skew"))
+                tensor *= _router_skew(shape[0], gen, device).to(dtype)[:, None]
             out[name] = tensor
         return out
 

@@ -3,7 +3,7 @@ all-reduce between its GPUs, the wait for the slowest rank at it, and the GPUs' 
 rate when all of them copy at once.
 
 Tensor parallelism all-reduces a layer's [rows, hidden] activations twice a layer and
-micro-batch (`cost._allreduce_s`). Its time is a latency plus the bytes over the bus
+micro-batch (`cost_parallel.allreduce_s`). Its time is a latency plus the bytes over the bus
 bandwidth; both are measured here with the collective the ranks run (NCCL on CUDA,
 gloo on the CPU), in ranks started through the same elastic launcher as offload-run's.
 Bus bandwidth follows NCCL's convention: a ring all-reduce moves 2 (n - 1) / n of the

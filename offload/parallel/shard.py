@@ -147,6 +147,10 @@ def check_divisible(cfg: ModelConfig, tp: int) -> None:
     """Refuse, in one line, head counts that `tp` ranks cannot share."""
     if tp < 1:
         raise UserError(f"--tp must be >= 1, got {tp}")
+    if tp > 1 and cfg.num_experts:
+        raise UserError(
+            f"tensor parallelism does not split {cfg.name}'s experts; run it with --tp 1"
+        )
     if cfg.num_heads % tp:
         raise UserError(
             f"--tp {tp} does not divide {cfg.name}'s {cfg.num_heads} attention heads; "

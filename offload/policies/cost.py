@@ -26,7 +26,7 @@ Lanes per layer (bytes over the profile's measured rates, `policies.hardware`):
              layer (launches, Python, stream waits), measured by `executor.probe`; a
              step replayed from CUDA graphs pays the graph's cost instead
     rank_wait  under tensor parallelism, a rank's wait for the slowest of its group at
-             the layer's all-reduces (`rank_wait_s`); a rank's rates are its share of
+             the layer's all-reduces (`cost_parallel`); a rank's rates are its share of
              the node's (`policies.node.rank_profile`)
 How the executor overlaps them (measured on OPT-30B, docs/executor.md): with attention
 on the GPU a layer takes its busiest lane; with attention on the CPU the first micro-
@@ -39,16 +39,18 @@ attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from offload.core.config import ModelConfig
-from offload.io.layout import gathered, stage_cuts, stage_image_bytes
+from offload.io.layout import gathered, stage_cuts
 from offload.kernels.kv_cache import kv_row_bytes
 from offload.kernels.qmatmul import DENSE_ROWS
 from offload.models.decoder import LAYER_MATMULS, mlp_chunks
 from offload.policies.caps import Baseline, peak_bytes
+from offload.policies.cost_moe import expert_steps, fetched_params, streamed_bytes
+from offload.policies.cost_parallel import allreduce_s, rank_wait_s
 from offload.policies.hardware import GB, HardwareProfile
 from offload.policies.memory import MemoryPlan, micro_batch_sizes, plan_memory, row_splits
 from offload.policies.policy import Policy
@@ -68,19 +70,22 @@ class Estimate:
     memory: MemoryPlan
     gpu_peak_bytes: int
     cpu_peak_bytes: int
+    # a mixture of experts' (`cost_moe.ExpertSteps.facts`); empty for a dense model
+    experts: dict[str, float] = field(default_factory=dict)
 
 
 def _layer_bytes(
     cfg: ModelConfig, policy: Policy, dtype: torch.dtype
 ) -> tuple[float, float, float, float]:
     """Average per-layer off-GPU and on-disk bytes, the embed + head off-GPU bytes, and
-    the average layer's bytes."""
-    sizes = stage_image_bytes(cfg, dtype, policy.weight_compression)
+    the average layer's bytes: of a mixture of experts' layer its dense part, which
+    streams as a stage (its experts: `cost_moe`)."""
+    sizes = streamed_bytes(cfg, dtype, policy.weight_compression)
     cuts = stage_cuts(cfg, dtype, policy.weight_compression, policy.weights)
-    off = [size - g for size, (g, _) in zip(sizes, cuts, strict=True)]
+    off = [max(0, size - g) for size, (g, _) in zip(sizes, cuts, strict=True)]
     if gathered("embed", policy.weights):  # only the block's rows cross, not the table
         off[0] = 0
-    disk = [size - c for size, (_, c) in zip(sizes, cuts, strict=True)]
+    disk = [max(0, size - c) for size, (_, c) in zip(sizes, cuts, strict=True)]
     layers = slice(1, len(sizes) - 1)
     n = cfg.num_layers
     return sum(off[layers]) / n, sum(disk[layers]) / n, off[0] + off[-1], sum(sizes[layers]) / n
@@ -105,6 +110,7 @@ class _Shape:
     disk_w: float  # a layer's weight bytes on disk (average)
     ends: float  # the embedding's and head's bytes not on the GPU
     layer_w: float  # a layer's weight bytes as stored (average)
+    graphs: bool  # decode replays CUDA graphs (`Policy.decode_graphs`; no MoE routing)
 
     @property
     def micro(self) -> int:
@@ -157,6 +163,7 @@ def _shape(
         disk_w=disk_w,
         ends=ends,
         layer_w=layer_w,
+        graphs=policy.decode_graphs and not cfg.num_experts,
     )
 
 
@@ -181,17 +188,19 @@ def estimate(
     hw: HardwareProfile,
     batch: int | None = None,
     tp: int = 1,
+    dense_experts: bool = False,
 ) -> Estimate:
     """The policy's predicted prefill, decode step and throughput for a block of `batch`
     sequences (default: the policy's block). tp: tensor-parallel ranks; cfg is then one
-    rank's shard (`parallel.shard`)."""
+    rank's shard (`parallel.shard`). A mixture of experts' layers add their expert
+    phase (`cost_moe`; dense_experts: under the dense schedule)."""
     shape = _shape(cfg, policy, dtype, prompt_len, gen_len, hw, batch)
     lanes = _decode_lanes(cfg, policy, hw, shape, tp)
     if lanes.cpu_attn:
         h2d, layer = _layer_with_cpu_attention_s(lanes, shape, hw)
     else:
         h2d, layer = lanes.h2d, _layer_with_gpu_attention_s(lanes)
-    wait = rank_wait_s(lanes, hw, tp)
+    wait = rank_wait_s(lanes.cpu_attn + lanes.host, hw, tp)
     layer += wait
     head_flops = 2 * shape.n_seqs * cfg.vocab_size * cfg.embed_dim
     ends_h2d = shape.ends / (hw.h2d_gbps * GB)
@@ -207,6 +216,9 @@ def estimate(
         step_lanes["rank_wait"] = cfg.num_layers * wait
     prefill = _prefill_s(cfg, policy, hw, shape, prompt_len, tp)
     prefill += ends_h2d + head_flops / (hw.prefill_tflops * 1e12)
+    experts = expert_steps(cfg, policy, dtype, hw, shape.sizes, prompt_len, dense_experts)
+    if experts is not None:  # a mixture of experts' expert phases
+        step, prefill = experts.added(step, prefill, step_lanes)
     decode = (gen_len - 1) * step
     total = prefill + decode
     n_seqs = shape.n_seqs
@@ -225,6 +237,7 @@ def estimate(
         memory=plan,
         gpu_peak_bytes=gpu_peak,
         cpu_peak_bytes=cpu_peak,
+        experts={} if experts is None else experts.facts,
     )
 
 
@@ -242,7 +255,7 @@ def _decode_lanes(
     disk_kv = kv_d / ((hw.disk_kv_read_gbps or hw.disk_read_gbps) * GB)
     disk_kv += rows_disk * shape.write_tok / (hw.disk_write_gbps * GB)
     homes = sum(1 for _, _, d in shape.splits if d)
-    disk_kv += homes * _offgpu_chain_s(policy, hw, tp, disk=True)
+    disk_kv += homes * _offgpu_chain_s(shape.graphs, hw, tp, disk=True)
     cpu_attn = 0.0
     if policy.attention_on_cpu:
         group = cfg.num_heads // cfg.num_kv_heads
@@ -255,7 +268,7 @@ def _decode_lanes(
         disk=shape.disk_w / (hw.disk_read_gbps * GB) + disk_kv,
         disk_kv=disk_kv,
         compute=_decode_compute_s(cfg, policy, hw, shape, tp),
-        host=_host_s(policy, hw, shape.micro, tp),
+        host=_host_s(shape.graphs, hw, shape.micro, tp),
         cpu_attn=cpu_attn,
     )
 
@@ -283,15 +296,15 @@ def _decode_compute_s(
     kernels += hw.attention_seconds(policy.kv_compression, kv_hbm, gpu_attended, gpu_pairs)
     # the layer's other kernels and the gaps between them, a micro-batch
     kernels += micro * hw.decode_elementwise_s.get(_probed_family(cfg), 0.0)
-    params = cfg.layer_param_count()
+    params, _ = fetched_params(cfg)
     compute = max(2 * n_seqs * params / (hw.decode_tflops * 1e12), kernels)
-    compute += _allreduce_s(cfg, hw, tp, n_seqs, micro, shape.elt)
+    compute += allreduce_s(cfg, hw, tp, n_seqs, micro, shape.elt)
     if shape.rows(1) + shape.rows(2) and not policy.attention_on_cpu:
         # the off-GPU KV's chain a micro-batch (its attention over the scratch, the
         # merge with the GPU rows' and the store of the new entries, and the host's
         # launches of them) runs between the micro-batch's matmuls, not beside them
         # (docs/cost_model.md, "Off-GPU KV attended on the GPU")
-        compute += micro * _offgpu_chain_s(policy, hw, tp)
+        compute += micro * _offgpu_chain_s(shape.graphs, hw, tp)
     return compute
 
 
@@ -337,14 +350,14 @@ def _prefill_s(
         _prefill_matmul_s(cfg, policy, hw, shape.sizes, prompt_len, shape.layer_w)
         + attn_flops / (hw.prefill_attention_rate() * 1e12)
         + tokens * cfg.hidden_size * hw.prefill_elementwise_s.get(_probed_family(cfg), 0.0)
-        + _allreduce_s(cfg, hw, tp, tokens, micro, shape.elt)
+        + allreduce_s(cfg, hw, tp, tokens, micro, shape.elt)
     )
     rows_off = shape.rows(1) + shape.rows(2)
     h2d = shape.off_w / (hw.h2d_gbps * GB)
     d2h = rows_off * prompt_len * shape.kv_tok / (hw.d2h_gbps * GB)
     disk = shape.disk_w / (hw.disk_read_gbps * GB)
     disk += shape.rows(2) * prompt_len * shape.kv_tok / (hw.disk_write_gbps * GB)
-    host = _host_s(policy, hw, micro, tp, decode=False)
+    host = _host_s(shape.graphs, hw, micro, tp, decode=False)
     return cfg.num_layers * max(compute, h2d, d2h, disk, host)
 
 
@@ -364,8 +377,7 @@ def _prefill_matmul_s(
     so the dequantization is a term of its own (docs/cost_model.md, "Prefill").
     stored: a layer's bytes as stored."""
     compression = policy.weight_compression
-    params = cfg.layer_param_count()
-    mlp = cfg.hidden_size * cfg.intermediate_size * (3 if cfg.gated_mlp else 2)
+    params, mlp = fetched_params(cfg)
     dense = hw.prefill_rate(None) * 1e12
 
     def calls(share: float, rows: list[int]) -> float:
@@ -399,45 +411,22 @@ def _copy_beside_attention_s(nbytes: float, attention_s: float, hw: HardwareProf
     return attention_s + (nbytes - shared * attention_s) / alone
 
 
-def _host_s(policy: Policy, hw: HardwareProfile, micro: int, tp: int, decode: bool = True) -> float:
-    """The executor's host time a layer (0 where the profile has not measured it)."""
-    if decode and tp == 1 and hw.has_gpu and policy.decode_graphs and hw.graph_layer_s:
+def _host_s(graphs: bool, hw: HardwareProfile, micro: int, tp: int, decode: bool = True) -> float:
+    """The executor's host time a layer (0 where the profile has not measured it);
+    graphs: decode replays CUDA graphs (`_Shape.graphs`)."""
+    if decode and tp == 1 and hw.has_gpu and graphs and hw.graph_layer_s:
         return micro * hw.graph_layer_s
     return hw.layer_fixed_s + micro * hw.micro_fixed_s
 
 
-def _offgpu_chain_s(policy: Policy, hw: HardwareProfile, tp: int, disk: bool = False) -> float:
+def _offgpu_chain_s(graphs: bool, hw: HardwareProfile, tp: int, disk: bool = False) -> float:
     """The off-GPU KV's chain a layer and micro-batch (attention on the GPU), or with
     `disk` a disk home's beyond it: measured on the path the step takes, replayed from
     graphs or eager (`_host_s`'s choice)."""
-    graphs = tp == 1 and hw.has_gpu and policy.decode_graphs
+    graphs = tp == 1 and hw.has_gpu and graphs
     if disk:  # (0: not measured, as in a profile from before the figure)
         return hw.disk_kv_graph_s if graphs and hw.disk_kv_graph_s else hw.disk_kv_s
     return hw.offgpu_kv_graph_s if graphs and hw.offgpu_kv_graph_s else hw.offgpu_kv_s
-
-
-def rank_wait_s(lanes: _DecodeLanes, hw: HardwareProfile, tp: int) -> float:
-    """A decode layer's wait of a tensor-parallel rank for the slowest of its group at the
-    layer's all-reduces: the measured skew (`rank_skew`) of the host-side work between
-    them, the CPU attention and the executor's issue (the GPU's kernels take the same
-    time on every rank). 0 for one rank, or where the profile has no skew figure."""
-    if tp == 1:
-        return 0.0
-    return hw.rank_skew * (lanes.cpu_attn + lanes.host)
-
-
-def _allreduce_s(
-    cfg: ModelConfig, hw: HardwareProfile, tp: int, rows: int, micro: int, elt: int
-) -> float:
-    """A layer's two all-reduces (after attention and after the MLP) for each micro-
-    batch: ring all-reduce moves 2 (tp - 1) / tp of the [rows, hidden] activations.
-    0 where the profile has no all-reduce figure (`choose_policy` says so)."""
-    if tp == 1 or not hw.allreduce_gbps:
-        return 0.0
-    nbytes = rows * cfg.hidden_size * elt
-    return 2 * (
-        micro * hw.allreduce_latency_s + 2 * (tp - 1) / tp * nbytes / (hw.allreduce_gbps * GB)
-    )
 
 
 # families the elementwise probe does not run (`executor.probe.elementwise`), rated as

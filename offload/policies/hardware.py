@@ -44,9 +44,11 @@ VERSIONED_SOURCES = (
     "io",
     "models/decoder.py",
     "models/ops.py",
+    "models/moe.py",
     "policies/measure.py",
     "policies/measure_cpu_attention.py",
     "policies/measure_disk.py",
+    "policies/measure_experts.py",
     "policies/measure_kernels.py",
     "policies/timers.py",
 )
@@ -74,6 +76,8 @@ OPTIONAL_FIGURES = (
     "decode_elementwise_s",
     "cpu_attention_pair_s",
     "cpu_quant_attention_pair_s",
+    "expert_fixed_s",
+    "cpu_expert_fixed_s",
     "pin_gbps",
     "place_gbps",
 )
@@ -209,6 +213,16 @@ class HardwareProfile:
     # GPUs (measured where there are two or more)
     allreduce_gbps: float = 0.0
     allreduce_latency_s: float = 0.0
+    # a mixture of experts' expert phase (`policies.cost_moe`): the executor's time an
+    # expert beyond its matmuls' bytes (its gather, activation, weighted add and the
+    # host's launches of them), measured over small experts (`measure_experts`)
+    expert_fixed_s: float = 0.0
+    # an expert computed on the CPU over its pinned weights at a decode's few rows
+    # (`kernels.cpu_expert`): the weight bytes it reads a second, per storage format,
+    # and its time beyond them (the rows' copies both ways and the hand-off to the
+    # worker thread); missing: not measured (no expert is computed on the CPU)
+    cpu_expert_gbps: dict[str, float] = field(default_factory=dict)
+    cpu_expert_fixed_s: float = 0.0
     # ranks meeting at an all-reduce: the mean time a rank waits there for the slowest,
     # as a share of the host-side work since the last one (the same CPU work on every
     # rank, with each rank's threads on its share of the cores: `parallel.bandwidth`);

@@ -4,7 +4,8 @@ Each figure is measured the way the executor uses it: pinned copies (one way and
 ways at once), O_DIRECT disk reads and writes (`measure_disk`), the CPU attention with
 copies running (`measure_cpu_attention`), and, per storage format
 (`hardware.format_name`), the matmul at decode and prefill shapes and decode attention
-on the GPU through the kernels the executor runs (`measure_kernels`). The executor's
+on the GPU through the kernels the executor runs (`measure_kernels`), and a mixture of
+experts' expert figures (`measure_experts`). The executor's
 own fixed costs are measured above this layer (`executor.probe`).
 """
 
@@ -27,6 +28,7 @@ from offload.policies.measure_cpu_attention import (
     h2d_rate_under_cpu_attention,
 )
 from offload.policies.measure_disk import disk_rates, kv_disk_read_rate
+from offload.policies.measure_experts import expert_figures
 from offload.policies.measure_kernels import (
     MatmulRates,
     gpu_attention_rates,
@@ -65,6 +67,7 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         dram_gbps=dram,
         process_base_bytes=psutil.Process().memory_info().rss,
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
+        **expert_figures(quick),
         code_version=code_version(),
     )
 

@@ -21,14 +21,17 @@ from offload.core.config import ModelConfig
 from offload.io.layout import (
     DISK_BUFFERS,
     KVLayout,
+    expert_buffers,
+    expert_span,
     gathered,
     gathered_gpu_bytes,
     stage_cuts,
     stage_image_bytes,
+    stage_keys,
 )
 from offload.io.pinned import align_up
 from offload.kernels import qmatmul, quant
-from offload.models import decoder
+from offload.models import decoder, moe
 from offload.policies.policy import Policy
 
 # the parts that exist while the weights load: their homes and the pinned pool
@@ -121,32 +124,44 @@ def _weight_plan(
     gpu = cpu = disk = slot = staging = 0
     sizes = stage_image_bytes(cfg, dtype, compression)
     cuts = stage_cuts(cfg, dtype, compression, placement)
+    # a mixture of experts' layer streams its dense part through the ring slots and its
+    # experts one by one (`executor.experts`)
+    fetched = [
+        size if span is None else span.dense_end
+        for size, span in zip(sizes, _spans(cfg, dtype, compression), strict=True)
+    ]
+    buffers, expert_bytes, disk_experts = expert_buffers(cfg, dtype, compression, placement)
     load_cpu, load_gpu = _load_transients(sizes, stage_image_bytes(cfg, dtype))
     if gathered("embed", placement):  # the table stays in CPU memory, its rows cross
         gpu += gathered_gpu_bytes(cfg, dtype)
         cpu += sizes[0]
-        sizes, cuts = sizes[1:], cuts[1:]
-    for size, (gpu_end, cpu_end) in zip(sizes, cuts, strict=True):
+        sizes, cuts, fetched = sizes[1:], cuts[1:], fetched[1:]
+    for size, (gpu_end, cpu_end), end in zip(sizes, cuts, fetched, strict=True):
         gpu += gpu_end
         if cpu_end > gpu_end:
             cpu += cpu_end - gpu_end
         disk += size - cpu_end
-        if gpu_end < size:
-            slot = max(slot, size)
-        staging = max(staging, size - cpu_end)
+        if gpu_end < end:
+            slot = max(slot, end)
+        staging = max(staging, end - cpu_end)
     return (
         ("weights_gpu", gpu),
         ("weights_cpu", cpu),
         ("weights_disk", disk),
         ("weight_slots_gpu", 2 * slot),
-        ("weight_staging_cpu", 2 * staging),
+        ("weight_staging_cpu", 2 * staging + 2 * disk_experts * expert_bytes),
+        ("expert_buffers_gpu", buffers * expert_bytes),
         ("load_stage_cpu", load_cpu),
         ("load_stage_gpu", load_gpu),
         # the fetcher's two ring slots are allocated as the load ends, after the stage
         # being placed is freed: the load phase holds the larger of the two (Llama-3.1-8B
         # streamed, H200: 6.70 GB at the load's end against 5.73 planned without)
-        ("load_slots_gpu", max(0, 2 * slot - load_gpu)),
+        ("load_slots_gpu", max(0, 2 * slot + buffers * expert_bytes - load_gpu)),
     )
+
+
+def _spans(cfg: ModelConfig, dtype: torch.dtype, compression) -> list:
+    return [expert_span(cfg, key, dtype, compression) for key in stage_keys(cfg)]
 
 
 def _load_transients(sizes: tuple[int, ...], full_sizes: tuple[int, ...]) -> tuple[int, int]:
@@ -218,6 +233,8 @@ def activation_plan(
     # slice and their cat, beside its own.
     compressed = policy.weight_compression is not None
     layer = _layer_transient(cfg, mb * prompt_len, compressed=compressed) * elt
+    if cfg.num_experts:  # a mixture of experts' layer holds the whole block's rows
+        layer = max(layer, _moe_transient(cfg, batch * prompt_len, mb * prompt_len) * elt)
     if compressed and mb * prompt_len >= qmatmul.DENSE_ROWS:
         layer += decoder.dense_scratch_bytes(cfg, elt)  # prefill's dequantized W
     head = batch * cfg.vocab_size * 4 * 2 + mb * cfg.vocab_size * elt
@@ -246,7 +263,7 @@ def _graph_bytes(cfg: ModelConfig, policy: Policy, sizes: list[int]) -> int:
     micro-batch (`executor.graphs`): each layer's qkv (and RoPE's new q and k: twice the
     qkv at most) and residual, the logits, and one layer's decode temporaries in their
     memory pool. They stay allocated between batches."""
-    if not policy.decode_graphs:
+    if not policy.decode_graphs or cfg.num_experts:  # (MoE: no graphs, `Executor`)
         return 0
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     per_row = cfg.num_layers * (2 * qkv + cfg.hidden_size) + 2 * cfg.vocab_size
@@ -283,6 +300,24 @@ def _layer_transient(
     mlp_half = (1 if len(chunks) == 1 else 2) * tokens * hidden
     mlp_half += max(chunks) * (2 * hidden + act)
     return max(attn_half, mlp_half)
+
+
+def _moe_transient(cfg: ModelConfig, tokens: int, micro_tokens: int) -> int:
+    """Elements a mixture-of-experts layer holds at its peak over a block of `tokens`
+    rows in micro-batches of `micro_tokens` (`executor.moe_layer`): the block's normed
+    rows, its output and its residuals throughout; beside them one micro-batch's
+    attention (`_layer_transient`), or the routing (float32 logits and probabilities,
+    ids and weights: at most 4 elements an expert and 6 a choice of a row), or one
+    expert's slice of rows (`moe.apply_expert`: its input, gate and up, activation,
+    output, weighted output and the gathered rows they are added to), or a micro-batch's
+    shared expert and output."""
+    hidden, k = cfg.hidden_size, cfg.experts_per_token
+    held = 3 * tokens * hidden
+    rows = min(tokens, moe.EXPERT_CHUNK_ROWS)
+    expert = rows * (4 * hidden + 3 * cfg.moe_intermediate_size)
+    routing = tokens * (4 * cfg.num_experts + 6 * k)
+    shared = micro_tokens * (3 * hidden + 3 * cfg.shared_expert_intermediate_size)
+    return held + max(_layer_transient(cfg, micro_tokens), expert, routing, shared)
 
 
 def plan_memory(

@@ -17,7 +17,7 @@ So a plan bound by CPU attention gets no faster with more ranks (each rank atten
 heads with its share of the cores: the same time a step), and a plan bound by each
 GPU's link runs each rank's half of the weights over its own link (about twice as
 fast at two ranks). Where ranks meet at every all-reduce, the slowest of them sets the
-pace: `cost.rank_wait_s` adds that wait (the profile's `rank_skew`).
+pace: `cost_parallel.rank_wait_s` adds that wait (the profile's `rank_skew`).
 """
 
 from __future__ import annotations

@@ -8,10 +8,13 @@ policies by hand:
      "kv_cache":    {"gpu": 0.0, "cpu": 1.0, "disk": 0.0},
      "activations": {"gpu": 1.0, "cpu": 0.0, "disk": 0.0},
      "attention_on_cpu": true, "overlap": true,
-     "weight_compression": null, "kv_compression": null}
+     "weight_compression": null, "kv_compression": null, "cpu_experts": 0.0}
 
 Weight fractions are of each layer's bytes (exact, split inside tensors at 4 KiB
-boundaries); KV and activation fractions are of the block's sequences.
+boundaries; a mixture of experts' layer is cut at whole experts among its experts);
+KV and activation fractions are of the block's sequences. cpu_experts: the share of a
+mixture of experts' chosen experts in pinned memory that a decode step computes on the
+CPU beside their weights instead of copying them (those with the fewest rows first).
 """
 
 from __future__ import annotations
@@ -70,12 +73,15 @@ class Policy:
     overlap: bool = True
     weight_compression: Compression | None = None
     kv_compression: Compression | None = None
+    cpu_experts: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("gpu_batch_size", "num_gpu_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not (isinstance(self.cpu_experts, (int, float)) and 0 <= self.cpu_experts <= 1):
+            raise ValueError(f"cpu_experts={self.cpu_experts!r} must be a share in [0, 1]")
         if self.activations.disk > 0:
             raise ValueError("activations on disk are not supported; put them on the gpu or cpu")
         kv = self.kv_compression

@@ -21,6 +21,7 @@ from offload.io.layout import stage_image_bytes
 from offload.kernels.formats import Compression
 from offload.policies.caps import Baseline, Caps, fit_problem, others_weight_bytes, plan_budget
 from offload.policies.cost import Estimate, estimate
+from offload.policies.cost_moe import with_cpu_experts
 from offload.policies.hardware import HardwareProfile
 from offload.policies.job import Block, Job, estimate_job
 from offload.policies.memory import plan_memory
@@ -90,6 +91,7 @@ def _with(p: Policy, kv: Placement | None = None, weights: Placement | None = No
         overlap=True,
         weight_compression=p.weight_compression,
         kv_compression=p.kv_compression,
+        cpu_experts=p.cpu_experts,
     )
 
 
@@ -218,7 +220,7 @@ def ranked(
         kv = _kv_placement(cfg, base, dtype, prompt_len, gen_len, hw, caps)
         if kv is None:
             continue
-        policy = _with(base, kv=kv)
+        policy = with_cpu_experts(cfg, _with(base, kv=kv), dtype, hw)
         est = estimate(cfg, policy, dtype, prompt_len, gen_len, hw, tp=tp)
         kind = (
             policy.gpu_batch_size,
