@@ -8,8 +8,7 @@ import logging
 import torch
 
 from offload.api.args import EngineArgs
-from offload.api.llm import _holds_allocator
-from offload.api.planning import Plan
+from offload.api.planning import Plan, holds_allocator
 from offload.cli.run import build_parser
 from offload.policies.caps import Baseline, Caps
 
@@ -23,13 +22,13 @@ def _plan(gpu_bytes: int | None) -> Plan:
 def test_a_gpu_cap_holds_the_allocator_by_default_and_the_flag_opts_out(caplog):
     default = EngineArgs(model="demo", gpu_mem="24GB")
     assert default.hold_gpu_mem is None
-    assert _holds_allocator(default, _plan(24 * 10**9), CUDA, tensor_parallel=False)
-    assert not _holds_allocator(default, _plan(None), CUDA, tensor_parallel=False)
-    assert not _holds_allocator(default, _plan(24 * 10**9), CPU, tensor_parallel=False)
+    assert holds_allocator(default, _plan(24 * 10**9), CUDA, tensor_parallel=False)
+    assert not holds_allocator(default, _plan(None), CUDA, tensor_parallel=False)
+    assert not holds_allocator(default, _plan(24 * 10**9), CPU, tensor_parallel=False)
     off = EngineArgs(model="demo", gpu_mem="24GB", hold_gpu_mem=False)
-    assert not _holds_allocator(off, _plan(24 * 10**9), CUDA, tensor_parallel=False)
+    assert not holds_allocator(off, _plan(24 * 10**9), CUDA, tensor_parallel=False)
     with caplog.at_level(logging.WARNING):
-        assert not _holds_allocator(default, _plan(24 * 10**9), CUDA, tensor_parallel=True)
+        assert not holds_allocator(default, _plan(24 * 10**9), CUDA, tensor_parallel=True)
     assert "not held to --gpu-mem under tensor parallelism" in caplog.text
     flags = build_parser().parse_args
     assert flags(["--model", "demo"]).hold_gpu_mem is None
