@@ -23,7 +23,9 @@ def test_a_gpu_cap_holds_the_allocator_by_default_and_the_flag_opts_out(caplog):
     default = EngineArgs(model="demo", gpu_mem="24GB")
     assert default.hold_gpu_mem is None
     assert holds_allocator(default, _plan(24 * 10**9), CUDA, tensor_parallel=False)
-    assert not holds_allocator(default, _plan(None), CUDA, tensor_parallel=False)
+    # no --gpu-mem: the plan's caps are the machine's, and the allocator is left free
+    uncapped = EngineArgs(model="demo")
+    assert not holds_allocator(uncapped, _plan(80 * 10**9), CUDA, tensor_parallel=False)
     assert not holds_allocator(default, _plan(24 * 10**9), CPU, tensor_parallel=False)
     off = EngineArgs(model="demo", gpu_mem="24GB", hold_gpu_mem=False)
     assert not holds_allocator(off, _plan(24 * 10**9), CUDA, tensor_parallel=False)

@@ -244,7 +244,7 @@ def test_plan_json_round_trips_into_offload_run(tiny_checkpoints, tmp_path, caps
     [
         (["--gpu-mem", "abc"], "cannot parse size 'abc'"),
         (["--gpu-mem=-5GB"], "cannot parse size"),
-        (["--gpu-mem", "200GB"], "more than the GPU's 80.0 GB"),
+        (["--gpu-mem", "200GB"], "more than the GPU has (80.00 GB)"),
         (
             ["--gpu-mem", "24GB", "--prompt-len", "2000", "--gen-len", "100"],
             "exceed the model's context of 2048",
@@ -260,7 +260,12 @@ def test_plan_bad_input(args, words, tmp_path, capsys):
     assert words in err and "Traceback" not in err
 
 
-def test_plan_prints_a_readable_table(tmp_path, capsys):
+def test_plan_prints_a_readable_table(tmp_path, capsys, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**13, 0, 10**13))
     profile = tmp_path / "hw.json"
     profile.write_text(PROFILE.to_json())
     assert (
@@ -311,12 +316,14 @@ def test_plan_tells_the_weight_store_and_the_free_space(tmp_path, capsys, monkey
     assert store["bytes"] == store["write_bytes"] == disk > 0 and store["problem"] is None
     assert store["free_bytes"] == 10**13 and store["nvme"] == str(tmp_path)
     assert disk < cfg_of("bloom").param_count() * 2, "the whole model counted"
-    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**13, 0, 6 * GB))
     assert plan_main(args) == 0
     text = capsys.readouterr()
-    assert f"weight store: {disk / GB:.1f} GB on {tmp_path} (6.0 GB free)" in text.out
-    problem = [line for line in text.err.splitlines() if "problem" in line]
-    assert len(problem) == 1 and "GB free; the weight store needs" in problem[0]
+    assert f"weight store: {disk / GB:.1f} GB on {tmp_path} ({10**13 / GB:.1f} GB free)" in text.out
+    # a disk short of the store: refused in one line, as offload-run refuses it
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**13, 0, 6 * GB))
+    assert plan_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "GB free; the weight store needs" in err
 
 
 def test_plan_counts_decode_graph_buffers_only_where_graphs_run():

@@ -106,6 +106,36 @@ def engine_args(args: argparse.Namespace, **extra: Any) -> EngineArgs:
     return cli_engine_args(args, **extra)
 
 
+def add_input_flags(parser: argparse.ArgumentParser) -> None:
+    """A job's requests, the same for offload-run and offload-plan (which plans for them)."""
+    src = parser.add_argument_group("input (one of)")
+    src.add_argument(
+        "--prompt", action="append", help="raw prompt text, never templated (repeatable)"
+    )
+    src.add_argument(
+        "--chat", action="append", help="a one-turn chat: the user's message (repeatable)"
+    )
+    src.add_argument(
+        "-i",
+        "--input",
+        "--prompts",
+        "--input-file",
+        dest="input",
+        type=Path,
+        help="JSONL of our format (id, prompt or messages, sampling fields), OpenAI Batch "
+        "lines (custom_id, method, url, body), or plain text one prompt a line; '-' reads stdin",
+    )
+    parser.add_argument("--skip-invalid", action="store_true", help="record unparsable lines, prompts too long for the context or the memory caps, and token ids outside the vocabulary, as errors and go on")  # fmt: skip
+
+
+def add_parallel_flags(
+    parser: argparse.ArgumentParser, aliases: dict[str, tuple[str, ...]]
+) -> None:
+    """--tp and --dp (offload.parallel, docs/parallel.md), with vLLM's names."""
+    parser.add_argument("--tp", *aliases["tensor_parallel_size"], type=int, default=None, help="tensor-parallel ranks, one per GPU (started through torch.distributed's elastic launcher; under torchrun: its world size / --dp)")  # fmt: skip
+    parser.add_argument("--dp", *aliases["data_parallel_size"], type=int, default=1, help="data-parallel groups of --tp ranks (needs --output)")  # fmt: skip
+
+
 def add_sampling_flags(parser: argparse.ArgumentParser, names: Sequence[str] = ()) -> None:
     group = parser.add_argument_group(
         "sampling (vLLM's SamplingParams; a flag left unset takes the model's "

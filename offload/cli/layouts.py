@@ -1,10 +1,10 @@
 """`offload-plan --gpus N`: one GPU, tensor parallelism over N and N data-parallel groups
-on this node, each searched with its ranks' share of the node, side by side.
+on this node, each planned as offload-run plans that layout (`planning.plan`, a rank's
+caps from `planning.rank_engine`), side by side.
 
-    one GPU  the plan search as offload-run runs it on one GPU (the node's CPU memory)
+    one GPU  the plan offload-run makes on one GPU (the node's CPU memory)
     TP=N     one rank's shard, --gpu-mem a GPU, the node's CPU memory / N a rank (--cpu-mem
-             is the node's; without it the profile's memory), the
-             node's cores, DRAM and disk shared by N ranks (`policies.node.rank_profile`),
+             is the node's; without it the node's limit less a tenth), the node's cores, DRAM and disk shared by N ranks (`policies.node.rank_profile`),
              the all-reduce as offload-profile measured it; the group's tok/s
     DP=N     the whole model a GPU, the CPU memory / N a group but one pinned copy of the
              weights for all (`Caps.shared_weights`), the node shared by N; N x a group's
@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import dataclass
 
 from offload.api.args import EngineArgs
-from offload.core.config import ModelConfig
+from offload.api.front import ModelFront
+from offload.api.planning import PlanRequest, plan, rank_engine
 from offload.core.errors import UserError
-from offload.executor.probe import measure_profile
-from offload.kernels.formats import Compression
 from offload.parallel.shard import rank_config
-from offload.policies.choose import choose_policy
-from offload.policies.cost import Estimate
+from offload.policies.caps import Machine
+from offload.policies.cost import Estimate, estimate
+from offload.policies.job import Job
+from offload.policies.node import Layout
 
 GB = 1e9
 
@@ -58,45 +58,30 @@ class Option:
 
 
 def compare(
-    cfg: ModelConfig,
+    front: ModelFront,
     engine: EngineArgs,
-    args: argparse.Namespace,
     gpus: int,
-    formats: tuple[Compression | None, ...],
-    prequantized: bool = False,
+    job: Job | None,
+    machine: Machine | None = None,
 ) -> list[Option]:
-    """One GPU, TP=gpus and DP=gpus, each searched for this node (`choose_policy`) with
-    the weight formats the plan may use (a pre-quantized checkpoint's own: no TP)."""
-    prompts = args.num_prompts
+    """One GPU, TP=gpus and DP=gpus, each planned as offload-run plans that layout
+    (`planning.plan` with the rank's caps, `planning.rank_engine`), with the weight
+    formats the run may use (a pre-quantized checkpoint's own: no TP)."""
     out = []
     for name, tp, dp in (("one GPU", 1, 1), (f"TP={gpus}", gpus, 1), (f"DP={gpus}", 1, gpus)):
-        ranks = tp * dp
-        if tp > 1 and prequantized:
-            out.append(Option(name, tp, dp, None, None, "--tp with a pre-quantized checkpoint is not supported"))  # fmt: skip
-            continue
+        layout = Layout(tp, dp) if tp * dp > 1 else None
+        rank_args = engine if layout is None else rank_engine(engine, layout.ranks, 0)[0]
         try:
-            choice = choose_policy(
-                rank_config(cfg, tp, 0) if tp > 1 else cfg,
-                engine.dtype,
-                engine.gpu_bytes,
-                # --cpu-mem is the node's; without it a rank's view of the profile
-                # holds its share of the node's memory (`rank_profile`)
-                engine.cpu_bytes // ranks if engine.cpu_bytes else None,
-                engine.nvme,
-                args.prompt_len,
-                args.gen_len,
-                engine.profile,
-                None if prompts is None else math.ceil(prompts / dp),
-                formats,
-                engine.kv_compressions(),
-                tp=tp,
-                measure_machine=measure_profile,
-                dp=dp,
-            )
+            found = plan(PlanRequest.build(front, rank_args, None, None, layout, job, False, machine))  # fmt: skip
         except UserError as exc:
             out.append(Option(name, tp, dp, None, None, str(exc)))
             continue
-        out.append(Option(name, tp, dp, dp * choice.best.total_tok_s, choice.best))
+        assert found.policy is not None and found.profile is not None, "searched with a GPU cap"
+        cfg = rank_config(front.config, tp, 0) if tp > 1 else front.config
+        best = estimate(
+            cfg, found.policy, front.dtype, found.prompt_len, found.gen_len, found.profile, tp=tp
+        )
+        out.append(Option(name, tp, dp, dp * best.total_tok_s, best))
     return out
 
 
@@ -120,20 +105,23 @@ def _bound(layout: Option) -> str:
 
 
 def main(
-    cfg: ModelConfig,
+    front: ModelFront,
     engine: EngineArgs,
     args: argparse.Namespace,
-    formats: tuple[Compression | None, ...],
-    prequantized: bool = False,
+    job: Job | None,
+    machine: Machine | None = None,
 ) -> int:
     if args.gpus < 2:
         raise UserError(f"--gpus compares layouts over two or more GPUs, got {args.gpus}")
-    layouts = compare(cfg, engine, args, args.gpus, formats, prequantized)
+    if engine.gpu_bytes is None:
+        raise UserError("--gpus compares plans searched for a GPU budget: give --gpu-mem")
+    layouts = compare(front, engine, args.gpus, job, machine)
     verdict = recommendation(layouts)
     if args.json:
         print(json.dumps({"layouts": [lay.to_dict() for lay in layouts], "recommendation": verdict}, indent=1))  # fmt: skip
         return 0
-    print(f"{cfg.name} on {args.gpus} GPUs of this node; prompt {args.prompt_len}, generate {args.gen_len}")  # fmt: skip
+    cfg = front.config
+    print(f"{cfg.name} on {args.gpus} GPUs of this node; prompt {engine.planned_prompt_len}")
     for lay in layouts:
         if lay.best is None:
             print(f"  {lay.name:8s} no plan fits: {lay.why_not}")

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from offload.api.args import EngineArgs, resolve_device
 from offload.api.front import ModelFront
 from offload.api.llm import LLM
+from offload.api.planning import rank_engine
 from offload.cli import common, report, sizing, sources
 from offload.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, engine_args, sampling_params
 from offload.core.errors import UserError
@@ -40,10 +41,9 @@ from offload.models.resolve import resolve_model
 from offload.parallel.affinity import pin_rank
 from offload.parallel.comm import Topology, env_world
 from offload.parallel.launch import PEER_LOST, report_failure
-from offload.parallel.rank import rank_nvme, share_weights
+from offload.parallel.rank import share_weights
 from offload.parallel.shard import check_divisible
 from offload.policies.memory import weight_plan
-from offload.policies.memory_limit import node_memory_limit, rank_cpu_bytes
 
 log = logging.getLogger("offload")
 
@@ -141,21 +141,6 @@ class Refused(UserError):
     """A refusal every rank of the job reached together (world rank 0's, shared)."""
 
 
-def _rank_engine(engine: EngineArgs, topo: Topology) -> tuple[EngineArgs, str]:
-    """This rank's EngineArgs: --gpu-mem per GPU, --cpu-mem (default: the node's limit,
-    where a plan is searched or given) shared by the node's ranks, its own --nvme
-    directory. And where the CPU cap came from."""
-    if not (engine.wants_search or engine.policy is not None):  # one block on each GPU
-        return engine.replace(nvme=rank_nvme(engine.nvme, topo.rank)), "no cap"
-    if engine.cpu_bytes is not None:
-        node_cpu, where = engine.cpu_bytes, "--cpu-mem"
-    else:
-        node_cpu, where = node_memory_limit()
-    cpu_bytes = rank_cpu_bytes(node_cpu, topo.local_world)
-    nvme = rank_nvme(engine.nvme, topo.rank)
-    return engine.replace(cpu_mem=f"{cpu_bytes}B", nvme=nvme), where
-
-
 def _sized_plan(
     args: argparse.Namespace,
     topo: Topology,
@@ -217,7 +202,7 @@ def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
     if topo.dp > 1 and output is None:
         raise UserError("--dp needs --output FILE (the groups' results are merged there)")
     source = sources.open_source(args, output)
-    rank_args, where = _rank_engine(engine, topo)
+    rank_args, where = rank_engine(engine, topo.local_world, topo.rank)
     front = ModelFront(rank_args, topo.device)  # config and tokenizer only
     params = sampling_params(args, front.default_sampling)
     sized = _sized_plan(args, topo, front, rank_args, source, params, flag_params.max_tokens, where)

@@ -9,10 +9,15 @@ import json
 import sys
 from pathlib import Path
 
-from offload.api.planning import VERIFY_TOP, weight_formats
-from offload.cli import plan_report
+from offload.api.args import ENGINE_FIELDS, FlexibleArgumentParser, resolve_device
+from offload.api.front import ModelFront
+from offload.api.planning import VERIFY_TOP, Plan, PlanRequest, plan, rank_engine
+from offload.api.vllm_args import add_vllm_flags
+from offload.cli import plan_report, sizing, sources
 from offload.cli.common import (
     add_engine_flags,
+    add_input_flags,
+    add_parallel_flags,
     add_sampling_flags,
     add_version_flag,
     engine_args,
@@ -20,58 +25,45 @@ from offload.cli.common import (
     sampling_params,
     setup_logging,
 )
+from offload.cli.run import PARALLEL_ALIASES
 from offload.core.errors import UserError
-from offload.executor.probe import PROBE_DEPTHS, measure_profile, verify
+from offload.executor.probe import PROBE_DEPTHS, verify
 from offload.io.layout import store_bytes
 from offload.io.store import find_store, free_bytes, space_problem
-from offload.models.resolve import resolve_model
 from offload.models.tokenizer import BYTE_TOKENS
 from offload.policies.advice import FormatHint, format_hint
-from offload.policies.caps import Caps
-from offload.policies.choose import choose_policy
-from offload.policies.cost import Estimate
-from offload.policies.job import Job, JobEstimate, estimate_job, predict_job
+from offload.policies.caps import Caps, Machine
+from offload.policies.cost import Estimate, estimate
+from offload.policies.hardware import HardwareProfile
+from offload.policies.job import Job, estimate_job
+from offload.policies.node import Layout
 from offload.policies.search import search
 
 GB = 1e9
-FLAGS = (
-    "model",
-    "revision",
-    "dummy",  # (a plan reads only the config: accepted so a run's flags plan as they are)
-    "dtype",
-    "gpu_mem",
-    "cpu_mem",
-    "nvme",
-    "profile",
-    "compress",
-    "kv_compress",
-    "prompt_len",
-)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = FlexibleArgumentParser(
         prog="offload-plan",
-        description="Find the placement and batch shape with the highest predicted throughput "
-        "that fits the memory caps, and explain it (only the model's config is read).",
+        description="Show the plan offload-run will use for the same flags and job: where "
+        "the weights, KV cache and activations live, the batch shape, and the job's "
+        "predicted time (only the model's config and tokenizer are read). Without -i, "
+        "--prompt or --chat it plans --num-prompts requests of --prompt-len tokens.",
     )
     add_version_flag(p)
-    add_engine_flags(p, FLAGS, required=("gpu_mem",))
-    add_sampling_flags(p, ("max_tokens",))
+    add_engine_flags(p, ENGINE_FIELDS)
+    add_vllm_flags(p.add_argument_group("vLLM's engine flags"), skip=PARALLEL_ALIASES)
+    add_input_flags(p)
+    add_sampling_flags(p)
+    add_parallel_flags(p, PARALLEL_ALIASES)
     p.add_argument(
         "--num-prompts",
         type=int,
-        help="requests in the job: the plan with the least predicted time for all of them "
-        "(the load and every block, a last partial block at its own size), and that time",
+        help="without a job input: requests of --prompt-len tokens in the job (the plan "
+        "with the least predicted time for all of them, and that time)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument(
-        "--tp",
-        type=int,
-        default=1,
-        help="tensor-parallel ranks: plan one rank's shard, --gpu-mem per GPU, --cpu-mem "
-        "for the node shared by the ranks (the all-reduce as offload-profile measured it)",
-    )
+    p.add_argument("--explain", action="store_true", help="show the chosen plan beside its ranked neighbours (the next batch shapes, weight and KV splits, the other formats allowed), each with its predicted job time, its bottleneck and, where it does not fit, the cap it breaks")  # fmt: skip
     p.add_argument("--gpus", type=int, help="compare one GPU, tensor parallelism over N and N data-parallel groups on this node, and recommend one (docs/parallel.md)")  # fmt: skip
     p.add_argument(
         "--verify",
@@ -92,97 +84,166 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plan(args) -> int:
     engine = engine_args(args)  # every flag judged before the machine is measured
-    args.prompt_len = engine.planned_prompt_len  # no job here: --prompt-len, else 512
-    args.gen_len = sampling_params(args, {}).max_tokens
+    flag_params = sampling_params(args, {})
     if args.num_prompts is not None and args.num_prompts < 1:
         raise UserError(f"--num-prompts must be positive, got {args.num_prompts}")
-    args.job = _job(args)
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before any search
         raise UserError("--plot needs matplotlib: pip install 'offload[plot]' (or matplotlib)")
-    spec = resolve_model(engine.model, dummy=True, revision=engine.revision)
-    model_cfg = cfg = spec.config
-    # (a hub id without --dummy plans from its preset's config, but runs its own tokenizer)
-    hub_run = spec.path is None and "/" in engine.model and not engine.dummy
-    args.token_note = f" ({BYTE_TOKENS})" if spec.byte_tokens and not hub_run else ""
-    args.checkpoint_bytes = spec.checkpoint_bytes()
-    if args.gpus is not None:  # one GPU, TP and DP side by side (a pre-quantized: no TP)
+    layout = _layout(args)
+    # the machine planned for: the one --profile describes, else this one
+    machine = Machine.profiled(HardwareProfile.from_file(engine.profile)) if engine.profile else None  # fmt: skip
+    device = machine.device if machine is not None else resolve_device(engine.device)
+    if args.gpus is not None:  # one GPU, TP and DP side by side
         from offload.cli import layouts
 
-        formats = weight_formats(spec.checkpoint_format(), engine.compress, engine.compressions())
-        return layouts.main(cfg, engine, args, formats, spec.checkpoint_format() is not None)
-    cpu_bytes = engine.cpu_bytes
-    if args.tp > 1:  # tensor parallelism: the per-rank plan (offload.parallel)
-        from offload.parallel import rank_config
-        from offload.policies.memory_limit import node_memory_limit
+        front = _front(engine, device)
+        job = _uniform_job(args, engine, flag_params.max_tokens, front)
+        return layouts.main(front, engine, args, job, machine)
+    rank_args = engine if layout is None else rank_engine(engine, layout.ranks, 0)[0]
+    front = _front(rank_args, device)
+    sized_args, found = _sized(args, rank_args, front, flag_params.max_tokens, layout, machine)
+    return _report(args, sized_args, front, found, layout)
 
-        cfg = rank_config(cfg, args.tp, 0)
-        cpu_bytes = (cpu_bytes or int(0.9 * node_memory_limit()[0])) // args.tp
-    # a pre-quantized checkpoint is planned in its own format
-    args.compressions = weight_formats(
-        spec.checkpoint_format(), engine.compress, engine.compressions()
-    )
+
+def _layout(args) -> Layout | None:
+    tp, dp = args.tp or 1, args.dp
+    if tp < 1 or dp < 1:
+        raise UserError(f"--tp and --dp must be positive, got {tp} and {dp}")
+    return None if tp * dp == 1 else Layout(tp, dp)
+
+
+def _front(engine, device) -> ModelFront:
+    """The model's front as offload-run builds it; a hub model that is not downloaded is
+    planned from its preset's config (the same shapes), said on stderr."""
+    try:
+        return ModelFront(engine, device)
+    except UserError as exc:
+        if engine.dummy or "--dummy" not in str(exc):
+            raise
+        print(f"offload-plan: {exc.args[0].split(', or pass')[0]}; planning from its preset's config", file=sys.stderr)  # fmt: skip
+        return ModelFront(engine.replace(dummy=True), device)
+
+
+def _uniform_job(args, engine, max_tokens, front: ModelFront) -> Job | None:
+    """--num-prompts requests of --prompt-len tokens (None: a full block, no job)."""
+    if args.num_prompts is None:
+        return None
+    gen_len = max_tokens or front.get_default_sampling_params().max_tokens or 256
+    return Job.uniform(args.num_prompts, engine.planned_prompt_len, gen_len)
+
+
+def _sized(args, engine, front, max_tokens, layout, machine) -> tuple:
+    """The plan offload-run makes for the same flags: for the job's requests (-i,
+    --prompt, --chat: measured with the model's tokenizer, `sizing`), else for
+    --num-prompts requests of --prompt-len tokens."""
+    if args.input is not None or args.prompt or args.chat:
+        source = sources.open_source(args, None)
+        try:
+            params = sampling_params(args, front.default_sampling)
+            shape = sizing.measure(front, source.requests(params), source.from_flags, args.skip_invalid)  # fmt: skip
+            sized = sizing.plan_for_job(
+                front, engine, shape, max_tokens, args.skip_invalid, layout, args.explain, machine
+            )
+        finally:
+            if source.spooled is not None:
+                source.spooled.unlink(missing_ok=True)
+        return sized.engine, sized.plan
+    job = _uniform_job(args, engine, max_tokens, front)
+    request = PlanRequest.build(front, engine, None, max_tokens, layout, job, args.explain and job is not None, machine)  # fmt: skip
+    return engine, plan(request)
+
+
+def _report(args, engine, front: ModelFront, found: Plan, layout: Layout | None) -> int:
+    """The plan as a table, or one JSON object."""
+    tp = layout.tp if layout is not None else 1
+    cfg = front.config if tp == 1 else _rank_cfg(front, tp)
+    args.prompt_len, args.gen_len, args.tp = found.prompt_len, found.gen_len, tp
+    args.dtype = str(front.dtype).removeprefix("torch.")
+    args.token_note = f" ({BYTE_TOKENS})" if front.spec.byte_tokens else ""
+    args.compressions = _formats(front, engine)
     args.kv_compressions = engine.kv_compressions()
-    choice = choose_policy(
-        cfg,
-        engine.dtype,
-        engine.gpu_bytes,
-        cpu_bytes,
-        engine.nvme,
-        args.prompt_len,
-        args.gen_len,
-        engine.profile,
-        args.num_prompts,
-        args.compressions,
-        args.kv_compressions,
-        announce=lambda msg: print(f"offload-plan: {msg}", file=sys.stderr),
-        tp=args.tp,
-        measure_machine=measure_profile,
-        top=VERIFY_TOP if args.verify else 1,
-        job=args.job,
-    )
-    best, hw, caps, dtype = choice.best, choice.profile, choice.caps, choice.dtype
+    if found.policy is None or found.profile is None:
+        return _whole(args, front, found)
+    hw, caps, dtype = found.profile, found.caps, front.dtype
+    best = estimate(cfg, found.policy, dtype, found.prompt_len, found.gen_len, hw, tp=tp)
+    args.job = found.prediction and _job_of(found)
     probed = []
     if args.verify:
-        probed = _verify(cfg, choice, engine, args)
+        probed = _verify(cfg, [best], dtype, engine, args, found)
         best = probed[0][0]
-    args.dtype = str(dtype).removeprefix("torch.")
-    store = _weight_store(model_cfg, dtype, engine.nvme, best.policy, args.tp)
+    store = _weight_store(front.config, dtype, engine.nvme, best.policy, tp)
     hint = format_hint(
         cfg, dtype, args.prompt_len, args.gen_len, hw, caps, best, args.compressions,
-        args.kv_compressions, args.job, args.tp,
+        args.kv_compressions, args.job, tp,
     )  # fmt: skip
     if store is not None and store["problem"]:  # said before the what-if searches
         also = f"; or {hint.text()}" if hint else ""
         print(f"offload-plan: problem: {store['problem']}{also}", file=sys.stderr)
     what_if = _what_if(cfg, dtype, args, hw, caps, best)
-    job = _job_prediction(cfg, dtype, args, hw, best, engine)
     if args.json:
         extra = {
             "weight_store": store,
-            "job": job and job.to_dict(),
+            "job": found.prediction and found.prediction.to_dict(),
             "format_hint": _hint_json(hint),
+            "caps": {"gpu_bytes": caps.gpu_bytes, "cpu_bytes": caps.cpu_bytes, "nvme": caps.nvme},
+            "made": found.made,
         }
+        if args.explain:
+            extra["candidates"] = [c.to_dict() for c in found.candidates]
         print(json.dumps({**plan_report.as_json(best, what_if, probed), **extra}, indent=1))
     else:
-        print(plan_report.table(cfg, args, hw, best, what_if, store, probed, hint, job))
+        text = plan_report.table(cfg, args, hw, best, what_if, store, probed, hint, found.prediction)  # fmt: skip
+        if args.explain:
+            text += "\n" + plan_report.candidates_table(found.candidates)
+        print(text)
     if args.plot:
         plan_report.plot(args.plot, cfg, dtype, args, hw, caps, best)
     return 0
 
 
-def _job(args) -> Job | None:
-    """--num-prompts: a job of that many requests at the planned lengths."""
-    if args.num_prompts is None:
-        return None
-    return Job.uniform(args.num_prompts, args.prompt_len, args.gen_len)
+def _rank_cfg(front: ModelFront, tp: int):
+    from offload.parallel import rank_config
+
+    return rank_config(front.config, tp, 0)
 
 
-def _job_prediction(cfg, dtype, args, hw, best: Estimate, engine) -> JobEstimate | None:
-    """--num-prompts: the job's predicted time under the plan, its load included."""
-    if args.job is None:
-        return None
-    checkpoint = 0 if engine.dummy else args.checkpoint_bytes // args.tp
-    return predict_job(cfg, best.policy, dtype, args.job, hw, engine.nvme, checkpoint, args.tp)
+def _formats(front: ModelFront, engine):
+    from offload.api.planning import weight_formats
+
+    return weight_formats(front.spec.weight_format(), engine.compress, engine.compressions())
+
+
+def _job_of(found: Plan) -> Job | None:
+    """The job the plan was predicted for, as its blocks (for the what-if comparisons)."""
+    assert found.prediction is not None
+    prompts, gens = [], []
+    for block, count, _ in found.prediction.blocks:
+        prompts += [block.prompt_len] * (block.rows * count)
+        gens += [block.gen_len] * (block.rows * count)
+    return Job(prompts, gens)
+
+
+def _whole(args, front: ModelFront, found: Plan) -> int:
+    """No offloading: the model runs whole on the device (or no profile prices it)."""
+    where = "the GPU" if front.device.type == "cuda" else "the CPU"
+    caps = found.caps
+    out = {
+        "policy": found.policy.to_dict() if found.policy else None,
+        "made": found.made,
+        "batch_size": found.batch_size,
+        "caps": {"gpu_bytes": caps.gpu_bytes, "cpu_bytes": caps.cpu_bytes, "nvme": caps.nvme},
+    }
+    if args.json:
+        print(json.dumps(out, indent=1))
+    elif found.policy is None:
+        print(
+            f"{front.config.name}: runs whole on {where} in {args.dtype}, {found.batch_size} "
+            f"sequences a batch; it fits this machine's memory ({caps.gpu_bytes / GB:.1f} GB), "
+            "so nothing is offloaded (give --gpu-mem, --cpu-mem or --nvme to plan offloading)"
+        )
+    else:
+        print(f"{front.config.name}: policy {found.policy.to_json()} (no hardware profile to price it: run offload-profile)")  # fmt: skip
+    return 0
 
 
 def _hint_json(hint: FormatHint | None) -> dict | None:
@@ -193,20 +254,15 @@ def _hint_json(hint: FormatHint | None) -> dict | None:
     )
 
 
-def _verify(cfg, choice, engine, args) -> list:
-    """Probe the searched plans on this machine; (estimate, probe), fastest measured first."""
+def _verify(cfg, ranked: list[Estimate], dtype, engine, args, found: Plan) -> list:
+    """Probe the plan on this machine; (estimate, probe), fastest measured first."""
     import torch
 
     if args.tp > 1:
         raise UserError("--verify probes one GPU's plan; drop --tp, or verify without it")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    print(
-        f"offload-plan: probing {len(choice.ranked)} plans ({PROBE_DEPTHS} layers each)",
-        file=sys.stderr,
-    )
-    probed = verify(
-        cfg, choice.ranked, choice.dtype, device, args.prompt_len, args.gen_len, engine.nvme
-    )
+    print(f"offload-plan: probing {len(ranked)} plans ({PROBE_DEPTHS} layers each)", file=sys.stderr)  # fmt: skip
+    probed = verify(cfg, ranked, dtype, device, found.prompt_len, found.gen_len, engine.nvme)
     spent = sum(probe.seconds_spent for _, probe in probed)
     print(f"offload-plan: probes took {spent:.1f} s", file=sys.stderr)
     return probed
@@ -258,7 +314,7 @@ def _what_if(cfg, dtype, args, hw, caps: Caps, best: Estimate) -> list[tuple[str
                 args.gen_len,
                 hw,
                 trial,
-                args.num_prompts,
+                None,
                 args.compressions,
                 args.kv_compressions,
                 args.tp,

@@ -143,6 +143,23 @@ def table(
     return "\n".join(lines)
 
 
+def candidates_table(candidates) -> str:
+    """offload-plan --explain: the chosen plan and its neighbours, ranked by predicted job
+    time (`policies.explain`)."""
+    lines = ["why this plan (ranked by the job's predicted time):"]
+    for c in candidates:
+        seconds = f"{c.job_seconds:8.1f} s" if c.job_seconds is not None else "    -     "
+        p = c.policy
+        shape = (
+            f"{p.num_gpu_batches} x {p.gpu_batch_size}, W {p.weights.gpu:.0%} GPU, "
+            f"KV {p.kv_cache.gpu:.0%} GPU, attn {'CPU' if p.attention_on_cpu else 'GPU'}, "
+            f"{_format(p.weight_compression)}/{_format(p.kv_compression)}"
+        )
+        mark = "*" if c.chosen else " "
+        lines.append(f" {mark} {seconds}  {c.change:34s} {shape:58s} {c.reason}")
+    return "\n".join(lines)
+
+
 def plot(path: Path, cfg, dtype, args, hw, caps: Caps, best: Estimate) -> None:
     try:
         import matplotlib

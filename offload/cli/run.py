@@ -61,23 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_version_flag(p)
     add_engine_flags(p, ENGINE_FIELDS)
     add_vllm_flags(p.add_argument_group("vLLM's engine flags"), skip=PARALLEL_ALIASES)
-    src = p.add_argument_group("input (one of)")
-    src.add_argument(
-        "--prompt", action="append", help="raw prompt text, never templated (repeatable)"
-    )
-    src.add_argument(
-        "--chat", action="append", help="a one-turn chat: the user's message (repeatable)"
-    )
-    src.add_argument(
-        "-i",
-        "--input",
-        "--prompts",
-        "--input-file",
-        dest="input",
-        type=Path,
-        help="JSONL of our format (id, prompt or messages, sampling fields), OpenAI Batch "
-        "lines (custom_id, method, url, body), or plain text one prompt a line; '-' reads stdin",
-    )
+    common.add_input_flags(p)
     p.add_argument(
         "-o", "--output", "--output-file", help="write results as JSONL here ('-' for stdout)"
     )
@@ -85,12 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the last traced step here (and of the last traced prefill beside it, <name>_prefill.json); with --tp/--dp one file a rank, <name>.rank<i>.json")  # fmt: skip
     p.add_argument("--trace-every", type=int, default=1, help="with --trace: trace one forward step in N (the others run untraced, with CUDA graphs where the plan has them)")  # fmt: skip
     p.add_argument("--restart", action="store_true", help="discard an unfinished job's results and start over")  # fmt: skip
-    p.add_argument("--skip-invalid", action="store_true", help="record unparsable lines, prompts too long for the context or the memory caps, and token ids outside the vocabulary, as errors and go on")  # fmt: skip
     p.add_argument("--stats", type=Path, help="write the run's summary as JSON here")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress bar; errors and results only")  # fmt: skip
-    # tensor / data parallelism (offload.parallel, docs/parallel.md)
-    p.add_argument("--tp", *PARALLEL_ALIASES["tensor_parallel_size"], type=int, default=None, help="tensor-parallel ranks, one per GPU (started through torch.distributed's elastic launcher; under torchrun: its world size / --dp)")  # fmt: skip
-    p.add_argument("--dp", *PARALLEL_ALIASES["data_parallel_size"], type=int, default=1, help="data-parallel groups of --tp ranks (needs --output)")  # fmt: skip
+    common.add_parallel_flags(p, PARALLEL_ALIASES)
     return p
 
 

@@ -2,7 +2,7 @@
 
     measure: every request encoded with the model's tokenizer and chat template (the
              front: no weights) -> the job's prompt lengths and generation budgets
-    plan_for_job: --prompt-len, else the job's longest prompt -> `planning.plan_run`
+    plan_for_job: --prompt-len, else the job's longest prompt -> `planning.plan`
              (search and fit checks) -> the plan, or a one-line refusal
 
 So a job whose prompts are longer than the plan allows is refused in seconds, not after
@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 
 from offload.api.args import EngineArgs
 from offload.api.front import ModelFront
-from offload.api.planning import Plan, plan_run
+from offload.api.planning import Plan, PlanRequest, plan
 from offload.core.errors import BadTokenIds, PromptTooLong, UserError
 from offload.jobs import job
 from offload.models.tokenizer import BYTE_TOKENS
+from offload.policies.caps import Machine
 from offload.policies.job import Job
 from offload.policies.node import Layout
 
@@ -127,14 +128,21 @@ def plan_for_job(
     gen_len: int | None,
     skip_invalid: bool,
     layout: Layout | None = None,
+    explain: bool = False,
+    machine: Machine | None = None,
 ) -> SizedPlan:
     """The plan for the job's prompts: --prompt-len when given (never below the job's
     longest prompt), else the job's longest. gen_len: new tokens to plan for when the
-    job has nothing to generate; layout: the plan of one rank of a parallel job
-    (`planning.plan_run`)."""
+    job has nothing to generate; layout: the plan of one rank of a parallel job;
+    explain: rank the plan's neighbours; machine: the one planned for (None: this one;
+    `planning.plan`)."""
+
+    def planned(sized: EngineArgs, gen: int | None, job: Job | None) -> Plan:
+        return plan(PlanRequest.build(front, sized, None, gen, layout, job, explain, machine))
+
     longest = shape.longest
     if longest is None:  # nothing to generate: the flags' lengths, or the defaults
-        return SizedPlan(engine, plan_run(front, engine, gen_len=gen_len, layout=layout))
+        return SizedPlan(engine, planned(engine, gen_len, None))
     if engine.prompt_len is not None:
         if engine.prompt_len < longest:
             raise UserError(
@@ -142,46 +150,36 @@ def plan_for_job(
                 f"--prompt-len is {engine.prompt_len}; raise --prompt-len to {longest} or "
                 "omit it (the plan is then sized for the job's longest prompt)"
             )
-        plan = plan_run(
-            front, engine, gen_len=shape.gen_len(engine.prompt_len), layout=layout, job=shape.job()
-        )
-        _log_sizing(plan, f"--prompt-len; the job's longest prompt has {longest}", front)
-        return SizedPlan(engine, plan)
+        found = planned(engine, shape.gen_len(engine.prompt_len), shape.job())
+        _log_sizing(found, f"--prompt-len; the job's longest prompt has {longest}", front)
+        return SizedPlan(engine, found)
     sized = engine.replace(prompt_len=longest)
     try:
-        plan = plan_run(
-            front, sized, gen_len=shape.gen_len(longest), layout=layout, job=shape.job()
-        )
+        found = planned(sized, shape.gen_len(longest), shape.job())
     except UserError as exc:
-        return _plan_what_fits(front, engine, shape, skip_invalid, exc, layout)
-    _log_sizing(plan, "the job's longest", front)
-    return SizedPlan(sized, plan)
+        return _plan_what_fits(shape, skip_invalid, exc, lambda n: _attempt(planned, engine, shape, n), front)  # fmt: skip
+    _log_sizing(found, "the job's longest", front)
+    return SizedPlan(sized, found)
+
+
+def _attempt(planned, engine: EngineArgs, shape: JobShape, prompt_tokens: int) -> SizedPlan | None:
+    """The plan for the job's prompts of up to `prompt_tokens` tokens (None: none fits)."""
+    sized = engine.replace(prompt_len=prompt_tokens)
+    try:
+        found = planned(sized, shape.gen_len(prompt_tokens), shape.job(prompt_tokens))
+    except UserError:
+        return None
+    return SizedPlan(sized, found, prompt_tokens)
 
 
 def _plan_what_fits(
-    front: ModelFront,
-    engine: EngineArgs,
-    shape: JobShape,
-    skip_invalid: bool,
-    error: UserError,
-    layout: Layout | None = None,
+    shape: JobShape, skip_invalid: bool, error: UserError, attempt, front: ModelFront
 ) -> SizedPlan:
     """The job's longest prompt has no plan: find the longest of its prompts that has
-    one (a plan search or fit check a try, halving), and refuse the longer ones, or with
-    skip_invalid plan for it and leave the longer ones to run_job as error results.
-    Nothing fits: the longest prompt's error, as it came."""
+    one (`attempt`: a plan search or fit check a try, halving), and refuse the longer
+    ones, or with skip_invalid plan for it and leave the longer ones to run_job as error
+    results. Nothing fits: the longest prompt's error, as it came."""
     lengths = shape.lengths()
-
-    def attempt(prompt_tokens: int) -> SizedPlan | None:
-        sized = engine.replace(prompt_len=prompt_tokens)
-        try:
-            runs = shape.job(prompt_tokens)
-            plan = plan_run(
-                front, sized, gen_len=shape.gen_len(prompt_tokens), layout=layout, job=runs
-            )
-        except UserError:
-            return None
-        return SizedPlan(sized, plan, prompt_tokens)
 
     fitting = attempt(lengths[0])
     if fitting is None:

@@ -197,6 +197,65 @@ def device_limits(device: torch.device) -> tuple[int, int]:
     return cpu, cpu
 
 
+@dataclass(frozen=True)
+class Machine:
+    """The machine a plan is for: the device it computes on, its (GPU, CPU) memory (the
+    caps of a run that gives none; on the CPU device both tiers are one memory), and what
+    a process holds there before any weights. `here`: this process's machine, measured;
+    `profiled`: the one a hardware profile describes (offload-plan --profile FILE)."""
+
+    device: torch.device
+    limits: tuple[int, int]
+    baseline: Baseline
+    where: str  # where the CPU memory figure comes from
+
+    @classmethod
+    def here(cls, device: torch.device) -> Machine:
+        where = node_memory_limit()[1]
+        return cls(device, device_limits(device), Baseline.measure(device), where)
+
+    @classmethod
+    def profiled(cls, hw: HardwareProfile) -> Machine:
+        device = torch.device("cuda" if hw.has_gpu else "cpu")
+        gpu = hw.gpu_mem_bytes if hw.has_gpu else hw.cpu_mem_bytes
+        where = f"the hardware profile's, measured on {hw.device_name}"
+        return cls(device, (gpu, hw.cpu_mem_bytes), Baseline.from_profile(hw), where)
+
+
+def default_cpu_bytes() -> int:
+    """The CPU budget of a search that is given none: the node's limit, less a tenth
+    that the OS, the page cache and other processes keep."""
+    return int(0.9 * node_memory_limit()[0])
+
+
+def whole_problem(
+    cfg: ModelConfig,
+    policy: Policy,
+    dtype: torch.dtype,
+    device: torch.device,
+    caps: Caps,
+    base: Baseline,
+    prompt_len: int,
+    max_new_tokens: int,
+) -> str | None:
+    """Why the whole model and a full block of `policy` do not fit the caps on `device`
+    (None: they fit). On the CPU device, its tier and the host's are one memory."""
+    plan = plan_memory(cfg, policy, dtype, prompt_len, max_new_tokens)
+    if device.type == "cuda":
+        return fit_problem(plan, caps, base)
+    assert caps.cpu_bytes is not None
+    need = plan.gpu_bytes + plan.cpu_bytes + base.process_bytes + HOST_SLACK_BYTES
+    if need <= caps.cpu_bytes:
+        return None
+    weights = sum(v for k, v in plan.detail.items() if k.startswith("weights_"))
+    return (
+        f"it needs {_gb(need)}: weights {_gb(weights)} in {str(dtype).removeprefix('torch.')}, "
+        f"the KV cache and activations of {policy.block_size} sequences of "
+        f"{prompt_len + max_new_tokens} tokens, this process {_gb(base.process_bytes)} and "
+        f"heap growth {_gb(HOST_SLACK_BYTES)}, but this machine has {_gb(caps.cpu_bytes)}"
+    )
+
+
 def cpu_only_caps(cpu_bytes: int, base: Baseline) -> tuple[int, int]:
     """(device, host) caps of a run without a GPU given only a CPU cap: the CPU computes,
     so the plan's device tier is host memory too. The host keeps what it holds whatever
@@ -205,16 +264,18 @@ def cpu_only_caps(cpu_bytes: int, base: Baseline) -> tuple[int, int]:
     return device, cpu_bytes - device
 
 
-def check_caps_within_machine(caps: Caps, device: torch.device) -> None:
+def check_caps_within_machine(
+    caps: Caps, device: torch.device, machine: Machine | None = None
+) -> None:
     """A cap above what the machine has is a promise the search would plan for and the
     engine could not keep (its fit check holds the smaller): refused before any search.
     Only the CPU's, and on a GPU the GPU's (on the CPU device the GPU cap is a share of
     the same memory)."""
-    gpu, cpu = device_limits(device)
+    gpu, cpu = machine.limits if machine is not None else device_limits(device)
     if caps.cpu_bytes is not None and caps.cpu_bytes > cpu:
         raise UserError(
             f"--cpu-mem {_gb(caps.cpu_bytes)} is more than this machine has "
-            f"({_gb(cpu)}, {node_memory_limit()[1]}); lower it, or leave it out to plan for "
+            f"({_gb(cpu)}, {machine.where if machine is not None else node_memory_limit()[1]}); lower it, or leave it out to plan for "
             "this machine's memory"
         )
     if device.type == "cuda" and caps.gpu_bytes is not None and caps.gpu_bytes > gpu:
@@ -266,14 +327,16 @@ def check_weights_fit(
     device: torch.device,
     caps: Caps,
     base: Baseline,
+    limits: tuple[int, int] | None = None,
 ) -> None:
-    """Before loading: the weights' share of each tier (homes, ring slots, staging) fits."""
+    """Before loading: the weights' share of each tier (homes, ring slots, staging) fits
+    (limits: the machine's (GPU, CPU) memory, default this one's)."""
     if policy.weights.disk > 0 and not caps.nvme:
         raise UserError("the policy puts weights on disk; give --nvme DIR for the weight store")
     if policy.kv_cache.disk > 0 and not caps.nvme:
         raise UserError("the policy puts KV cache on disk; give --nvme DIR for the spill file")
     plan = MemoryPlan.from_detail(weight_plan(cfg, policy, dtype))
-    problem = fit_problem(plan, caps, base, device_limits(device))
+    problem = fit_problem(plan, caps, base, limits or device_limits(device))
     if problem:
         raise UserError(
             f"the policy's weights do not fit: {problem}; raise the cap or move weights to "
@@ -290,10 +353,11 @@ def check_block_fits(
     base: Baseline,
     prompt_len: int,
     max_new_tokens: int,
+    limits: tuple[int, int] | None = None,
 ) -> None:
     """Before generating: weights, KV cache and activations of a full block fit."""
     plan = plan_memory(cfg, policy, dtype, prompt_len, max_new_tokens)
-    problem = fit_problem(plan, caps, base, device_limits(device))
+    problem = fit_problem(plan, caps, base, limits or device_limits(device))
     if problem:
         raise UserError(
             f"the policy does not fit prompt {prompt_len} + {max_new_tokens} new tokens in a "
