@@ -34,7 +34,6 @@ from offload.policies.caps import (
     check_block_fits,
     check_caps_within_machine,
     check_weights_fit,
-    cpu_only_caps,
     default_cpu_bytes,
     whole_problem,
 )
@@ -262,10 +261,8 @@ def _search(
 
     front, args, layout = request.front, request.args, request.layout or Layout()
     cfg, prompt_len, gen_len = request.config, request.prompt_len, request.gen_len
-    if machine.device.type == "cpu" and caps.gpu_bytes is None and caps.cpu_bytes is not None:
-        # one memory: the device's and the host's tiers share the CPU cap
-        split = cpu_only_caps(caps.cpu_bytes, machine.baseline)
-        caps = Caps(*split, nvme=caps.nvme, shared_weights=caps.shared_weights)
+    # (on the CPU device without a GPU cap, the search splits the CPU cap between the
+    # device's tier and the host's by the profile's baseline: `caps.cpu_only_caps`)
     if machine.device.type == "cuda" and caps.gpu_bytes is None:  # the whole card
         caps = dataclasses.replace(caps, gpu_bytes=machine.limits[0])
     choice = choose_policy(

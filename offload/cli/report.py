@@ -70,6 +70,8 @@ def summary(llm: LLM, stats: JobStats, load_seconds: float) -> dict[str, Any]:
         "policy": llm.policy.to_dict() if llm.policy else None,
         "planned_for": _planned_for(llm),
         "predicted": _predicted(llm),
+        # the chosen plan and its ranked neighbours (`policies.explain`)
+        "candidates": [c.to_dict() for c in llm.plan.candidates],
         "peak_memory": peak_memory(llm),
         "memory": llm.runner.memory_report(),
         "experts": llm.runner.expert_report(),

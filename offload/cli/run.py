@@ -106,7 +106,10 @@ def _run_job(args, engine, flag_params, output, source: sources.Source) -> int:
     params = sampling_params(args, front.default_sampling)
     log.info("%s", common.describe_sampling(args, front.default_sampling))
     shape = sizing.measure(front, source.requests(params), source.from_flags, args.skip_invalid)
-    sized = sizing.plan_for_job(front, engine, shape, flag_params.max_tokens, args.skip_invalid)
+    sized = sizing.plan_for_job(
+        front, engine, shape, flag_params.max_tokens, args.skip_invalid,
+        explain=args.stats is not None,
+    )  # fmt: skip
     fingerprint = common.fingerprint(args, engine, params, source.sha256, sized.plan.policy)
     sink = sources.open_sink(output, fingerprint, args.restart, source.total)
     started = time.perf_counter()

@@ -101,11 +101,17 @@ def neighbours(
         if isinstance(policy, str):  # a format with no plan that fits: its refusal
             out.append(Candidate(chosen, change, None, None, f"no plan fits: {policy}"))
             continue
-        if _key(policy) in seen:
+        if _key(policy) in seen or not _in_grid(policy, job):
             continue
         seen.add(_key(policy))
         out.append(_judged(_price(pricing, policy, change), best.job_seconds))
     return sorted(out, key=lambda c: (c.job_seconds is None, c.job_seconds or 0.0))
+
+
+def _in_grid(policy: Policy, job: Job) -> bool:
+    """The search's own bound (`search.candidates`): no block of several micro-batches
+    larger than the job."""
+    return policy.num_gpu_batches == 1 or policy.block_size <= max(job.count, 1)
 
 
 def _key(policy: Policy) -> str:
