@@ -187,3 +187,21 @@ def test_cuda_graph_decode_gives_the_eager_tokens(case, tiny_checkpoints, tmp_pa
                     llm.runner._drop_graphs()
                 assert _tokens(llm) == want, f"{case} under {name}, graphs {graphs}"
                 assert bool(llm.runner._graphs) == graphs, name
+
+
+def test_every_supported_model_type_is_priced_from_a_measured_figure():
+    """Each supported model type has a family record (`core.family`) whose elementwise
+    probe is one the profile measures (`executor.fixed_costs.ELEMENTWISE_CONFIGS`), and
+    a profile without that figure prices it from the figures it has, never at zero."""
+    from offload.core.config import SUPPORTED_MODEL_TYPES, family_name
+    from offload.core.family import FAMILIES, PROBED
+    from offload.executor.fixed_costs import ELEMENTWISE_CONFIGS
+    from offload.policies.cost import _elementwise
+
+    assert set(PROBED) == set(ELEMENTWISE_CONFIGS)
+    for model_type in SUPPORTED_MODEL_TYPES:
+        record = FAMILIES[family_name(model_type)]
+        assert record.elementwise_probe in ELEMENTWISE_CONFIGS, model_type
+    cfg = ModelConfig.from_hf(PRESETS["opt-6.7b"], "opt-6.7b")
+    assert _elementwise({"opt": 2.0, "llama": 5.0}, cfg) == 2.0
+    assert _elementwise({"llama": 5.0, "bloom": 3.0}, cfg) == 5.0  # an older profile

@@ -49,7 +49,16 @@ def _job_file(path, count: int, seed: int) -> str:
 CASES = {
     "gpu and cpu caps": ["--gpu-mem", "2MB", "--cpu-mem", "3GB"],
     "a cpu cap alone": ["--cpu-mem", "3GB"],
-    "int8 weights and KV": ["--gpu-mem", "1GB", "--cpu-mem", "3GB", "--compress", "int8", "--kv-compress", "int8"],  # fmt: skip
+    "int8 weights and KV": [
+        "--gpu-mem",
+        "1GB",
+        "--cpu-mem",
+        "3GB",
+        "--compress",
+        "int8",
+        "--kv-compress",
+        "int8",
+    ],
     "formats to choose among": ["--gpu-mem", "2MB", "--cpu-mem", "3GB", "--compress", "auto"],
 }
 
@@ -107,9 +116,7 @@ def test_the_plan_explains_itself(model_dir, profile, tmp_path, capsys):
     assert "why this plan" in capsys.readouterr().out
 
 
-def test_without_caps_a_model_larger_than_this_machine_is_refused_before_the_load(
-    capsys, no_load
-):
+def test_without_caps_a_model_larger_than_this_machine_is_refused_before_the_load(capsys, no_load):
     """No caps: the caps are this machine's. OPT-30B whole in float32 (120 GB) on a CPU
     with 24 GB is refused in one line with the fix, before anything loads; the kernel
     never kills the run."""

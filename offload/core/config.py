@@ -32,6 +32,7 @@ import torch
 
 from offload.core import families, moe_config
 from offload.core.errors import UserError
+from offload.core.family import Family, family
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -81,6 +82,12 @@ class RopeScaling:
                 f"rope scaling type {self.rope_type!r} is not supported; "
                 f"supported: {', '.join(ROPE_TYPES)}"
             )
+
+
+def family_name(model_type: str) -> str:
+    """The family (`core.family`) a supported model type's layers belong to."""
+    name = "llama" if model_type in LLAMA_LIKE else model_type
+    return families.FAMILY_OF.get(name, name)
 
 
 @dataclass(frozen=True)
@@ -155,9 +162,7 @@ class ModelConfig:
                 f"model type {self.model_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        family = "llama" if self.model_type in LLAMA_LIKE else self.model_type
-        family = families.FAMILY_OF.get(family, family)
-        object.__setattr__(self, "family", family)
+        object.__setattr__(self, "family", family_name(self.model_type))
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -174,19 +179,23 @@ class ModelConfig:
 
     # -- derived facts --------------------------------------------------------------
     @property
+    def record(self) -> Family:
+        """The family's record (`core.family`): its layer's parts and its pricing."""
+        return family(self.family)
+
+    @property
     def norm_kind(self) -> str:
         """`kernels.norm`'s kind: "rms", "rms_offset" (Gemma's (1 + w)) or "layer"."""
-        return {"llama": "rms", "gemma": "rms_offset"}.get(self.family, "layer")
+        return self.record.norm
 
     @property
     def activation(self) -> str:
-        kinds = {"llama": "silu", "gemma": "gelu_tanh", "bloom": "gelu_tanh", "falcon": "gelu"}
-        return kinds.get(self.family, "relu")
+        return self.record.activation
 
     @property
     def rotary(self) -> bool:
         """Rotary position embeddings; BLOOM and OPT add ALiBi or learned positions."""
-        return self.family in ("llama", "gemma", "falcon")
+        return self.record.positions == "rope"
 
     @property
     def rotary_dim(self) -> int:
@@ -195,12 +204,12 @@ class ModelConfig:
 
     @property
     def gated_mlp(self) -> bool:
-        return self.family in ("llama", "gemma")
+        return self.record.gated_mlp
 
     @property
     def has_linear_bias(self) -> bool:
         """o-proj and MLP biases (BLOOM, OPT and Falcon with `bias`; not Llama or Gemma)."""
-        return self.family in ("bloom", "opt") or self.linear_bias
+        return self.record.linear_bias or self.linear_bias
 
     @property
     def has_mlp_norm(self) -> bool:

@@ -295,7 +295,7 @@ def _decode_compute_s(
     )
     kernels += hw.attention_seconds(policy.kv_compression, kv_hbm, gpu_attended, gpu_pairs)
     # the layer's other kernels and the gaps between them, a micro-batch
-    kernels += micro * hw.decode_elementwise_s.get(_probed_family(cfg), 0.0)
+    kernels += micro * _elementwise(hw.decode_elementwise_s, cfg)
     params, _ = fetched_params(cfg)
     compute = max(2 * n_seqs * params / (hw.decode_tflops * 1e12), kernels)
     compute += allreduce_s(cfg, hw, tp, n_seqs, micro, shape.elt)
@@ -349,7 +349,7 @@ def _prefill_s(
     compute = (
         _prefill_matmul_s(cfg, policy, hw, shape.sizes, prompt_len, shape.layer_w)
         + attn_flops / (hw.prefill_attention_rate() * 1e12)
-        + tokens * cfg.hidden_size * hw.prefill_elementwise_s.get(_probed_family(cfg), 0.0)
+        + tokens * cfg.hidden_size * _elementwise(hw.prefill_elementwise_s, cfg)
         + allreduce_s(cfg, hw, tp, tokens, micro, shape.elt)
     )
     rows_off = shape.rows(1) + shape.rows(2)
@@ -429,11 +429,11 @@ def _offgpu_chain_s(graphs: bool, hw: HardwareProfile, tp: int, disk: bool = Fal
     return hw.offgpu_kv_graph_s if graphs and hw.offgpu_kv_graph_s else hw.offgpu_kv_s
 
 
-# families the elementwise probe does not run (`executor.probe.elementwise`), rated as
-# the probed family nearest in their layers' work besides matmuls and attention: Gemma
-# as Llama (RMS norms, a gated MLP, RoPE), Falcon as BLOOM (LayerNorm, GELU)
-_ELEMENTWISE_LIKE = {"gemma": "llama", "falcon": "bloom"}
-
-
-def _probed_family(cfg: ModelConfig) -> str:
-    return _ELEMENTWISE_LIKE.get(cfg.family, cfg.family)
+def _elementwise(figures: dict[str, float], cfg: ModelConfig) -> float:
+    """A layer's measured elementwise time for the family's probe (`core.family`); a
+    profile measured before that probe ran: the largest figure it has (an upper bound
+    among the probed families), never a silent zero."""
+    probe = cfg.record.elementwise_probe
+    if probe in figures:
+        return figures[probe]
+    return max(figures.values(), default=0.0)
