@@ -87,7 +87,7 @@ class PaddedBatch:
             rope = None if rotary is None else rotary.cos_sin(positions, dtype, longest)
             causal = (
                 self.unpadded
-                and self.cfg.family != "bloom"  # ALiBi
+                and self.cfg.record.positions != "alibi"
                 and (window is None or window >= end)
             )
             return StepInputs(positions, bias, cache_start, rope, causal)

@@ -122,7 +122,7 @@ def embed(
         x = parallel.embed(token_ids, table)
     if "proj_in.weight" in w:
         x = F.linear(x, w["proj_in.weight"])
-    if cfg.family == "opt":
+    if cfg.record.positions == "learned":
         x = x + F.embedding(positions.clamp(min=0) + OPT_POSITION_OFFSET, w["pos.weight"])
     if cfg.family == "bloom":
         x = norm(x, w["embed_norm.weight"], w["embed_norm.bias"], "layer", cfg.norm_eps)

@@ -176,7 +176,7 @@ def attention_bias(
     bias = torch.zeros(allowed.shape, dtype=dtype, device=device)
     bias.masked_fill_(~allowed, torch.finfo(dtype).min)
     bias = bias[:, None]
-    if cfg.family == "bloom":
+    if cfg.record.positions == "alibi":
         slopes = torch.tensor(alibi_slopes(cfg.num_heads), dtype=torch.float32, device=device)
         alibi = slopes[None, :, None, None] * key_pos[:, None, None, :].float()
         bias = bias + alibi.to(dtype)

@@ -243,7 +243,7 @@ def activation_plan(
     # the step's attention bias [B, 1|heads, T, S] and RoPE's cos and sin [B, T, D],
     # built once for the whole block (`batch.PaddedBatch.step_inputs`); twice where the
     # windowed layers have their own (`StepInputs.local`)
-    heads = cfg.num_heads if cfg.family == "bloom" else 1
+    heads = cfg.num_heads if cfg.record.positions == "alibi" else 1  # a bias a head
     step = batch * heads * prompt_len * max_slots * elt
     if cfg.rotary:
         step += 2 * batch * prompt_len * cfg.rotary_dim * elt
