@@ -8,6 +8,10 @@ format offload cannot read refused by name before the load."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +38,7 @@ from offload.policies.policy import Placement, Policy
 from tests import fp8_checkpoints
 from tests.tiny_models import hf_logits, prefill_logits
 
+ROOT = Path(__file__).resolve().parent.parent
 FP8 = Compression(8, 128, True, head=False, fp8=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34], [300, 1, 2, 250]]
 STEPS = 8
@@ -239,3 +244,51 @@ def test_a_format_offload_cannot_read_is_refused_in_one_line(change, named, chec
     assert "\n" not in str(refused.value)
     with pytest.raises(UserError, match=named):
         LLM(edited, device="cpu", dtype="float32")
+
+
+def test_fp8_kernels_match_their_reference_interpreted():
+    """The Triton matmul and dequantization (`tests/fp8_cases.py`) under the interpreter,
+    in a subprocess: TRITON_INTERPRET is read at import."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "tests.fp8_cases"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.gpu
+def test_fp8_kernels_match_their_reference_compiled():
+    """The same cases compiled, bfloat16 too; on FP8 GPUs both decodings of e4m3."""
+    from tests import fp8_cases
+
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    failed = fp8_cases.dequant_cases("cuda", dtypes) + fp8_cases.matmul_cases("cuda", dtypes)
+    assert failed == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["qwen2-edges", "mixtral"])
+def test_cuda_runs_compute_with_the_fp8_codes(case, checkpoints, tmp_path):
+    """On CUDA the kernel multiplies the checkpoint's codes: float32 logits within 1e-4
+    of transformers' class on the dequantized weights, bfloat16 within 2e-2; streamed
+    weights (a split with its disk part) give the plain CUDA run's tokens."""
+    directory, dense, _ = checkpoints[case]
+    reference = _reference(dense)
+    for dtype, bound in (("float32", 1e-4), ("bfloat16", 2e-2)):
+        llm = LLM(str(directory), device="cuda", dtype=dtype, batch_size=4)
+        assert isinstance(llm.runner.layer_w[0]["qkv.weight"], QTensor)
+        ours, batch = prefill_logits(llm, PROMPTS)
+        ref = hf_logits(reference, batch.prompt_ids, batch.key_valid[:, : batch.prompt_len])
+        for row, prompt in enumerate(PROMPTS):
+            real = slice(batch.prompt_len - len(prompt), batch.prompt_len)
+            error = (ours[row, real] - ref[row, real]).norm() / ref[row, real].norm()
+            assert error <= bound, f"{dtype} prompt {row}: relative logit error {error:.2e}"
+        llm.close()
+    plain = LLM(str(directory), device="cuda", dtype="bfloat16", batch_size=8)
+    want = [o.token_ids for o in plain.generate(PROMPTS, PARAMS)]
+    plain.close()
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Placement(0.3, 0.4, 0.3),
+                    weight_compression=FP8)  # fmt: skip
+    with LLM(str(directory), device="cuda", dtype="bfloat16", policy=policy, nvme=tmp_path) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == want
