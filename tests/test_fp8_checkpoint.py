@@ -29,11 +29,13 @@ from offload.api.llm import LLM
 from offload.api.planning import weight_formats
 from offload.core.errors import UserError
 from offload.core.sampling import SamplingParams
-from offload.io.layout import stage_layout
+from offload.io.layout import stage_image_bytes, stage_layout
 from offload.kernels.formats import Compression
 from offload.kernels.quant import QTensor, dequantize
 from offload.models.checkpoint import CheckpointSource
 from offload.models.resolve import resolve_model
+from offload.policies.cost_moe import streamed_bytes
+from offload.policies.memory import weight_plan
 from offload.policies.policy import Placement, Policy
 from tests import fp8_checkpoints
 from tests.tiny_models import hf_logits, prefill_logits
@@ -191,6 +193,12 @@ def test_offloaded_runs_stream_the_fp8_codes(case, checkpoints, tmp_path):
     assert slots[big + ".scale"] == 4 * out_rows * -(-in_cols // 128)
     head = {t.name: t.nbytes for t in stage_layout(cfg, "head", torch.bfloat16, FP8)}
     assert head["lm_head.weight"] == 2 * cfg.vocab_size * cfg.hidden_size  # dense
+    # the memory plan holds those images; the cost model streams a layer at 0.53 of bf16
+    plan = weight_plan(cfg, policies[0], torch.bfloat16)
+    held = sum(plan[f"weights_{tier}"] for tier in ("gpu", "cpu", "disk"))
+    assert held == sum(stage_image_bytes(cfg, torch.bfloat16, FP8))
+    fp8_layer, bf16_layer = (streamed_bytes(cfg, torch.bfloat16, c)[1] for c in (FP8, None))
+    assert fp8_layer < 0.55 * bf16_layer
 
 
 def test_compress_int4_converts_from_the_dequantized_values(checkpoints, tmp_path):
