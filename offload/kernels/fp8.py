@@ -27,6 +27,7 @@ a time, and multiplied by cuBLAS (`qmatmul`'s scheme for int4 and int8).
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -80,6 +81,7 @@ def linear_reference(
     return out
 
 
+@functools.cache
 def native(device: torch.device) -> bool:
     """The GPU converts e4m3 itself (compute capability 8.9 on)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
@@ -147,7 +149,7 @@ DEQUANT_ROWS = 32  # W rows a dequantizing program writes
 
 def _block_n(m: int, n: int, block_m: int, device: torch.device) -> int:
     """The widest N tile that still gives every SM two programs (16 at the narrowest)."""
-    wanted = 2 * (sm_count(device) if device.type == "cuda" else 1)
+    wanted = 2 * sm_count(device)
     for block_n in (128, 64, 32):
         if -(-m // block_m) * -(-n // block_n) >= wanted:
             return block_n
