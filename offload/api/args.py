@@ -75,6 +75,8 @@ def compression_text(compression: Compression | None) -> str:
     int8-g128-sym, ..."""
     if compression is None:
         return "none"
+    if compression.fp8:  # a checkpoint's format (`models.fp8_checkpoint`), not a flag's
+        return "fp8"
     group = "" if compression.group_size == 64 else f"-g{compression.group_size}"
     return f"int{compression.bits}{group}{'-sym' if compression.symmetric else ''}"
 

@@ -77,6 +77,8 @@ def _experts_lines(x: dict) -> list[str]:
 def _format(c) -> str:
     if c is None:
         return "none"
+    if c.fp8:
+        return f"fp8-b{c.group_size}"
     return f"int{c.bits}-g{c.group_size}{'-sym' if c.symmetric else ''}"
 
 

@@ -20,7 +20,7 @@ from offload.core.progress import tracked
 from offload.io.tiers import Tier
 from offload.kernels import cpu_attention
 from offload.kernels.formats import Compression
-from offload.kernels.quant import QTensor, fake_quantize, is_quantized
+from offload.kernels.quant import QTensor, dequantize, fake_quantize, is_quantized
 from offload.models import decoder, ops
 from offload.models.attention import LayerKV
 from offload.models.batch import PaddedBatch
@@ -31,15 +31,17 @@ from offload.models.weights import WeightSource
 
 def _compressed(weights: Weights, config: Compression | None) -> Weights:
     """The values a compressed run computes with (quantize, dequantize); a pre-quantized
-    checkpoint's matrices (`QTensor`s) are those values already."""
+    checkpoint's matrices (`QTensor`s) are those values already, an fp8 checkpoint's in
+    another format are converted from their dequantized values."""
     if config is None:
         return weights
-    return {
-        k: fake_quantize(v, config)
-        if is_quantized(k, tuple(v.shape), config) and not isinstance(v, QTensor)
-        else v
-        for k, v in weights.items()
-    }
+    out = {}
+    for k, v in weights.items():
+        if isinstance(v, QTensor) and v.config.fp8 and v.config != config:
+            v = dequantize(v)
+        quantize = is_quantized(k, tuple(v.shape), config) and not isinstance(v, QTensor)
+        out[k] = fake_quantize(v, config) if quantize else v
+    return out
 
 
 log = logging.getLogger(__name__)

@@ -91,6 +91,8 @@ class Extent:
 def compression_name(compression: Compression | None) -> str | None:
     if compression is None:
         return None
+    if compression.fp8:
+        return f"fp8-b{compression.group_size}"
     kind = "sym" if compression.symmetric else "asym"
     kind = "zp" if compression.zero_point else kind
     head = "" if compression.head else "-dense-head"

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from offload.kernels import qmatmul_wgmma
+from offload.kernels import fp8, qmatmul_wgmma
 from offload.kernels.launch import (
     Launcher,
     arrival_counters,
@@ -127,7 +127,10 @@ def qlinear(
 
     tiles overrides `tiles_for` and always runs the fused Triton kernel (the kernel
     benchmark's sweeps), never `qmatmul_wgmma`; scratch_bytes: the most of W
-    dequantized at once from DENSE_ROWS rows (`dense_scratch_bytes`)."""
+    dequantized at once from DENSE_ROWS rows (`dense_scratch_bytes`). An fp8 W takes
+    `fp8.linear`."""
+    if w.config.fp8:
+        return fp8.linear(x, w, bias, scratch_bytes, relu, residual)
     if not use_kernel(x):
         return qlinear_reference(x, w, bias, relu, residual)
     n, k = w.shape

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from offload.core.errors import UserError
+from offload.kernels import fp8
 from offload.kernels.formats import Compression
 
 
@@ -65,7 +67,9 @@ def quantize(t: torch.Tensor, config: Compression) -> QTensor:
     """Scales multiply by the reciprocal of the level count: torch on CUDA divides by a
     Python number that way and on the CPU truly divides, so this is the arithmetic that
     is the same on every device (and in the cache's quantizing kernel). Groups are
-    independent, so a large tensor is quantized a slice of rows at a time, bit-exactly."""
+    independent, so a large tensor is quantized a slice of rows at a time, bit-exactly.
+    (fp8 is a checkpoint's format, read as shipped: nothing quantizes to it.)"""
+    assert not config.fp8, "fp8 weights come from a checkpoint (`models.fp8_checkpoint`)"
     if t.dim() < 2 or t.numel() <= QUANT_SLICE_ELEMENTS:
         return _quantize(t, config)
     rows = max(1, QUANT_SLICE_ELEMENTS // (t.numel() // t.shape[0]))
@@ -115,6 +119,8 @@ def _quantize(t: torch.Tensor, config: Compression) -> QTensor:
 
 
 def dequantize(q: QTensor) -> torch.Tensor:
+    if q.config.fp8:
+        return fp8.dequantize(q.codes, q.scale, q.config, q.dtype)
     codes = unpack_int4(q.codes) if q.config.bits == 4 else q.codes
     values = codes.float()
     if q.config.symmetric:
@@ -171,14 +177,15 @@ def is_quantized(name: str, shape: tuple[int, ...], config: Compression | None) 
     if config is None or (name == "lm_head.weight" and not config.head):
         return False
     matrix = name in MATRICES or name.endswith(EXPERT_MATRICES)
-    return matrix and shape[-1] % config.group_size == 0
+    return matrix and (config.fp8 or shape[-1] % config.group_size == 0)
 
 
 def stored_layout(
     shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, config: Compression | None
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of what a stage stores: a quantized matrix W [N, K] becomes
-    codes W [N, K / G, G x bits / 8] uint8, W.scale (and W.min) [N, K / G, 1] fp16."""
+    codes W [N, K / G, G x bits / 8] uint8, W.scale (and W.min) [N, K / G, 1] fp16;
+    fp8 (`kernels.fp8`): codes W [N, K] uint8 and W.scale [N, ceil(K / G)] float32."""
     out = {}
     for name, shape in shapes.items():
         if not is_quantized(name, shape, config):
@@ -186,6 +193,10 @@ def stored_layout(
             continue
         assert config is not None
         *lead, k = shape
+        if config.fp8:
+            out[name] = (tuple(shape), torch.uint8)
+            out[name + SCALE] = ((*lead, fp8.blocks(k, config)), torch.float32)
+            continue
         groups = k // config.group_size
         out[name] = ((*lead, groups, config.group_size * config.bits // 8), torch.uint8)
         out[name + SCALE] = ((*lead, groups, 1), torch.float16)
@@ -198,9 +209,14 @@ def compress_stage(
     weights: dict[str, torch.Tensor], config: Compression | None
 ) -> dict[str, torch.Tensor]:
     """A stage's weights as stored: quantized matrices split into codes and parameters
-    (a `QTensor` already in the format, a pre-quantized checkpoint's, as it is)."""
+    (a `QTensor` already in the format, a pre-quantized checkpoint's, as it is; an fp8
+    checkpoint's in another format converted from its dequantized values)."""
     out = {}
     for name, t in weights.items():
+        if isinstance(t, QTensor) and t.config.fp8 and t.config != config:
+            t = dequantize(t)
+        if config is not None and config.fp8 and is_quantized(name, tuple(t.shape), config):
+            _require_fp8(name, t)
         if not is_quantized(name, tuple(t.shape), config):
             assert not isinstance(t, QTensor), f"{name} is quantized, the stage's format not"
             out[name] = t
@@ -212,6 +228,16 @@ def compress_stage(
         if q.minimum is not None:
             out[name + MINIMUM] = q.minimum
     return out
+
+
+def _require_fp8(name: str, t: torch.Tensor | QTensor) -> None:
+    """An fp8 stage holds its matrices as the checkpoint's codes: a matrix the checkpoint
+    ships dense has no fp8 form here."""
+    if not isinstance(t, QTensor):
+        raise UserError(
+            f"{name} is not fp8 in this checkpoint while its other layer matrices are; "
+            "run it converted (--compress int8 or int4)"
+        )
 
 
 def assemble_stage(

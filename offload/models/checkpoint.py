@@ -16,7 +16,6 @@ from safetensors import SafetensorError, safe_open
 
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
-from offload.kernels.quant import is_quantized
 from offload.models import family_names, prequant
 from offload.models.shapes import Part, Parts, Weights
 from offload.models.weights import WeightSource
@@ -192,7 +191,7 @@ class CheckpointSource(WeightSource):
     def __init__(self, directory: Path, config: ModelConfig) -> None:
         self.config = config
         self.reader = SafetensorsReader(directory)
-        self.quant = prequant.format_of(directory)  # GPTQ, AWQ, compressed-tensors
+        self.quant = prequant.format_of(directory)  # GPTQ, AWQ, compressed-tensors, fp8
 
     def stored_stage(
         self, stage: str, index: int, dtype: torch.dtype, device: torch.device
@@ -210,7 +209,7 @@ class CheckpointSource(WeightSource):
         try:
             for canon, hf_names in names.items():
                 shape = wanted[canon]
-                if self.quant is not None and is_quantized(canon, shape, self.quant.compression):
+                if self.quant is not None and prequant.reads(self.reader, self.quant, canon, hf_names, shape):  # fmt: skip
                     assert canon not in parts, "a pre-quantized checkpoint is read whole (no --tp)"
                     q = prequant.load_matrix(self.reader, self.config, self.quant, canon, hf_names, shape)  # fmt: skip
                     out[canon] = prequant.to(q, dtype, device)

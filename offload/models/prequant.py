@@ -25,6 +25,9 @@ Ours: codes uint8 [N, K/G, G/2] (two codes a byte along K, low nibble first), sc
 minimum fp16 [N, K/G, 1]. GPTQ's and compressed-tensors' words are ours as bytes (a
 transpose); AWQ's are unpacked and packed again.
 
+FP8 block-scaled checkpoints (DeepSeek's, Kimi's) are read by `fp8_checkpoint`, per
+tensor, into our fp8 format (`kernels.fp8`).
+
 Act order (GPTQ desc_act, compressed-tensors actorder) is read where its g_idx keeps
 groups in order, and refused where it permutes channels across groups (our groups are
 consecutive input channels: the matmul would need the activations permuted).
@@ -43,11 +46,11 @@ import torch
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
 from offload.kernels.formats import Compression
-from offload.kernels.quant import QTensor, pack_int4
-from offload.models import family_names
+from offload.kernels.quant import QTensor, is_quantized, pack_int4
+from offload.models import family_names, fp8_checkpoint
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column of nibble i of an AWQ word
-METHODS = ("gptq", "awq", "compressed-tensors")
+METHODS = ("gptq", "awq", "compressed-tensors int4", "fp8 with 128 x 128 block scales")
 ORIGINAL = (
     "use the model's unquantized (bf16/fp16) checkpoint; --compress int4 or int8 then "
     "quantizes it here"
@@ -87,11 +90,11 @@ def read_format(hf: dict[str, Any]) -> QuantFormat | None:
     if not qc:
         return None
     method = qc.get("quant_method")
-    readers = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors}
+    readers = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors, "fp8": _fp8}
     if method not in readers:
         raise UserError(
             f"checkpoint is quantized with {method!r}, which offload does not read "
-            f"(it reads {', '.join(METHODS)} int4); {ORIGINAL}"
+            f"(it reads {', '.join(METHODS)}); {ORIGINAL}"
         )
     fmt = readers[method](qc)
     if fmt.compression.head and hf.get("tie_word_embeddings", False):
@@ -150,6 +153,10 @@ def _awq(qc: dict[str, Any]) -> QuantFormat:
     return QuantFormat("awq", _ours(group, False, head=False))
 
 
+def _fp8(qc: dict[str, Any]) -> QuantFormat:
+    return QuantFormat("fp8", fp8_checkpoint.compression(qc), symmetric=True)
+
+
 def _compressed_tensors(qc: dict[str, Any]) -> QuantFormat:
     fmt = qc.get("format")
     groups = list((qc.get("config_groups") or {}).values())
@@ -186,6 +193,14 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantFormat:
 
 
 # -- one module's matrix ----------------------------------------------------------------
+def reads(reader: Reader, fmt: QuantFormat, canon: str, names: list[str], shape) -> bool:
+    """Whether `load_matrix` reads the canonical tensor: a matrix of the format, or (fp8,
+    per tensor) any tensor stored in fp8, read dequantized."""
+    if is_quantized(canon, tuple(shape), fmt.compression):
+        return True
+    return fmt.method == "fp8" and fp8_checkpoint.stored_fp8(reader, names)
+
+
 def quantized(reader: Reader, module: str, fmt: QuantFormat) -> bool:
     """Whether the checkpoint holds `module` quantized (else its dense .weight)."""
     packed = ".weight_packed" if fmt.method == "compressed-tensors" else ".qweight"
@@ -193,9 +208,19 @@ def quantized(reader: Reader, module: str, fmt: QuantFormat) -> bool:
 
 
 def load_matrix(reader: Reader, cfg: ModelConfig, fmt: QuantFormat, canon: str,
-                names: list[str], shape: tuple[int, ...]) -> QTensor:  # fmt: skip
+                names: list[str], shape: tuple[int, ...]) -> QTensor | torch.Tensor:  # fmt: skip
     """The canonical matrix `canon` [N, K] in our format from the checkpoint's modules
-    `names` (their .weight names), concatenated along N (fused qkv, gate | up)."""
+    `names` (their .weight names), concatenated along N (fused qkv, gate | up); an fp8
+    checkpoint's tensor not all in fp8, or not a layer matrix, as float32 values."""
+    if fmt.method == "fp8":
+        matrix = is_quantized(canon, tuple(shape), fmt.compression)
+        q = fp8_checkpoint.load(reader, fmt.compression, names, matrix)
+        if family_names.grouped_qkv(cfg) and canon.startswith("qkv."):
+            reorder = lambda t: family_names.grouped_qkv_to_blocks(t, cfg)  # noqa: E731
+            q = rows_reordered(q, reorder) if isinstance(q, QTensor) else reorder(q)
+        if tuple(q.shape) != tuple(shape):
+            raise UserError(f"{names[0]}: shape {tuple(q.shape)}, config.json implies {shape}")
+        return q
     modules = [name.removesuffix(".weight") for name in names]
     dense = [m for m in modules if not quantized(reader, m, fmt)]
     if dense:
@@ -326,7 +351,11 @@ def rows_reordered(q: QTensor, reorder) -> QTensor:
                    q.dtype, q.config)  # fmt: skip
 
 
-def to(q: QTensor, dtype: torch.dtype, device: torch.device) -> QTensor:
-    """q on device, computing in dtype (its stored parts unchanged)."""
+def to(q: QTensor | torch.Tensor, dtype: torch.dtype, device: torch.device):
+    """q on device, computing in dtype (its stored parts unchanged); a tensor's values
+    in dtype."""
+    if isinstance(q, torch.Tensor):
+        return q.to(device=device, dtype=dtype)
     move = (lambda t: t.to(device)) if q.codes.device != torch.device(device) else (lambda t: t)
-    return QTensor(move(q.codes), move(q.scale), move(q.minimum), q.shape, dtype, q.config)
+    minimum = None if q.minimum is None else move(q.minimum)  # fp8 has none
+    return QTensor(move(q.codes), move(q.scale), minimum, q.shape, dtype, q.config)

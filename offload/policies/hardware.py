@@ -84,7 +84,10 @@ OPTIONAL_FIGURES = (
 
 
 def format_name(compression: Compression | None) -> str:
-    """The key of a storage format in the profile's per-format rates."""
+    """The key of a storage format in the profile's per-format rates (fp8: none measured
+    yet, so its matmuls are costed at the profile's defaults, its bytes at their size)."""
+    if compression is not None and compression.fp8:
+        return "fp8"
     return "dense" if compression is None else f"int{compression.bits}"
 
 

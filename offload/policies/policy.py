@@ -85,7 +85,7 @@ class Policy:
         if self.activations.disk > 0:
             raise ValueError("activations on disk are not supported; put them on the gpu or cpu")
         kv = self.kv_compression
-        if kv is not None and (kv.zero_point or not kv.head):
+        if kv is not None and (kv.zero_point or kv.fp8 or not kv.head):
             raise ValueError("kv_compression takes bits, group_size and symmetric only")
         if kv is not None and kv.group_size not in KV_GROUPS:
             raise ValueError(
