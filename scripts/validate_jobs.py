@@ -8,9 +8,9 @@ Parts, in order of importance; each run is a subprocess with its own time limit 
 the budget, and a part that cannot start with its least time left is recorded as skipped:
     profile    offload-profile --quick --nvme DIR: this machine and this code, the profile
                every prediction below is made with (--profile FILE skips it)
-    jobs       for each model: B, the block the search plans for a long job (computed here,
-               no CUDA in this process); then offload-run over jobs of ceil(B/3), ceil(1.1 B)
-               and 3 B requests of mixed prompt lengths (scripts/make_prompts.py; dummy
+    jobs       for each model: B, the block offload-plan plans for a long job (the run's own
+               road); then offload-run over jobs of B/3 to 6 B requests (1 to 6 blocks) of
+               mixed prompt lengths (scripts/make_prompts.py; dummy
                presets count UTF-8 bytes as tokens), --ignore-eos, each planned for its own
                job: the run's prediction (`policies.job`: load + every block) beside its
                measured load + generation (target: within 15%)
@@ -54,15 +54,42 @@ TIMES = {
     "hold-bloom": (240, 420),
 }
 INT4 = "--compress int4 --kv-compress int4"
-# the job matrix: name -> (engine flags, new tokens, prompt characters (min, max))
+# the job matrix: name -> (engine flags, new tokens, prompt characters (min, max), the
+# jobs' sizes in blocks of the plan B for a long job). Short (8) and long (128) generations,
+# 1 to 6 blocks, int4 and fp16, attention on the GPU and (long prompts, KV off the GPU) on
+# the CPU
 JOB_MODELS = {
     "llama-3.1-8b int4 W+KV, 8 GB": (
         f"--model llama-3.1-8b --dummy --gpu-mem 8GB {INT4}",
         128,
         (64, 256),
+        ("B/3", "1.1 B", "3 B"),
     ),
-    "opt-6.7b fp16, 6 GB": ("--model opt-6.7b --dummy --gpu-mem 6GB", 8, (64, 256)),
-    "llama-2-13b fp16, 10 GB": ("--model llama-2-13b --dummy --gpu-mem 10GB", 8, (64, 256)),
+    "opt-6.7b fp16, 6 GB": (
+        "--model opt-6.7b --dummy --gpu-mem 6GB",
+        8,
+        (64, 256),
+        ("B/3", "1.1 B", "3 B", "6 B"),
+    ),
+    "llama-2-13b fp16, 10 GB": (
+        "--model llama-2-13b --dummy --gpu-mem 10GB",
+        8,
+        (64, 256),
+        ("B/3", "1.1 B", "3 B"),
+    ),
+    "llama-2-13b fp16, 10 GB, long prompts": (
+        "--model llama-2-13b --dummy --gpu-mem 10GB",
+        32,
+        (1024, 2000),
+        ("1.1 B",),
+    ),
+}
+# a job's size in requests, from the plan's block B
+SIZES = {
+    "B/3": lambda b: math.ceil(b / 3),
+    "1.1 B": lambda b: math.ceil(1.1 * b),
+    "3 B": lambda b: 3 * b,
+    "6 B": lambda b: 6 * b,
 }
 # the hold's workloads: part -> (engine flags, prompt tokens, new tokens)
 HOLDS = {
@@ -120,6 +147,9 @@ def _job_summary(stats: dict[str, Any], process_s: float) -> dict[str, Any]:
         "peak_gpu_reserved_bytes": peak.get("gpu_reserved_bytes"),
         "gpu_held": peak.get("gpu_held"),
         "gpu_allocator": peak.get("gpu_allocator"),
+        "blocks": len((stats.get("blocks") or {}).get("each", [])),
+        # the job's time outside its blocks' start, prefill and decode (`--stats`' blocks)
+        "outside_blocks_s": seconds["wall"] - (stats.get("blocks") or {}).get("in_blocks_s", 0.0),
     }
     if predicted:
         out |= {
@@ -135,26 +165,15 @@ def _job_summary(stats: dict[str, Any], process_s: float) -> dict[str, Any]:
     return out
 
 
-def block_of(flags: list[str], prompt_len: int, gen_len: int, profile: Path) -> int:
-    """The block the search plans for these flags and lengths with no job (a full block
-    at the best throughput), on the profile: computed in this process (no CUDA here)."""
-    import torch
-
-    from offload.api.args import EngineArgs, parse_compression, parse_kv_compression
-    from offload.models.resolve import resolve_model
-    from offload.policies.choose import plan_caps
-    from offload.policies.hardware import HardwareProfile
-    from offload.policies.search import search
-
-    engine = EngineArgs(model=_value(flags, "--model"), gpu_mem=_value(flags, "--gpu-mem"))
-    hw = HardwareProfile.from_file(profile)
-    cfg = resolve_model(engine.model, dummy=True).config
-    caps = plan_caps(engine.gpu_bytes, None, "--nvme" in flags, hw)
-    dtype = torch.float16 if hw.has_gpu else torch.float32
-    formats = parse_compression(_value(flags, "--compress"))
-    kv_formats = parse_kv_compression(_value(flags, "--kv-compress"))
-    best = search(cfg, dtype, prompt_len, gen_len, hw, caps, None, formats, kv_formats)
-    return best.policy.block_size
+def block_of(flags: list[str], prompt_len: int, gen_len: int, env) -> int:
+    """The block offload-plan plans for these flags and a long job (1000 requests) at
+    these lengths: the plan the run's own road makes (`planning.plan`), in a subprocess
+    (no CUDA in this one)."""
+    cmd = [sys.executable, "-m", "offload.cli.plan", *flags, "--prompt-len", str(prompt_len)]
+    cmd += ["--max-tokens", str(gen_len), "--num-prompts", "1000", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    policy = json.loads(done.stdout)["policy"]
+    return policy["gpu_batch_size"] * policy["num_gpu_batches"]
 
 
 def make_prompts(path: Path, count: int, chars: tuple[int, int], seed: int) -> None:
@@ -190,12 +209,12 @@ def profile_part(args, budget: bench.Budget, work: Path, env) -> dict[str, Any]:
 def jobs_part(args, budget: bench.Budget, work: Path, env) -> dict[str, Any]:
     """Each model's three jobs, in order; a run that cannot start with 30 s left is skipped."""
     out: dict[str, Any] = {}
-    for model, (flags_text, gen_len, chars) in _job_models(args, work).items():
+    for model, (flags_text, gen_len, chars, sizes) in _job_models(args, work).items():
         flags = [*flags_text.split(), "--profile", str(args.profile), *_device(args)]
-        block = block_of(flags, chars[1], gen_len, args.profile)
+        block = block_of(flags, chars[1], gen_len, env)
         out[model] = {"flags": flags_text, "block": block, "gen_len": gen_len, "jobs": {}}
-        for label, count in (("B/3", math.ceil(block / 3)), ("1.1 B", math.ceil(1.1 * block)),
-                             ("3 B", 3 * block)):  # fmt: skip
+        for label in sizes:
+            count = SIZES[label](block)
             key = f"{model}, {label}"
             if budget.left() < 30:
                 out[model]["jobs"][label] = {"skipped": "time budget"}
@@ -217,7 +236,7 @@ def hold_part(name: str, args, budget: bench.Budget, work: Path, env) -> dict[st
         flags = _smoke_flags(flags, work, SMOKE_PRESETS["hold"])
         prompt_len, gen_len = 32, 4
     flags = [*flags, "--profile", str(args.profile), *_device(args)]
-    block = block_of(flags, prompt_len, gen_len, args.profile)
+    block = block_of(flags, prompt_len, gen_len, env)
     prompts = work / f"{name}-prompts.jsonl"
     bench.write_prompts(prompts, block, prompt_len)
     record: dict[str, Any] = {"flags": " ".join(flags), "block": block, "runs": {}}
@@ -241,6 +260,7 @@ def _job_models(args, work: Path) -> dict[str, tuple[str, int, tuple[int, int]]]
             ),
             4,
             (16, 48),
+            ("B/3", "1.1 B", "3 B"),
         )
         for preset in SMOKE_PRESETS["jobs"]
     }
@@ -287,20 +307,22 @@ def report(data: dict[str, Any]) -> None:
     parts = data["parts"]
     jobs = parts.get("jobs", {})
     if isinstance(jobs, dict) and "skipped" not in jobs and "error" not in jobs:
-        print(f"\n{'job':44s} {'plan':>8s} {'load s':>13s} {'generate s':>13s} {'job s':>13s} {'error':>7s}")  # fmt: skip
+        print(f"\n{'job':52s} {'plan':>8s} {'blk':>4s} {'load s':>13s} {'generate s':>13s} {'outside':>8s} {'job s':>13s} {'error':>7s}")  # fmt: skip
         for model, m in jobs.items():
             for label, r in m.get("jobs", {}).items():
                 s = r.get("summary")
                 name = f"{model}, {label} ({s['requests'] if s else '?'} req.)"
                 if not s or "predicted_job_s" not in s:
-                    print(f"{name:44s} {r.get('skipped') or 'failed'}")
+                    print(f"{name:52s} {r.get('skipped') or 'failed'}")
                     continue
                 p = s["policy"]
                 plan = f"{p['num_gpu_batches']}x{p['gpu_batch_size']}"
                 pair = lambda a, b: f"{a:5.1f} / {b:5.1f}"  # noqa: E731
                 print(
-                    f"{name:44s} {plan:>8s} {pair(s['load_s'], s['predicted_load_s']):>13s} "
+                    f"{name:52s} {plan:>8s} {s['blocks']:4d} "
+                    f"{pair(s['load_s'], s['predicted_load_s']):>13s} "
                     f"{pair(s['generate_s'], s['predicted_generate_s']):>13s} "
+                    f"{s['outside_blocks_s']:8.1f} "
                     f"{pair(s['job_s'], s['predicted_job_s']):>13s} {s['job_error_pct']:+6.1f}%"
                 )
     caps = parts.get("caps-test")

@@ -101,13 +101,15 @@ class DecodeLoop:
         for seq in seqs:
             seq.sampler = SequenceSampler(seq.params, self.eos_ids, len(seq.prompt_ids), seq.sample)
         self._phase("prefill")
+        began = time.perf_counter()
         runner.start(batch)
         started = time.perf_counter()
         step = runner.step_inputs(batch, 0, batch.prompt_len)
         # popped when sampled, so a step's logits are not held through the next step's
         # layers (`memory.activation_plan`)
         logits = [runner.forward(batch.prompt_ids, step)]
-        stats.prefill_seconds += self._sync_elapsed(started)
+        prefill_s = self._sync_elapsed(started)
+        stats.prefill_seconds += prefill_s
         stats.prompt_tokens += sum(len(s.prompt_ids) for s in seqs)
         stats.batches += 1
         started = time.perf_counter()
@@ -129,7 +131,13 @@ class DecodeLoop:
             if not ahead:
                 step = runner.step_inputs(batch, batch.prompt_len + t, 1)
                 logits.append(runner.forward(next_ids[:, None], step))
-        stats.decode_seconds += self._sync_elapsed(started)
+        decode_s = self._sync_elapsed(started)
+        stats.decode_seconds += decode_s
+        stats.timeline.append(
+            {"rows": len(seqs), "prompt_len": batch.prompt_len, "steps": t + 1,
+             "began_s": began, "start_s": started - began, "prefill_s": prefill_s,
+             "decode_s": decode_s}
+        )  # fmt: skip
 
     def _ahead(self, seqs: list[_Sequence]) -> bool:
         """Whether step t + 1 is issued from the GPU's tokens before the host reads them

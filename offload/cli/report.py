@@ -67,6 +67,7 @@ def summary(llm: LLM, stats: JobStats, load_seconds: float) -> dict[str, Any]:
             "decode": s.decode_seconds,
             "wall": time.perf_counter() - stats.started,
         },
+        "blocks": _timeline(s.timeline, stats.started),
         "policy": llm.policy.to_dict() if llm.policy else None,
         "planned_for": _planned_for(llm),
         "predicted": _predicted(llm),
@@ -75,6 +76,23 @@ def summary(llm: LLM, stats: JobStats, load_seconds: float) -> dict[str, Any]:
         "peak_memory": peak_memory(llm),
         "memory": llm.runner.memory_report(),
         "experts": llm.runner.expert_report(),
+    }
+
+
+def _timeline(blocks: list[dict], job_started: float) -> dict[str, Any]:
+    """Each block as it ran (rows, longest prompt, steps; its KV homes' start, prefill and
+    decode seconds) and the job's time outside its blocks: reading, encoding, sorting,
+    sampling's end of a block, result rows and their writes."""
+    rows = [{k: v for k, v in b.items() if k != "began_s"} for b in blocks]
+    inside = sum(b["start_s"] + b["prefill_s"] + b["decode_s"] for b in blocks)
+    ends = [b["began_s"] + b["start_s"] + b["prefill_s"] + b["decode_s"] for b in blocks]
+    gaps = [b["began_s"] - end for b, end in zip(blocks[1:], ends, strict=False)]
+    return {
+        "each": rows,
+        "in_blocks_s": inside,
+        "before_first_s": blocks[0]["began_s"] - job_started if blocks else 0.0,
+        "between_s": sum(gaps),
+        "after_last_s": time.perf_counter() - ends[-1] if ends else 0.0,
     }
 
 

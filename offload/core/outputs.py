@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -65,6 +65,10 @@ class GenerationStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     batches: int = 0
+    # each batch as it ran: rows, longest prompt, decode steps, prefill and decode
+    # seconds, and when it started (seconds on the host's monotonic clock), so a job's
+    # time between its blocks shows beside the blocks' own (`--stats`)
+    timeline: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:
