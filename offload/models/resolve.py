@@ -118,7 +118,14 @@ def _config_from_dir(directory: Path, name: str) -> ModelConfig:
         ) from None
     except json.JSONDecodeError as exc:
         raise UserError(f"{config_path} is not valid JSON ({exc})") from None
-    return ModelConfig.from_hf(hf, name=name)
+    try:
+        return ModelConfig.from_hf(hf, name=name)
+    except KeyError as exc:  # a field the model's family requires (hf[...] where read)
+        raise UserError(
+            f"{config_path} lacks the field {exc.args[0]!r}, which a "
+            f"{hf.get('model_type', 'model')} config needs; restore config.json from the "
+            "model's repo"
+        ) from None
 
 
 def _from_path(path: Path, dummy: bool, seed: int) -> ModelSpec:
