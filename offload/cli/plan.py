@@ -16,11 +16,13 @@ from offload.cli.common import (
     add_sampling_flags,
     add_version_flag,
     engine_args,
+    positive_int,
     run_cli,
     sampling_params,
     setup_logging,
 )
 from offload.core.errors import UserError
+from offload.core.presets import DEMO_NAME
 from offload.executor.probe import PROBE_DEPTHS, measure_profile, verify
 from offload.io.layout import store_bytes
 from offload.io.store import find_store, free_bytes, space_problem
@@ -34,6 +36,11 @@ from offload.policies.job import Job, JobEstimate, estimate_job, predict_job
 from offload.policies.search import search
 
 GB = 1e9
+# The most requests --num-prompts plans for: a job holds each request's lengths (a list
+# a request, as offload-run's job from a file does), and the search passes over them for
+# every plan it times: 10^7 answered in 20 s and 0.8 GB (10^8 took minutes, 10^12 ran out
+# of memory), and past the load a larger uniform job's time grows in proportion.
+MAX_NUM_PROMPTS = 10**7
 FLAGS = (
     "model",
     "revision",
@@ -67,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--tp",
-        type=int,
+        type=positive_int,
         default=1,
         help="tensor-parallel ranks: plan one rank's shard, --gpu-mem per GPU, --cpu-mem "
         "for the node shared by the ranks (the all-reduce as offload-profile measured it)",
@@ -94,16 +101,22 @@ def _plan(args) -> int:
     engine = engine_args(args)  # every flag judged before the machine is measured
     args.prompt_len = engine.planned_prompt_len  # no job here: --prompt-len, else 512
     args.gen_len = sampling_params(args, {}).max_tokens
-    if args.num_prompts is not None and args.num_prompts < 1:
-        raise UserError(f"--num-prompts must be positive, got {args.num_prompts}")
+    if args.num_prompts is not None and not 1 <= args.num_prompts <= MAX_NUM_PROMPTS:
+        raise UserError(
+            f"--num-prompts must be from 1 to {MAX_NUM_PROMPTS:,}, got {args.num_prompts:,}; "
+            f"for a larger job plan {MAX_NUM_PROMPTS:,} and scale the predicted time (past the "
+            "load it grows in proportion to the requests)"
+        )
     args.job = _job(args)
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before any search
         raise UserError("--plot needs matplotlib: pip install 'offload[plot]' (or matplotlib)")
     spec = resolve_model(engine.model, dummy=True, revision=engine.revision)
     model_cfg = cfg = spec.config
-    # (a hub id without --dummy plans from its preset's config, but runs its own tokenizer)
-    hub_run = spec.path is None and "/" in engine.model and not engine.dummy
-    args.token_note = f" ({BYTE_TOKENS})" if spec.byte_tokens and not hub_run else ""
+    # (a hub id or the demo without --dummy plans from its preset's config, but runs its
+    # own tokenizer: the demo's GGUF holds one)
+    demo = engine.model.lower() in ("demo", DEMO_NAME)
+    own_run = spec.path is None and ("/" in engine.model or demo) and not engine.dummy
+    args.token_note = f" ({BYTE_TOKENS})" if spec.byte_tokens and not own_run else ""
     args.checkpoint_bytes = spec.checkpoint_bytes()
     if args.gpus is not None:  # one GPU, TP and DP side by side (a pre-quantized: no TP)
         from offload.cli import layouts

@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", type=Path, help="write the run's summary as JSON here")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress bar; errors and results only")  # fmt: skip
     # tensor / data parallelism (offload.parallel, docs/parallel.md)
-    p.add_argument("--tp", *PARALLEL_ALIASES["tensor_parallel_size"], type=int, default=None, help="tensor-parallel ranks, one per GPU (started through torch.distributed's elastic launcher; under torchrun: its world size / --dp)")  # fmt: skip
-    p.add_argument("--dp", *PARALLEL_ALIASES["data_parallel_size"], type=int, default=1, help="data-parallel groups of --tp ranks (needs --output)")  # fmt: skip
+    p.add_argument("--tp", *PARALLEL_ALIASES["tensor_parallel_size"], type=common.positive_int, default=None, help="tensor-parallel ranks, one per GPU (started through torch.distributed's elastic launcher; under torchrun: its world size / --dp)")  # fmt: skip
+    p.add_argument("--dp", *PARALLEL_ALIASES["data_parallel_size"], type=common.positive_int, default=1, help="data-parallel groups of --tp ranks (needs --output)")  # fmt: skip
     return p
 
 
