@@ -27,8 +27,8 @@ Message = dict[str, str]
 # The most bytes of text a token is taken to cover, to refuse a prompt by its size before
 # tokenizing it: a token covers about 4 bytes of English text on average, and the longest
 # tokens are runs of spaces or punctuation (81 bytes in the demo's vocabulary, SmolLM2's:
-# a newline and 80 spaces). Text longer than the context times this bound could not fit
-# however it tokenized.
+# a newline and 80 spaces; docs/log.md). Text longer than the context times this bound
+# could not fit, however the vocabulary cut it.
 MAX_TOKEN_BYTES = 256
 
 

@@ -38,8 +38,9 @@ from offload.policies.search import search
 GB = 1e9
 # The most requests --num-prompts plans for: a job holds each request's lengths (a list
 # a request, as offload-run's job from a file does), and the search passes over them for
-# every plan it times: 10^7 answered in 20 s and 0.8 GB (10^8 took minutes, 10^12 ran out
-# of memory), and past the load a larger uniform job's time grows in proportion.
+# every plan it times: 10^7 answered in 20 s and 0.8 GB on the 2-core CI machine (10^8
+# not in 200 s, 10^12 ran out of memory; docs/log.md), and past the load a larger uniform
+# job's time grows in proportion.
 MAX_NUM_PROMPTS = 10**7
 FLAGS = (
     "model",
