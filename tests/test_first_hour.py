@@ -13,6 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from offload.api.front import MAX_TOKEN_BYTES
@@ -100,6 +101,22 @@ def test_a_config_without_a_required_field_names_the_field_and_the_file(copy_of,
     assert f"{copy_of / 'config.json'} lacks the field 'hidden_size'" in line, line
     with pytest.raises(UserError, match="lacks the field 'hidden_size'"):
         LLM(str(copy_of))
+
+
+def test_a_gguf_without_a_required_key_names_the_key_and_the_file(tmp_path, capsys):
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("llama.block_count", 2)
+    writer.add_uint32("llama.attention.head_count", 4)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert main(["--model", str(path), "--prompt", "hi"]) == 2
+    line = _error(capsys)
+    assert f"GGUF file {path} lacks the metadata key 'llama.embedding_length'" in line, line
 
 
 def test_a_lone_surrogate_is_an_invalid_line_and_a_refused_prompt(model_dir, tmp_path, capsys):
