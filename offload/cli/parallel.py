@@ -85,7 +85,7 @@ def main(args: argparse.Namespace, argv: list[str], entry: Callable[[list[str]],
 
 def _copies(args: argparse.Namespace, engine: EngineArgs, source: sources.Source) -> list[str]:
     """Flags that hand the ranks the files the checks read a pipe into (`-i <(cmd)`:
-    its copy; `--policy <(cmd)`: the file `args.policy_file` kept): a pipe is read once,
+    its copy; `--policy <(cmd)`: the file `api.args.policy_file` kept): a pipe is read once,
     so a rank given the pipe itself would find it empty or gone. Given after the user's
     own flags, they take their place (argparse keeps a flag's last value)."""
     flags = []
