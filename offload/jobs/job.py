@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import tempfile
 import time
@@ -41,6 +42,8 @@ FORMAT_NAMES = {
     "jsonl": "JSON lines in offload's format",
     "openai": "OpenAI Batch lines",
 }
+# a JSON escape of a surrogate (paired or lone: `text_problem` tells them apart)
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 # the characters of a prompt that its error result copies: enough to find it, and a
 # prompt refused for its size (megabytes) is not written back whole
 ERROR_PROMPT_CHARS = 200
@@ -266,7 +269,8 @@ def _requests(
             continue
         try:
             obj = json.loads(line)
-            problem = text_problem(obj)  # (a JSON \ud800 escape: no tokenizer takes it)
+            # (only a \ud800-\udfff escape makes a surrogate: the others skip the check)
+            problem = text_problem(obj) if SURROGATE_ESCAPE.search(line) else None
         except json.JSONDecodeError as exc:
             obj, problem = None, f"not valid JSON ({exc.msg})"
         if problem is not None:
