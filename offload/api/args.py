@@ -183,7 +183,8 @@ class EngineArgs:
         metadata=_meta(
             "a checkpoint without tokenizer files takes UTF-8 bytes as token ids (0-255); "
             "without it such a checkpoint is refused (its outputs would be garbage unless "
-            "the model was trained on bytes)"
+            "the model was trained on bytes); refused for a model with a tokenizer (a GGUF "
+            "holds one)"
         ),
     )
     chat_template: str | None = field(

@@ -24,6 +24,13 @@ from offload.models.resolve import resolve_model
 
 Message = dict[str, str]
 
+# The most bytes of text a token is taken to cover, to refuse a prompt by its size before
+# tokenizing it: a token covers about 4 bytes of English text on average, and the longest
+# tokens are runs of spaces or punctuation (81 bytes in the demo's vocabulary, SmolLM2's:
+# a newline and 80 spaces; docs/log.md). Text longer than the context times this bound
+# could not fit, however the vocabulary cut it.
+MAX_TOKEN_BYTES = 256
+
 
 class ModelFront:
     """The model's spec, config, dtype, sampling defaults, chat template and tokenizer."""
@@ -46,6 +53,7 @@ class ModelFront:
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """Raw text, as vLLM's generate and the completions API: never templated."""
+        self.check_text(prompt)
         return self.tokenizer.encode(prompt)
 
     def encode_chat(self, messages: list[Message], template: str | None = None) -> list[int]:
@@ -56,7 +64,27 @@ class ModelFront:
                 "(chat_template=) with one, or send raw prompts"
             )
         text = self.tokenizer.render_chat(messages, template)
+        self.check_text(text)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_text(self, text: str) -> None:
+        """Before the tokenizer sees it: the text is Unicode (no lone surrogate, which
+        the tokenizer refuses with a TypeError), and not so long that no tokenization of
+        it fits the context (`MAX_TOKEN_BYTES`): a line of megabytes is refused in a
+        moment, not after the tokenizer spent minutes and gigabytes on it."""
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise UserError(
+                f"a prompt holds a lone surrogate (\\u{ord(text[exc.start]):04x} at character "
+                f"{exc.start}), which is not Unicode text; fix the prompt"
+            ) from None
+        limit = self.config.max_position_embeddings
+        if size > limit * MAX_TOKEN_BYTES:
+            raise PromptTooLong(
+                f"a prompt has {size} bytes of text, more than the model's context of {limit} "
+                f"tokens can hold at {MAX_TOKEN_BYTES} bytes a token; shorten it"
+            )
 
     def check_prompt(self, ids: list[int]) -> None:
         """A prompt has at least one token, every token in the vocabulary (an id past the

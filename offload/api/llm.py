@@ -296,7 +296,8 @@ class LLM:
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
         raise UserError(
-            f"a prompt must be text, a token-id list or a dict, got {type(prompt).__name__}"
+            f'a prompt must be text, a token-id list, {{"prompt": text}} or '
+            f'{{"prompt_token_ids": [...]}} (or a list of these), got {type(prompt).__name__}'
         )
 
     # -- generation -------------------------------------------------------------------
@@ -316,8 +317,11 @@ class LLM:
                 "generate() got no prompts (None); pass a prompt, a list of prompts or "
                 '{"prompt_token_ids": [...]}'
             )
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        # one prompt, or what is no list of them (its type is refused by `_prompt_ids`)
+        if (
+            isinstance(prompts, (str, dict))
+            or not hasattr(prompts, "__iter__")
+            or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         ):
             prompts = [prompts]
         encoded = [self._prompt_ids(p) for p in prompts]

@@ -51,6 +51,7 @@ __all__ = [
     "parse_compression",
     "parse_kv_compression",
     "parse_size",
+    "positive_int",
     "run_cli",
     "sampling_params",
     "setup_logging",
@@ -132,8 +133,8 @@ def add_parallel_flags(
     parser: argparse.ArgumentParser, aliases: dict[str, tuple[str, ...]]
 ) -> None:
     """--tp and --dp (offload.parallel, docs/parallel.md), with vLLM's names."""
-    parser.add_argument("--tp", *aliases["tensor_parallel_size"], type=int, default=None, help="tensor-parallel ranks, one per GPU (started through torch.distributed's elastic launcher; under torchrun: its world size / --dp)")  # fmt: skip
-    parser.add_argument("--dp", *aliases["data_parallel_size"], type=int, default=1, help="data-parallel groups of --tp ranks (needs --output)")  # fmt: skip
+    parser.add_argument("--tp", *aliases["tensor_parallel_size"], type=positive_int, default=None, help="tensor-parallel ranks, one per GPU (started through torch.distributed's elastic launcher; under torchrun: its world size / --dp)")  # fmt: skip
+    parser.add_argument("--dp", *aliases["data_parallel_size"], type=positive_int, default=1, help="data-parallel groups of --tp ranks (needs --output)")  # fmt: skip
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser, names: Sequence[str] = ()) -> None:
@@ -180,6 +181,18 @@ def describe_sampling(args: argparse.Namespace, model_defaults: dict[str, Any]) 
     hint = "; --generation-config none ignores the model's" if model_defaults else ""
     mode = "greedy" if params.greedy else "sampled"
     return f"sampling: {mode}, {settings}{hint}; a request's own fields override these"
+
+
+def positive_int(text: str) -> int:
+    """argparse's type of a count (ranks, groups): a whole number, at least 1 (0 or -1
+    would otherwise run as one process and exit 0 as if asked for)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def add_version_flag(parser: argparse.ArgumentParser) -> None:

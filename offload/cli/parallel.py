@@ -65,24 +65,41 @@ def main(args: argparse.Namespace, argv: list[str], entry: Callable[[list[str]],
         raise UserError("--hold-gpu-mem is not supported with tensor parallelism: drop it")
     if env_world() is not None:
         return run_rank(args)
-    _check_before_ranks(args)
+    engine, source = _check_before_ranks(args)
     from offload.parallel.launch import launch
 
     fd, status = tempfile.mkstemp(prefix="offload-run-status-")
     os.close(fd)
     os.environ[STATUS_ENV] = status
     try:
+        argv = [*argv, *_copies(args, engine, source)]
         code = launch("offload-run", entry, argv, (args.tp or 1) * args.dp, args.device == "cpu")
         text = Path(status).read_text().strip()
         return int(text) if text else code or EXIT_OK
     finally:
         os.environ.pop(STATUS_ENV, None)
         Path(status).unlink(missing_ok=True)
+        if source.spooled is not None:
+            source.spooled.unlink(missing_ok=True)
 
 
-def _check_before_ranks(args: argparse.Namespace) -> None:
+def _copies(args: argparse.Namespace, engine: EngineArgs, source: sources.Source) -> list[str]:
+    """Flags that hand the ranks the files the checks read a pipe into (`-i <(cmd)`:
+    its copy; `--policy <(cmd)`: the file `api.args.policy_file` kept): a pipe is read once,
+    so a rank given the pipe itself would find it empty or gone. Given after the user's
+    own flags, they take their place (argparse keeps a flag's last value)."""
+    flags = []
+    if source.spooled is not None:
+        flags += ["--input", str(source.spooled)]
+    if engine.policy is not None and str(engine.policy) != str(args.policy):
+        flags += ["--policy", str(engine.policy)]
+    return flags
+
+
+def _check_before_ranks(args: argparse.Namespace) -> tuple[EngineArgs, sources.Source]:
     """What every rank would refuse, refused once before any starts: the flags, the
-    input, the output paths, and a --tp the model's shapes cannot be cut into."""
+    input, the output paths, and a --tp the model's shapes cannot be cut into. The
+    engine's args and the job's source as the checks found them (`_copies`)."""
     if args.input is not None and str(args.input) == "-":
         raise UserError("-i - (standard input) cannot feed several ranks; use a file")
     if args.dp > 1 and args.output in (None, "-"):
@@ -91,8 +108,14 @@ def _check_before_ranks(args: argparse.Namespace) -> None:
     sampling_params(args, {})
     output = sources.check_output(args.output, args.restart)
     sources.check_reports(args)
-    sources.open_source(args, output)
-    check_divisible(_model_config(engine), args.tp or 1)
+    source = sources.open_source(args, output)
+    try:
+        check_divisible(_model_config(engine), args.tp or 1)
+    except BaseException:
+        if source.spooled is not None:
+            source.spooled.unlink(missing_ok=True)
+        raise
+    return engine, source
 
 
 def _model_config(engine: EngineArgs):

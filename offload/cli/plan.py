@@ -40,6 +40,12 @@ from offload.policies.node import Layout
 from offload.policies.search import search
 
 GB = 1e9
+# The most requests --num-prompts plans for: a job holds each request's lengths (a list
+# a request, as offload-run's job from a file does), and the search passes over them for
+# every plan it times: 10^7 answered in 20 s and 0.8 GB on the 2-core CI machine (10^8
+# not in 200 s, 10^12 ran out of memory; docs/log.md), and past the load a larger uniform
+# job's time grows in proportion.
+MAX_NUM_PROMPTS = 10**7
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,8 +91,12 @@ def main(argv: list[str] | None = None) -> int:
 def _plan(args) -> int:
     engine = engine_args(args)  # every flag judged before the machine is measured
     flag_params = sampling_params(args, {})
-    if args.num_prompts is not None and args.num_prompts < 1:
-        raise UserError(f"--num-prompts must be positive, got {args.num_prompts}")
+    if args.num_prompts is not None and not 1 <= args.num_prompts <= MAX_NUM_PROMPTS:
+        raise UserError(
+            f"--num-prompts must be from 1 to {MAX_NUM_PROMPTS:,}, got {args.num_prompts:,}; "
+            f"for a larger job plan {MAX_NUM_PROMPTS:,} and scale the predicted time (past the "
+            "load it grows in proportion to the requests)"
+        )
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before any search
         raise UserError("--plot needs matplotlib: pip install 'offload[plot]' (or matplotlib)")
     layout = _layout(args)

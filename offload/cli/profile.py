@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 import torch
 
 from offload.cli.common import add_engine_flags, add_version_flag, run_cli, setup_logging
 from offload.executor.probe import measure_profile
+from offload.io.atomic import check_writable
 from offload.policies.hardware import load_profile, profile_path, save_profile
 
 
@@ -39,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             print(cached.to_json())
             return 0
+        if args.nvme is not None:  # refused before anything is measured
+            check_writable(Path(args.nvme), "--nvme", directory=True)
         hw = measure_profile(args.nvme, quick=args.quick)
         if not hw.has_gpu:
             print("offload-profile: no CUDA device: profiled the CPU path", file=sys.stderr)

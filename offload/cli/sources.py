@@ -79,8 +79,9 @@ def open_source(args: argparse.Namespace, output: Path | None) -> Source:
             return (job.make_request(i, obj, defaults) for i, obj in enumerate(flags))
 
         for req in from_flags(SamplingParams()):
-            if req.error:
-                raise UserError(f"prompt {req.id}: {req.error}")
+            error = req.error or job.text_problem(flags[req.index])
+            if error:  # (a byte that is not UTF-8 comes in as a lone surrogate)
+                raise UserError(f"prompt {req.id}: {error}")
         return Source(len(flags), sha, from_flags, from_flags=True)
     path, spooled = args.input, None
     if str(path) == "-" or _is_stream(path):  # read once: copied first, removed at the end

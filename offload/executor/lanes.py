@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from offload.io.atomic import atomic_write
+
 LANES = (
     "compute", "h2d", "h2d_kv", "d2h", "disk", "cpu_attn", "cpu_copy", "host_wait", "allreduce",
 )  # fmt: skip
@@ -117,7 +119,9 @@ class Tracer:
             {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}}
             for lane, i in lanes.items()
         ]
-        path.write_text(json.dumps({"traceEvents": events}))
+        # as every report the run writes: atomically, its missing folders made (the rule
+        # `check_writable` judges the path by before the run)
+        atomic_write(path, json.dumps({"traceEvents": events}))
 
 
 def read_chrome(path: Path) -> list[tuple[str, str, float, float, int]]:

@@ -77,9 +77,11 @@ def atomic_write(path: Path, data: str | bytes) -> None:
 
 
 def check_writable(path: Path, what: str, directory: bool = False) -> None:
-    """Refuse, before any long work, a path this process could not write (a missing
-    folder is created by the writer, so its nearest existing folder is judged).
-    directory: a folder the run writes files in; else a file written at the end."""
+    """Refuse, before any long work, a path this process could not write. One rule with
+    the writers: a file's missing folders are made by its writer (`atomic_writer`, which
+    every report and trace goes through), a directory's by the run, so the nearest
+    existing folder is judged. directory: a folder the run writes files in; else a file
+    written at the end."""
     path = Path(path)
     if directory and path.exists() and not path.is_dir():
         raise UserError(f"{what} {path} is not a directory; give a directory")

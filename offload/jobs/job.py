@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import tempfile
 import time
@@ -41,6 +42,11 @@ FORMAT_NAMES = {
     "jsonl": "JSON lines in offload's format",
     "openai": "OpenAI Batch lines",
 }
+# a JSON escape of a surrogate (paired or lone: `text_problem` tells them apart)
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+# the characters of a prompt that its error result copies: enough to find it, and a
+# prompt refused for its size (megabytes) is not written back whole
+ERROR_PROMPT_CHARS = 200
 # a request's id as the input line gives it: a JSON scalar, written back unchanged
 RequestId = str | int | float | bool | None
 
@@ -263,23 +269,45 @@ def _requests(
             continue
         try:
             obj = json.loads(line)
+            # (only a \ud800-\udfff escape makes a surrogate: the others skip the check)
+            problem = text_problem(obj) if SURROGATE_ESCAPE.search(line) else None
         except json.JSONDecodeError as exc:
+            obj, problem = None, f"not valid JSON ({exc.msg})"
+        if problem is not None:
             if strict:
                 raise UserError(
-                    f"{path}:{lineno}: not valid JSON ({exc.msg}); fix the line, or pass "
-                    "--skip-invalid to record it as an error and go on"
-                ) from None
+                    f"{path}:{lineno}: {problem}; fix the line, or pass --skip-invalid to "
+                    "record it as an error and go on"
+                )
             kind = "chat" if fmt == "openai" else "flat"
-            rid = f"line-{lineno}" if fmt == "openai" else str(lineno)
-            yield (
-                JobRequest(index, rid, kind, error=f"not valid JSON ({exc.msg})"),
-                lineno,
-            )
+            yield JobRequest(index, _line_id(obj, fmt, lineno), kind, error=problem), lineno
             continue
         if fmt == "openai":
             yield make_openai_request(index, obj, defaults, lineno), lineno
         else:
             yield make_request(index, obj, defaults, lineno), lineno
+
+
+def _line_id(obj: Any, fmt: str, lineno: int) -> RequestId:
+    """The id of a line refused whole: its own where it is a scalar of text, else one
+    made of its line number."""
+    name, made = ("custom_id", f"line-{lineno}") if fmt == "openai" else ("id", str(lineno))
+    rid = obj.get(name) if isinstance(obj, dict) else None
+    if isinstance(rid, (str, int, float)) and text_problem(rid) is None:
+        return rid
+    return made
+
+
+def text_problem(obj: Any) -> str | None:
+    """Why a request's strings are not Unicode text, or None: a lone surrogate (a JSON
+    `\\ud800` escape without its pair, or a command-line byte that is not UTF-8), which no
+    tokenizer encodes and no UTF-8 result file can hold."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(exc.object[exc.start])
+        return f"the request holds a lone surrogate (\\u{code:04x}), which is not Unicode text"
+    return None
 
 
 def iter_requests(path: Path, defaults: SamplingParams, fmt: str) -> Iterator[JobRequest]:
@@ -344,8 +372,9 @@ def result_row(req: JobRequest, out=None, error: str | None = None, model: str =
             row = openai_batch.result_line(req.id, req.kind, model, out)
         return {"_index": req.index, **row}
     row: dict[str, Any] = {"_index": req.index, "id": req.id}
-    if req.prompt is not None:
-        row["prompt"] = req.prompt
+    if req.prompt is not None:  # an error's row names its prompt by a prefix only
+        cut = error is not None and len(req.prompt) > ERROR_PROMPT_CHARS
+        row["prompt"] = req.prompt[:ERROR_PROMPT_CHARS] + "..." if cut else req.prompt
     if error is not None:
         return {**row, "text": "", "prompt_tokens": 0, "completion_tokens": 0,
                 "finish_reason": "error", "error": error}  # fmt: skip

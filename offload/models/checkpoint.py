@@ -23,6 +23,9 @@ from offload.models.weights import WeightSource
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
+# the largest header a safetensors file may have (the format's own limit: 100 MB)
+MAX_HEADER_BYTES = 100_000_000
+
 # canonical name -> HF names (concatenated along dim 0) for one stage, per family.
 NameMap = dict[str, list[str]]
 
@@ -98,21 +101,78 @@ def _expand(names: NameMap, wanted: dict[str, tuple[int, ...]]) -> NameMap:
     return out
 
 
+def _weight_map(directory: Path) -> dict[str, str] | None:
+    """The index's tensor -> shard file map (None: a single model.safetensors)."""
+    index_path, single = directory / INDEX_FILE, directory / SINGLE_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise UserError(
+                f"{index_path} is not a safetensors index ({type(exc).__name__}: {exc}); "
+                "download it again"
+            ) from None
+        return weight_map
+    if single.is_file():
+        return None
+    raise UserError(
+        f"{directory} has no {SINGLE_FILE} or {INDEX_FILE}; only safetensors "
+        "checkpoints are supported (re-save with save_pretrained(safe_serialization=True))"
+    )
+
+
+def check_shards(directory: Path) -> None:
+    """Before any weight is read: every file the checkpoint names (each shard of the
+    index, or model.safetensors) is there, and as long as its own header says (8 bytes
+    of header length, the JSON header, then the tensors up to the largest end offset).
+    A shard found missing or cut at the layer that reads it would fail a load of minutes
+    (or hours of a job) there; its header costs one small read."""
+    weight_map = _weight_map(directory)
+    files = [SINGLE_FILE] if weight_map is None else sorted(set(weight_map.values()))
+    missing = [name for name in files if not (directory / name).is_file()]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise UserError(
+            f"checkpoint {directory} is missing {missing[0]}{more} ({len(missing)} of "
+            f"{len(files)} files named by {INDEX_FILE}); download the missing files again"
+        )
+    for name in files:
+        path = directory / name
+        size, expected = path.stat().st_size, _size_from_header(path)
+        if size != expected:
+            cut = "truncated" if size < expected else "longer than its header says (damaged)"
+            raise UserError(
+                f"{path} is {size} bytes but its header describes {expected}: the file is "
+                f"{cut}; download it again"
+            )
+
+
+def _size_from_header(path: Path) -> int:
+    """The bytes a safetensors file holds by its own header."""
+    with path.open("rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= min(MAX_HEADER_BYTES, path.stat().st_size - 8):
+            raise UserError(f"{path} is not a safetensors file (no header); download it again")
+        try:
+            header = json.loads(f.read(length))
+            ends = [
+                entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"
+            ]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, IndexError) as exc:
+            raise UserError(f"{path} has a damaged header ({exc}); download it again") from None
+    return 8 + length + max(ends, default=0)
+
+
 class SafetensorsReader:
     """Lazy tensor access to a single or sharded safetensors checkpoint directory."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        index_path, single = directory / INDEX_FILE, directory / SINGLE_FILE
-        if index_path.is_file():
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        elif single.is_file():
-            weight_map = {name: SINGLE_FILE for name in self._keys(single)}
-        else:
-            raise UserError(
-                f"{directory} has no {SINGLE_FILE} or {INDEX_FILE}; only safetensors "
-                "checkpoints are supported (re-save with save_pretrained(safe_serialization=True))"
-            )
+        check_shards(directory)
+        weight_map = _weight_map(directory)
+        if weight_map is None:
+            weight_map = {name: SINGLE_FILE for name in self._keys(directory / SINGLE_FILE)}
         self._file_of = weight_map
         self._handles: dict[str, object] = {}
         self.bytes_read = 0  # tensor bytes handed out (whole tensors and slices)

@@ -162,6 +162,17 @@ def _field(reader: GGUFHeader, key: str, default: Any = None) -> Any:
     return reader.fields.get(key, default)
 
 
+def _required(reader: Any, key: str) -> Any:
+    """A metadata value the config cannot do without: missing, refused naming it."""
+    value = _field(reader, key)
+    if value is None:
+        raise UserError(
+            f"GGUF file {reader.path} lacks the metadata key {key!r}; convert the model "
+            "again, or use its safetensors checkpoint"
+        )
+    return value
+
+
 def open_gguf(path: Path) -> GGUFHeader:
     try:
         return GGUFHeader(path)
@@ -184,19 +195,19 @@ def gguf_config(reader: Any, name: str) -> ModelConfig:
         raise UserError(
             "GGUF mixtures of experts are not supported; use the model's safetensors checkpoint"
         )
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_required(reader, f"{arch}.attention.head_count"))
+    hidden = int(_required(reader, f"{arch}.embedding_length"))
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     hf = {
         "model_type": arch,
         "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
         "hidden_size": hidden,
-        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_hidden_layers": int(_required(reader, f"{arch}.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
         "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "intermediate_size": int(_required(reader, f"{arch}.feed_forward_length")),
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),

@@ -101,6 +101,11 @@ class ModelSpec:
 
         if self.kind == "gguf":
             assert self.path is not None
+            if byte_tokenizer:  # (as for a directory that ships one: `load_tokenizer`)
+                raise UserError(
+                    f"{self.path} ships its tokenizer in the GGUF file; drop --byte-tokenizer "
+                    "(byte_tokenizer=True), which is for checkpoints without one"
+                )
             return load_tokenizer(self.path.parent, gguf_file=self.path.name)
         byte_ids = "asked" if byte_tokenizer else "dummy" if self.kind == "dummy" else "refuse"
         return load_tokenizer(
@@ -118,7 +123,14 @@ def _config_from_dir(directory: Path, name: str) -> ModelConfig:
         ) from None
     except json.JSONDecodeError as exc:
         raise UserError(f"{config_path} is not valid JSON ({exc})") from None
-    return ModelConfig.from_hf(hf, name=name)
+    try:
+        return ModelConfig.from_hf(hf, name=name)
+    except KeyError as exc:  # a field the model's family requires (hf[...] where read)
+        raise UserError(
+            f"{config_path} lacks the field {exc.args[0]!r}, which a "
+            f"{hf.get('model_type', 'model')} config needs; restore config.json from the "
+            "model's repo"
+        ) from None
 
 
 def _from_path(path: Path, dummy: bool, seed: int) -> ModelSpec:
@@ -126,6 +138,10 @@ def _from_path(path: Path, dummy: bool, seed: int) -> ModelSpec:
         config = _config_from_dir(path, path.name)
         spec = ModelSpec(path.name, config, "dummy" if dummy else "safetensors", path, seed)
         spec.weight_format()  # a quantization we cannot read is refused here, by name
+        if not dummy:  # a missing or cut shard is refused here, not at its layer
+            from offload.models.checkpoint import check_shards
+
+            check_shards(path)
         return spec
     if path.suffix == ".gguf":
         from offload.models.gguf_file import gguf_config, open_gguf

@@ -259,8 +259,17 @@ def whole_problem(
 def cpu_only_caps(cpu_bytes: int, base: Baseline) -> tuple[int, int]:
     """(device, host) caps of a run without a GPU given only a CPU cap: the CPU computes,
     so the plan's device tier is host memory too. The host keeps what it holds whatever
-    the plan (this process, its heap growth); the two tiers share the rest in halves."""
-    device = max(0, cpu_bytes - base.process_bytes - HOST_SLACK_BYTES) // 2
+    the plan (this process, its heap growth); the two tiers share the rest in halves.
+    A cap that leaves nothing beyond what the process holds plans nothing: refused."""
+    held = base.process_bytes + HOST_SLACK_BYTES
+    device = max(0, cpu_bytes - held) // 2
+    if device < 1:
+        raise UserError(
+            f"the CPU cap (--cpu-mem, max_memory['cpu']) {_gb(cpu_bytes)} leaves nothing for "
+            f"the model: this process already holds {_gb(base.process_bytes)} and keeps "
+            f"{_gb(HOST_SLACK_BYTES)} for heap growth; raise the cap above {_gb(held)} "
+            "(enough for the weights too), or leave it out to plan for this machine's memory"
+        )
     return device, cpu_bytes - device
 
 
