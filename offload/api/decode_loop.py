@@ -104,6 +104,7 @@ class DecodeLoop:
         began = time.perf_counter()
         runner.start(batch)
         started = time.perf_counter()
+        start_s = started - began
         step = runner.step_inputs(batch, 0, batch.prompt_len)
         # popped when sampled, so a step's logits are not held through the next step's
         # layers (`memory.activation_plan`)
@@ -135,7 +136,7 @@ class DecodeLoop:
         stats.decode_seconds += decode_s
         stats.timeline.append(
             {"rows": len(seqs), "prompt_len": batch.prompt_len, "steps": t + 1,
-             "began_s": began, "start_s": started - began, "prefill_s": prefill_s,
+             "began_s": began, "start_s": start_s, "prefill_s": prefill_s,
              "decode_s": decode_s}
         )  # fmt: skip
 
