@@ -31,7 +31,16 @@ VARIANT_DEFAULTS: dict[str, Any] = {
     "parallel_mlp_norm": False,
     "linear_bias": False,
 }
-ROPE_DEFAULTS: dict[str, Any] = {"short_factor": (), "long_factor": (), "attention_factor": None}
+ROPE_DEFAULTS: dict[str, Any] = {
+    "short_factor": (),
+    "long_factor": (),
+    "attention_factor": None,
+    # YaRN's (`mla_config`)
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.0,
+    "mscale_all_dim": 0.0,
+}
 
 _SCALING_KEYS = (
     "factor",

@@ -45,6 +45,9 @@ def _hf_names(cfg: ModelConfig, stage: str, index: int) -> NameMap:
         head = {"final_norm.weight": ["model.norm.weight"], "lm_head.weight": ["lm_head.weight"]}
         if cfg.num_experts and stage == "layer":
             layer.update(family_names.moe(cfg, index))
+        if cfg.kv_lora_rank and stage == "layer":  # latent attention's own projections
+            del layer["qkv"]
+            layer.update(family_names.mla(cfg, index))
         stages = {"embed": embed, "layer": layer, "head": head}
         return family_names.llama_variant(cfg, stage, index, stages[stage])
     if cfg.family == "bloom":
