@@ -30,6 +30,7 @@ from offload.policies.caps import (
 )
 from offload.policies.hardware import HardwareProfile
 from offload.policies.job import Job, JobEstimate
+from offload.policies.latent import check_latent_kv_formats, check_latent_policy
 from offload.policies.node import Layout
 from offload.policies.policy import Policy
 
@@ -101,6 +102,7 @@ def plan_run(
     if layout is not None and policy is None:
         policy = Policy(gpu_batch_size=args.batch_size, num_gpu_batches=1)
     if policy is not None:
+        check_latent_policy(cfg, policy)
         check_weights_fit(cfg, policy, front.dtype, front.device, caps, baseline)
         # the block as planned (prompt_len + gen_len) fits, before anything loads
         check_block_fits(
@@ -183,7 +185,7 @@ def _search(
 
     prompt_len, gen_len = lengths
     caps, baseline = limits
-
+    check_latent_kv_formats(cfg, args.kv_compressions())
     choice = choose_policy(
         cfg,
         front.dtype,

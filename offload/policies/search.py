@@ -24,6 +24,7 @@ from offload.policies.cost import Estimate, estimate
 from offload.policies.cost_moe import with_cpu_experts
 from offload.policies.hardware import HardwareProfile
 from offload.policies.job import Block, Job, estimate_job
+from offload.policies.latent import latent_problem
 from offload.policies.memory import plan_memory
 from offload.policies.policy import Placement, Policy
 
@@ -58,6 +59,8 @@ def _kv_placement(
     cpu_left += others_weight_bytes(probe, caps.shared_weights)
     if gpu_left + scratch >= kv_total:  # all on the GPU, which needs no scratch
         return Placement(1.0, 0.0, 0.0)
+    if cfg.kv_lora_rank:  # a latent cache lives on the GPU only (`policies.latent`)
+        return None
     if gpu_left < 0 or cpu_left < 0:  # over a cap before any KV is placed: none fits
         return None
     return _whole_rows(base.block_size, gpu_left / kv_total, cpu_left / kv_total, caps.nvme)
@@ -144,7 +147,7 @@ def candidates(
                     if not _overlaps(cpu_attention, count, hw):
                         continue
                     for placement in weights:
-                        yield Policy(
+                        policy = Policy(
                             size,
                             count,
                             weights=placement,
@@ -153,6 +156,8 @@ def candidates(
                             weight_compression=compression,
                             kv_compression=kv_compression,
                         )
+                        if latent_problem(cfg, policy) is None:  # (`policies.latent`)
+                            yield policy
 
 
 def _overlaps(cpu_attention: bool, micro_batches: int, hw: HardwareProfile) -> bool:
@@ -277,13 +282,16 @@ def _smallest_need(
     cfg, dtype, prompt_len, gen_len, hw: HardwareProfile, caps: Caps, compression, kv_compression
 ) -> tuple[int, int]:
     """The (GPU, CPU) peaks of the smallest plan: one sequence, weights and KV on disk
-    (with a disk) or in CPU memory, attention on the CPU, in these formats."""
+    (with a disk) or in CPU memory, attention on the CPU, in these formats (a latent
+    cache on the GPU, uncompressed, attended there: `policies.latent`)."""
     on_disk = caps.nvme
     weights = Placement(0.0, 0.0, 1.0) if on_disk else Placement(0.0, 1.0, 0.0)
     kv = Placement(0.0, 0.0, 1.0) if on_disk else Placement(0.0, 1.0, 0.0)
+    latent = bool(cfg.kv_lora_rank)
     policy = Policy(
-        1, 1, weights=weights, kv_cache=kv, attention_on_cpu=True,
-        weight_compression=compression, kv_compression=kv_compression,
+        1, 1, weights=weights, kv_cache=Placement() if latent else kv,
+        attention_on_cpu=not latent, weight_compression=compression,
+        kv_compression=None if latent else kv_compression,
     )  # fmt: skip
     est = estimate(cfg, policy, dtype, prompt_len, gen_len, hw)
     return est.gpu_peak_bytes, est.cpu_peak_bytes
