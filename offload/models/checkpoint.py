@@ -192,6 +192,8 @@ class SafetensorsReader:
 class CheckpointSource(WeightSource):
     """A Hugging Face model directory (config.json + safetensors)."""
 
+    makes_tensors_alone = True
+
     def __init__(self, directory: Path, config: ModelConfig) -> None:
         self.config = config
         self.reader = SafetensorsReader(directory)
@@ -202,12 +204,26 @@ class CheckpointSource(WeightSource):
     ) -> Weights:
         return self.stored_parts(stage, index, dtype, device, {})
 
+    def stored_named(
+        self, stage: str, index: int, names: list[str], dtype: torch.dtype, device: torch.device
+    ) -> Weights:
+        return self.stored_parts(stage, index, dtype, device, {}, names)
+
     def stored_parts(
-        self, stage: str, index: int, dtype: torch.dtype, device: torch.device, parts: Parts
+        self,
+        stage: str,
+        index: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        parts: Parts,
+        only: list[str] | None = None,
     ) -> Weights:
         """Each tensor whole, or only the rows or columns of its part (slices of the
-        files: a tensor-parallel rank reads its share of the checkpoint)."""
+        files: a tensor-parallel rank reads its share of the checkpoint); only: just
+        these tensors."""
         wanted = self.stored_shapes(stage, index)
+        if only is not None:
+            wanted = {name: wanted[name] for name in only}
         names = _expand(_hf_names(self.config, stage, index), wanted)
         out: Weights = {}
         try:

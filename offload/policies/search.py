@@ -103,7 +103,10 @@ def _weight_options(
 ) -> list[Placement]:
     """Weight placements worth trying: GPU share on a 5% grid up to what the GPU cap
     allows; the rest all in CPU RAM, or (with a disk) as much CPU as the cap leaves for
-    weights alone / for half of it, the remainder on disk."""
+    weights alone / for half of it, the remainder on disk; a mixture of experts' with a
+    disk also all on disk, as its disk experts' staging (two layers of them) and a layer
+    placed at the load can take the room those shares leave (DeepSeek-V3 at --cpu-mem
+    120GB: 47.6 GB and 46.0 GB, where half the room for weights needs 155 GB)."""
     total = sum(stage_image_bytes(cfg, dtype, compression))
     cpu_room = max(0.0, plan_budget(caps, Baseline.from_profile(hw))[1] / total)
     out = []
@@ -117,6 +120,8 @@ def _weight_options(
             if not caps.nvme
             else {rest, min(rest, 0.95 * cpu_room), min(rest, 0.5 * cpu_room)}
         )
+        if caps.nvme and cfg.num_experts:
+            shares.add(0.0)
         for cpu in sorted(shares):
             cpu = math.floor(cpu * 1000) / 1000
             if not caps.nvme and cpu < rest - 1e-9:
