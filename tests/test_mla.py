@@ -256,15 +256,3 @@ def test_the_search_offers_no_plan_a_latent_cache_cannot_run():
     assert best.experts["layers"] == 58 and best.experts["experts"] == 256
     assert best.memory.detail["kv_gpu"] == best.policy.block_size * 544 * 61 * 576 * 2
     assert best.gpu_peak_bytes <= caps.gpu_bytes and best.cpu_peak_bytes <= caps.cpu_bytes
-
-
-def test_presets_are_the_published_sizes():
-    """Parameter counts of the presets' configs: DeepSeek-V3's 671B (without its
-    multi-token-prediction layer), Kimi-K2's 1.03T, DeepSeek-V2-Lite's 15.7B and
-    Moonlight's 16.0B."""
-    sizes = {"deepseek-v3": 671.0, "kimi-k2": 1026.4, "deepseek-v2-lite": 15.7,
-             "moonlight-16b-a3b": 16.0}  # fmt: skip
-    for name, billions in sizes.items():
-        cfg = ModelConfig.from_hf(PRESETS[name], name)
-        assert cfg.param_count() / 1e9 == pytest.approx(billions, abs=0.05), name
-        assert cfg.kv_lora_rank == 512 and cfg.qk_rope_head_dim == 64
