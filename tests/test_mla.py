@@ -136,18 +136,39 @@ def test_the_configs_routers_and_rope_are_read_as_written(checkpoints):
     assert (rope.rope_type, rope.factor, rope.mscale_all_dim) == ("yarn", 4.0, 0.8)
 
 
-def test_yarn_tables_match_transformers():
+@pytest.mark.parametrize(
+    "changes",
+    [{"mscale": 0.9}, {"truncate": False, "beta_fast": 16.0}, {"mscale": 0, "factor": 8.0}],
+)
+def test_yarn_tables_match_transformers(changes):
     """Our YaRN inverse frequencies and attention factor against transformers' own."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from offload.models import ops
 
-    hf = DeepseekV3Config(**_DIMS, q_lora_rank=24, rope_parameters=dict(_YARN, mscale=0.9))
+    hf = DeepseekV3Config(**_DIMS, q_lora_rank=24, rope_parameters={**_YARN, **changes})
     want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
     cfg = ModelConfig.from_hf(hf.to_dict())
     rotary = ops.Rotary.of(cfg)
     assert torch.allclose(rotary.inv_freq, want_freq, rtol=1e-6, atol=0)
     assert rotary.attention_factor == pytest.approx(want_factor, rel=1e-12)
+
+
+def test_yarn_on_a_llama_model_matches_transformers(tmp_path):
+    """YaRN is every rotary family's (Qwen2.5's long-context configs set it), without
+    latent attention's softmax scale: a Llama's prefill logits against transformers'."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    yarn = {**_YARN, "truncate": False, "mscale": 0, "mscale_all_dim": 0}
+    case = (LlamaForCausalLM, LlamaConfig(**tiny_models._llama_dims, rope_parameters=yarn))
+    tiny_models.CASES["llama-yarn"] = case
+    try:
+        directory, model = tiny_models.save("llama-yarn", tmp_path)
+    finally:
+        del tiny_models.CASES["llama-yarn"]
+    llm = LLM(str(directory), device="cpu", dtype="float32")
+    assert llm.config.rope_scaling.rope_type == "yarn" and not llm.config.rope_scaling.truncate
+    tiny_models.assert_prefill_logits_match(llm, model, PROMPTS, "llama-yarn")
 
 
 # -- offloaded: weights on every tier, the latent cache on the GPU ------------------------

@@ -67,10 +67,11 @@ class RopeScaling:
     """RoPE frequency scaling: `rope_type` is one of ROPE_TYPES. LongRoPE (Phi-3) divides
     the frequencies by `short_factor`, or by `long_factor` in a step whose positions
     reach past original_max_position_embeddings, and scales cos and sin by
-    `attention_factor` (`models.ops.Rotary`). YaRN (latent attention's) blends
-    interpolated and extrapolated frequencies between `beta_fast` and `beta_slow`
-    rotations; `mscale` and `mscale_all_dim` set its attention factor and the softmax
-    scale (`models.mla`)."""
+    `attention_factor` (`models.ops.Rotary`). YaRN blends interpolated and extrapolated
+    frequencies between the dimensions that turn `beta_fast` and `beta_slow` times
+    (`models.yarn`; `truncate`: that range rounded outwards); `mscale` and
+    `mscale_all_dim` set its attention factor, and latent attention's softmax scale
+    (`models.mla`)."""
 
     rope_type: str = "default"
     factor: float = 1.0
@@ -84,6 +85,7 @@ class RopeScaling:
     beta_slow: float = 1.0
     mscale: float = 0.0
     mscale_all_dim: float = 0.0
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -189,11 +191,6 @@ class ModelConfig:
             )
         if self.router not in ("softmax", "sigmoid", "softmax_groups"):
             raise ValueError(f"router {self.router!r} must be softmax, sigmoid or softmax_groups")
-        if self.rope_scaling.rope_type == "yarn" and not self.kv_lora_rank:
-            raise UserError(
-                f"rope scaling type 'yarn' is supported for latent attention only "
-                f"({', '.join(mla_config.MLA_MODEL_TYPES)}), not {self.model_type}"
-            )
 
     # -- derived facts --------------------------------------------------------------
     @property

@@ -30,10 +30,6 @@ MLA_DEFAULTS: dict[str, Any] = {
     "v_head_dim": 0,
 }
 
-# YaRN's fields of `RopeScaling` beside the ones every rope type reads
-YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-
-
 def mla_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Every field but the common ones (`ModelConfig.from_hf`) of a DeepSeek-V2/V3 config."""
     model_type = hf["model_type"]
@@ -71,20 +67,11 @@ def mla_fields(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _rope(hf: dict[str, Any]) -> dict[str, Any]:
     """rope_theta and rope_scaling (`RopeScaling`'s kwargs, YaRN's included)."""
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    fields = families.rope_fields(hf, rope)
-    scaling = fields["rope_scaling"]
-    kind = scaling["rope_type"]
+    fields = families.rope_fields(hf, hf.get("rope_parameters") or hf.get("rope_scaling"))
+    kind = fields["rope_scaling"]["rope_type"]
     if kind not in ("default", "yarn"):
         raise UserError(f"{hf['model_type']} with rope type {kind!r} is not supported")
-    if kind == "yarn":
-        if rope.get("factor") is None:  # transformers: the ratio of the two lengths
-            original = scaling["original_max_position_embeddings"]
-            scaling["factor"] = hf.get("max_position_embeddings", original) / original
-        scaling.update({k: float(rope[k]) for k in YARN_KEYS if rope.get(k) is not None})
-        if rope.get("truncate") is False:
-            raise UserError("YaRN with truncate=false is not supported")
-    return {"rope_theta": fields["rope_theta"], "rope_scaling": scaling}
+    return {"rope_theta": fields["rope_theta"], "rope_scaling": fields["rope_scaling"]}
 
 
 def _router(hf: dict[str, Any], layers: int) -> dict[str, Any]:

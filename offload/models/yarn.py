@@ -30,14 +30,16 @@ def attention_factor(scaling: RopeScaling) -> float:
 def inv_freq(
     dim: int, theta: float, scaling: RopeScaling, device: torch.device | None = None
 ) -> torch.Tensor:
-    """YaRN's inverse frequencies over `dim` rotary channels (truncated correction range)."""
+    """YaRN's inverse frequencies over `dim` rotary channels."""
     original = scaling.original_max_position_embeddings
 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(scaling.beta_slow)), dim - 1)
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # (transformers' guard against a zero-width ramp)
     ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)
