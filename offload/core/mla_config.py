@@ -30,6 +30,7 @@ MLA_DEFAULTS: dict[str, Any] = {
     "v_head_dim": 0,
 }
 
+
 def mla_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Every field but the common ones (`ModelConfig.from_hf`) of a DeepSeek-V2/V3 config."""
     model_type = hf["model_type"]

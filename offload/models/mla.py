@@ -23,7 +23,8 @@ within rounding.
 RoPE turns the P channels in DeepSeek's interleaved layout (pairs (x0, x1), (x2, x3)
 each by one frequency; outputs the pairs' first elements, then their second, as
 transformers' `apply_rotary_pos_emb_interleave`): q and k are permuted alike, so their
-products are those of DeepSeek-V2's complex rotation too. The softmax scale is
+products are those of DeepSeek-V2's complex rotation too (which transformers computes
+in float32; here, as DeepSeek-V3's, in the compute dtype). The softmax scale is
 (N + P) ** -0.5 (N = qk_nope_head_dim) times YaRN's mscale(mscale_all_dim) squared.
 """
 

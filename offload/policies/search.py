@@ -106,7 +106,7 @@ def _weight_options(
     weights alone / for half of it, the remainder on disk; a mixture of experts' with a
     disk also all on disk, as its disk experts' staging (two layers of them) and a layer
     placed at the load can take the room those shares leave (DeepSeek-V3 at --cpu-mem
-    120GB: 47.6 GB and 46.0 GB, where half the room for weights needs 155 GB)."""
+    120GB: 47.6 GB and 24.4 GB beside half the room's weights, 134 GB in all)."""
     total = sum(stage_image_bytes(cfg, dtype, compression))
     cpu_room = max(0.0, plan_budget(caps, Baseline.from_profile(hw))[1] / total)
     out = []
