@@ -259,6 +259,18 @@ def test_a_latent_cache_off_the_gpu_is_refused_before_the_load(change, named, ch
         LLM(str(directory), device="cpu", dtype="float32", policy=policy)
 
 
+def test_kv_compression_alone_is_refused_for_a_latent_cache():
+    """--kv-compress int4 (no uncompressed format left to choose) names the flag, before
+    any profile is measured; auto (None among the formats) plans uncompressed."""
+    from offload.policies.choose import choose_policy
+
+    cfg = ModelConfig.from_hf(PRESETS["deepseek-v2-lite"], "deepseek-v2-lite")
+    int4 = Compression(4, 64, False)
+    with pytest.raises(UserError, match="--kv-compress"):
+        choose_policy(cfg, "bfloat16", 8 * 10**9, 60 * 10**9, None, 512, 32,
+                      kv_compressions=(int4,))  # fmt: skip
+
+
 def test_the_search_offers_no_plan_a_latent_cache_cannot_run():
     """DeepSeek-V3 at --gpu-mem 24GB --cpu-mem 120GB with a disk: the searched plan keeps
     the latent cache on the GPU, uncompressed, attended there, with every layer's

@@ -30,7 +30,7 @@ from offload.policies.caps import (
 )
 from offload.policies.hardware import HardwareProfile
 from offload.policies.job import Job, JobEstimate
-from offload.policies.latent import check_latent_kv_formats, check_latent_policy
+from offload.policies.latent import check_latent_policy
 from offload.policies.node import Layout
 from offload.policies.policy import Policy
 
@@ -185,7 +185,7 @@ def _search(
 
     prompt_len, gen_len = lengths
     caps, baseline = limits
-    check_latent_kv_formats(cfg, args.kv_compressions())
+
     choice = choose_policy(
         cfg,
         front.dtype,
