@@ -113,7 +113,7 @@ def values_out(cfg: ModelConfig, w: Weights, context: torch.Tensor) -> torch.Ten
     output projection's input."""
     batch, num_new, _ = context.shape
     _, w_uv = _kv_b(cfg, w)
-    per_head = context.view(batch, num_new, cfg.num_heads, cfg.kv_lora_rank).transpose(1, 2)
+    per_head = context.reshape(batch, num_new, cfg.num_heads, cfg.kv_lora_rank).transpose(1, 2)
     out = torch.matmul(per_head, w_uv.transpose(1, 2))  # [B, H, T, R] x [H, R, V]
     return out.transpose(1, 2).reshape(batch, num_new, cfg.num_heads * cfg.v_head_dim)
 
