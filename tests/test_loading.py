@@ -50,6 +50,11 @@ EXPECTED_BILLIONS.update(  # mixtures of experts: every expert counted
         "qwen3-30b-a3b": 30.5,
         "qwen3-235b-a22b": 235.1,
         "glm-4.5-air": 106.9,
+        # latent attention: DeepSeek-V3 without its multi-token-prediction layer
+        "deepseek-v3": 671.0,
+        "kimi-k2": 1026.4,
+        "deepseek-v2-lite": 15.7,
+        "moonlight-16b-a3b": 16.0,
     }
 )
 

@@ -40,6 +40,7 @@ from offload.policies.caps import (
 from offload.policies.explain import Candidate
 from offload.policies.hardware import HardwareProfile
 from offload.policies.job import Job, JobEstimate
+from offload.policies.latent import check_latent_policy
 from offload.policies.memory_limit import node_memory_limit, rank_cpu_bytes
 from offload.policies.node import Layout
 from offload.policies.policy import Policy
@@ -165,6 +166,7 @@ def plan(request: PlanRequest) -> Plan:
         caps = _filled(given, machine)
     cfg, dtype, base = request.config, front.dtype, machine.baseline
     if policy is not None:
+        check_latent_policy(cfg, policy)
         check_weights_fit(cfg, policy, dtype, machine.device, caps, base, machine.limits)
         # the block as planned (prompt_len + gen_len) fits, before anything loads
         check_block_fits(

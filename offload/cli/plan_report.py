@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from offload.core.config import DTYPES
 from offload.core.errors import UserError
 from offload.policies.advice import FormatHint
 from offload.policies.caps import Caps
@@ -74,6 +75,20 @@ def _experts_lines(x: dict) -> list[str]:
     ]
 
 
+def _latent_lines(cfg, dtype: str) -> list[str]:
+    """A latent-attention model's KV entry a token (`models.mla`; none for others)."""
+    if not cfg.kv_lora_rank:
+        return []
+    elt = DTYPES[dtype].itemsize if dtype in DTYPES else 2
+    heads_kv = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    return [
+        f"latent KV: {cfg.kv_entry_width} values a token and layer ({cfg.kv_lora_rank} latent + "
+        f"{cfg.qk_rope_head_dim} RoPE key), {cfg.num_layers * cfg.kv_entry_width * elt:,} bytes "
+        f"a token over {cfg.num_layers} layers ({heads_kv / cfg.kv_entry_width:.0f}x less than "
+        f"K and V of {cfg.num_heads} heads)"
+    ]
+
+
 def _format(c) -> str:
     if c is None:
         return "none"
@@ -111,6 +126,7 @@ def table(
         f"batch: {p.num_gpu_batches} x {p.gpu_batch_size} = {p.block_size} sequences; attention over "
         f"off-GPU KV on the {'CPU' if p.attention_on_cpu else 'GPU'}",
         f"compression: weights {_format(p.weight_compression)}, KV cache {_format(p.kv_compression)}",
+        *_latent_lines(cfg, args.dtype),
         *_experts_lines(best.experts),
         f"predicted: {best.total_tok_s:.1f} tok/s total (prefill {best.prefill_s:.1f} s = "
         f"{best.prefill_tok_s:.0f} tok/s, decode {best.decode_step_s:.2f} s/step = "

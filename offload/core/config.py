@@ -17,7 +17,8 @@ field (`qk_norm`, `sandwich_norms`, `parallel_attn`, ...), read by the decoder's
 functions, not the model type.
 The mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5's `glm4_moe`) are
 Llama-like layers whose MLP is a router and experts (`models.moe`; `moe_config.py` reads
-their configs).
+their configs). DeepSeek-V2/V3 and Kimi-K2 are too, with latent attention (`models.mla`;
+`mla_config.py` reads their configs).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from offload.core import families, moe_config
+from offload.core import families, mla_config, moe_config
 from offload.core.errors import UserError
 from offload.core.family import Family, family
 
@@ -52,12 +53,14 @@ def resolve_dtype(name: str, on_gpu: bool, checkpoint_dtype: str) -> torch.dtype
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # the mixtures of experts: Llama-like layers whose MLP is a `models.moe` block
 LLAMA_LIKE += moe_config.MOE_MODEL_TYPES
+# ... and the latent-attention mixtures of experts (`models.mla`)
+LLAMA_LIKE += mla_config.MLA_MODEL_TYPES
 SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "bloom", "opt", *families.READERS)
 # OPT's learned position table starts at index 2 (fairseq heritage).
 OPT_POSITION_OFFSET = 2
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,11 @@ class RopeScaling:
     """RoPE frequency scaling: `rope_type` is one of ROPE_TYPES. LongRoPE (Phi-3) divides
     the frequencies by `short_factor`, or by `long_factor` in a step whose positions
     reach past original_max_position_embeddings, and scales cos and sin by
-    `attention_factor` (`models.ops.Rotary`)."""
+    `attention_factor` (`models.ops.Rotary`). YaRN blends interpolated and extrapolated
+    frequencies between the dimensions that turn `beta_fast` and `beta_slow` times
+    (`models.yarn`; `truncate`: that range rounded outwards); `mscale` and
+    `mscale_all_dim` set its attention factor, and latent attention's softmax scale
+    (`models.mla`)."""
 
     rope_type: str = "default"
     factor: float = 1.0
@@ -75,6 +82,11 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -155,6 +167,14 @@ class ModelConfig:
     router_topk_groups: int = 1
     # layers whose MLP is a plain one of intermediate_size (GLM-4.5's first layers)
     dense_layers: tuple[int, ...] = ()
+    # latent attention (`models.mla`; kv_lora_rank 0: none): the query's low rank (0: a
+    # full q projection), the cached latent's width, a query head's no-RoPE and RoPE
+    # channels and a value head's; num_kv_heads is 1 and head_dim the latent's width
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -174,8 +194,8 @@ class ModelConfig:
             raise ValueError(
                 f"experts_per_token={self.experts_per_token} must be in 1..{self.num_experts}"
             )
-        if self.router not in ("softmax", "sigmoid"):
-            raise ValueError(f"router {self.router!r} must be softmax or sigmoid")
+        if self.router not in ("softmax", "sigmoid", "softmax_groups"):
+            raise ValueError(f"router {self.router!r} must be softmax, sigmoid or softmax_groups")
 
     # -- derived facts --------------------------------------------------------------
     @property
@@ -199,7 +219,10 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The channels of a head that RoPE turns (the first ones)."""
+        """The channels of a head that RoPE turns (the first ones; latent attention's
+        decoupled RoPE part)."""
+        if self.kv_lora_rank:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.rotary_fraction)
 
     @property
@@ -246,9 +269,17 @@ class ModelConfig:
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
     @property
+    def kv_entry_width(self) -> int:
+        """Values one token's KV cache entry holds a layer: K and V of every KV head, or
+        latent attention's compressed latent and RoPE key (one for all heads)."""
+        if self.kv_lora_rank:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes per token over all layers at 2 bytes per element."""
-        return 2 * 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        return 2 * self.num_layers * self.kv_entry_width
 
     def layer_param_count(self, layer: int | None = None, active: bool = False) -> int:
         """A layer's parameters (default: the average layer's); active: those one token
@@ -264,6 +295,8 @@ class ModelConfig:
             mlp = experts * self.moe_intermediate_size + self.shared_expert_intermediate_size
             mlp = 3 * h * mlp + h * (self.num_experts + self.shared_expert_gate)
         count = h * self.qkv_out_features + q_out * h + mlp
+        if self.kv_lora_rank:  # latent attention's low-rank projections
+            count = mla_config.attention_param_count(self) + mlp
         norms = (2 + 2 * self.sandwich_norms) * h * (2 if self.norm_kind == "layer" else 1)
         norms += 2 * self.head_dim * self.qk_norm
         biases = 0
@@ -284,7 +317,12 @@ class ModelConfig:
         if not facts["gathered_vocab_size"]:  # the fingerprints of stores built before it
             del facts["gathered_vocab_size"]
         # a field at its default leaves the fingerprint as it was before the field existed
-        for name, default in {**families.VARIANT_DEFAULTS, **moe_config.MOE_DEFAULTS}.items():
+        defaults = {
+            **families.VARIANT_DEFAULTS,
+            **moe_config.MOE_DEFAULTS,
+            **mla_config.MLA_DEFAULTS,
+        }
+        for name, default in defaults.items():
             if facts.get(name) == default:
                 del facts[name]
         for name, default in families.ROPE_DEFAULTS.items():
@@ -313,6 +351,10 @@ class ModelConfig:
             "pad_token_id": hf.get("pad_token_id"),
             "checkpoint_dtype": str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
         }
+        if model_type in mla_config.MLA_MODEL_TYPES:
+            fields = mla_config.mla_fields(hf)
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+            return cls(**common, **fields)
         if model_type in moe_config.MOE_MODEL_TYPES:
             return cls(**common, **{**_llama_fields(hf), **moe_config.moe_fields(hf)})
         if model_type in LLAMA_LIKE:

@@ -31,7 +31,19 @@ VARIANT_DEFAULTS: dict[str, Any] = {
     "parallel_mlp_norm": False,
     "linear_bias": False,
 }
-ROPE_DEFAULTS: dict[str, Any] = {"short_factor": (), "long_factor": (), "attention_factor": None}
+ROPE_DEFAULTS: dict[str, Any] = {
+    "short_factor": (),
+    "long_factor": (),
+    "attention_factor": None,
+    # YaRN's
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.0,
+    "mscale_all_dim": 0.0,
+    "truncate": True,
+}
+# YaRN's fields of `RopeScaling` beside the ones every rope type reads
+_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 _SCALING_KEYS = (
     "factor",
@@ -72,12 +84,31 @@ def rope_fields(hf: dict[str, Any], rope: dict[str, Any] | None) -> dict[str, An
             scaling["factor"] = hf.get("max_position_embeddings", original) / original
         scaling["short_factor"] = tuple(float(f) for f in rope["short_factor"])
         scaling["long_factor"] = tuple(float(f) for f in rope["long_factor"])
+    if rope_type == "yarn":
+        scaling.update(_yarn_fields(hf, rope))
     fraction = rope.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0
     return {
         "rope_theta": float(theta),
         "rope_scaling": {"rope_type": rope_type, **scaling},
         "rotary_fraction": float(fraction),
     }
+
+
+def _yarn_fields(hf: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's settings as transformers reads them (`_compute_yarn_parameters`): the
+    factor, else the ratio of the context to the original one; the ramp's rotations,
+    mscale and mscale_all_dim where given; truncate."""
+    original = rope.get("original_max_position_embeddings") or hf.get(
+        "original_max_position_embeddings"
+    )
+    if not original:
+        raise UserError("a yarn rope config needs original_max_position_embeddings")
+    factor = rope.get("factor")
+    if factor is None:
+        factor = hf.get("max_position_embeddings", original) / original
+    out = {"original_max_position_embeddings": original, "factor": float(factor)}
+    out.update({k: float(rope[k]) for k in _YARN_KEYS if rope.get(k)})
+    return {**out, "truncate": bool(rope.get("truncate", True))}
 
 
 def _windows(text: dict[str, Any], pattern_default: int) -> tuple[int | None, tuple[bool, ...]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from offload.core.family_presets import FAMILY_HUB_IDS, FAMILY_PRESETS
+from offload.core.mla_presets import MLA_HUB_IDS, MLA_PRESETS
 
 DEMO_NAME = "smollm2-135m-instruct"
 
@@ -245,6 +246,11 @@ HUB_IDS.update(
         "zai-org/GLM-4.5-Air": "glm-4.5-air",
     }
 )
+
+
+# the latent-attention mixtures of experts (`models.mla`): their published configs
+PRESETS.update(MLA_PRESETS)
+HUB_IDS.update(MLA_HUB_IDS)
 
 
 def preset_for(name: str) -> str | None:

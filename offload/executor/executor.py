@@ -48,6 +48,7 @@ from offload.models.decoder import Parallel, StepInputs
 from offload.models.shapes import Weights
 from offload.models.weights import WeightSource
 from offload.policies.job import warm_up_prompt
+from offload.policies.latent import check_latent_policy
 from offload.policies.memory import row_splits
 from offload.policies.policy import Policy
 
@@ -95,6 +96,7 @@ class Executor(LaneReports):  # implements runner.Runner
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.cfg: ModelConfig = source.config
+        check_latent_policy(self.cfg, policy)  # (a latent cache lives on the GPU only)
         self.policy, self.dtype, self.device = policy, dtype, device
         self.ledger = MemoryLedger()
         self.tracer = Tracer(enabled=bool(trace), every=max(1, int(trace)))

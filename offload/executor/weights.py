@@ -43,6 +43,7 @@ from offload.io.layout import (
     stage_cuts,
     stage_keys,
     stage_layout,
+    stage_pieces,
 )
 from offload.io.pinned import PinnedPool, PoolBlock, align_up
 from offload.io.reader import ExtentReader
@@ -249,14 +250,21 @@ class WeightHomes:
         stage, _, index = image.key.partition(".")
         # dummy weights are made on the compute device (a GPU draws them far faster)
         make_on = device if source.draws_on_device else torch.device("cpu")
-        weights = compress_stage(
-            source.stage(stage, int(index or 0), dtype, make_on), image.compression
-        )
         host = torch.zeros(image.size, dtype=torch.uint8)
-        for t in image.layout:
-            host[t.offset : t.offset + t.nbytes] = (
-                weights[t.name].contiguous().view(-1).view(torch.uint8)
-            )
+        # the whole stage at once, or where the source can, in pieces (`stage_pieces`)
+        pieces = stage_pieces(source.config, image.key) if source.makes_tensors_alone else None
+        for names in pieces or [None]:
+            if names is None:
+                made = source.stage(stage, int(index or 0), dtype, make_on)
+            else:
+                made = source.stored_named(stage, int(index or 0), names, dtype, make_on)
+            weights = compress_stage(made, image.compression)
+            del made
+            for t in image.layout:
+                if t.name in weights:
+                    host[t.offset : t.offset + t.nbytes] = (
+                        weights[t.name].contiguous().view(-1).view(torch.uint8)
+                    )
         return host
 
     @property

@@ -21,7 +21,10 @@ block's rows from the head's home (`shares_table`). BLOOM-176B's table is 7.2 GB
 fp16: stored twice it took the RAM of 12 sequences' int4 KV.
 
 KV cache. A home of `rows` sequences for one layer holds K and V for `max_slots`
-tokens: fp16 K then V (each 4 KiB aligned), or one compressed `QuantKV` buffer. CPU and
+tokens: fp16 K then V (each 4 KiB aligned), or one compressed `QuantKV` buffer. A
+latent-attention model's cache (`models.mla`) is one latent row a token instead,
+`ModelConfig.kv_entry_width` values (576 for DeepSeek-V3), on the GPU only
+(`policies.latent`). CPU and
 disk homes have the same bytes; `DISK_BUFFERS` staging blocks hold disk homes while they
 are read, attended and written back.
 """
@@ -38,7 +41,7 @@ from offload.core.config import ModelConfig
 from offload.io.pinned import align_up
 from offload.kernels.kv_cache import kv_buffer_bytes
 from offload.kernels.quant import stored_layout
-from offload.models.shapes import stage_shapes
+from offload.models.shapes import expert_name, stage_shapes
 
 if TYPE_CHECKING:
     from offload.kernels.formats import Compression
@@ -149,6 +152,40 @@ def expert_span(
     layout = stage_layout(cfg, key, dtype, compression)
     first = next(t.offset for t in layout if t.name.startswith("experts."))
     return ExpertSpan(first, (image_bytes(layout) - first) // cfg.num_experts, cfg.num_experts)
+
+
+# a mixture of experts' layer is made at the load this many experts at a time, after its
+# dense part (`stage_pieces`): DeepSeek-V3's layer is 23 GB in bf16, Kimi-K2's 34 GB
+EXPERTS_A_PIECE = 16
+
+
+def stage_pieces(cfg: ModelConfig, key: str) -> list[list[str]] | None:
+    """The canonical names of stage `key` in the groups the load and the weight store's
+    build make them in, where the source makes tensors alone (`executor.weights`,
+    `io.store`): a mixture of experts' layer its dense part, then EXPERTS_A_PIECE experts
+    at a time. None: any other stage, made whole."""
+    stage, _, index = key.partition(".")
+    if stage != "layer" or not cfg.is_moe_layer(int(index)):
+        return None
+    names = list(stage_shapes(cfg, stage, int(index)))
+    pieces = [[name for name in names if not name.startswith("experts.")]]
+    for first in range(0, cfg.num_experts, EXPERTS_A_PIECE):
+        last = min(cfg.num_experts, first + EXPERTS_A_PIECE)
+        pieces.append(
+            [expert_name(e, m) for e in range(first, last) for m in ("mlp_in", "mlp_out")]
+        )
+    return pieces
+
+
+def largest_piece_bytes(cfg: ModelConfig, key: str, dtype: torch.dtype) -> int | None:
+    """The bytes of stage `key`'s largest piece (`stage_pieces`) as a source makes it
+    (None: the stage is made whole)."""
+    pieces = stage_pieces(cfg, key)
+    if pieces is None:
+        return None
+    stage, _, index = key.partition(".")
+    shapes = stage_shapes(cfg, stage, int(index or 0))
+    return max(sum(nbytes_of(shapes[name], dtype) for name in piece) for piece in pieces)
 
 
 # GPU buffers that a mixture of experts' experts not on the GPU are copied into, a
@@ -276,6 +313,11 @@ class KVLayout:
         return 2
 
     @property
+    def seq_bytes(self) -> int:
+        """One sequence's uncompressed cache for one layer: K and V, or its latent rows."""
+        return self.max_slots * self.cfg.kv_entry_width * self.dtype.itemsize
+
+    @property
     def row_bytes(self) -> int:
         """One sequence's fp16 K (or V) for one layer."""
         cfg = self.cfg
@@ -294,6 +336,8 @@ class KVLayout:
         """The CPU (pinned) or disk home of `rows` sequences: K then V, or one QuantKV."""
         if not rows:
             return 0
+        if self.cfg.kv_lora_rank:  # one latent home
+            return align_up(rows * self.seq_bytes)
         if self.compression is None:
             return 2 * align_up(rows * self.row_bytes)
         return align_up(self.quant_bytes(rows))
@@ -303,14 +347,14 @@ class KVLayout:
         if not rows:
             return 0
         if self.compression is None:
-            return 2 * rows * self.row_bytes
+            return rows * self.seq_bytes
         return self.quant_bytes(rows)
 
     def store_staging_bytes(self, rows: int) -> int:
         """One store of `rows` off-GPU sequences' new entries: a prefill's new K and V,
         or (compressed) at most the whole compressed cache."""
         if self.compression is None:
-            return 2 * rows * self.row_bytes
+            return rows * self.seq_bytes
         return self.quant_bytes(rows)
 
     def scratch_gpu_bytes(self, rows: int, attention_on_cpu: bool, micro_batches: int) -> int:
@@ -321,4 +365,4 @@ class KVLayout:
         depth = self.scratch_depth(micro_batches, attention_on_cpu)
         if self.compression is not None:
             return depth * self.quant_bytes(rows)
-        return 0 if attention_on_cpu else depth * 2 * rows * self.row_bytes
+        return 0 if attention_on_cpu else depth * rows * self.seq_bytes

@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +31,13 @@ from offload.core.config import ModelConfig
 from offload.core.errors import DiskFull, UserError
 from offload.core.progress import tracked
 from offload.io.atomic import atomic_write, fsync_dir, size_text
-from offload.io.layout import stage_keys, stage_layout, store_bytes, store_tails
+from offload.io.layout import (
+    stage_keys,
+    stage_layout,
+    stage_pieces,
+    store_bytes,
+    store_tails,
+)
 from offload.io.pinned import ALIGN
 from offload.io.store_format import (
     DTYPE_NAMES,
@@ -210,18 +216,42 @@ def _disk_full(build: _Build, stages: dict[str, dict]) -> str:
     )
 
 
+class _StoredTensors:
+    """A stage's tensors as the store holds them, in image order (`items`), made piece
+    by piece where the source makes tensors alone (`layout.stage_pieces`: a mixture of
+    experts' layer, tens of GB whole), else the whole stage at once."""
+
+    def __init__(self, source: WeightSource, key: str, dtype, compression) -> None:
+        self.source, self.key, self.dtype, self.compression = source, key, dtype, compression
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        cfg, cpu = self.source.config, torch.device("cpu")
+        stage, index = split_key(self.key)
+        layout = stage_layout(cfg, self.key, self.dtype, self.compression)
+        pieces = stage_pieces(cfg, self.key) if self.source.makes_tensors_alone else None
+        for names in pieces or [None]:
+            if names is None:
+                made = self.source.stage(stage, index, self.dtype, cpu)
+            else:
+                made = self.source.stored_named(stage, index, names, self.dtype, cpu)
+            stored = compress_stage(made, self.compression)
+            del made
+            for slot in layout:  # (a piece's tensors are together, in image order)
+                if slot.name in stored:
+                    yield slot.name, stored[slot.name]
+
+
 def _stored_tensors(
     source: WeightSource,
     cfg: ModelConfig,
     key: str,
     dtype: torch.dtype,
     compression: Compression | None,
-) -> dict[str, torch.Tensor]:
+) -> _StoredTensors:
     """A stage's tensors as the store holds them (quantized where compressed; a tied
     model's embedding leaves its table to the head)."""
-    stage, index = split_key(key)
-    stored = compress_stage(source.stage(stage, index, dtype, torch.device("cpu")), compression)
-    return {t.name: stored[t.name] for t in stage_layout(cfg, key, dtype, compression)}
+    assert source.config == cfg
+    return _StoredTensors(source, key, dtype, compression)
 
 
 def _resumable(

@@ -13,6 +13,7 @@ from offload.kernels.cpu_attention import decode_attention_dense
 from offload.kernels.formats import Compression
 from offload.kernels.kv_attention import decode_attention
 from offload.kernels.kv_cache import QuantKV
+from offload.models.mla import LatentKV
 
 # Not cuDNN: with a bias over a cache that grows every decode step it re-plans on every
 # call, milliseconds of host time each, most of a decode step's CPU time (docs/executor.md).
@@ -76,7 +77,8 @@ def attend(
 class LayerKV:
     """One layer's KV cache for a batch on one device: k, v [B, Hkv, max_slots, D], or
     with `compression` a `kernels.kv_cache.QuantKV` (read by the quantized decode
-    attention kernel)."""
+    attention kernel). A latent-attention model's cache is a `mla.LatentKV` (full
+    precision: no compressed format takes a latent)."""
 
     def __init__(
         self,
@@ -88,6 +90,11 @@ class LayerKV:
         compression: Compression | None = None,
     ) -> None:
         self.quant: QuantKV | None = None
+        self.latent: LatentKV | None = None
+        if cfg.kv_lora_rank:
+            assert compression is None, "a latent cache is never compressed (policies.latent)"
+            self.latent = LatentKV(batch, cfg, max_slots, dtype, device)
+            return
         if compression is not None:
             self.quant = QuantKV(
                 batch, cfg.num_kv_heads, cfg.head_dim, max_slots, compression, dtype, device
@@ -101,6 +108,8 @@ class LayerKV:
     def nbytes(self) -> int:
         if self.quant is not None:
             return self.quant.nbytes
+        if self.latent is not None:
+            return self.latent.nbytes
         return 2 * self.k.numel() * self.k.element_size()
 
     def attention(
@@ -117,6 +126,8 @@ class LayerKV:
         (a compressed one: `quant_attention`); causal as `attend`'s. out: a buffer the
         decode attention over a compressed cache writes into (others return their own)."""
         end = start + k.shape[2]
+        if self.latent is not None:  # k: the latent entries (v is a view of them)
+            return self.latent.attention(q, k, bias, start, causal)
         if self.quant is not None:
             return quant_attention(self.quant, q, k, v, bias, start, causal, out)
         self.k[:, :, start:end] = k

@@ -47,6 +47,9 @@ def _hf_names(cfg: ModelConfig, stage: str, index: int) -> NameMap:
         head = {"final_norm.weight": ["model.norm.weight"], "lm_head.weight": ["lm_head.weight"]}
         if cfg.num_experts and stage == "layer":
             layer.update(family_names.moe(cfg, index))
+        if cfg.kv_lora_rank and stage == "layer":  # latent attention's own projections
+            del layer["qkv"]
+            layer.update(family_names.mla(cfg, index))
         stages = {"embed": embed, "layer": layer, "head": head}
         return family_names.llama_variant(cfg, stage, index, stages[stage])
     if cfg.family == "bloom":
@@ -248,6 +251,8 @@ class SafetensorsReader:
 class CheckpointSource(WeightSource):
     """A Hugging Face model directory (config.json + safetensors)."""
 
+    makes_tensors_alone = True
+
     def __init__(self, directory: Path, config: ModelConfig) -> None:
         self.config = config
         self.reader = SafetensorsReader(directory)
@@ -258,12 +263,26 @@ class CheckpointSource(WeightSource):
     ) -> Weights:
         return self.stored_parts(stage, index, dtype, device, {})
 
+    def stored_named(
+        self, stage: str, index: int, names: list[str], dtype: torch.dtype, device: torch.device
+    ) -> Weights:
+        return self.stored_parts(stage, index, dtype, device, {}, names)
+
     def stored_parts(
-        self, stage: str, index: int, dtype: torch.dtype, device: torch.device, parts: Parts
+        self,
+        stage: str,
+        index: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        parts: Parts,
+        only: list[str] | None = None,
     ) -> Weights:
         """Each tensor whole, or only the rows or columns of its part (slices of the
-        files: a tensor-parallel rank reads its share of the checkpoint)."""
+        files: a tensor-parallel rank reads its share of the checkpoint); only: just
+        these tensors."""
         wanted = self.stored_shapes(stage, index)
+        if only is not None:
+            wanted = {name: wanted[name] for name in only}
         names = _expand(_hf_names(self.config, stage, index), wanted)
         out: Weights = {}
         try:

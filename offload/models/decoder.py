@@ -28,7 +28,7 @@ from offload.kernels import qmatmul
 from offload.kernels.norm import norm, norm_reference
 from offload.kernels.qmatmul import qlinear
 from offload.kernels.quant import QTensor, embedding
-from offload.models import moe, ops
+from offload.models import mla, moe, ops
 from offload.models.attention import LayerKV, attend
 from offload.models.shapes import Weights, stage_shapes
 
@@ -140,7 +140,10 @@ def _norm(
 
 
 def attn_in(cfg: ModelConfig, w: Weights, x: torch.Tensor, step: StepInputs):
-    """Norm, fused QKV projection and RoPE. Returns q [B,H,T,D], k, v [B,Hkv,T,D], residual."""
+    """Norm, fused QKV projection and RoPE. Returns q [B,H,T,D], k, v [B,Hkv,T,D], residual.
+    Latent attention: its absorbed query and latent entries (`mla.attn_in`)."""
+    if cfg.kv_lora_rank:
+        return mla.attn_in(cfg, w, x, step)
     batch, num_new, _ = x.shape
     h = _norm(cfg, w, "attn_norm", x) if cfg.do_layer_norm_before else x
     residual = h if cfg.residual_from_norm else x
@@ -198,7 +201,10 @@ def attn_out_and_mlp(
 def attn_out(
     cfg: ModelConfig, w: Weights, context: torch.Tensor, parallel: Parallel | None = None
 ) -> torch.Tensor:
-    """The attention's output projection (the caller may then drop the context)."""
+    """The attention's output projection (the caller may then drop the context); a
+    latent context goes through each head's value projection first (`mla.values_out`)."""
+    if cfg.kv_lora_rank:
+        context = mla.values_out(cfg, w, context)
     x = _linear(cfg, w, "o", context)
     return x if parallel is None else parallel.reduce(x)
 

@@ -57,6 +57,24 @@ def moe(cfg: ModelConfig, index: int) -> NameMap:
     return names
 
 
+def mla(cfg: ModelConfig, index: int) -> NameMap:
+    """A latent-attention layer's attention names (DeepSeek-V2/V3's `self_attn`): the
+    query's projection (q_a_proj, or q_proj without q_lora_rank) and kv_a_proj_with_mqa
+    concatenated into one matrix, as `models.shapes` lays them out."""
+    p = f"model.layers.{index}.self_attn."
+    query = "q_a_proj" if cfg.q_lora_rank else "q_proj"
+    names: NameMap = {
+        "qkv.weight": [f"{p}{query}.weight", f"{p}kv_a_proj_with_mqa.weight"],
+        "kv_a_norm.weight": [p + "kv_a_layernorm.weight"],
+        "kv_b.weight": [p + "kv_b_proj.weight"],
+        "o.weight": [p + "o_proj.weight"],
+    }
+    if cfg.q_lora_rank:
+        names["q_a_norm.weight"] = [p + "q_a_layernorm.weight"]
+        names["q_b.weight"] = [p + "q_b_proj.weight"]
+    return names
+
+
 def falcon(cfg: ModelConfig, stage: str, index: int) -> NameMap:
     p = f"transformer.h.{index}."
     if stage == "embed":

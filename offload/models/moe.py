@@ -25,6 +25,10 @@ The routers match transformers' classes:
   choose: the best `router_topk_groups` of `router_groups` groups (a group's score is
   the sum of its best two), then the top k within them; the chosen experts' plain
   sigmoid scores, renormalized where `norm_topk_prob`, times `routed_scaling_factor`.
+- softmax_groups (DeepSeek-V2): in float32, the softmax over all experts; with
+  `router_groups` > 1 (group_limited_greedy) the top k within the best
+  `router_topk_groups` groups (a group's score is its best), else the plain top k; the
+  chosen probabilities, not renormalized, times `routed_scaling_factor`.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ def pre(cfg: ModelConfig, w: Weights, x: torch.Tensor, attn_residual: torch.Tens
 def route(cfg: ModelConfig, w: Weights, h: torch.Tensor) -> Routing:
     """Each row of h [N, hidden]'s experts and weights (the module docstring's rules)."""
     k = cfg.experts_per_token
+    if cfg.router == "softmax_groups":
+        return _route_softmax_groups(cfg, w, h)
     if cfg.router == "softmax":
         logits = F.linear(h, w["router.weight"])
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -94,6 +100,21 @@ def route(cfg: ModelConfig, w: Weights, h: torch.Tensor) -> Routing:
     top = scores.gather(1, ids)
     if cfg.norm_topk_prob:
         top /= top.sum(dim=-1, keepdim=True) + 1e-20
+    return Routing(ids, top * cfg.routed_scaling_factor)
+
+
+def _route_softmax_groups(cfg: ModelConfig, w: Weights, h: torch.Tensor) -> Routing:
+    """DeepSeek-V2's router (the module docstring's softmax_groups)."""
+    logits = F.linear(h.float(), w["router.weight"].float())
+    probs = logits.softmax(dim=-1)
+    groups, experts = cfg.router_groups, cfg.num_experts
+    if groups > 1:
+        best_in_group = probs.view(-1, groups, experts // groups).max(dim=-1).values
+        best = torch.topk(best_in_group, k=cfg.router_topk_groups, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(best_in_group).scatter_(1, best, 1).bool()
+        keep = keep[:, :, None].expand(-1, groups, experts // groups).reshape(-1, experts)
+        probs = probs.masked_fill(~keep, 0.0)
+    top, ids = torch.topk(probs, k=cfg.experts_per_token, dim=-1, sorted=False)
     return Routing(ids, top * cfg.routed_scaling_factor)
 
 

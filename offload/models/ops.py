@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from offload.core.config import ModelConfig, alibi_slopes
+from offload.models import yarn
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -58,6 +59,9 @@ class Rotary:
         local = None
         if cfg.local_rope_theta is not None:
             local = cls(_inv_freq(cfg.rotary_dim, cfg.local_rope_theta, device))
+        if scaling.rope_type == "yarn":
+            freqs = yarn.inv_freq(cfg.rotary_dim, cfg.rope_theta, scaling, device)
+            return cls(freqs, attention_factor=yarn.attention_factor(scaling), local=local)
         if scaling.rope_type != "longrope":
             return cls(rope_inv_freq(cfg, device), local=local)
         factor = scaling.attention_factor

@@ -10,6 +10,13 @@ out and every layer reads:
                   mlp_out.weight [hidden, I](/.bias); q_norm.weight, k_norm.weight [D]
                   (`qk_norm`); post_attn_norm.weight, post_mlp_norm.weight [hidden]
                   (`sandwich_norms`)
+    a latent-attention layer (`models.mla`; `ModelConfig.kv_lora_rank`), in place of
+                  qkv and o: qkv.weight [Q + R + P, hidden] (the query's projection,
+                  Q = q_lora_rank, or H*(N + P) without one, beside kv_a's R =
+                  kv_lora_rank latent and P = qk_rope_head_dim RoPE key rows);
+                  q_a_norm.weight [Q] and q_b.weight [H*(N + P), Q] (with q_lora_rank);
+                  kv_a_norm.weight [R]; kv_b.weight [H*(N + V), R] (each head's N
+                  no-RoPE key rows then its V value rows); o.weight [hidden, H*V]
     a mixture-of-experts layer (`models.moe`; `ModelConfig.is_moe_layer`), in place of
                   mlp_in/mlp_out: router.weight [E, hidden]; router.correction [E]
                   (the sigmoid router's score bias); shared.mlp_in.weight
@@ -92,9 +99,28 @@ def stage_shapes(cfg: ModelConfig, stage: str, index: int = 0) -> dict[str, tupl
         shapes["qkv.bias"] = (cfg.qkv_out_features,)
     if cfg.has_linear_bias:
         shapes.update({"o.bias": (hidden,), "mlp_in.bias": (mlp_in,), "mlp_out.bias": (hidden,)})
+    if cfg.kv_lora_rank:
+        shapes.update(_latent_shapes(cfg))
     if cfg.is_moe_layer(index):
         del shapes["mlp_in.weight"], shapes["mlp_out.weight"]
         shapes.update(_moe_shapes(cfg))
+    return shapes
+
+
+def _latent_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A latent-attention layer's projections and norms (the module docstring's)."""
+    hidden, heads = cfg.hidden_size, cfg.num_heads
+    q_out = heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    q_in = cfg.q_lora_rank or q_out
+    shapes: dict[str, tuple[int, ...]] = {
+        "qkv.weight": (q_in + cfg.kv_lora_rank + cfg.qk_rope_head_dim, hidden),
+        "o.weight": (hidden, heads * cfg.v_head_dim),
+    }
+    if cfg.q_lora_rank:
+        shapes["q_a_norm.weight"] = (cfg.q_lora_rank,)
+        shapes["q_b.weight"] = (q_out, cfg.q_lora_rank)
+    shapes["kv_a_norm.weight"] = (cfg.kv_lora_rank,)
+    shapes["kv_b.weight"] = (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
     return shapes
 
 

@@ -26,6 +26,9 @@ class WeightSource(ABC):
     # whether the source makes its tensors on the compute device it is asked for, faster
     # there than on the CPU (dummy weights: a GPU draws them far faster)
     draws_on_device: bool = False
+    # whether `stored_named` makes the named tensors alone (dummy draws, a checkpoint's
+    # reads), so a stage can be made in pieces; else it makes the stage and picks
+    makes_tensors_alone: bool = False
 
     @abstractmethod
     def stored_stage(
@@ -41,6 +44,13 @@ class WeightSource(ABC):
         can make a part alone (a checkpoint's slices, dummy tiles) makes only the part."""
         weights = self.stored_stage(stage, index, dtype, device)
         return {name: parts[name].take(t) if name in parts else t for name, t in weights.items()}
+
+    def stored_named(
+        self, stage: str, index: int, names: list[str], dtype: torch.dtype, device: torch.device
+    ) -> Weights:
+        """The stage's tensors of these names as the source holds them."""
+        weights = self.stored_stage(stage, index, dtype, device)
+        return {name: weights[name] for name in names}
 
     def stored_shapes(self, stage: str, index: int = 0) -> dict[str, tuple[int, ...]]:
         """Canonical shapes of what the source itself holds for a stage (a tied head
@@ -116,6 +126,7 @@ class DummySource(WeightSource):
     """
 
     draws_on_device = True
+    makes_tensors_alone = True
 
     def __init__(self, config: ModelConfig, seed: int = 0) -> None:
         self.config = config
@@ -126,12 +137,27 @@ class DummySource(WeightSource):
     ) -> Weights:
         return self.stored_parts(stage, index, dtype, device, {})
 
-    def stored_parts(
-        self, stage: str, index: int, dtype: torch.dtype, device: torch.device, parts: Parts
+    def stored_named(
+        self, stage: str, index: int, names: list[str], dtype: torch.dtype, device: torch.device
     ) -> Weights:
+        return self.stored_parts(stage, index, dtype, device, {}, names)
+
+    def stored_parts(
+        self,
+        stage: str,
+        index: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        parts: Parts,
+        names: list[str] | None = None,
+    ) -> Weights:
+        """names: only these tensors (each drawn as in the whole stage)."""
         device = torch.device(device)
         out: Weights = {}
-        for name, shape in self.stored_shapes(stage, index).items():
+        shapes = self.stored_shapes(stage, index)
+        if names is not None:
+            shapes = {name: shapes[name] for name in names}
+        for name, shape in shapes.items():
             part = parts.get(name, Part(0, ((0, shape[0]),)))
             tensor = torch.empty(part.shape(shape), dtype=dtype, device=device)
             if part.zeros:

@@ -30,6 +30,7 @@ from offload.policies.hardware import (
     save_profile,
 )
 from offload.policies.job import Job
+from offload.policies.latent import check_latent_kv_formats
 from offload.policies.measure import measure
 from offload.policies.node import rank_profile
 from offload.policies.search import ranked
@@ -138,6 +139,7 @@ def choose_policy(
         raise _needs_gpu_cap()
     if prompt_len < 1 or gen_len < 1:
         raise UserError("--prompt-len and --max-tokens must be positive")
+    check_latent_kv_formats(cfg, kv_compressions)  # (before a profile is measured)
     hw = rank_profile(hardware_profile(profile, nvme, announce, measure_machine), tp * dp)
     if baseline is not None and baseline.gpu_context_bytes > hw.gpu_context_bytes:
         hw = dataclasses.replace(hw, gpu_context_bytes=baseline.gpu_context_bytes)

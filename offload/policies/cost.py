@@ -137,7 +137,7 @@ def _shape(
     n_seqs = batch or policy.block_size
     sizes = micro_batch_sizes(policy, n_seqs)
     slots = prompt_len + gen_len
-    full_tok = 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize  # one token, one layer
+    full_tok = cfg.kv_entry_width * dtype.itemsize  # one token, one layer (a latent row)
     group = cfg.num_heads // cfg.num_kv_heads  # query heads a KV head
     kv_tok, write_tok = float(full_tok), float(full_tok)
     cpu_attention_gbps = hw.cpu_attention_rate(group, compressed=False)

@@ -25,13 +25,14 @@ from offload.io.layout import (
     expert_span,
     gathered,
     gathered_gpu_bytes,
+    largest_piece_bytes,
     stage_cuts,
     stage_image_bytes,
     stage_keys,
 )
 from offload.io.pinned import align_up
 from offload.kernels import qmatmul, quant
-from offload.models import decoder, moe
+from offload.models import decoder, mla, moe
 from offload.policies.policy import Policy
 
 # the parts that exist while the weights load: their homes and the pinned pool
@@ -131,7 +132,12 @@ def _weight_plan(
         for size, span in zip(sizes, _spans(cfg, dtype, compression), strict=True)
     ]
     buffers, expert_bytes, disk_experts = expert_buffers(cfg, dtype, compression, placement)
-    load_cpu, load_gpu = _load_transients(sizes, stage_image_bytes(cfg, dtype))
+    full_sizes = stage_image_bytes(cfg, dtype)
+    pieces = tuple(
+        largest_piece_bytes(cfg, key, dtype) or full
+        for key, full in zip(stage_keys(cfg), full_sizes, strict=True)
+    )
+    load_cpu, load_gpu = _load_transients(sizes, full_sizes, pieces)
     if gathered("embed", placement):  # the table stays in CPU memory, its rows cross
         gpu += gathered_gpu_bytes(cfg, dtype)
         cpu += sizes[0]
@@ -164,20 +170,26 @@ def _spans(cfg: ModelConfig, dtype: torch.dtype, compression) -> list:
     return [expert_span(cfg, key, dtype, compression) for key in stage_keys(cfg)]
 
 
-def _load_transients(sizes: tuple[int, ...], full_sizes: tuple[int, ...]) -> tuple[int, int]:
+def _load_transients(
+    sizes: tuple[int, ...], full_sizes: tuple[int, ...], pieces: tuple[int, ...]
+) -> tuple[int, int]:
     """(CPU, GPU) bytes one stage holds at once while it is placed
     (`executor.weights.WeightHomes`), the largest stage's: its pageable host image, and
     the stage as the source gives it with its compressed copy and the quantizer's working
     set, on the CPU (a checkpoint) or on the GPU (dummy weights are drawn there). Both
     are counted whichever the source is: the plan does not know it, and neither phase's
-    peak is usually set by this."""
+    peak is usually set by this. A mixture of experts' layer is made in pieces
+    (`layout.stage_pieces`: DeepSeek-V3's whole layer is 23 GB), the largest of `pieces`
+    bytes at once, by the sources that make tensors alone (dummy weights, checkpoints;
+    the weight store's build too); a whole weight store read back as the model
+    (`io.store_source`) makes its stages whole."""
     # a stage stored as its source gives it (the embedding table: `size == full`) is
     # not quantized, so it holds no compressed copy and no quantizer beside it (Llama-3.1-8B
     # int4, H100: the load phase planned 9.17 GB, counting the 1.05 GB table twice
     # and the quantizer, against 7.94-8.05 GB measured)
     held = [
-        (size, full + (size + quant.QUANT_WORK_BYTES if size < full else 0))
-        for size, full in zip(sizes, full_sizes, strict=True)
+        (size, piece + (piece * size // full + quant.QUANT_WORK_BYTES if size < full else 0))
+        for size, full, piece in zip(sizes, full_sizes, pieces, strict=True)
     ]
     cpu = max((size + source for size, source in held), default=0)
     gpu = max((source for _, source in held), default=0)
@@ -232,9 +244,11 @@ def activation_plan(
     # tensor-parallel rank then gathers its slice to the whole vocabulary: every rank's
     # slice and their cat, beside its own.
     compressed = policy.weight_compression is not None
-    layer = _layer_transient(cfg, mb * prompt_len, compressed=compressed) * elt
+    layer = _layer_transient(cfg, mb * prompt_len, compressed=compressed, seq_len=prompt_len)
+    layer *= elt
     if cfg.num_experts:  # a mixture of experts' layer holds the whole block's rows
-        layer = max(layer, _moe_transient(cfg, batch * prompt_len, mb * prompt_len) * elt)
+        moe_layer = _moe_transient(cfg, batch * prompt_len, mb * prompt_len, prompt_len)
+        layer = max(layer, moe_layer * elt)
     if compressed and mb * prompt_len >= qmatmul.DENSE_ROWS:
         layer += decoder.dense_scratch_bytes(cfg, elt)  # prefill's dequantized W
     head = batch * cfg.vocab_size * 4 * 2 + mb * cfg.vocab_size * elt
@@ -274,7 +288,11 @@ def _graph_bytes(cfg: ModelConfig, policy: Policy, sizes: list[int]) -> int:
 
 
 def _layer_transient(
-    cfg: ModelConfig, tokens: int, prefill: bool = True, compressed: bool = False
+    cfg: ModelConfig,
+    tokens: int,
+    prefill: bool = True,
+    compressed: bool = False,
+    seq_len: int = 1,
 ) -> int:
     """Elements a layer holds at its peak over `tokens` new rows, besides its input and
     output (counted as activations); counted from `decoder`'s own code:
@@ -287,11 +305,15 @@ def _layer_transient(
     layer's weights are), plus one slice's norm, activation and output. The activation
     holds the intermediate once where ReLU runs in the matmul's epilogue, twice for
     GELU (its input and output), three times gated (the gate and up projection, then
-    the SiLU beside them)."""
+    the SiLU beside them). Latent attention's attention half is its own
+    (`mla.attention_elements`, its sequences' `seq_len` tokens attending as many)."""
     hidden, qkv = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     attn_half = tokens * (qkv + (4 if cfg.rotary else 3) * hidden)
     if prefill and cfg.num_kv_heads != cfg.num_heads:
         attn_half += 2 * tokens * cfg.num_heads * cfg.head_dim
+    if cfg.kv_lora_rank:
+        new = seq_len if prefill else 1
+        attn_half = mla.attention_elements(cfg, max(1, tokens // new), new, seq_len)
     if cfg.gated_mlp:
         act = 3 * cfg.intermediate_size
     else:
@@ -302,7 +324,7 @@ def _layer_transient(
     return max(attn_half, mlp_half)
 
 
-def _moe_transient(cfg: ModelConfig, tokens: int, micro_tokens: int) -> int:
+def _moe_transient(cfg: ModelConfig, tokens: int, micro_tokens: int, seq_len: int = 1) -> int:
     """Elements a mixture-of-experts layer holds at its peak over a block of `tokens`
     rows in micro-batches of `micro_tokens` (`executor.moe_layer`): the block's normed
     rows, its output and its residuals throughout; beside them one micro-batch's
@@ -317,7 +339,8 @@ def _moe_transient(cfg: ModelConfig, tokens: int, micro_tokens: int) -> int:
     expert = rows * (4 * hidden + 3 * cfg.moe_intermediate_size)
     routing = tokens * (4 * cfg.num_experts + 6 * k)
     shared = micro_tokens * (3 * hidden + 3 * cfg.shared_expert_intermediate_size)
-    return held + max(_layer_transient(cfg, micro_tokens), expert, routing, shared)
+    attention = _layer_transient(cfg, micro_tokens, seq_len=seq_len)
+    return held + max(attention, expert, routing, shared)
 
 
 def plan_memory(

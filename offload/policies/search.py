@@ -24,6 +24,7 @@ from offload.policies.cost import Estimate, estimate
 from offload.policies.cost_moe import with_cpu_experts
 from offload.policies.hardware import HardwareProfile
 from offload.policies.job import Block, Job, estimate_job
+from offload.policies.latent import latent_problem
 from offload.policies.memory import plan_memory
 from offload.policies.policy import Placement, Policy
 
@@ -58,6 +59,8 @@ def _kv_placement(
     cpu_left += others_weight_bytes(probe, caps.shared_weights)
     if gpu_left + scratch >= kv_total:  # all on the GPU, which needs no scratch
         return Placement(1.0, 0.0, 0.0)
+    if cfg.kv_lora_rank:  # a latent cache lives on the GPU only (`policies.latent`)
+        return None
     if gpu_left < 0 or cpu_left < 0:  # over a cap before any KV is placed: none fits
         return None
     return _whole_rows(base.block_size, gpu_left / kv_total, cpu_left / kv_total, caps.nvme)
@@ -100,7 +103,10 @@ def _weight_options(
 ) -> list[Placement]:
     """Weight placements worth trying: GPU share on a 5% grid up to what the GPU cap
     allows; the rest all in CPU RAM, or (with a disk) as much CPU as the cap leaves for
-    weights alone / for half of it, the remainder on disk."""
+    weights alone / for half of it, the remainder on disk; a mixture of experts' with a
+    disk also all on disk, as its disk experts' staging (two layers of them) and a layer
+    placed at the load can take the room those shares leave (DeepSeek-V3 at --cpu-mem
+    120GB: 47.6 GB and 24.4 GB beside half the room's weights, 134 GB in all)."""
     total = sum(stage_image_bytes(cfg, dtype, compression))
     cpu_room = max(0.0, plan_budget(caps, Baseline.from_profile(hw))[1] / total)
     out = []
@@ -114,6 +120,8 @@ def _weight_options(
             if not caps.nvme
             else {rest, min(rest, 0.95 * cpu_room), min(rest, 0.5 * cpu_room)}
         )
+        if caps.nvme and cfg.num_experts:
+            shares.add(0.0)
         for cpu in sorted(shares):
             cpu = math.floor(cpu * 1000) / 1000
             if not caps.nvme and cpu < rest - 1e-9:
@@ -144,7 +152,7 @@ def candidates(
                     if not _overlaps(cpu_attention, count, hw):
                         continue
                     for placement in weights:
-                        yield Policy(
+                        policy = Policy(
                             size,
                             count,
                             weights=placement,
@@ -153,6 +161,8 @@ def candidates(
                             weight_compression=compression,
                             kv_compression=kv_compression,
                         )
+                        if latent_problem(cfg, policy) is None:  # (`policies.latent`)
+                            yield policy
 
 
 def _overlaps(cpu_attention: bool, micro_batches: int, hw: HardwareProfile) -> bool:
@@ -277,13 +287,16 @@ def _smallest_need(
     cfg, dtype, prompt_len, gen_len, hw: HardwareProfile, caps: Caps, compression, kv_compression
 ) -> tuple[int, int]:
     """The (GPU, CPU) peaks of the smallest plan: one sequence, weights and KV on disk
-    (with a disk) or in CPU memory, attention on the CPU, in these formats."""
+    (with a disk) or in CPU memory, attention on the CPU, in these formats (a latent
+    cache on the GPU, uncompressed, attended there: `policies.latent`)."""
     on_disk = caps.nvme
     weights = Placement(0.0, 0.0, 1.0) if on_disk else Placement(0.0, 1.0, 0.0)
     kv = Placement(0.0, 0.0, 1.0) if on_disk else Placement(0.0, 1.0, 0.0)
+    latent = bool(cfg.kv_lora_rank)
     policy = Policy(
-        1, 1, weights=weights, kv_cache=kv, attention_on_cpu=True,
-        weight_compression=compression, kv_compression=kv_compression,
+        1, 1, weights=weights, kv_cache=Placement() if latent else kv,
+        attention_on_cpu=not latent, weight_compression=compression,
+        kv_compression=None if latent else kv_compression,
     )  # fmt: skip
     est = estimate(cfg, policy, dtype, prompt_len, gen_len, hw)
     return est.gpu_peak_bytes, est.cpu_peak_bytes
