@@ -69,14 +69,18 @@ class Ours:
     kv_compress: str = "none"
     gen_len: int | None = None
     dense: bool = False
+    smoke_gpu_mem: str = "64MB"  # the toy's (int4's prefill scratch needs more)
+    dtype: str = "float16"  # on the GPU (auto: the checkpoint's); float32 on the CPU
 
 
 OURS = {
     "mixtral": Ours(("mixtral-8x7b",), dense=True),
     "mixtral-int4": Ours(("mixtral-8x7b",), compress="auto", kv_compress="auto"),
-    "gpt-oss-120b": Ours(("gpt-oss-120b",), gpu_mem="24GB"),
-    "mla": Ours(("deepseek-v2-lite", "moonlight-16b-a3b"), gpu_mem="8GB"),
-    "qwen3-235b": Ours(("qwen3-235b-a22b",), compress="int4", kv_compress="int4", gen_len=4),
+    "gpt-oss-120b": Ours(("gpt-oss-120b",), gpu_mem="24GB", dtype="auto"),
+    "mla": Ours(("deepseek-v2-lite", "moonlight-16b-a3b"), gpu_mem="8GB", dtype="auto"),
+    "qwen3-235b": Ours(
+        ("qwen3-235b-a22b",), compress="int4", kv_compress="int4", gen_len=4, smoke_gpu_mem="2GB"
+    ),
 }
 # a smoke run's toy sizes, for the keys each preset has
 SMOKE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16}
@@ -157,11 +161,11 @@ def child_main(args) -> int:
         ours, preset = OURS[args.child], available(args.child)
         assert preset is not None, "the parent runs only a part whose preset exists"
         gen_len = min(ours.gen_len or args.gen_len, args.gen_len)
-        gpu_mem = ours.gpu_mem if ours.gpu_mem and not args.smoke else args.gpu_mem
+        gpu_mem = ours.smoke_gpu_mem if args.smoke else ours.gpu_mem or args.gpu_mem
         model = _model(preset, args.smoke, args.out.parent)
         nvme = args.nvme / args.child
         parts.run_ours(record, model, gpu_mem, nvme, ours.compress, ours.kv_compress,
-                       args.prompt_len, gen_len, ours.dense)  # fmt: skip
+                       args.prompt_len, gen_len, ours.dense, ours.dtype)  # fmt: skip
         record.data["model"] = preset
         record.save()
     return 0

@@ -77,8 +77,10 @@ def run_ours(
     prompt_len: int,
     gen_len: int,
     dense: bool,
+    dtype: str = "float16",
 ) -> None:
-    """Load `model` once, then ours (and the dense schedule where `dense`) on it."""
+    """Load `model` once (in `dtype` on a GPU, float32 on the CPU), then ours (and the
+    dense schedule where `dense`) on it."""
     import torch
 
     from offload.api.args import parse_size
@@ -92,7 +94,7 @@ def run_ours(
     llm = LLM(
         model, dummy=True, caps=Caps(parse_size(gpu_mem)), nvme=nvme, compress=compress,
         kv_compress=kv_compress, prompt_len=prompt_len, gen_len=gen_len,
-        dtype="float16" if torch.cuda.is_available() else "float32",
+        dtype=dtype if torch.cuda.is_available() else "float32",
     )  # fmt: skip
     policy, cfg = llm.policy, llm.config
     record.data |= {"model": model, "load_s": time.perf_counter() - started}
