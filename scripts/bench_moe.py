@@ -7,7 +7,8 @@ run on it in turn, each time-boxed inside the part's seconds: `bench_moe_parts`)
 part that cannot start in what is left of --time-budget is skipped, and a preset this
 checkout lacks is recorded as not available:
     profile       offload-profile --quick (the cost model's rates, the expert figures,
-                  the ceilings of this run: pinned PCIe, disk, DRAM, the CPU expert rate)
+                  the ceilings of this run: pinned PCIe, disk, DRAM, the CPU expert
+                  rate), unless this machine's cached profile is current
     mixtral       Mixtral-8x7B fp16 at --gpu-mem 24GB: ours (the searched block, its
                   prediction beside it, one decode step traced), then on the same engine
                   the dense schedule (every expert fetched for every micro-batch, as
@@ -185,6 +186,9 @@ def run_child(name: str, args, budget: bench.Budget, work: Path, env) -> dict[st
     if later and later in args.parts.split(","):
         timeout = min(timeout, budget.left() - CAPS[later][1])
     if name == "profile":
+        cached = bench._profile()  # (current: measured with this code on this machine)
+        if cached is not None:
+            return {"run": {"ok": True, "cached": True}, "profile": cached}
         cmd = [sys.executable, "-m", "offload.cli.profile", "--quick", "--nvme", str(args.nvme)]
         record = {"run": bench.run_part(name, cmd, timeout, work / name, env)}
         record["profile"] = bench._profile()
