@@ -70,14 +70,14 @@ class Ours:
     kv_compress: str = "none"
     gen_len: int | None = None
     dense: bool = False
-    smoke_gpu_mem: str = "64MB"  # the toy's (int4's prefill scratch needs more)
+    smoke_gpu_mem: str = "64MB"  # the toy's (int4's and MXFP4's scratches need more)
     dtype: str = "float16"  # on the GPU (auto: the checkpoint's); float32 on the CPU
 
 
 OURS = {
     "mixtral": Ours(("mixtral-8x7b",), dense=True),
     "mixtral-int4": Ours(("mixtral-8x7b",), compress="auto", kv_compress="auto"),
-    "gpt-oss-120b": Ours(("gpt-oss-120b",), gpu_mem="24GB", dtype="auto"),
+    "gpt-oss-120b": Ours(("gpt-oss-120b",), gpu_mem="24GB", dtype="auto", smoke_gpu_mem="2GB"),
     "mla": Ours(("deepseek-v2-lite", "moonlight-16b-a3b"), gpu_mem="8GB", dtype="auto"),
     "qwen3-235b": Ours(
         ("qwen3-235b-a22b",), compress="int4", kv_compress="int4", gen_len=4, smoke_gpu_mem="2GB"
