@@ -121,7 +121,7 @@ def run_ours(
         if dense:
             one_step = dense_predicted and dense_predicted["prefill_s"]
             one_step = one_step and one_step + dense_predicted["decode_step_s"]
-            if fits(record, "dense", one_step):
+            if fits(record, "dense", one_step, margin=1.2):
                 record.start("dense")
                 run = _dense_schedule(llm, prompts, gen_len)
                 record.done("dense", {**run, "predicted_tok_s": _get(dense_predicted, "tok_s"),
