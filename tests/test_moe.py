@@ -358,3 +358,23 @@ def test_offload_plan_speaks_of_experts(tmp_path, capsys):
     assert plan_main([*args, "--profile", str(profile), "--json"]) == 0
     facts = json.loads(capsys.readouterr().out)["experts"]
     assert facts["layers"] == 32 and facts["gpu"] + facts["cpu"] + facts["disk"] == 8
+
+
+def test_a_prefills_expert_phase_counts_its_routed_rows_passes():
+    """Beside the matmuls, the expert phase counts the executor's passes over each routed
+    row (`cost_moe.ROUTED_ROW_PASSES` rows of the hidden width, at the HBM rate): for
+    Mixtral-8x7B's prefill of 480 x 512 tokens, 491,520 routed rows a layer, about 60 GB,
+    which halving the HBM rate adds again (and a decode step's 960 rows barely)."""
+    from offload.policies.cost_moe import ROUTED_ROW_PASSES, expert_layers, expert_phase
+
+    cfg = cfg_of("mixtral-8x7b")
+    x = expert_layers(cfg, torch.float16, None, Placement(0.0, 1.0, 0.0))
+    assert x.row_bytes == ROUTED_ROW_PASSES * 4096 * 2
+    tokens = 480 * 512
+    moved = tokens * 2 * x.row_bytes
+    assert moved == pytest.approx(60.4e9, rel=0.01)
+    fast, slow = _profile(hbm_gbps=2000.0), _profile(hbm_gbps=1000.0)
+    prefill = [expert_phase(x, hw, None, tokens, prefill=True).compute for hw in (fast, slow)]
+    assert prefill[1] - prefill[0] == pytest.approx(moved / 2000e9, rel=1e-6)
+    decode = [expert_phase(x, hw, None, 480).compute for hw in (fast, slow)]
+    assert decode[1] - decode[0] == pytest.approx(480 * 2 * x.row_bytes / 2000e9, rel=1e-6)

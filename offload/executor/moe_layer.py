@@ -72,7 +72,11 @@ def moe_layer(
         _dense_experts(ex, layer, w, h, out, bounds)
     else:
         with lanes.on("compute", f"L{layer} route"):
-            chosen = moe.expert_rows(moe.route(cfg, w, h))
+            routing = moe.route(cfg, w, h)
+        # the host reads which experts were chosen (one sync a layer: it waits for every
+        # micro-batch's attention); a trace shows the wait on the host_wait lane
+        with lanes.blocked(f"L{layer} route read"):
+            chosen = moe.expert_rows(routing)
         rows_of = {expert: (rows, weights) for expert, rows, weights in chosen}
 
         def compute(expert: int, weights: tuple) -> None:

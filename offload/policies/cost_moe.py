@@ -12,7 +12,9 @@ step of T tokens (decode: the block's sequences; prefill: their prompt tokens):
   bytes. disk: the touched disk experts' bytes.
 - compute: each touched expert's two matmuls at the rate of its rows (T k / touched
   rows each) plus the executor's host time an expert (`expert_fixed_s`), or the FLOPs
-  2 T k x an expert's parameters at the matmul rate, whichever is longer.
+  2 T k x an expert's parameters at the matmul rate, whichever is longer; plus the
+  executor's own passes over each of the T k routed rows at the HBM rate
+  (`ROUTED_ROW_PASSES`: a prefill's are millions of rows).
 - cpu: at decode a share of the touched experts in pinned memory (`Policy.cpu_experts`)
   is computed on the CPU instead of crossing: each at the profile's CPU expert rate
   (`cpu_expert_gbps`) plus its fixed time; the copies beside it run at the rate
@@ -57,6 +59,14 @@ class ExpertLayers:
     gpu: float  # experts a layer on each tier
     cpu: float
     disk: float
+    row_bytes: float = 0.0  # HBM bytes the executor moves a routed row beside its matmuls
+
+
+# `moe.apply_expert`'s passes over a routed row, in units of its hidden-wide row in the
+# compute dtype, beside the matmuls: the gather of its input (read, write: 2), its
+# weighted output (Mixtral's in float32: 1 + 2) cast back (2 + 1), the gather of the
+# block's output rows (2), the add (3) and the scatter back (2)
+ROUTED_ROW_PASSES = 15
 
 
 @functools.lru_cache(maxsize=4096)
@@ -78,7 +88,10 @@ def expert_layers(
     n = len(tiers)
     params = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     gpu, cpu, disk = (sum(t[i] for t in tiers) / n for i in range(3))
-    return ExpertLayers(n, cfg.num_experts, cfg.experts_per_token, nbytes, params, gpu, cpu, disk)
+    row_bytes = ROUTED_ROW_PASSES * cfg.hidden_size * dtype.itemsize
+    return ExpertLayers(
+        n, cfg.num_experts, cfg.experts_per_token, nbytes, params, gpu, cpu, disk, row_bytes
+    )
 
 
 def streamed_bytes(
@@ -172,6 +185,7 @@ def expert_phase(
     flops = 2 * tokens * x.k * x.params
     rate = hw.prefill_rate(compression) if prefill else hw.decode_tflops
     compute = max(compute, flops / (rate * 1e12))
+    compute += tokens * x.k * x.row_bytes / (hw.hbm_gbps * GB) if hw.hbm_gbps else 0.0
     first = x.expert_bytes / (hw.h2d_gbps * GB) if moved else 0.0
     seconds = max(h2d, disk_s, compute, cpu_s) + first
     return ExpertPhase(h2d, disk_s, compute, cpu_s, seconds, moved, calls + on_cpu, on_cpu)
