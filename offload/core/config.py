@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from offload.core import families, moe_config
+from offload.core import families, hf_config, moe_config
 from offload.core.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -287,14 +287,15 @@ class ModelConfig:
     # -- construction -----------------------------------------------------------------
     @classmethod
     def from_hf(cls, hf: dict[str, Any], name: str = "") -> ModelConfig:
-        """Build from the dict of a Hugging Face `config.json`."""
-        hf = families.text_config(hf)
+        """Build from the dict of a Hugging Face `config.json`, with the defaults its
+        transformers config class fills (`hf_config.with_defaults`)."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UserError(
                 f"model type {model_type!r} in config.json is not supported; "
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        hf = families.text_config(hf_config.with_defaults(hf))
         common = {
             "name": name or hf.get("_name_or_path", "") or model_type,
             "model_type": model_type,
