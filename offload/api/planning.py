@@ -32,6 +32,7 @@ from offload.policies.hardware import HardwareProfile
 from offload.policies.job import Job, JobEstimate
 from offload.policies.node import Layout
 from offload.policies.policy import Policy
+from offload.policies.search import kv_formats
 
 if TYPE_CHECKING:
     from offload.parallel.comm import TensorParallel
@@ -80,6 +81,7 @@ def plan_run(
     if args.policy is not None:
         policy = Policy.from_file(args.policy)
     weight_formats = checkpoint_formats(front, args, policy, layout is not None and layout.tp > 1)
+    kv_formats(cfg, (policy.kv_compression,) if policy else args.kv_compressions())
     if policy is None and not args.wants_search:
         _refuse_compression_without_a_plan(args)
     shared = layout.dp if layout is not None else 1

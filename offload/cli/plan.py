@@ -31,7 +31,7 @@ from offload.policies.caps import Caps
 from offload.policies.choose import choose_policy
 from offload.policies.cost import Estimate
 from offload.policies.job import Job, JobEstimate, estimate_job, predict_job
-from offload.policies.search import search
+from offload.policies.search import kv_formats, search
 
 GB = 1e9
 FLAGS = (
@@ -121,7 +121,7 @@ def _plan(args) -> int:
     args.compressions = weight_formats(
         spec.checkpoint_format(), engine.compress, engine.compressions()
     )
-    args.kv_compressions = engine.kv_compressions()
+    args.kv_compressions = kv_formats(cfg, engine.kv_compressions())
     choice = choose_policy(
         cfg,
         engine.dtype,

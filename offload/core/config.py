@@ -5,7 +5,7 @@ One decoder stack expresses five families:
 | family | positions                 | norm      | MLP                | attention            |
 | ------ | ------------------------- | --------- | ------------------ | -------------------- |
 | llama  | RoPE (llama3, LongRoPE)   | RMSNorm   | SwiGLU (gated)     | GQA, optional bias   |
-| gemma  | RoPE, local and global    | RMSNorm (1 + w), sandwich | GeGLU (gated) | GQA, q/k norms |
+| gemma  | RoPE, local and global    | RMSNorm (1 + w), sandwich | GeGLU (gated) | GQA, q/k norms, soft-capping |
 | bloom  | ALiBi                     | LayerNorm | tanh-GELU          | fused qkv in the ckpt |
 | opt    | learned, offset 2         | LayerNorm | ReLU               | MHA with bias        |
 | falcon | RoPE                      | LayerNorm | GELU, parallel to attention | MQA / GQA   |
@@ -113,6 +113,7 @@ class ModelConfig:
     embed_scale: float | None = None  # token embeddings times this, rounded to the dtype
     sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too (Gemma)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    attn_softcap: float | None = None  # attention scores likewise, before the bias (Gemma 2)
     parallel_attn: bool = False  # attention and MLP both read the layer's input (Falcon)
     parallel_mlp_norm: bool = False  # ... the MLP through its own norm (Falcon 40B, 180B)
     linear_bias: bool = False  # every projection has a bias (Falcon's `bias`)

@@ -31,7 +31,7 @@ from offload.io.layout import (
 )
 from offload.io.pinned import align_up
 from offload.kernels import qmatmul, quant
-from offload.models import decoder, moe
+from offload.models import attention, decoder, moe
 from offload.policies.policy import Policy
 
 # the parts that exist while the weights load: their homes and the pinned pool
@@ -292,6 +292,8 @@ def _layer_transient(
     attn_half = tokens * (qkv + (4 if cfg.rotary else 3) * hidden)
     if prefill and cfg.num_kv_heads != cfg.num_heads:
         attn_half += 2 * tokens * cfg.num_heads * cfg.head_dim
+    if cfg.attn_softcap is not None:  # a chunk of soft-capped scores (`softcap_attend`)
+        attn_half += attention.SOFTCAP_TRANSIENT
     if cfg.gated_mlp:
         act = 3 * cfg.intermediate_size
     else:
