@@ -37,6 +37,7 @@ def with_defaults(raw: dict[str, Any]) -> dict[str, Any]:
     """`raw` (a config.json's dict, model_type one transformers knows) with every key its
     transformers config class fills, in the class's names; UserError where a size is
     missing or the class refuses a value."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type = raw["model_type"]
@@ -44,7 +45,8 @@ def with_defaults(raw: dict[str, Any]) -> dict[str, Any]:
     config_class = CONFIG_MAPPING[model_type]
     try:
         config = config_class.from_dict(raw)
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:
+        # (transformers 5 validates its config classes' fields through huggingface_hub)
         message = " ".join(str(exc).split())
         raise UserError(
             f"config.json of model type {model_type!r} does not read as transformers' "
