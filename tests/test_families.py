@@ -126,7 +126,7 @@ def test_a_multimodal_gemma3_checkpoint_runs_its_language_model(tiny_checkpoints
 @pytest.mark.parametrize(
     ("case", "change", "named"),
     [
-        ("gemma2-no-attn-softcap", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ("gemma2", {"attn_logit_softcapping": -1.0}, "soft-capping"),
         ("falcon-7b-like", {"alibi": True}, "ALiBi"),
         ("falcon-7b-like", {"activation": "relu"}, "activation"),
         ("gemma3", {"use_bidirectional_attention": True}, "bidirectional"),
@@ -166,7 +166,7 @@ def test_cuda_fp32_logits_match_transformers(case, tiny_checkpoints):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["gemma3", "phi3-longrope", "falcon-7b-like"])
+@pytest.mark.parametrize("case", ["gemma3", "gemma2", "phi3-longrope", "falcon-7b-like"])
 def test_cuda_graph_decode_gives_the_eager_tokens(case, tiny_checkpoints, tmp_path):
     """Decode replayed from CUDA graphs (Gemma 3's local layers with their own RoPE
     buffers) gives the eager steps' tokens, and those are the plain CPU run's; with the

@@ -80,7 +80,22 @@ FAMILY_CASES = {
             pad_token_id=0,
         ),
     ),
-    # Gemma 2's layout without its attention soft-capping (refused: `core.families`)
+    # Gemma 2: soft-capped attention scores and logits (weights scaled past the caps:
+    # `WEIGHT_SCALES`), alternating local and global layers, no q/k norms
+    "gemma2": (
+        Gemma2ForCausalLM,
+        Gemma2Config(
+            **_llama_dims,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=5,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=8.0,
+            final_logit_softcapping=25.0,
+            pad_token_id=0,
+        ),
+    ),
+    # Gemma 2's layout with its attention soft-capping turned off
     "gemma2-no-attn-softcap": (
         Gemma2ForCausalLM,
         Gemma2Config(
@@ -130,6 +145,12 @@ FAMILY_CASES = {
             tie_word_embeddings=False,
         ),
     ),
+}
+
+# (name, parameter name suffix) -> the factor random weights are multiplied by: scores
+# and logits well past a soft-capping model's caps (a random model's are far below)
+WEIGHT_SCALES = {
+    "gemma2": {"embed_tokens.weight": 40.0, "q_proj.weight": 40.0, "k_proj.weight": 40.0},
 }
 
 # name -> (model class, config)
@@ -222,6 +243,9 @@ def build(name: str) -> torch.nn.Module:
                 param.add_(torch.randn_like(param) * 0.1)
             if pname.endswith("mlp.gate.weight"):  # routers: clear margins between experts
                 param.mul_(10)
+            for suffix, factor in WEIGHT_SCALES.get(name, {}).items():
+                if pname.endswith(suffix):
+                    param.mul_(factor)
         for bname, buffer in model.named_buffers():  # GLM-4.5's router score bias
             if bname.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.1)

@@ -44,6 +44,7 @@ from offload.policies.latent import check_latent_policy
 from offload.policies.memory_limit import node_memory_limit, rank_cpu_bytes
 from offload.policies.node import Layout
 from offload.policies.policy import Policy
+from offload.policies.search import kv_formats
 
 if TYPE_CHECKING:
     from offload.parallel.comm import TensorParallel
@@ -150,6 +151,8 @@ def plan(request: PlanRequest) -> Plan:
     weight_formats = checkpoint_formats(
         front, args, request.policy, layout is not None and layout.tp > 1
     )
+    # a format the model's attention cannot read is refused by name (`search.kv_formats`)
+    kv_formats(request.config, (request.policy.kv_compression,) if request.policy else args.kv_compressions())  # fmt: skip
     given = Caps(args.gpu_bytes, args.cpu_bytes, args.nvme is not None, _shared(layout))
     check_caps_within_machine(given, machine.device, machine)
     policy, hw, made, caps = request.policy, None, "given", given

@@ -37,7 +37,7 @@ from offload.policies.cost import Estimate, estimate
 from offload.policies.hardware import HardwareProfile
 from offload.policies.job import Job, estimate_job
 from offload.policies.node import Layout
-from offload.policies.search import search
+from offload.policies.search import kv_formats, search
 
 GB = 1e9
 # The most requests --num-prompts plans for: a job holds each request's lengths (a list
@@ -171,7 +171,7 @@ def _report(args, engine, front: ModelFront, found: Plan, layout: Layout | None)
     args.dtype = str(front.dtype).removeprefix("torch.")
     args.token_note = f" ({BYTE_TOKENS})" if front.spec.byte_tokens else ""
     args.compressions = _formats(front, engine)
-    args.kv_compressions = engine.kv_compressions()
+    args.kv_compressions = kv_formats(cfg, engine.kv_compressions())
     if found.policy is None or found.profile is None:
         return _whole(args, front, found)
     hw, caps, dtype = found.profile, found.caps, front.dtype

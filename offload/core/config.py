@@ -5,7 +5,7 @@ One decoder stack expresses five families:
 | family | positions                 | norm      | MLP                | attention            |
 | ------ | ------------------------- | --------- | ------------------ | -------------------- |
 | llama  | RoPE (llama3, LongRoPE)   | RMSNorm   | SwiGLU (gated)     | GQA, optional bias   |
-| gemma  | RoPE, local and global    | RMSNorm (1 + w), sandwich | GeGLU (gated) | GQA, q/k norms |
+| gemma  | RoPE, local and global    | RMSNorm (1 + w), sandwich | GeGLU (gated) | GQA, q/k norms, soft-capping |
 | bloom  | ALiBi                     | LayerNorm | tanh-GELU          | fused qkv in the ckpt |
 | opt    | learned, offset 2         | LayerNorm | ReLU               | MHA with bias        |
 | falcon | RoPE                      | LayerNorm | GELU, parallel to attention | MQA / GQA   |
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from offload.core import families, mla_config, moe_config
+from offload.core import families, hf_config, mla_config, moe_config
 from offload.core.errors import UserError
 from offload.core.family import Family, family
 
@@ -132,6 +132,7 @@ class ModelConfig:
     embed_scale: float | None = None  # token embeddings times this, rounded to the dtype
     sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too (Gemma)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    attn_softcap: float | None = None  # attention scores likewise, before the bias (Gemma 2)
     parallel_attn: bool = False  # attention and MLP both read the layer's input (Falcon)
     parallel_mlp_norm: bool = False  # ... the MLP through its own norm (Falcon 40B, 180B)
     linear_bias: bool = False  # every projection has a bias (Falcon's `bias`)
@@ -334,14 +335,15 @@ class ModelConfig:
     # -- construction -----------------------------------------------------------------
     @classmethod
     def from_hf(cls, hf: dict[str, Any], name: str = "") -> ModelConfig:
-        """Build from the dict of a Hugging Face `config.json`."""
-        hf = families.text_config(hf)
+        """Build from the dict of a Hugging Face `config.json`, with the defaults its
+        transformers config class fills (`hf_config.with_defaults`)."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UserError(
                 f"model type {model_type!r} in config.json is not supported; "
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        hf = families.text_config(hf_config.with_defaults(hf))
         common = {
             "name": name or hf.get("_name_or_path", "") or model_type,
             "model_type": model_type,

@@ -27,6 +27,7 @@ VARIANT_DEFAULTS: dict[str, Any] = {
     "embed_scale": None,
     "sandwich_norms": False,
     "final_softcap": None,
+    "attn_softcap": None,
     "parallel_attn": False,
     "parallel_mlp_norm": False,
     "linear_bias": False,
@@ -151,11 +152,6 @@ def _gemma_rope(text: dict[str, Any]) -> tuple[dict[str, Any], float | None]:
 
 def gemma_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Gemma 2 and Gemma 3 (text; the multimodal `gemma3` config through `text_config`)."""
-    if hf.get("attn_logit_softcapping") is not None:
-        raise UserError(
-            "attention soft-capping (attn_logit_softcapping, as Gemma 2 sets) is not "
-            "supported: the attention kernels cannot apply tanh to the scores; Gemma 3 has none"
-        )
     if hf.get("use_bidirectional_attention"):
         raise UserError("Gemma with use_bidirectional_attention is an encoder; not supported")
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
@@ -185,9 +181,19 @@ def gemma_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "query_scale": float(hf.get("query_pre_attn_scalar") or head_dim) ** -0.5,
         "embed_scale": hidden**0.5,
         "sandwich_norms": True,
-        "final_softcap": hf.get("final_logit_softcapping"),
+        "final_softcap": _cap(hf.get("final_logit_softcapping")),
+        "attn_softcap": _cap(hf.get("attn_logit_softcapping")),
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
     }
+
+
+def _cap(value: Any) -> float | None:
+    """A soft-capping value (x -> cap * tanh(x / cap)); None caps nothing."""
+    if value is None:
+        return None
+    if value <= 0:
+        raise UserError(f"Gemma's soft-capping value {value} must be positive (or null: none)")
+    return float(value)
 
 
 def falcon_fields(hf: dict[str, Any]) -> dict[str, Any]:

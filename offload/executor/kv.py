@@ -68,6 +68,7 @@ class KVManager:
         self.cfg, self.lanes, self.device, self.dtype = cfg, lanes, device, dtype
         self.compression, self.disk_buffers = compression, disk_buffers
         self.attention_on_cpu = attention_on_cpu
+        self.cap = cfg.attn_softcap  # soft-capped scores (`attention.softcap_attend`)
         self.homes = KVHomes(
             cfg, device, dtype, ledger, spill_dir, attention_on_cpu, compression, disk_buffers
         )
@@ -235,7 +236,9 @@ class KVManager:
                     )
                 )
             elif start == 0:
-                outs.append(attention.attend(q[off], k_new[off], v_new[off], bias[off], causal))
+                outs.append(
+                    attention.attend(q[off], k_new[off], v_new[off], bias[off], causal, self.cap)
+                )
                 self.transfer.store(blk, mb, k_new[off], v_new[off], start, end)
             elif self.attention_on_cpu:
                 outs.append(
@@ -250,9 +253,8 @@ class KVManager:
                 n = c + d
                 sk[:n, :, start:end] = k_new[off]
                 sv[:n, :, start:end] = v_new[off]
-                outs.append(
-                    attention.attend(q[off], sk[:n, :, :end], sv[:n, :, :end], bias[off], causal)
-                )
+                keys, values = sk[:n, :, :end], sv[:n, :, :end]
+                outs.append(attention.attend(q[off], keys, values, bias[off], causal, self.cap))
                 self._scratch_free[blk.slot] = self.lanes.record("compute")
                 self.transfer.store(blk, mb, k_new[off], v_new[off], start, end)
 
@@ -288,7 +290,9 @@ class KVManager:
             else:
                 loaded = self._load_quant(layer, mb, start)
             self.lanes.wait("compute", loaded)
-        out = attention.quant_attention(scratch, q, k_new, v_new, bias, start, causal)
+        out = attention.quant_attention(
+            scratch, q, k_new, v_new, bias, start, causal, softcap=self.cap
+        )
         packed = [
             scratch.rows(first, last).pack(start, end)
             for first, last in ((0, c), (c, c + d))
@@ -395,16 +399,15 @@ class KVManager:
         if blk.cpu_quant is not None:
             outs.append(
                 attention.quant_attention(
-                    blk.cpu_quant, q_h[:c], k_h[:c], v_h[:c], bias_h[:c], start
+                    blk.cpu_quant, q_h[:c], k_h[:c], v_h[:c], bias_h[:c], start, softcap=self.cap
                 )
             )
         elif c:
             assert blk.cpu_k is not None and blk.cpu_v is not None
             blk.cpu_k[:, :, start:end] = k_h[:c]
             blk.cpu_v[:, :, start:end] = v_h[:c]
-            outs.append(
-                attention.attend(q_h[:c], blk.cpu_k[:, :, :end], blk.cpu_v[:, :, :end], bias_h[:c])
-            )
+            keys, values = blk.cpu_k[:, :, :end], blk.cpu_v[:, :, :end]
+            outs.append(attention.attend(q_h[:c], keys, values, bias_h[:c], softcap=self.cap))
         if d:
             self.transfer.read_disk(blk, start)
             rows = slice(c, None)
@@ -412,7 +415,7 @@ class KVManager:
                 home = blk.disk_quant
                 outs.append(
                     attention.quant_attention(
-                        home, q_h[rows], k_h[rows], v_h[rows], bias_h[rows], start
+                        home, q_h[rows], k_h[rows], v_h[rows], bias_h[rows], start, softcap=self.cap
                     )
                 )
             else:
@@ -421,7 +424,9 @@ class KVManager:
                 dv[start:end] = v_h[rows].permute(2, 0, 1, 3)
                 keys = dk[:end].permute(1, 2, 0, 3)
                 values = dv[:end].permute(1, 2, 0, 3)
-                outs.append(attention.attend(q_h[rows], keys, values, bias_h[rows]))
+                outs.append(
+                    attention.attend(q_h[rows], keys, values, bias_h[rows], softcap=self.cap)
+                )
             self.transfer.write_disk(blk, start, end)
         context = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         self.lanes.tracer.host_span("cpu_attn", f"attn mb{mb}", started, time.perf_counter(), 0)

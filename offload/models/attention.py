@@ -1,6 +1,10 @@
 """Attention over a KV cache: `attend` (SDPA, or the CPU's C kernel at decode) over
 full-precision keys and values, and one layer's cache on one device (`LayerKV`), full
-precision or compressed (`quant_attention` over a `kernels.kv_cache.QuantKV`)."""
+precision or compressed (`quant_attention` over a `kernels.kv_cache.QuantKV`).
+
+A model whose attention scores are soft-capped (`ModelConfig.attn_softcap`, Gemma 2)
+attends through `softcap_attend` on every path: SDPA, the CPU's C kernel and the
+compressed cache's decode kernels have no step between the scores and the softmax."""
 
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ def attend(
     values: torch.Tensor,
     bias: torch.Tensor,
     causal: bool = False,
+    softcap: float | None = None,
 ):
     """Scaled dot-product attention of q [B,H,T,D] over keys/values [B,Hkv,S,D].
 
@@ -35,7 +40,10 @@ def attend(
     - where the keys are the T new tokens (a prefill), causally: half the scores. With
       a bias, the memory-efficient kernel computes every score;
     - for one new token on the GPU (a decode step), over every slot.
+    softcap: the scores are soft-capped (`softcap_attend`).
     """
+    if softcap is not None:
+        return softcap_attend(q, keys, values, bias, softcap)
     batch, heads, num_new, dim = q.shape
     kv_heads = keys.shape[1]
     fresh = num_new > 1 and keys.shape[2] == num_new
@@ -74,6 +82,51 @@ def attend(
     return out.transpose(1, 2).reshape(batch, num_new, heads * dim)
 
 
+# scores [rows, heads, tokens, slots] `softcap_attend` computes at once: with their
+# float32 copy and probabilities a few tens of MB, whatever the prefill
+# (`policies.memory` counts SOFTCAP_TRANSIENT elements)
+SOFTCAP_CHUNK_SCORES = 1 << 22
+SOFTCAP_TRANSIENT = 6 * SOFTCAP_CHUNK_SCORES
+
+
+def softcap_attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """`attend` with soft-capped scores, as transformers' Gemma 2: cap * tanh(s / cap)
+    of each scaled score s, then the additive bias [B, 1|H, T, >= S] and the softmax
+    (in float32). q's rows and tokens go in chunks of at most SOFTCAP_CHUNK_SCORES
+    scores; grouped-query heads read their KV head in place. Returns [B, T, H*D]."""
+    batch, heads, num_new, dim = q.shape
+    slots = keys.shape[2]
+    assert bias.shape[0] == batch, "one bias row a sequence"
+    row_scores = heads * num_new * slots
+    rows = max(1, SOFTCAP_CHUNK_SCORES // row_scores)
+    tokens = num_new if rows > 1 else max(1, SOFTCAP_CHUNK_SCORES // (heads * slots))
+    out = q.new_empty(batch, num_new, heads * dim)
+    for first in range(0, batch, rows):
+        part = slice(first, first + rows)
+        for start in range(0, num_new, tokens):
+            new = slice(start, start + tokens)
+            out[part, new] = _softcapped(
+                q[part, :, new], keys[part], values[part], bias[part, :, new, :slots], cap
+            )
+    return out
+
+
+def _softcapped(q, keys, values, bias, cap: float) -> torch.Tensor:
+    """One chunk of `softcap_attend`: the query heads of a KV head as rows of one matmul."""
+    batch, heads, num_new, dim = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads * num_new, dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float()
+    scores = scores.view(batch, heads, num_new, -1)
+    scores.mul_(dim**-0.5 / cap).tanh_().mul_(cap)
+    scores += bias
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.matmul(probs.view(batch, kv_heads, -1, probs.shape[-1]), values)
+    return out.view(batch, heads, num_new, dim).transpose(1, 2).reshape(batch, num_new, -1)
+
+
 class LayerKV:
     """One layer's KV cache for a batch on one device: k, v [B, Hkv, max_slots, D], or
     with `compression` a `kernels.kv_cache.QuantKV` (read by the quantized decode
@@ -90,6 +143,7 @@ class LayerKV:
         compression: Compression | None = None,
     ) -> None:
         self.quant: QuantKV | None = None
+        self.softcap = cfg.attn_softcap
         self.latent: LatentKV | None = None
         if cfg.kv_lora_rank:
             assert compression is None, "a latent cache is never compressed (policies.latent)"
@@ -129,10 +183,10 @@ class LayerKV:
         if self.latent is not None:  # k: the latent entries (v is a view of them)
             return self.latent.attention(q, k, bias, start, causal)
         if self.quant is not None:
-            return quant_attention(self.quant, q, k, v, bias, start, causal, out)
+            return quant_attention(self.quant, q, k, v, bias, start, causal, out, self.softcap)
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
-        return attend(q, self.k[:, :, :end], self.v[:, :, :end], bias, causal)
+        return attend(q, self.k[:, :, :end], self.v[:, :, :end], bias, causal, self.softcap)
 
 
 def quant_attention(
@@ -144,14 +198,16 @@ def quant_attention(
     start: int,
     causal: bool = False,
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Store k, v in the compressed cache at slots start.. and attend q: a prefill
     (start 0) over its fresh entries at full precision, a decode step over the cache
-    (into out where given)."""
+    (into out where given; soft-capped scores: over the dequantized cache, which the
+    decode kernels cannot cap, so plans refuse the format for such models)."""
     cache.write(k, v, start)
     if start == 0:
-        return attend(q, k, v, bias, causal)
+        return attend(q, k, v, bias, causal, softcap)
     end = start + k.shape[2]
-    if q.shape[2] == 1:
+    if q.shape[2] == 1 and softcap is None:
         return decode_attention(q, cache, bias, end, out=out)
-    return attend(q, *cache.dequantized(end), bias)
+    return attend(q, *cache.dequantized(end), bias, softcap=softcap)

@@ -43,7 +43,8 @@ from typing import Any, Protocol
 
 import torch
 
-from offload.core.config import ModelConfig
+from offload.core import hf_config
+from offload.core.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from offload.core.errors import UserError
 from offload.kernels.formats import Compression
 from offload.kernels.quant import QTensor, is_quantized, pack_int4
@@ -80,6 +81,8 @@ def format_of(directory: Path) -> QuantFormat | None:
         hf = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
         return None  # resolving the model reports a missing or broken config.json
+    if hf.get("model_type") in SUPPORTED_MODEL_TYPES:  # tie_word_embeddings: the class's
+        hf = hf_config.with_defaults(hf)
     return read_format(hf)
 
 

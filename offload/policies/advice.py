@@ -63,7 +63,7 @@ def format_hint(
     flags, weights, kv = [], compressions, kv_compressions
     if compressions == (None,):
         flags, weights = [*flags, "--compress int4"], (INT4,)
-    if kv_compressions == (None,):
+    if kv_compressions == (None,) and cfg.attn_softcap is None:  # (`search.kv_formats`)
         flags, kv = [*flags, "--kv-compress int4"], (INT4,)
     if not flags:
         return None

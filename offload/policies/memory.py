@@ -32,7 +32,7 @@ from offload.io.layout import (
 )
 from offload.io.pinned import align_up
 from offload.kernels import qmatmul, quant
-from offload.models import decoder, mla, moe
+from offload.models import attention, decoder, mla, moe
 from offload.policies.policy import Policy
 
 # the parts that exist while the weights load: their homes and the pinned pool
@@ -314,6 +314,8 @@ def _layer_transient(
     if cfg.kv_lora_rank:
         new = seq_len if prefill else 1
         attn_half = mla.attention_elements(cfg, max(1, tokens // new), new, seq_len)
+    if cfg.attn_softcap is not None:  # a chunk of soft-capped scores (`softcap_attend`)
+        attn_half += attention.SOFTCAP_TRANSIENT
     if cfg.gated_mlp:
         act = 3 * cfg.intermediate_size
     else:

@@ -133,6 +133,24 @@ def _weight_options(
     return out
 
 
+def kv_formats(
+    cfg: ModelConfig, kv_compressions: tuple[Compression | None, ...]
+) -> tuple[Compression | None, ...]:
+    """The KV formats a plan of `cfg` may use. Soft-capped attention scores (Gemma 2)
+    keep the cache at full precision: the compressed cache's decode kernels cannot cap
+    them (`models.attention`), so auto leaves them out and a format asked for alone (a
+    flag, a policy file) is refused."""
+    if cfg.attn_softcap is None:
+        return kv_compressions
+    if None not in kv_compressions:
+        raise UserError(
+            "a compressed KV cache is not supported for a model with attention soft-capping "
+            "(attn_logit_softcapping, as Gemma 2 sets): its decode kernels cannot cap the "
+            "scores; use --kv-compress none (or a policy without kv_compression)"
+        )
+    return (None,)
+
+
 def candidates(
     cfg,
     dtype,
@@ -218,6 +236,7 @@ def ranked(
     wall time for its requests (`by_job_time`)."""
     if caps.gpu_bytes is None or caps.cpu_bytes is None:
         raise ValueError(f"the search needs both caps resolved to bytes, got {caps}")
+    kv_compressions = kv_formats(cfg, kv_compressions)
     if prompt_len + gen_len > cfg.max_position_embeddings:
         raise UserError(
             f"prompt {prompt_len} + generation {gen_len} tokens exceed the model's context of "
