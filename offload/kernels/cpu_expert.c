@@ -147,31 +147,55 @@ static inline __attribute__((always_inline)) vf round_vector(vf v, int dtype) {
 /* ---- a group's parameters and values ---------------------------------------------- */
 
 typedef struct {
-    float offset, scale, add; /* value = round((c - offset) x scale + add) */
+    float offset, scale, add; /* centred: (c - offset) x scale; else c x scale + add */
 } Params;
 
-static inline Params params(const Matrix *m, int64_t groups, int64_t row, int64_t g) {
+#define PARAM_BLOCK 16 /* groups whose parameters are converted at once */
+
+/* count (<= PARAM_BLOCK) float16 values as floats */
+static inline void halves(const uint16_t *p, int count, float *out) {
+#if VL == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
+    __mmask16 mask = (__mmask16)((1u << count) - 1u);
+    _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p)));
+#else
+    for (int i = 0; i < count; i++) out[i] = half_to_float(p[i]);
+#endif
+}
+
+static inline int centred(const Matrix *m) { return m->symmetric || m->zero_point; }
+
+/* groups g .. g + count - 1 of a row: scales, and offsets (centred) or minimums */
+static inline void load_params(const Matrix *m, int64_t groups, int64_t row, int64_t g,
+                               int count, float *scale, float *other) {
     const int64_t at = row * groups + g;
-    Params p;
-    p.scale = half_to_float(m->scale[at]);
-    p.offset = 0.0f, p.add = 0.0f;
-    if (m->symmetric)
-        p.offset = (float)(((1 << m->bits) - 1) / 2);
-    else if (m->zero_point)
-        p.offset = half_to_float(m->minimum[at]);
+    halves(m->scale + at, count, scale);
+    if (!m->symmetric) {
+        halves(m->minimum + at, count, other);
+    } else {
+        for (int i = 0; i < count; i++) other[i] = (float)(((1 << m->bits) - 1) / 2);
+    }
+}
+
+static inline Params params_of(float scale, float other, int is_centred) {
+    Params p = {0.0f, scale, 0.0f};
+    if (is_centred)
+        p.offset = other;
     else
-        p.add = half_to_float(m->minimum[at]);
+        p.add = other;
     return p;
 }
 
-static inline __attribute__((always_inline)) vf values(vf codes, Params p, int dtype) {
-    vf product = (codes - p.offset) * p.scale;
+static inline __attribute__((always_inline)) vf values(vf codes, Params p, int dtype,
+                                                       int is_centred) {
+    if (is_centred) return round_vector((codes - p.offset) * p.scale, dtype);
+    vf product = codes * p.scale;
     KEEP(product);
     return round_vector(product + p.add, dtype);
 }
 
-static inline float value_scalar(float code, Params p, int dtype) {
-    float product = (code - p.offset) * p.scale;
+static inline float value_scalar(float code, Params p, int dtype, int is_centred) {
+    if (is_centred) return round_scalar((code - p.offset) * p.scale, dtype);
+    float product = code * p.scale;
     KEEP(product);
     return round_scalar(product + p.add, dtype);
 }
@@ -198,22 +222,24 @@ static inline __attribute__((always_inline)) vi widen(const uint8_t *p) {
 /* VL bytes of int4 codes: the values of their low nibbles (even features) and high
    nibbles (odd features) */
 static inline __attribute__((always_inline)) void decode4(const uint8_t *p, vf table, Params q,
-                                                          int dtype, vf *even, vf *odd) {
+                                                          int dtype, int is_centred, vf *even,
+                                                          vf *odd) {
 #if VL == 16
-    (void)q, (void)dtype;
+    (void)q, (void)dtype, (void)is_centred;
     __m512i wide = (__m512i)widen(p);
     *even = (vf)_mm512_permutexvar_ps(wide, (__m512)table);
     *odd = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), (__m512)table);
 #else
     (void)table;
     vi wide = widen(p);
-    *even = values(__builtin_convertvector(wide & 15, vf), q, dtype);
-    *odd = values(__builtin_convertvector(wide >> 4, vf), q, dtype);
+    *even = values(__builtin_convertvector(wide & 15, vf), q, dtype, is_centred);
+    *odd = values(__builtin_convertvector(wide >> 4, vf), q, dtype, is_centred);
 #endif
 }
 
-static inline __attribute__((always_inline)) vf decode8(const uint8_t *p, Params q, int dtype) {
-    return values(__builtin_convertvector(widen(p), vf), q, dtype);
+static inline __attribute__((always_inline)) vf decode8(const uint8_t *p, Params q, int dtype,
+                                                        int is_centred) {
+    return values(__builtin_convertvector(widen(p), vf), q, dtype, is_centred);
 }
 
 static inline float hsum(vf v) {
@@ -229,12 +255,13 @@ static inline float hsum(vf v) {
 /* ---- a tile: channels a and b against R rows of x, over groups g0 .. g1 - 1 ---------- */
 
 /* state[c][r] += lanes of W[a or b] . x[r] over the groups; x rows xs floats apart (int4
-   fast path: in unit order) */
+   fast path: in unit order). is_centred: symmetric or zero points (the C file's top) */
 static inline __attribute__((always_inline)) void tile(const Matrix *m, const float *x,
                                                        int64_t xs, int64_t a, int64_t b,
                                                        int64_t g0, int64_t g1,
                                                        vf state[2][MAX_R], const int R,
-                                                       const int kind, const int dtype) {
+                                                       const int kind, const int dtype,
+                                                       const int is_centred) {
     const int64_t group = m->group, groups = m->cols / group;
     const int64_t group_bytes = group * m->bits / 8;
     const int64_t channel[2] = {a, b};
@@ -245,51 +272,59 @@ static inline __attribute__((always_inline)) void tile(const Matrix *m, const fl
     for (int c = 0; c < 2; c++)
         for (int r = 0; r < R; r++) acc[c][r] = state[c][r], acc2[c][r] = splat(0.0f);
     const int twice = R <= MAX_R / 2;
-    for (int64_t g = g0; g < g1; g++) {
-        Params q[2];
-        vf table[2];
-        for (int c = 0; c < 2; c++) {
-            q[c] = params(m, groups, channel[c], g);
+    for (int64_t block = g0; block < g1; block += PARAM_BLOCK) {
+        const int count = g1 - block < PARAM_BLOCK ? (int)(g1 - block) : PARAM_BLOCK;
+        float scale[2][PARAM_BLOCK], other[2][PARAM_BLOCK];
+        for (int c = 0; c < 2; c++)
+            load_params(m, groups, channel[c], block, count, scale[c], other[c]);
+        for (int i = 0; i < count; i++) {
+            const int64_t g = block + i;
+            Params q[2];
+            vf table[2];
+            for (int c = 0; c < 2; c++) {
+                q[c] = params_of(scale[c][i], other[c][i], is_centred);
 #if VL == 16
-            if (kind == FAST4) {
-                const vf all = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-                table[c] = values(all, q[c], (int)m->dtype); /* one build for all dtypes */
-            }
+                if (kind == FAST4) { /* the dtype's values: one build for all dtypes */
+                    const vf all = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+                    table[c] = values(all, q[c], (int)m->dtype, is_centred);
+                }
 #endif
-        }
-        const float *xg = x + g * group;
-        const uint8_t *p[2] = {codes[0] + g * group_bytes, codes[1] + g * group_bytes};
-        if (kind == FAST4) {
-            for (int64_t u = 0; u < group_bytes; u += VL) {
-                vf even[2], odd[2];
-                for (int c = 0; c < 2; c++)
-                    decode4(p[c] + u, table[c], q[c], dtype, &even[c], &odd[c]);
-                for (int r = 0; r < R; r++) {
-                    vf xe = load_f32(xg + r * xs + 2 * u);
-                    vf xo = load_f32(xg + r * xs + 2 * u + VL);
-                    for (int c = 0; c < 2; c++) {
-                        acc[c][r] += even[c] * xe;
-                        if (twice)
-                            acc2[c][r] += odd[c] * xo;
-                        else
-                            acc[c][r] += odd[c] * xo;
+            }
+            const float *xg = x + g * group;
+            const uint8_t *p[2] = {codes[0] + g * group_bytes, codes[1] + g * group_bytes};
+            if (kind == FAST4) {
+                for (int64_t u = 0; u < group_bytes; u += VL) {
+                    vf even[2], odd[2];
+                    for (int c = 0; c < 2; c++)
+                        decode4(p[c] + u, table[c], q[c], dtype, is_centred, &even[c], &odd[c]);
+                    for (int r = 0; r < R; r++) {
+                        vf xe = load_f32(xg + r * xs + 2 * u);
+                        vf xo = load_f32(xg + r * xs + 2 * u + VL);
+                        for (int c = 0; c < 2; c++) {
+                            acc[c][r] += even[c] * xe;
+                            if (twice)
+                                acc2[c][r] += odd[c] * xo;
+                            else
+                                acc[c][r] += odd[c] * xo;
+                        }
                     }
                 }
-            }
-        } else {
-            for (int64_t u = 0; u < group; u += 2 * VL) {
-                for (int half = 0; half < 2; half++) {
-                    int64_t at = u + half * VL;
-                    if (at >= group) break;
-                    vf w[2];
-                    for (int c = 0; c < 2; c++) w[c] = decode8(p[c] + at, q[c], dtype);
-                    for (int r = 0; r < R; r++) {
-                        vf xv = load_f32(xg + r * xs + at);
-                        for (int c = 0; c < 2; c++) {
-                            if (twice && half)
-                                acc2[c][r] += w[c] * xv;
-                            else
-                                acc[c][r] += w[c] * xv;
+            } else {
+                for (int64_t u = 0; u < group; u += 2 * VL) {
+                    for (int half = 0; half < 2; half++) {
+                        int64_t at = u + half * VL;
+                        if (at >= group) break;
+                        vf w[2];
+                        for (int c = 0; c < 2; c++)
+                            w[c] = decode8(p[c] + at, q[c], dtype, is_centred);
+                        for (int r = 0; r < R; r++) {
+                            vf xv = load_f32(xg + r * xs + at);
+                            for (int c = 0; c < 2; c++) {
+                                if (twice && half)
+                                    acc2[c][r] += w[c] * xv;
+                                else
+                                    acc[c][r] += w[c] * xv;
+                            }
                         }
                     }
                 }
@@ -309,11 +344,13 @@ static void tile_scalar(const Matrix *m, const float *x, int64_t xs, int64_t a, 
     for (int c = 0; c < 2; c++) {
         const uint8_t *codes = m->codes + channel[c] * groups * group_bytes;
         for (int64_t g = g0; g < g1; g++) {
-            Params q = params(m, groups, channel[c], g);
+            float scale[PARAM_BLOCK], other[PARAM_BLOCK]; /* (a whole block is stored) */
+            load_params(m, groups, channel[c], g, 1, scale, other);
+            Params q = params_of(scale[0], other[0], centred(m));
             for (int64_t i = 0; i < group; i++) {
                 int code = m->bits == 8 ? codes[g * group_bytes + i]
                                         : (codes[g * group_bytes + i / 2] >> (4 * (i & 1))) & 15;
-                float w = value_scalar((float)code, q, (int)m->dtype);
+                float w = value_scalar((float)code, q, (int)m->dtype, centred(m));
                 for (int r = 0; r < R; r++) state[c][r][0] += w * x[r * xs + g * group + i];
             }
         }
@@ -323,46 +360,48 @@ static void tile_scalar(const Matrix *m, const float *x, int64_t xs, int64_t a, 
 typedef void (*TileFn)(const Matrix *, const float *, int64_t, int64_t, int64_t, int64_t,
                        int64_t, vf[2][MAX_R]);
 
-#define TILE_FN(kind, dtype, R)                                                              \
-    static void tile_##kind##_##dtype##_##R(const Matrix *m, const float *x, int64_t xs,     \
-                                            int64_t a, int64_t b, int64_t g0, int64_t g1,    \
-                                            vf s[2][MAX_R]) {                                \
-        tile(m, x, xs, a, b, g0, g1, s, R, kind, dtype);                                     \
+/* one build of the tile for each row count, kind, dtype and arithmetic (centred or not) */
+#define TILE_FN(kind, dtype, cen, R)                                                         \
+    static void tile_##kind##_##dtype##_##cen##_##R(const Matrix *m, const float *x,         \
+                                                    int64_t xs, int64_t a, int64_t b,        \
+                                                    int64_t g0, int64_t g1,                  \
+                                                    vf s[2][MAX_R]) {                        \
+        tile(m, x, xs, a, b, g0, g1, s, R, kind, dtype, cen);                                \
     }
 #if MAX_R == 8
-#define TILE_ROWS(kind, dtype)                                                               \
-    TILE_FN(kind, dtype, 1) TILE_FN(kind, dtype, 2) TILE_FN(kind, dtype, 3)                  \
-    TILE_FN(kind, dtype, 4) TILE_FN(kind, dtype, 5) TILE_FN(kind, dtype, 6)                  \
-    TILE_FN(kind, dtype, 7) TILE_FN(kind, dtype, 8)
-#define TILE_LIST(kind, dtype)                                                               \
-    {tile_##kind##_##dtype##_1, tile_##kind##_##dtype##_2, tile_##kind##_##dtype##_3,        \
-     tile_##kind##_##dtype##_4, tile_##kind##_##dtype##_5, tile_##kind##_##dtype##_6,        \
-     tile_##kind##_##dtype##_7, tile_##kind##_##dtype##_8}
+#define TILE_ROWS(kind, dtype, cen)                                                          \
+    TILE_FN(kind, dtype, cen, 1) TILE_FN(kind, dtype, cen, 2) TILE_FN(kind, dtype, cen, 3)   \
+    TILE_FN(kind, dtype, cen, 4) TILE_FN(kind, dtype, cen, 5) TILE_FN(kind, dtype, cen, 6)   \
+    TILE_FN(kind, dtype, cen, 7) TILE_FN(kind, dtype, cen, 8)
+#define TILE_LIST(kind, dtype, cen)                                                          \
+    {tile_##kind##_##dtype##_##cen##_1, tile_##kind##_##dtype##_##cen##_2,                   \
+     tile_##kind##_##dtype##_##cen##_3, tile_##kind##_##dtype##_##cen##_4,                   \
+     tile_##kind##_##dtype##_##cen##_5, tile_##kind##_##dtype##_##cen##_6,                   \
+     tile_##kind##_##dtype##_##cen##_7, tile_##kind##_##dtype##_##cen##_8}
 #else
-#define TILE_ROWS(kind, dtype)                                                               \
-    TILE_FN(kind, dtype, 1) TILE_FN(kind, dtype, 2) TILE_FN(kind, dtype, 3)                  \
-    TILE_FN(kind, dtype, 4)
-#define TILE_LIST(kind, dtype)                                                               \
-    {tile_##kind##_##dtype##_1, tile_##kind##_##dtype##_2, tile_##kind##_##dtype##_3,        \
-     tile_##kind##_##dtype##_4}
+#define TILE_ROWS(kind, dtype, cen)                                                          \
+    TILE_FN(kind, dtype, cen, 1) TILE_FN(kind, dtype, cen, 2) TILE_FN(kind, dtype, cen, 3)   \
+    TILE_FN(kind, dtype, cen, 4)
+#define TILE_LIST(kind, dtype, cen)                                                          \
+    {tile_##kind##_##dtype##_##cen##_1, tile_##kind##_##dtype##_##cen##_2,                   \
+     tile_##kind##_##dtype##_##cen##_3, tile_##kind##_##dtype##_##cen##_4}
 #endif
+#define TILE_KINDS(kind, dtype) TILE_ROWS(kind, dtype, 0) TILE_ROWS(kind, dtype, 1)
+#define TILE_TABLE(kind, dtype) {TILE_LIST(kind, dtype, 0), TILE_LIST(kind, dtype, 1)}
 
-#if VL == 16 /* int4's table holds the dtype's values: one build of its loop */
-TILE_ROWS(FAST4, F32)
-#else
-TILE_ROWS(FAST4, F32) TILE_ROWS(FAST4, F16) TILE_ROWS(FAST4, BF16)
-#endif
-TILE_ROWS(FAST8, F32) TILE_ROWS(FAST8, F16) TILE_ROWS(FAST8, BF16)
-
-static const TileFn TILES8[3][MAX_R] = {TILE_LIST(FAST8, F32), TILE_LIST(FAST8, F16),
-                                        TILE_LIST(FAST8, BF16)};
+/* int4's AVX-512 table holds the dtype's values: its loop is the same for every dtype */
 #if VL == 16
-static const TileFn TILES4[3][MAX_R] = {TILE_LIST(FAST4, F32), TILE_LIST(FAST4, F32),
-                                        TILE_LIST(FAST4, F32)};
+TILE_KINDS(FAST4, F32)
+static const TileFn TILES4[3][2][MAX_R] = {TILE_TABLE(FAST4, F32), TILE_TABLE(FAST4, F32),
+                                           TILE_TABLE(FAST4, F32)};
 #else
-static const TileFn TILES4[3][MAX_R] = {TILE_LIST(FAST4, F32), TILE_LIST(FAST4, F16),
-                                        TILE_LIST(FAST4, BF16)};
+TILE_KINDS(FAST4, F32) TILE_KINDS(FAST4, F16) TILE_KINDS(FAST4, BF16)
+static const TileFn TILES4[3][2][MAX_R] = {TILE_TABLE(FAST4, F32), TILE_TABLE(FAST4, F16),
+                                           TILE_TABLE(FAST4, BF16)};
 #endif
+TILE_KINDS(FAST8, F32) TILE_KINDS(FAST8, F16) TILE_KINDS(FAST8, BF16)
+static const TileFn TILES8[3][2][MAX_R] = {TILE_TABLE(FAST8, F32), TILE_TABLE(FAST8, F16),
+                                           TILE_TABLE(FAST8, BF16)};
 
 /* ---- panels of channel pairs over all rows --------------------------------------------- */
 
@@ -388,7 +427,7 @@ static inline void channels(const Out *o, int64_t p, int64_t *a, int64_t *b) {
    groups in passes whose x rows stay in L1, every pair of the panel in each pass */
 static void panel(const Matrix *m, const float *x, int64_t xs, int64_t n, int64_t p0,
                   int64_t p1, const Out *o) {
-    const int kind = kind_of(m), dtype = (int)m->dtype;
+    const int kind = kind_of(m), dtype = (int)m->dtype, cen = centred(m);
     const int64_t groups = m->cols / m->group;
     vf state[CHUNK][2][MAX_R];
     for (int64_t r0 = 0; r0 < n; r0 += MAX_R) {
@@ -403,9 +442,9 @@ static void panel(const Matrix *m, const float *x, int64_t xs, int64_t n, int64_
                 int64_t a, b;
                 channels(o, p, &a, &b);
                 if (kind == FAST4)
-                    TILES4[dtype][R - 1](m, xr, xs, a, b, g0, g1, state[p - p0]);
+                    TILES4[dtype][cen][R - 1](m, xr, xs, a, b, g0, g1, state[p - p0]);
                 else if (kind == FAST8)
-                    TILES8[dtype][R - 1](m, xr, xs, a, b, g0, g1, state[p - p0]);
+                    TILES8[dtype][cen][R - 1](m, xr, xs, a, b, g0, g1, state[p - p0]);
                 else
                     tile_scalar(m, xr, xs, a, b, g0, g1, state[p - p0], R);
             }
