@@ -78,7 +78,9 @@ def _matrix(w: QTensor) -> _Matrix | None:
         return None
     if any(t.device.type != "cpu" or not t.is_contiguous() for t in parts):
         return None
-    if w.scale.dtype != torch.float16 or (w.minimum is not None and w.minimum.dtype != w.scale.dtype):
+    if w.scale.dtype != torch.float16 or (
+        w.minimum is not None and w.minimum.dtype != w.scale.dtype
+    ):
         return None
     config = w.config
     return _Matrix(
