@@ -15,8 +15,8 @@ the arithmetic in float32, the result in x's dtype.
 - where the kernel does not run (no C compiler, OFFLOAD_NATIVE=0), compressed weights
   are dequantized `CPU_SLICE_ROWS` output rows at a time (in the matrix's dtype) and
   multiplied in float32, so the float32 copy stays a slice (in cache), never the
-  matrix: about 2 GB/s of int4 codes on the H100 machine's host against the kernel's
-  tens.
+  matrix: 2.0 GB/s of int4 and 4.8 of int8 on the H100 machine's host, where its
+  fp16 experts ran at 71.6.
 Its rate (weight bytes a second at a decode's few rows) is measured per format into the
 hardware profile (`policies.measure_experts`), and the cost model computes an expert
 on the CPU only where that beats copying its weights (`policies.cost_moe`).

@@ -11,8 +11,8 @@ The weights take the values `quant.dequantize` gives them (its float32 steps, th
 matrix's dtype), and the sums are float32: the plain-torch reference (dequantize, then
 a float32 matmul) differs by the order of the sums only. Both return None where the
 kernel does not run, and the caller runs its torch path: no C compiler or OpenMP
-(`native.py`), OFFLOAD_NATIVE=0, tensors off the CPU or not contiguous, scales that are
-not float16.
+(`native.py`), OFFLOAD_NATIVE=0, tensors off the CPU, not contiguous or not of the
+format's sizes, scales that are not float16.
 """
 
 from __future__ import annotations
@@ -83,12 +83,17 @@ def _matrix(w: QTensor) -> _Matrix | None:
     ):
         return None
     config = w.config
+    rows, cols = w.shape
+    groups = rows * (cols // config.group_size)
+    sizes = [rows * cols * config.bits // 8, groups] + ([] if w.minimum is None else [groups])
+    if cols % config.group_size or [t.numel() for t in parts] != sizes:
+        return None
     return _Matrix(
         codes=w.codes.data_ptr(),
         scale=w.scale.data_ptr(),
         minimum=None if w.minimum is None else w.minimum.data_ptr(),
-        rows=w.shape[0],
-        cols=w.shape[1],
+        rows=rows,
+        cols=cols,
         group=config.group_size,
         bits=config.bits,
         symmetric=int(config.symmetric),
