@@ -412,7 +412,9 @@ static const TileFn TILES8[3][2][MAX_R] = {TILE_TABLE(FAST8, F32), TILE_TABLE(FA
 /* ---- panels of channel pairs over all rows --------------------------------------------- */
 
 /* floats of x rows a pass over the groups keeps in L1 (16 KB) */
+#ifndef X_FLOATS
 #define X_FLOATS 4096
+#endif
 
 typedef struct {
     float *y;      /* row r's result of channel c at y[r x stride + c] */
