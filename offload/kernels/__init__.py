@@ -16,6 +16,8 @@
 - `cpu_attention.py`: decode attention on the CPU in C (fp16/bf16/fp32 and compressed
   caches; the source is `cpu_attention.c`), built once per machine by `native.py`
   (the system's C compiler, cached; the torch paths where it cannot be built).
+- `cpu_expert.py`: a mixture of experts' expert on the CPU; int4 and int8 experts
+  through `cpu_expert_native.py` (C, `cpu_expert.c`, built the same way).
 - `launch.py`: when kernels run (`use_kernel`) and how they launch (`Launcher`).
 
 Each kernel module holds the format in its docstring, the plain-torch reference, the

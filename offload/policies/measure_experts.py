@@ -3,8 +3,11 @@ and its fixed cost (`kernels.cpu_expert`), and the executor's time an expert bey
 matmuls' bytes (`executor.moe_layer`).
 
 - cpu_expert_gbps: weight bytes a second that `cpu_expert_mlp` reads over 8 rows, per
-  storage format, fitted with its fixed time from a 4096-wide expert (1024 without a
-  GPU) and one a quarter its size (as `measure.fit_call` fits the GPU's matmuls);
+  storage format (int4 and int8: the C kernel, `kernels.cpu_expert_native`), fitted
+  with its fixed time from a 4096-wide expert (1024 without a GPU) and one a quarter
+  its size (as `measure.fit_call` fits the GPU's matmuls); each call reads another
+  copy of the expert, COPY_BYTES of copies, so the rate is DRAM's, not the cache's
+  (a cold expert's weights are not in cache);
 - cpu_expert_fixed_s: that fixed time, plus (with a GPU) the round trip an expert on the
   CPU adds: its rows to the host, the worker thread's hand-off, its output back;
 - expert_fixed_s: an expert's `moe.apply_expert` on the compute device at a decode's
@@ -14,6 +17,8 @@ matmuls' bytes (`executor.moe_layer`).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,12 +26,13 @@ import torch
 
 from offload.kernels.cpu_expert import cpu_expert_mlp
 from offload.kernels.formats import Compression
-from offload.kernels.quant import assemble_stage, compress_stage
+from offload.kernels.quant import QTensor, assemble_stage, compress_stage
 from offload.models import moe
 from offload.policies.hardware import GB, format_name
 
 FORMATS = (None, Compression(8, 64, False), Compression(4, 64, False))
 ROWS = 8  # a decode's rows an expert (a block of 256 sequences, 8 of 128 experts, 16)
+COPY_BYTES = 1 << 29  # copies of an expert a rate cycles through (past the last-level cache)
 
 
 def _seconds(fn, repeat: int, budget_s: float = 0.25) -> float:
@@ -54,7 +60,9 @@ def _expert(hidden: int, inter: int, dtype: torch.dtype, compression, device) ->
     return views["mlp_in.weight"], views["mlp_out.weight"]
 
 
-def _cpu_rates(dtype: torch.dtype, repeat: int, hidden: int) -> tuple[dict[str, float], float]:
+def _cpu_rates(
+    dtype: torch.dtype, repeat: int, hidden: int, copy_bytes: int = COPY_BYTES
+) -> tuple[dict[str, float], float]:
     """Per format the CPU expert's rate, and its fixed time (the formats' least), from
     an expert `hidden` wide and one a quarter its size."""
     rates, fixed = {}, []
@@ -63,14 +71,29 @@ def _cpu_rates(dtype: torch.dtype, repeat: int, hidden: int) -> tuple[dict[str, 
         for width in (hidden // 4, hidden):
             weights = _expert(width, width // 2, dtype, compression, torch.device("cpu"))
             nbytes = sum(_stored(w) for w in weights)
+            more = range(copy_bytes // nbytes)
+            copies = itertools.cycle([weights] + [_clone(weights) for _ in more])
             x = torch.randn(ROWS, width).to(dtype)
-            points.append((nbytes, _seconds(lambda w=weights, x=x: cpu_expert_mlp(x, *w), repeat)))
+            call = lambda c=copies, x=x: cpu_expert_mlp(x, *next(c))  # noqa: E731
+            points.append((nbytes, _seconds(call, repeat)))
         (b0, t0), (b1, t1) = points
         slope = (t1 - t0) / (b1 - b0)
         rate = b1 / t1 / GB if slope <= 0 else 1 / slope / GB
         rates[format_name(compression)] = rate
         fixed.append(max(0.0, t0 - b0 / (rate * GB)))
     return rates, min(fixed)
+
+
+def _clone(weights: tuple) -> tuple:
+    """Another copy of an expert's matrices (full precision or `QTensor`s)."""
+    return tuple(
+        dataclasses.replace(
+            w, codes=w.codes.clone(), scale=w.scale.clone(),
+            minimum=None if w.minimum is None else w.minimum.clone(),
+        )
+        if isinstance(w, QTensor) else w.clone()
+        for w in weights
+    )  # fmt: skip
 
 
 def _stored(w) -> int:
@@ -122,7 +145,8 @@ def expert_figures(quick: bool = False) -> dict:
     cuda = torch.cuda.is_available()
     dtype = torch.float16 if cuda else torch.float32
     device = torch.device("cuda" if cuda else "cpu")
-    rates, fixed = _cpu_rates(dtype, repeat, 4096 if cuda else 1024)
+    copy_bytes = COPY_BYTES // 8 if quick else COPY_BYTES
+    rates, fixed = _cpu_rates(dtype, repeat, 4096 if cuda else 1024, copy_bytes)
     if cuda:
         fixed += _round_trip_s(device, dtype, repeat)
     return {
