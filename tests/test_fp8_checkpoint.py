@@ -26,7 +26,7 @@ from transformers import (
 )
 
 from offload.api.llm import LLM
-from offload.api.planning import weight_formats
+from offload.api.plan_formats import weight_formats
 from offload.core.errors import UserError
 from offload.core.sampling import SamplingParams
 from offload.io.layout import stage_image_bytes, stage_layout

@@ -7,7 +7,7 @@ import sys
 import time
 
 from offload.api.args import resolve_device
-from offload.api.planning import weight_formats
+from offload.api.plan_formats import weight_formats
 from offload.cli.common import (
     add_engine_flags,
     add_version_flag,

@@ -218,7 +218,7 @@ def _rank_cfg(front: ModelFront, tp: int):
 
 
 def _formats(front: ModelFront, engine):
-    from offload.api.planning import weight_formats
+    from offload.api.plan_formats import weight_formats
 
     return weight_formats(front.spec.weight_format(), engine.compress, engine.compressions())
 
