@@ -178,6 +178,12 @@ class LLM:
         return self.front.spec
 
     @property
+    def model_name(self) -> str:
+        """The model's name as the user gave it (`served_model_name`, else `model`), for
+        the log and results: never a hub snapshot's directory."""
+        return self.args.served_model_name or self.args.model
+
+    @property
     def config(self):
         return self.front.config
 

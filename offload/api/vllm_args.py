@@ -1,7 +1,9 @@
 """vLLM's engine arguments, in Python (`LLM(...)`) and as flags (the same names).
 
 Those with a meaning here are mapped onto `EngineArgs`: `max_num_seqs` is the batch
-size, `quantization` the weights' format (int4, int8, auto), `gpu_memory_utilization`
+size, `quantization` the weights' format (int4, int8, auto) or a pre-quantized
+checkpoint's method (gptq, awq, compressed-tensors: checked against its config.json, whose
+own is read), `gpu_memory_utilization`
 a GPU cap of that share of the device's memory. The rest are accepted at the value
 that changes nothing here and otherwise refused, each naming the fix (in the caller's
 terms: keyword arguments in Python, flags on the command line). docs/compat.md lists
@@ -99,6 +101,15 @@ VLLM_ARGS: dict[str, VllmArg] = {
     "block_size": VllmArg(_INT, (None,), "the plan sizes the KV cache: drop it"),
     "disable_log_stats": VllmArg(_SWITCH, (True, False)),
 }
+# vLLM's names of the pre-quantized methods `models.prequant` reads (its Marlin kernels'
+# names read the same checkpoints)
+PREQUANTIZED = {
+    "gptq": "gptq",
+    "gptq_marlin": "gptq",
+    "awq": "awq",
+    "awq_marlin": "awq",
+    "compressed-tensors": "compressed-tensors",
+}
 MAPPED = ("max_num_seqs", "quantization", "gpu_memory_utilization")
 
 
@@ -139,6 +150,8 @@ def from_vllm(
             out[name] = value
         elif name == "max_num_seqs":
             mapped["batch_size"] = value
+        elif name == "quantization" and value in PREQUANTIZED:
+            mapped["prequantized"] = PREQUANTIZED[value]  # (checked by the front)
         elif name == "quantization":
             mapped["compress"] = _quantization(value, cli)
         elif name == "gpu_memory_utilization":
@@ -167,24 +180,23 @@ def _quantization(value: Any, cli: bool) -> str:
     fix = "--compress int4 (or int8)" if cli else "quantization='int4' (or 'int8')"
     given = f"--quantization {value}" if cli else f"quantization={value!r}"
     raise UserError(
-        f"{given} reads a pre-quantized checkpoint, which offload does not; pass {fix} to "
-        "quantize the weights group-wise as they load (docs/compression.md)"
+        f"{given} is not a format offload reads; a pre-quantized checkpoint is read as its "
+        f"config.json says ({', '.join(sorted(set(PREQUANTIZED.values())))} int4), and {fix} "
+        "quantizes the weights group-wise as they load (docs/compression.md)"
     )
 
 
-def _gpu_share(share: Any, device: torch.device, gpu_mem: str | None, cli: bool) -> str:
-    """vLLM's gpu_memory_utilization as a GPU cap: that share of the device's memory."""
-    name = "--gpu-memory-utilization" if cli else "gpu_memory_utilization"
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-        raise UserError(f"{name} {share!r} is not a share in (0, 1]; e.g. 0.9")
-    if gpu_mem is not None:
-        other = "--gpu-mem" if cli else "a max_memory GPU entry"
-        raise UserError(f"{name} and {other} both cap the GPU; give one")
-    if device.type != "cuda":
-        cpu_cap = "--cpu-mem 8GB" if cli else "max_memory={'cpu': '8GB'}"
+def check_prequantized(named: str | None, declared: str | None, model: str) -> None:
+    """vLLM's `quantization` naming a pre-quantized method (`named`) against the method
+    the checkpoint's config.json declares (`declared`; None: not pre-quantized)."""
+    if named is None or named == declared:
+        return
+    if declared is None:
         raise UserError(
-            f"{name} caps a GPU's memory, and this run has none (device {device}); drop it, "
-            f"or cap the CPU memory with {cpu_cap}"
+            f"quantization {named} (-q): {model} is not pre-quantized (its config.json has no "
+            "quantization_config); drop it, or give int4 to quantize as it loads"
         )
-    total = torch.cuda.get_device_properties(device).total_memory
-    return f"{int(share * total)}B"
+    raise UserError(
+        f"quantization {named} (-q): {model} is quantized with {declared} (its config.json's "
+        f"quantization_config); give {declared} or drop it (the checkpoint's own is read)"
+    )

@@ -30,6 +30,7 @@ from offload.api.args import (  # re-exported: scripts and tests import them fro
 )
 from offload.cli import report
 from offload.core.errors import UserError
+from offload.core.logs import LEVEL_ENV, level_from_env
 from offload.core.sampling import SamplingParams, with_defaults
 from offload.jobs import job
 
@@ -153,17 +154,27 @@ def describe_sampling(args: argparse.Namespace, model_defaults: dict[str, Any]) 
 
 
 def add_version_flag(parser: argparse.ArgumentParser) -> None:
+    """The flags every CLI has: --version and -v/--verbose."""
     import offload
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {offload.__version__}")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0,
+        help=f"log offload's DEBUG lines (else {LEVEL_ENV}, as vLLM's VLLM_LOGGING_LEVEL, "
+        "sets the level: DEBUG, INFO, WARNING, ERROR)",
+    )  # fmt: skip
 
 
-def setup_logging(quiet: bool) -> None:
-    logging.basicConfig(
-        level=logging.WARNING if quiet else logging.INFO,
-        format="%(message)s",
-        stream=sys.stderr,
-    )
+def setup_logging(quiet: bool, verbose: int = 0, default: int = logging.INFO) -> None:
+    """The level of offload's lines: DEBUG with -v, WARNING with --quiet, else the level
+    OFFLOAD_LOGGING_LEVEL names, else the CLI's `default`."""
+    try:
+        level = logging.DEBUG if verbose else logging.WARNING if quiet else level_from_env(default)
+    except UserError as exc:  # (before run_cli: the one line here)
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("offload").setLevel(level)
     for noisy in ("transformers", "huggingface_hub", "httpx", "filelock"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 

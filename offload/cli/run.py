@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(args.quiet)
+    setup_logging(args.quiet, args.verbose)
     from offload.cli import parallel as parallel_job
 
     if parallel_job.wanted(args):  # several ranks: start them, or run as one
@@ -143,7 +143,7 @@ def _run_job(args, engine, flag_params, output, source: sources.Source) -> int:
     load_seconds = time.perf_counter() - started
     log.info(
         "model %s (%s, %.0fM parameters) on %s in %s; loaded in %.1f s",
-        llm.spec.name,
+        llm.model_name,
         llm.spec.kind,
         llm.config.param_count() / 1e6,
         llm.device,
