@@ -200,3 +200,21 @@ def check_prequantized(named: str | None, declared: str | None, model: str) -> N
         f"quantization {named} (-q): {model} is quantized with {declared} (its config.json's "
         f"quantization_config); give {declared} or drop it (the checkpoint's own is read)"
     )
+
+
+def _gpu_share(share: Any, device: torch.device, gpu_mem: str | None, cli: bool) -> str:
+    """vLLM's gpu_memory_utilization as a GPU cap: that share of the device's memory."""
+    name = "--gpu-memory-utilization" if cli else "gpu_memory_utilization"
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise UserError(f"{name} {share!r} is not a share in (0, 1]; e.g. 0.9")
+    if gpu_mem is not None:
+        other = "--gpu-mem" if cli else "a max_memory GPU entry"
+        raise UserError(f"{name} and {other} both cap the GPU; give one")
+    if device.type != "cuda":
+        cpu_cap = "--cpu-mem 8GB" if cli else "max_memory={'cpu': '8GB'}"
+        raise UserError(
+            f"{name} caps a GPU's memory, and this run has none (device {device}); drop it, "
+            f"or cap the CPU memory with {cpu_cap}"
+        )
+    total = torch.cuda.get_device_properties(device).total_memory
+    return f"{int(share * total)}B"
