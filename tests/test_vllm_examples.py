@@ -247,7 +247,7 @@ def test_vllm_constructor_arguments_map_or_are_refused_naming_the_fix():
     )  # fmt: skip
     assert mapped == {"batch_size": 3, "compress": "int4", "dtype": "float32"} and gpu is None
     refused = {
-        "quantization": ("awq", "quantization='int4'"),
+        "quantization": ("fp8", "quantization='int4'"),
         "gpu_memory_utilization": (0.9, "has none"),
         "cpu_offload_gb": (4, "max_memory"),
         "swap_space": (4, "max_memory"),

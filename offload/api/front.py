@@ -50,14 +50,17 @@ class ModelFront:
         """Raw text, as vLLM's generate and the completions API: never templated."""
         return self.tokenizer.encode(prompt)
 
-    def encode_chat(self, messages: list[Message], template: str | None = None) -> list[int]:
+    def encode_chat(
+        self, messages: list[Message], template: str | None = None, **options: Any
+    ) -> list[int]:
+        """options: the template's keyword arguments (`chat.ChatOptions.template_kwargs`)."""
         template = chat_template(template) or self.chat_template
         if template is None and not self.tokenizer.has_chat_template:
             raise UserError(
                 "this model's tokenizer has no chat template; pass --chat-template "
                 "(chat_template=) with one, or send raw prompts"
             )
-        text = self.tokenizer.render_chat(messages, template)
+        text = self.tokenizer.render_chat(messages, template, **options)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def check_prompt(self, ids: list[int]) -> None:

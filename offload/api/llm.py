@@ -16,12 +16,14 @@ import dataclasses
 import itertools
 import logging
 import random
+import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from offload.api.args import EngineArgs, caps_from_args, from_vllm_arguments, resolve_device
+from offload.api.chat import ChatOptions, text_messages
 from offload.api.decode_loop import DecodeLoop
 from offload.api.front import Message, ModelFront, eos_ids
 from offload.api.planning import Plan, front_and_plan, holds_allocator
@@ -159,11 +161,14 @@ class LLM:
             if holds_allocator(args, plan, self.device, parallel is not None)
             else None
         )
+        started = time.perf_counter()
         try:
             self.runner: Runner = self._load(progress, trace)
         except BaseException:
             self._release_hold()
             raise
+        self.load_seconds = time.perf_counter() - started
+        log.info("%s; loaded in %.1f s", self.provenance(), self.load_seconds)
         self.eos_ids = eos_ids(front)
         self.stats = GenerationStats()
         self._request_ids = itertools.count()
@@ -176,6 +181,16 @@ class LLM:
     @property
     def spec(self):
         return self.front.spec
+
+    def provenance(self) -> str:
+        """Which model runs, from where, how: the load's log line."""
+        spec, where = self.spec, self.spec.path or "random weights"
+        revision = f" at {self.args.revision}" if self.args.revision else ""
+        return (
+            f"model {self.model_name} ({spec.kind} from {where}{revision}, "
+            f"{self.config.param_count() / 1e6:.0f}M parameters) on {self.device} in "
+            f"{str(self.dtype).removeprefix('torch.')}"
+        )
 
     @property
     def model_name(self) -> str:
@@ -279,8 +294,10 @@ class LLM:
         """Raw text, as vLLM's generate and the completions API: never templated."""
         return self.front.encode_prompt(prompt)
 
-    def encode_chat(self, messages: list[Message], chat_template: str | None = None) -> list[int]:
-        return self.front.encode_chat(messages, chat_template)
+    def encode_chat(
+        self, messages: list[Message], chat_template: str | None = None, **options: Any
+    ) -> list[int]:
+        return self.front.encode_chat(messages, chat_template, **options)
 
     def check_prompt(self, ids: list[int]) -> None:
         self.front.check_prompt(ids)
@@ -335,19 +352,32 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of {"role", "content"}) or to
-        each of a list of them, rendered with the chat template."""
+        each of a list of them, rendered with the chat template; vLLM's arguments
+        (`chat.ChatOptions`). A content may be OpenAI's parts: text parts are joined,
+        others refused by type."""
         self._check_open()
         if messages is None:
             raise UserError(
                 'chat() got no conversation (None); pass a list of {"role", "content"} '
                 "messages, or a list of such lists"
             )
+        options = ChatOptions(
+            add_generation_prompt, continue_final_message, tools, chat_template_kwargs,
+            chat_template_content_format,
+        )  # fmt: skip
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        raw = options.content_format == "openai"
         encoded = []
         for conversation in conversations:
-            ids = self.encode_chat(list(conversation), chat_template)
+            turns = text_messages(list(conversation), raw_parts=raw)
+            ids = self.encode_chat(turns, chat_template, **options.template_kwargs())
             encoded.append((self.tokenizer.decode(ids, skip_special_tokens=False), ids))
         return self._run(encoded, sampling_params, use_tqdm)
 

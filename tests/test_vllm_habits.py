@@ -1,0 +1,196 @@
+"""What a vLLM user expects: the model named as given (`served_model_name`), vLLM's
+`quantization` names for pre-quantized checkpoints, `LLM.chat`'s content parts and
+template arguments, logging without set-up and on every CLI, progress within a block,
+`--stats` while a job runs, request metrics and the profiler."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offload import LLM, SamplingParams
+from offload.cli import run
+from offload.core.errors import UserError
+from tests import quantized_checkpoints, tiny_models
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+    "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_models.save("llama-gqa", tmp_path_factory.mktemp("habits") / "m")[0]
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    with LLM(str(model_dir), device="cpu", dtype="float32", chat_template=TEMPLATE) as llm:
+        yield llm
+
+
+def _batch(path: Path) -> Path:
+    line = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                 "max_tokens": 2},
+    }  # fmt: skip
+    path.write_text(json.dumps(line) + "\n")
+    return path
+
+
+# -- the model's name -----------------------------------------------------------------
+def test_results_name_the_model_as_given_not_its_snapshot(model_dir, tmp_path, monkeypatch):
+    """A hub model resolves to a snapshot directory named by its hash: the log and the
+    Batch output's `model` say the repo id as given, or --served-model-name."""
+    import shutil
+
+    from offload.models import resolve
+
+    snapshot = tmp_path / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(model_dir, snapshot)
+    monkeypatch.setattr(resolve, "_from_hub", lambda repo, revision=None: snapshot)
+    batch = _batch(tmp_path / "in.jsonl")
+    flags = ["--model", "someone/tiny-llama", "-i", str(batch), "--device", "cpu"]
+    flags += ["--chat-template", TEMPLATE, "--quiet"]
+    assert run.main([*flags, "-o", str(tmp_path / "a.jsonl")]) == 0
+    row = json.loads((tmp_path / "a.jsonl").read_text())
+    assert row["response"]["body"]["model"] == "someone/tiny-llama"
+    served = [*flags, "-o", str(tmp_path / "b.jsonl"), "--served-model-name", "tiny"]
+    assert run.main(served) == 0
+    assert json.loads((tmp_path / "b.jsonl").read_text())["response"]["body"]["model"] == "tiny"
+    with LLM("someone/tiny-llama", device="cpu", served_model_name="mine") as named:
+        assert named.model_name == "mine" and "model mine (" in named.provenance()
+        assert snapshot.name not in named.model_name
+
+
+# -- vLLM's quantization names ----------------------------------------------------------
+def test_vllms_quantization_names_the_checkpoints_own_method(tmp_path):
+    """`quantization="gptq"` (`-q gptq`) on a GPTQ checkpoint reads it as it is, the same
+    tokens as without; a method the checkpoint does not declare, or one on a checkpoint
+    that is not pre-quantized, is refused in one line naming what it is."""
+    gptq, _ = tmp_path / "gptq", None
+    quantized_checkpoints.write(tiny_models.build("llama-gqa"), gptq, "gptq", True)
+    params, prompt = SamplingParams(max_tokens=4), {"prompt_token_ids": [5, 6, 7]}
+    with LLM(str(gptq), device="cpu", dtype="float32") as plain:
+        want = plain.generate(prompt, params, use_tqdm=False)[0].token_ids
+    for name in ("gptq", "gptq_marlin"):
+        with LLM(str(gptq), device="cpu", dtype="float32", quantization=name) as named:
+            assert named.generate(prompt, params, use_tqdm=False)[0].token_ids == want
+    with pytest.raises(UserError, match="quantized with gptq .*give gptq"):
+        LLM(str(gptq), device="cpu", quantization="awq")
+    plain_dir = tiny_models.save("llama-gqa", tmp_path / "plain")[0]
+    with pytest.raises(UserError, match="not pre-quantized"):
+        LLM(str(plain_dir), device="cpu", quantization="compressed-tensors")
+    with pytest.raises(UserError, match="not a format offload reads.*gptq"):
+        LLM(str(plain_dir), device="cpu", quantization="fp8")
+
+
+def test_cli_quantization_is_checked_before_the_load(tmp_path, capsys, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were judged")
+
+    monkeypatch.setattr(LLM, "_load", refuse)
+    plain_dir = tiny_models.save("llama-gqa", tmp_path / "plain")[0]
+    capsys.readouterr()
+    assert run.main(["--model", str(plain_dir), "--prompt", "x", "-q", "awq"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "quantization awq (-q)" in err[0] and "not pre-quantized" in err[0]
+
+
+# -- LLM.chat --------------------------------------------------------------------------
+def test_chat_takes_openai_content_parts_and_refuses_others_by_type(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                          {"type": "text", "text": "b"}]}]  # fmt: skip
+    out = llm.chat(parts, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert out.prompt == "<user>a\nb</><assistant>"  # joined as vLLM's string format
+    same = llm.chat([{"role": "user", "content": "a\nb"}], SamplingParams(max_tokens=1))[0]
+    assert same.prompt_token_ids == out.prompt_token_ids
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(UserError, match="message 0: a content part of type 'image_url'"):
+        llm.chat(image)
+    with pytest.raises(UserError, match="role"):
+        llm.chat([{"content": "no role"}])
+
+
+def test_chat_passes_vllms_template_arguments(llm):
+    params = SamplingParams(max_tokens=1)
+    turn = [{"role": "user", "content": "hi"}]
+    off = llm.chat(turn, params, chat_template_kwargs={"enable_thinking": False})[0]
+    assert off.prompt == "<user>hi</><assistant><no-think>"
+    bare = llm.chat(turn, params, add_generation_prompt=False)[0]
+    assert bare.prompt == "<user>hi</>"
+    prefix = [*turn, {"role": "assistant", "content": "The answer is"}]
+    going = llm.chat(prefix, params, add_generation_prompt=False, continue_final_message=True)
+    assert going[0].prompt.endswith("<assistant>The answer is")  # left open
+    with pytest.raises(UserError, match="add_generation_prompt=False"):
+        llm.chat(prefix, params, continue_final_message=True)
+    with pytest.raises(UserError, match="chat_template_kwargs"):
+        llm.chat(turn, params, chat_template_kwargs=["enable_thinking"])
+
+
+def test_batch_lines_read_content_parts_as_chat_does():
+    from offload.jobs.openai_batch import chat_messages
+
+    got = chat_messages([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                      {"type": "text", "text": "b"}]}])  # fmt: skip
+    assert got == [{"role": "user", "content": "a\nb"}]
+    with pytest.raises(ValueError, match="'input_audio' is not text"):
+        chat_messages([{"role": "user", "content": [{"type": "input_audio"}]}])
+
+
+# -- logging ---------------------------------------------------------------------------
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOAD_LOGGING")}
+    full |= {"PYTHONPATH": str(ROOT), **env}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_python_apis_load_line_shows_without_set_up_at_the_envs_level(model_dir):
+    code = f"from offload import LLM\nLLM({str(model_dir)!r}, device='cpu').close()"
+    shown = _python(code)
+    assert shown.returncode == 0, shown.stderr
+    assert "INFO" in shown.stderr and f"model {model_dir} (safetensors" in shown.stderr
+    assert "loaded in" in shown.stderr
+    quiet = _python(code, OFFLOAD_LOGGING_LEVEL="WARNING")
+    assert quiet.returncode == 0 and "loaded in" not in quiet.stderr, quiet.stderr
+    # a program with its own logging set-up gets the line once, through its handler
+    own = _python("import logging; logging.basicConfig(format='MINE %(message)s')\n" + code)
+    assert own.stderr.count("loaded in") == 1 and "MINE model" in own.stderr, own.stderr
+
+
+@pytest.mark.parametrize("prog", ["run", "plan", "profile", "convert"])
+def test_every_cli_takes_verbose_and_the_envs_level(prog, monkeypatch, capsys):
+    import importlib
+
+    from offload.cli import common
+
+    module = importlib.import_module(f"offload.cli.{prog}")
+    with pytest.raises(SystemExit):
+        module.main(["--help"])
+    assert "-v, --verbose" in capsys.readouterr().out
+    common.setup_logging(quiet=False, verbose=1)
+    assert logging.getLogger("offload").level == logging.DEBUG
+    monkeypatch.setenv("OFFLOAD_LOGGING_LEVEL", "error")
+    common.setup_logging(quiet=False)
+    assert logging.getLogger("offload").level == logging.ERROR
+    monkeypatch.setenv("OFFLOAD_LOGGING_LEVEL", "loud")
+    with pytest.raises(SystemExit):
+        common.setup_logging(quiet=False)
+    assert "OFFLOAD_LOGGING_LEVEL='loud' is not a level" in capsys.readouterr().err
+    monkeypatch.delenv("OFFLOAD_LOGGING_LEVEL")
+    common.setup_logging(quiet=False)
+    assert logging.getLogger("offload").level == logging.INFO
