@@ -88,12 +88,12 @@ def test_vllms_quantization_names_the_checkpoints_own_method(tmp_path):
     for name in ("gptq", "gptq_marlin"):
         with LLM(str(gptq), device="cpu", dtype="float32", quantization=name) as named:
             assert named.generate(prompt, params, use_tqdm=False)[0].token_ids == want
-    with pytest.raises(UserError, match="quantized with gptq .*give gptq"):
+    with pytest.raises(UserError, match=r"quantized with gptq .*give gptq"):
         LLM(str(gptq), device="cpu", quantization="awq")
     plain_dir = tiny_models.save("llama-gqa", tmp_path / "plain")[0]
     with pytest.raises(UserError, match="not pre-quantized"):
         LLM(str(plain_dir), device="cpu", quantization="compressed-tensors")
-    with pytest.raises(UserError, match="not a format offload reads.*gptq"):
+    with pytest.raises(UserError, match=r"not a format offload reads.*gptq"):
         LLM(str(plain_dir), device="cpu", quantization="fp8")
 
 

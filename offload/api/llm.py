@@ -27,8 +27,10 @@ from offload.api.chat import ChatOptions, text_messages
 from offload.api.decode_loop import DecodeLoop
 from offload.api.front import Message, ModelFront, eos_ids
 from offload.api.planning import Plan, front_and_plan, holds_allocator
+from offload.api.profiling import TorchProfile, profiler_dir
 from offload.core.config import DTYPES, resolve_dtype
 from offload.core.errors import UserError
+from offload.core.metrics import EngineMetrics, Metric
 from offload.core.outputs import GenerationStats, RequestOutput
 from offload.core.progress import PromptsBar
 from offload.core.sampling import SamplingParams
@@ -77,10 +79,12 @@ class LLM:
         trace: bool = False,
         parallel: TensorParallel | None = None,
         seed: int | None = None,
+        profiler_config: Any = None,
         **engine_args: Any,
     ) -> None:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise UserError(f"seed={seed!r} is not an integer")
+        trace_dir = profiler_dir(profiler_config)  # (judged before the load)
         device = resolve_device(engine_args.get("device", "auto"))
         gpu_mem, cpu_mem = caps_from_args(max_memory, engine_args, device)
         engine_args, gpu_mem = from_vllm_arguments(engine_args, device, gpu_mem)
@@ -99,6 +103,7 @@ class LLM:
         )
         front, plan = front_and_plan(args, None if as_path else policy, gen_len, parallel)
         self._open(args, front, plan, progress, trace, parallel, seed)
+        self.profile.directory = trace_dir
 
     @classmethod
     def from_engine_args(
@@ -171,6 +176,8 @@ class LLM:
         log.info("%s; loaded in %.1f s", self.provenance(), self.load_seconds)
         self.eos_ids = eos_ids(front)
         self.stats = GenerationStats()
+        self.metrics = EngineMetrics(self.stats)  # `get_metrics`
+        self.profile = TorchProfile(profiler_dir(None), self.device)  # `start_profile`
         self._request_ids = itertools.count()
         self.on_phase: Callable[[str], None] | None = None  # told "prefill" / "decode"
         self.loop = DecodeLoop(
@@ -440,7 +447,24 @@ class LLM:
         outs = self.loop.run(self.runner, requests, self.batch_size, on_batch)
         for out in outs:
             out.request_id = str(next(self._request_ids))
+        self.metrics.observe(outs)
         return outs
+
+    # -- vLLM's metrics and profiler ----------------------------------------------------
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: counters, gauges and histograms of the engine's requests so far
+        (`core.metrics`; `offload.v1.metrics.reader` holds the classes)."""
+        return self.metrics.snapshot()
+
+    def start_profile(
+        self, profile_prefix: str | None = None, *, profiler_kwargs: dict | None = None
+    ) -> None:
+        """vLLM's: a torch.profiler trace from now to `stop_profile` (`api.profiling`)."""
+        self.profile.start(profile_prefix, profiler_kwargs)
+
+    def stop_profile(self) -> Path:
+        """Stop the profiler and write its trace; returns the file."""
+        return self.profile.stop()
 
     # -- lifetime ---------------------------------------------------------------------
     def close(self) -> None:

@@ -13,6 +13,7 @@ them all.
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 
 from offload.core.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class VllmArg:
     fix: str = ""
     cli_fix: str | None = None
     short: str | None = None
+    note: str = ""  # accepted at any value, with this line in the log (it changes no output)
 
 
 _INT, _FLOAT, _SWITCH = {"type": int}, {"type": float}, {"action": "store_true"}
@@ -96,7 +100,9 @@ VLLM_ARGS: dict[str, VllmArg] = {
     ),
     "load_format": VllmArg(harmless=("auto",), fix="safetensors and GGUF load as found: drop it"),
     "enable_prefix_caching": VllmArg(
-        _SWITCH, (None, False), "each prompt is prefilled whole (no prefix cache): drop it"
+        _SWITCH,
+        note="enable_prefix_caching: each prompt is prefilled whole here (no prefix cache), "
+        "which gives the same tokens",
     ),
     "block_size": VllmArg(_INT, (None,), "the plan sizes the KV cache: drop it"),
     "disable_log_stats": VllmArg(_SWITCH, (True, False)),
@@ -124,7 +130,10 @@ def add_vllm_flags(parser: Any, skip: Iterable[str] = ()) -> None:
         if name in skip:
             continue
         names = [_flag(name), *([arg.short] if arg.short else [])]
-        what = "mapped" if name in MAPPED else "refused with the fix unless it changes nothing"
+        what = (
+            "mapped" if name in MAPPED else "accepted: it changes no output" if arg.note
+            else "refused with the fix unless it changes nothing"
+        )  # fmt: skip
         parser.add_argument(
             *names, dest=name, default=argparse.SUPPRESS, help=f"vLLM's ({what})", **arg.options
         )
@@ -157,6 +166,10 @@ def from_vllm(
         elif name == "gpu_memory_utilization":
             gpu_mem = _gpu_share(value, device, gpu_mem, cli)
         elif name in VLLM_ARGS and value in VLLM_ARGS[name].harmless:
+            continue
+        elif name in VLLM_ARGS and VLLM_ARGS[name].note:
+            if value:
+                log.info("%s", VLLM_ARGS[name].note)
             continue
         elif name in VLLM_ARGS:
             arg = VLLM_ARGS[name]
