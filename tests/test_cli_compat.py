@@ -47,7 +47,6 @@ def no_load(monkeypatch):
         (["--max-num-batched-tokens", "8192"], "--max-num-seqs"),
         (["--tokenizer", "other/tok"], "own tokenizer"),
         (["--download-dir", "/tmp"], "HF_HUB_CACHE"),
-        (["--enable-prefix-caching"], "prefilled whole"),
     ],
 )
 def test_vllms_flags_get_the_fix_in_one_line_before_any_load(flags, fix, capsys, no_load):

@@ -194,3 +194,144 @@ def test_every_cli_takes_verbose_and_the_envs_level(prog, monkeypatch, capsys):
     monkeypatch.delenv("OFFLOAD_LOGGING_LEVEL")
     common.setup_logging(quiet=False)
     assert logging.getLogger("offload").level == logging.INFO
+
+
+# -- progress within a block, --stats while the job runs --------------------------------
+@pytest.fixture
+def every_step(monkeypatch):
+    """Progress and --stats at every chance (their spacing 0 s): no timing in the tests."""
+    from offload.cli import report
+    from offload.core import progress
+
+    monkeypatch.setattr(progress, "TICK_S", 0.0)
+    monkeypatch.setattr(progress, "PLAIN_EVERY_S", 0.0)
+    monkeypatch.setattr(report, "STATS_EVERY_S", 0.0)
+
+
+def test_generates_bar_moves_within_a_block(llm, every_step, capsys):
+    """One block of 2 prompts and 6 steps: the bar shows the tokens so far at each step,
+    before any prompt is done (off a terminal: a plain line each time here)."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8, 9]}], params)
+    lines = capsys.readouterr().err.splitlines()
+    within = [line for line in lines if line.startswith("Processed prompts: 0/2")]
+    tokens = [int(line.split(", ")[1].split()[0]) for line in within if "steps/s" in line]
+    assert tokens == [2, 4, 6, 8, 10, 12], lines
+    assert any(line.startswith("Processed prompts: 2/2 (100%), 12 tok") for line in lines)
+
+
+def test_a_jobs_progress_and_stats_move_within_a_block(model_dir, tmp_path, every_step,
+                                                       monkeypatch, capsys):  # fmt: skip
+    """offload-run: the bar shows tokens, the step rate and the ETA at each decode step;
+    --stats is rewritten (whole, atomically) during the block, and at the end says what
+    produced it and on what machine."""
+    import dataclasses
+
+    from offload.cli import report
+    from offload.policies.policy import Policy
+    from tests.test_job_plan import LOADING
+
+    written = []
+    write_stats = report.write_stats
+
+    def spy(path, info):
+        write_stats(path, info)
+        written.append(json.loads(path.read_text()))  # a whole file at every write
+
+    monkeypatch.setattr(report, "write_stats", spy)
+    lines = [json.dumps({"id": f"r{i}", "prompt": "hello", "max_tokens": 5, "ignore_eos": True})
+             for i in range(3)]  # fmt: skip
+    (jobs := tmp_path / "jobs.jsonl").write_text("\n".join(lines) + "\n")
+    (policy := tmp_path / "policy.json").write_text(Policy(4, 1).to_json())
+    (profile := tmp_path / "hw.json").write_text(
+        dataclasses.replace(LOADING, has_gpu=False, gpu_context_bytes=0).to_json()
+    )
+    stats = tmp_path / "stats.json"
+    argv = ["--model", str(model_dir), "--device", "cpu", "--policy", str(policy), "--profile",
+            str(profile), "-i", str(jobs), "-o", str(tmp_path / "out.jsonl"), "--stats",
+            str(stats), "--served-model-name", "tiny"]  # fmt: skip
+    assert run.main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    steps = [line for line in err if line.startswith("Requests: 0/3") and "steps/s" in line]
+    assert len(steps) >= 3 and all("ETA" in line for line in steps), err
+    running = [w for w in written if w["run"]["state"] == "running"]
+    mid_block = [w["generated_tokens"] for w in running if w["done_now"] == 0]
+    assert len(set(mid_block) - {0}) >= 3, [w["generated_tokens"] for w in written]
+    final = json.loads(stats.read_text())
+    assert final == written[-1] and final["run"]["state"] == "finished"
+    run_info = final["run"]
+    assert run_info["model"] == "tiny" and run_info["argv"] and run_info["started"]
+    assert run_info["offload_version"] and run_info["updated"] >= run_info["started"]
+    machine = run_info["machine"]
+    assert machine["hostname"] and machine["cpu_count"] >= 1 and machine["ram_bytes"] > 0
+    assert final["generated_tokens"] == 15 and final["done_now"] == 3
+
+
+# -- metrics, profiler, prefix caching ------------------------------------------------
+def test_request_metrics_and_get_metrics(model_dir):
+    """vLLM's RequestOutput.metrics times, in order; a later block is scheduled after the
+    earlier one's requests finished; get_metrics counts them in vLLM's shapes."""
+    from offload.v1.metrics.reader import Counter, Gauge, Histogram
+
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    with LLM(str(model_dir), device="cpu", dtype="float32", batch_size=1) as one:
+        outs = one.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8, 9]}],
+                            params, use_tqdm=False)  # fmt: skip
+        for out in outs:
+            m = out.metrics
+            assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time
+            assert m.first_token_time <= m.last_token_time == m.finished_time
+            assert m.time_in_queue == m.first_scheduled_time - m.arrival_time
+        first, second = sorted(outs, key=lambda o: o.metrics.first_scheduled_time)
+        assert second.metrics.first_scheduled_time >= first.metrics.finished_time
+        metrics = {(m.name, tuple(m.labels.items())): m for m in one.get_metrics()}
+    assert metrics["vllm:generation_tokens", ()].value == 6
+    assert metrics["vllm:prompt_tokens", ()].value == 5
+    assert metrics["vllm:request_success", (("finished_reason", "length"),)].value == 2
+    ttft = metrics["vllm:time_to_first_token_seconds", ()]
+    assert isinstance(ttft, Histogram) and ttft.count == 2 and ttft.buckets["+Inf"] == 2
+    lengths = metrics["vllm:request_generation_tokens", ()]
+    assert lengths.buckets["2"] == 0 and lengths.buckets["5"] == 2 and lengths.sum == 6
+    assert isinstance(metrics["vllm:num_requests_running", ()], Gauge)
+    assert isinstance(metrics["vllm:prompt_tokens", ()], Counter)
+
+
+def test_start_and_stop_profile_write_a_torch_trace(model_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("OFFLOAD_TORCH_PROFILER_DIR", raising=False)
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    params = SamplingParams(max_tokens=2)
+    config = {"profiler": "torch", "torch_profiler_dir": str(tmp_path / "given")}
+    with LLM(str(model_dir), device="cpu", profiler_config=config) as llm:
+        llm.start_profile()
+        llm.generate({"prompt_token_ids": [5, 6]}, params, use_tqdm=False)
+        trace = llm.stop_profile()
+        assert trace.parent == tmp_path / "given" and trace.name.startswith("offload_")
+        names = {e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]}
+        assert any("linear" in n or "mm" in n for n in names), sorted(names)[:20]
+        with pytest.raises(UserError, match="not running"):
+            llm.stop_profile()
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "env"))
+    with LLM(str(model_dir), device="cpu") as llm:
+        llm.start_profile("mine")
+        assert llm.stop_profile().parent == tmp_path / "env"
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR")
+    with (
+        LLM(str(model_dir), device="cpu") as llm,
+        pytest.raises(UserError, match="OFFLOAD_TORCH_PROFILER_DIR"),
+    ):
+        llm.start_profile()
+    with pytest.raises(UserError, match=r"torch\.profiler traces only"):
+        LLM(str(model_dir), device="cpu", profiler_config={"profiler": "cuda"})
+
+
+def test_prefix_caching_is_accepted_with_a_log_line_and_changes_nothing(model_dir, caplog):
+    params = SamplingParams(max_tokens=4)
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    with LLM(str(model_dir), device="cpu") as plain:
+        want = plain.generate(prompt, params, use_tqdm=False)[0].token_ids
+    with (
+        caplog.at_level(logging.INFO, logger="offload"),
+        LLM(str(model_dir), device="cpu", enable_prefix_caching=True) as cached,
+    ):
+        assert cached.generate(prompt, params, use_tqdm=False)[0].token_ids == want
+    assert caplog.text.count("enable_prefix_caching: each prompt is prefilled whole") == 1

@@ -410,9 +410,11 @@ class LLM:
         requests = [(ids, p) for (_, ids), p in zip(encoded, params, strict=True)]
         factory = use_tqdm if callable(use_tqdm) else None
         bar = PromptsBar(len(requests), self.stats, factory) if use_tqdm else None
+        self.loop.on_step = bar.on_step if bar else None  # (it moves within a block)
         try:
             outs = self.generate_ids(requests, bar.on_batch if bar else None)
         finally:
+            self.loop.on_step = None
             if bar is not None:
                 bar.close()
         for out, (text, _) in zip(outs, encoded, strict=True):

@@ -251,12 +251,24 @@ def generate(
     is written at the end (to `trace_path`, default --trace), also after an interruption."""
     trace_path = trace_path or args.trace
     bar = report.Progress(stats, llm) if show_bar and not args.quiet else None
+    stats_path = getattr(args, "stats", None)  # rewritten while the job runs (the leader's)
+    live = report.LiveStats(stats_path, llm, stats) if show_bar and stats_path else None
+
+    def on_step() -> None:  # (each decode step: counted on the host, no device sync)
+        if bar:
+            bar.on_step()
+        if live:
+            live.tick()
+
+    llm.loop.on_step = on_step
     try:
         with job.StopFlag() as stop:
 
             def on_block() -> None:
                 if bar:
                     bar.update()
+                if live:
+                    live.tick()
                 if agree_to_stop is not None:
                     stop.requested = agree_to_stop(stop.requested)
 
@@ -264,8 +276,11 @@ def generate(
     except KeyboardInterrupt:
         stats.interrupted = True
     finally:
+        llm.loop.on_step = None
         if bar:
             bar.close()
+        if live and stats.interrupted:
+            live.write("interrupted")  # (a finished job's is written with its report)
         if trace_path is not None:
             _write_trace(llm, trace_path)
 
