@@ -267,6 +267,14 @@ def test_a_jobs_progress_and_stats_move_within_a_block(model_dir, tmp_path, ever
     assert final["generated_tokens"] == 15 and final["done_now"] == 3
 
 
+def test_llm_shows_its_loads_progress(model_dir, capsys):
+    """As vLLM's: `LLM(...)` draws the load's bar (plain lines off a terminal)."""
+    LLM(str(model_dir), device="cpu").close()
+    assert "loading layers: 3/3 (100%)" in capsys.readouterr().err
+    LLM(str(model_dir), device="cpu", progress=False).close()
+    assert "loading layers" not in capsys.readouterr().err
+
+
 # -- metrics, profiler, prefix caching ------------------------------------------------
 def test_request_metrics_and_get_metrics(model_dir):
     """vLLM's RequestOutput.metrics times, in order; a later block is scheduled after the

@@ -101,3 +101,18 @@ class ChatOptions:
         if self.tools is not None:
             out["tools"] = self.tools
         return out
+
+
+def encode_conversations(
+    front: Any, messages: Any, template: str | None, options: ChatOptions
+) -> list[tuple[str, list[int]]]:
+    """(the prompt's text, its token ids) of one conversation or each of a list of them,
+    rendered by the front's tokenizer with the template (`ModelFront.encode_chat`)."""
+    conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+    raw = options.content_format == "openai"
+    encoded = []
+    for conversation in conversations:
+        turns = text_messages(list(conversation), raw_parts=raw)
+        ids = front.encode_chat(turns, template, **options.template_kwargs())
+        encoded.append((front.tokenizer.decode(ids, skip_special_tokens=False), ids))
+    return encoded

@@ -23,14 +23,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from offload.api.args import EngineArgs, caps_from_args, from_vllm_arguments, resolve_device
-from offload.api.chat import ChatOptions, text_messages
+from offload.api.chat import ChatOptions, encode_conversations
 from offload.api.decode_loop import DecodeLoop
 from offload.api.front import Message, ModelFront, eos_ids
 from offload.api.planning import Plan, front_and_plan, holds_allocator
-from offload.api.profiling import TorchProfile, profiler_dir
+from offload.api.profiling import MetricsAndProfiler, TorchProfile, profiler_dir
 from offload.core.config import DTYPES, resolve_dtype
 from offload.core.errors import UserError
-from offload.core.metrics import EngineMetrics, Metric
+from offload.core.metrics import EngineMetrics
 from offload.core.outputs import GenerationStats, RequestOutput
 from offload.core.progress import PromptsBar
 from offload.core.sampling import SamplingParams
@@ -49,7 +49,7 @@ Prompt = str | dict[str, Any] | list[int]
 log = logging.getLogger(__name__)
 
 
-class LLM:
+class LLM(MetricsAndProfiler):
     """A model ready to generate. `model` is anything `--model` accepts.
 
     Keyword arguments are `EngineArgs` fields (dtype, device, revision, batch_size,
@@ -60,6 +60,7 @@ class LLM:
     ({"cuda:0": "24GB", "cpu": "100GB"}) and `offload_folder` (the weight store and KV
     spill directory): caps without a `policy` run the same plan search as offload-run.
     `policy` (a `Policy` or a JSON path) runs the offloading executor with that placement.
+    progress: a bar of the load (plain lines off a terminal), as vLLM's.
     A GPU cap holds this process's CUDA caching allocator to it until `close`
     (`caps.hold_gpu_allocator`: process-wide state, one held engine at a time), except
     under tensor parallelism; `hold_gpu_mem=False` leaves the allocator free.
@@ -75,7 +76,7 @@ class LLM:
         caps: Caps | None = None,
         nvme: str | Path | None = None,
         gen_len: int | None = None,
-        progress: bool = False,
+        progress: bool = True,
         trace: bool = False,
         parallel: TensorParallel | None = None,
         seed: int | None = None,
@@ -379,13 +380,7 @@ class LLM:
             add_generation_prompt, continue_final_message, tools, chat_template_kwargs,
             chat_template_content_format,
         )  # fmt: skip
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        raw = options.content_format == "openai"
-        encoded = []
-        for conversation in conversations:
-            turns = text_messages(list(conversation), raw_parts=raw)
-            ids = self.encode_chat(turns, chat_template, **options.template_kwargs())
-            encoded.append((self.tokenizer.decode(ids, skip_special_tokens=False), ids))
+        encoded = encode_conversations(self.front, messages, chat_template, options)
         return self._run(encoded, sampling_params, use_tqdm)
 
     def _run(self, encoded, sampling_params, use_tqdm=False) -> list[RequestOutput]:
@@ -451,22 +446,6 @@ class LLM:
             out.request_id = str(next(self._request_ids))
         self.metrics.observe(outs)
         return outs
-
-    # -- vLLM's metrics and profiler ----------------------------------------------------
-    def get_metrics(self) -> list[Metric]:
-        """vLLM's: counters, gauges and histograms of the engine's requests so far
-        (`core.metrics`; `offload.v1.metrics.reader` holds the classes)."""
-        return self.metrics.snapshot()
-
-    def start_profile(
-        self, profile_prefix: str | None = None, *, profiler_kwargs: dict | None = None
-    ) -> None:
-        """vLLM's: a torch.profiler trace from now to `stop_profile` (`api.profiling`)."""
-        self.profile.start(profile_prefix, profiler_kwargs)
-
-    def stop_profile(self) -> Path:
-        """Stop the profiler and write its trace; returns the file."""
-        return self.profile.stop()
 
     # -- lifetime ---------------------------------------------------------------------
     def close(self) -> None:

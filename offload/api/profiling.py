@@ -2,8 +2,9 @@
 a `torch.profiler` trace (CPU, and CUDA where the engine runs on a GPU) and write it as
 Chrome/Perfetto JSON into a directory given as vLLM gives it: `LLM(profiler_config=
 {"profiler": "torch", "torch_profiler_dir": DIR})`, else OFFLOAD_TORCH_PROFILER_DIR, else
-VLLM_TORCH_PROFILER_DIR (which vLLM's examples set). `cleanup_dist_env_and_memory` is
-vLLM's call between two engines in one process.
+VLLM_TORCH_PROFILER_DIR (which vLLM's examples set); `LLM.get_metrics` (`core.metrics`)
+beside them. `cleanup_dist_env_and_memory` is vLLM's call between two engines in one
+process.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from offload.core.errors import UserError
+from offload.core.metrics import EngineMetrics, Metric
 
 PROFILER_DIR_ENVS = ("OFFLOAD_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_DIR")
 
@@ -81,6 +83,29 @@ class TorchProfile:
         running.export_chrome_trace(str(path))
         log.info("profile written to %s (open it in Perfetto or chrome://tracing)", path)
         return path
+
+
+class MetricsAndProfiler:
+    """`LLM`'s vLLM metrics and profiler calls, over its `metrics` (`core.metrics`) and
+    `profile` (a `TorchProfile`)."""
+
+    metrics: EngineMetrics
+    profile: TorchProfile
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: counters, gauges and histograms of the engine's requests so far
+        (`offload.v1.metrics.reader` holds the classes)."""
+        return self.metrics.snapshot()
+
+    def start_profile(
+        self, profile_prefix: str | None = None, *, profiler_kwargs: dict | None = None
+    ) -> None:
+        """vLLM's: a torch.profiler trace from now to `stop_profile`."""
+        self.profile.start(profile_prefix, profiler_kwargs)
+
+    def stop_profile(self) -> Path:
+        """Stop the profiler and write its trace; returns the file."""
+        return self.profile.stop()
 
 
 def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:

@@ -11,6 +11,7 @@ own fixed costs are measured above this layer (`executor.probe`).
 
 from __future__ import annotations
 
+import logging
 import platform
 import tempfile
 import time
@@ -39,17 +40,29 @@ from offload.policies.measure_kernels import (
 from offload.policies.memory_limit import node_memory_limit
 from offload.policies.timers import copy_rate, pin_rate, timed
 
+log = logging.getLogger(__name__)
+
 
 def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
     """Measure this machine. Without CUDA the compute device is the CPU: host copies
     stand in for PCIe and the CPU's matmul rate for the GPU's."""
     size = 2**26 if quick else 2**29
     disk_dir = nvme or Path(tempfile.gettempdir())
+    started = time.perf_counter()
     disk_read, disk_write = disk_rates(disk_dir, min(size * 2, 2**30))
     disk_kv_read = kv_disk_read_rate(disk_dir)
+    said(f"the disk ({disk_dir})", started, disk_read_gbps=disk_read,
+         disk_write_gbps=disk_write, disk_kv_read_gbps=disk_kv_read)  # fmt: skip
+    started = time.perf_counter()
     dram = copy_rate(torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)) * 2
+    said("the memory", started, dram_gbps=dram)
+    started = time.perf_counter()
     device = _gpu_figures(size) if torch.cuda.is_available() else _cpu_only_figures(dram)
     cpu_attention: CpuAttentionRates = device.pop("cpu_attention")
+    said("the GPU" if torch.cuda.is_available() else "the CPU's compute", started, **device)
+    started = time.perf_counter()
+    experts = expert_figures(quick)
+    said("an expert's rates", started, **experts)
     grouped = [str(g) for g in CPU_ATTENTION_GROUPS]
     return HardwareProfile(
         **device,
@@ -67,9 +80,20 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         dram_gbps=dram,
         process_base_bytes=psutil.Process().memory_info().rss,
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
-        **expert_figures(quick),
+        **experts,
         code_version=code_version(),
     )
+
+
+def said(what: str, started: float, **figures: object) -> None:
+    """One measurement's figures in the log as it finishes (offload-profile shows each)."""
+    flat: dict[str, object] = {}
+    for name, value in figures.items():  # (a figure per format or family: one level down)
+        inner = value.items() if isinstance(value, dict) else [("", value)]
+        flat |= {f"{name}/{k}" if k else name: v for k, v in inner}
+    shown = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in flat.items()
+             if isinstance(v, (int, float, str))]  # fmt: skip
+    log.info("measured %s in %.1f s: %s", what, time.perf_counter() - started, ", ".join(shown))
 
 
 def _gpu_figures(size: int) -> dict:
