@@ -204,7 +204,10 @@ class LLM(MetricsAndProfiler):
     def model_name(self) -> str:
         """The model's name as the user gave it (`served_model_name`, else `model`), for
         the log and results: never a hub snapshot's directory."""
-        return self.args.served_model_name or self.args.model
+        served = self.args.served_model_name
+        if isinstance(served, (list, tuple)):  # vLLM takes several: the first names results
+            served = served[0] if served else None
+        return served or self.args.model
 
     @property
     def config(self):
