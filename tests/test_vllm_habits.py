@@ -5,9 +5,11 @@ template arguments, logging without set-up and on every CLI, progress within a b
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -159,17 +161,39 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_python_apis_load_line_shows_without_set_up_at_the_envs_level(model_dir):
+def test_the_python_apis_load_line_shows_without_set_up_at_the_envs_level(
+    model_dir, monkeypatch, capsys, request
+):
+    """A script that sets up no logging sees the load's provenance line on stderr (a
+    fresh process: as a user's); OFFLOAD_LOGGING_LEVEL sets the level; a program with a
+    handler of its own gets the line once, through it."""
     code = f"from offload import LLM\nLLM({str(model_dir)!r}, device='cpu').close()"
     shown = _python(code)
     assert shown.returncode == 0, shown.stderr
-    assert "INFO" in shown.stderr and f"model {model_dir} (safetensors" in shown.stderr
+    assert re.search(rf"INFO [0-9:]+ model {re.escape(str(model_dir))} \(safetensors", shown.stderr)
     assert "loaded in" in shown.stderr
-    quiet = _python(code, OFFLOAD_LOGGING_LEVEL="WARNING")
-    assert quiet.returncode == 0 and "loaded in" not in quiet.stderr, quiet.stderr
-    # a program with its own logging set-up gets the line once, through its handler
-    own = _python("import logging; logging.basicConfig(format='MINE %(message)s')\n" + code)
-    assert own.stderr.count("loaded in") == 1 and "MINE model" in own.stderr, own.stderr
+    from offload.core import logs
+
+    root, logger = logging.getLogger(), logging.getLogger("offload")
+    monkeypatch.setattr(root, "handlers", [])  # (pytest's own: as a program without set-up)
+    request.addfinalizer(functools.partial(logger.setLevel, logger.level))
+    monkeypatch.setenv("OFFLOAD_LOGGING_LEVEL", "WARNING")
+    logs.configure_package_logger()
+    capsys.readouterr()
+    LLM(str(model_dir), device="cpu", progress=False).close()
+    assert "loaded in" not in capsys.readouterr().err
+    monkeypatch.setenv("OFFLOAD_LOGGING_LEVEL", "INFO")
+    logs.configure_package_logger()
+    LLM(str(model_dir), device="cpu", progress=False).close()
+    err = capsys.readouterr().err
+    assert err.count("loaded in") == 1 and err.startswith("INFO "), err
+    own = logging.StreamHandler(sys.stderr)
+    own.setFormatter(logging.Formatter("MINE %(message)s"))
+    monkeypatch.setattr(root, "handlers", [own])
+    LLM(str(model_dir), device="cpu", progress=False).close()
+    err = capsys.readouterr().err
+    assert err.count("loaded in") == 1 and err.startswith("MINE model"), err
+    assert len([h for h in logger.handlers if isinstance(h, logs._UnlessConfigured)]) == 1
 
 
 @pytest.mark.parametrize("prog", ["run", "plan", "profile", "convert"])
