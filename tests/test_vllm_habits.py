@@ -197,7 +197,7 @@ def test_the_python_apis_load_line_shows_without_set_up_at_the_envs_level(
 
 
 @pytest.mark.parametrize("prog", ["run", "plan", "profile", "convert"])
-def test_every_cli_takes_verbose_and_the_envs_level(prog, monkeypatch, capsys):
+def test_every_cli_takes_verbose_and_the_envs_level(prog, monkeypatch, capsys, request):
     import importlib
 
     from offload.cli import common
@@ -206,18 +206,28 @@ def test_every_cli_takes_verbose_and_the_envs_level(prog, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         module.main(["--help"])
     assert "-v, --verbose" in capsys.readouterr().out
-    common.setup_logging(quiet=False, verbose=1)
-    assert logging.getLogger("offload").level == logging.DEBUG
-    monkeypatch.setenv("OFFLOAD_LOGGING_LEVEL", "error")
-    common.setup_logging(quiet=False)
-    assert logging.getLogger("offload").level == logging.ERROR
+    # as a command run alone: no logging set up before (pytest's handlers put aside)
+    root, logger = logging.getLogger(), logging.getLogger("offload")
+    monkeypatch.setattr(root, "handlers", [])
+    monkeypatch.setattr(root, "level", root.level)
+    request.addfinalizer(functools.partial(logger.setLevel, logger.level))
+    for env, flags, want in (
+        (None, {"verbose": 1}, logging.DEBUG),
+        ("error", {}, logging.ERROR),
+        ("error", {"quiet": True}, logging.WARNING),
+        (None, {}, logging.INFO),
+    ):
+        if env is None:
+            monkeypatch.delenv("OFFLOAD_LOGGING_LEVEL", raising=False)
+        else:
+            monkeypatch.setenv("OFFLOAD_LOGGING_LEVEL", env)
+        root.handlers = []
+        common.setup_logging(**{"quiet": False, **flags})
+        assert logger.level == want, (env, flags)
     monkeypatch.setenv("OFFLOAD_LOGGING_LEVEL", "loud")
     with pytest.raises(SystemExit):
         common.setup_logging(quiet=False)
     assert "OFFLOAD_LOGGING_LEVEL='loud' is not a level" in capsys.readouterr().err
-    monkeypatch.delenv("OFFLOAD_LOGGING_LEVEL")
-    common.setup_logging(quiet=False)
-    assert logging.getLogger("offload").level == logging.INFO
 
 
 # -- progress within a block, --stats while the job runs --------------------------------

@@ -167,14 +167,17 @@ def add_version_flag(parser: argparse.ArgumentParser) -> None:
 
 def setup_logging(quiet: bool, verbose: int = 0, default: int = logging.INFO) -> None:
     """The level of offload's lines: DEBUG with -v, WARNING with --quiet, else the level
-    OFFLOAD_LOGGING_LEVEL names, else the CLI's `default`."""
+    OFFLOAD_LOGGING_LEVEL names, else the CLI's `default`. A program that set up logging
+    itself (a handler on the root logger: a CLI called from Python, pytest) keeps its own
+    set-up, as `basicConfig` leaves it."""
     try:
         level = logging.DEBUG if verbose else logging.WARNING if quiet else level_from_env(default)
     except UserError as exc:  # (before run_cli: the one line here)
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None
-    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
-    logging.getLogger("offload").setLevel(level)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
+        logging.getLogger("offload").setLevel(level)  # (`core.logs` gave it a level of its own)
     for noisy in ("transformers", "huggingface_hub", "httpx", "filelock"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
