@@ -56,10 +56,8 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
     started = time.perf_counter()
     dram = copy_rate(torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)) * 2
     said("the memory", started, dram_gbps=dram)
-    started = time.perf_counter()
     device = _gpu_figures(size) if torch.cuda.is_available() else _cpu_only_figures(dram)
     cpu_attention: CpuAttentionRates = device.pop("cpu_attention")
-    said("the GPU" if torch.cuda.is_available() else "the CPU's compute", started, **device)
     started = time.perf_counter()
     experts = expert_figures(quick)
     said("an expert's rates", started, **experts)
@@ -100,11 +98,19 @@ def _gpu_figures(size: int) -> dict:
     """The GPU's figures (the profile's fields by name) and the CPU attention's
     (`cpu_attention`), timed with the weight stream's copies beside it."""
     dev = torch.device("cuda")
+    started = time.perf_counter()
     figures = _copy_figures(size, dev)  # (its buffers freed before the kernels' run)
+    said("the copies and the CPU attention", started, **figures,
+         cpu_attention_gbps=figures["cpu_attention"].gbps)  # fmt: skip
+    started = time.perf_counter()
     prefill = matmul_tflops(4096, 8192, 8192, dev, torch.float16)
     decode = matmul_tflops(64, 8192, 28672, dev, torch.float16)
     matmuls = matmul_rates(8192, 28672, dev, torch.float16)
+    said("the matmuls", started, prefill_tflops=prefill, decode_tflops=decode,
+         **_matmul_figures(matmuls))  # fmt: skip
+    started = time.perf_counter()
     attention, attention_call, attention_pair = gpu_attention_rates(dev, torch.float16)
+    said("the GPU's attention", started, gpu_attention_gbps=attention)
     figures.update(
         prefill_tflops=prefill,
         decode_tflops=decode,
@@ -160,9 +166,13 @@ def _cpu_only_figures(dram: float) -> dict:
     GPU's; decode attention runs on the CPU (its `cpu_attention` figures)."""
     cpu = torch.device("cpu")
     copies = dram / 2
+    started = time.perf_counter()
     cpu_attention = cpu_attention_rates(torch.float32)
+    said("the CPU attention", started, gbps=cpu_attention.gbps)
+    started = time.perf_counter()
     matmul = matmul_tflops(1024, 2048, 2048, cpu, torch.float32)
     matmuls = matmul_rates(1024, 2048, cpu, torch.float32)
+    said("the matmuls", started, tflops=matmul, **_matmul_figures(matmuls))
     return {
         "device_name": f"CPU only ({platform.processor() or 'cpu'})",
         "gpu_mem_bytes": psutil.virtual_memory().total,
