@@ -20,8 +20,9 @@ LAYERS = [
     ("api", ["api"]),
     ("jobs", ["jobs"]),
     ("cli", ["cli"]),
-    # vLLM's import paths (vllm.utils, vllm.outputs, vllm.engine.arg_utils): re-exports only
-    ("vllm paths", ["utils", "outputs", "engine"]),
+    # vLLM's import paths (vllm.utils, vllm.outputs, vllm.engine.arg_utils, vllm.v1.metrics,
+    # vllm.distributed): re-exports only
+    ("vllm paths", ["utils", "outputs", "engine", "v1", "distributed"]),
 ]
 RANK = {top: rank for rank, (_, tops) in enumerate(LAYERS) for top in tops}
 

@@ -39,8 +39,7 @@ def no_load(monkeypatch):
             "or cap the CPU memory with --cpu-mem",
         ),
         (["--max-model-len", "2048"], "longest prompt"),
-        (["--quantization", "awq"], "--compress int4"),
-        (["-q", "gptq"], "--compress int4"),
+        (["--quantization", "fp8"], "--compress int4"),
         (["--pipeline-parallel-size", "2"], "one GPU"),
         (["--trust-remote-code"], "no remote code"),
         (["--enforce-eager"], "CUDA graphs"),
@@ -48,7 +47,6 @@ def no_load(monkeypatch):
         (["--max-num-batched-tokens", "8192"], "--max-num-seqs"),
         (["--tokenizer", "other/tok"], "own tokenizer"),
         (["--download-dir", "/tmp"], "HF_HUB_CACHE"),
-        (["--enable-prefix-caching"], "prefilled whole"),
     ],
 )
 def test_vllms_flags_get_the_fix_in_one_line_before_any_load(flags, fix, capsys, no_load):

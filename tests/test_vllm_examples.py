@@ -64,7 +64,43 @@ EXAMPLES = {
         ["--model", "demo", "--max-tokens", "2", "--n", "2", "--num-prompts", "2"],
         "Generated text:", 2,
     ),
+    "basic_0.7.1": ("0.7.1", "examples/offline_inference/basic.py", [], "Generated text:", 4),
+    "chat_0.7.1": ("0.7.1", "examples/offline_inference/chat.py", [], "Generated text:", 11),
+    # LLM(profiler_config=...) / VLLM_TORCH_PROFILER_DIR, start_profile(), stop_profile()
+    "simple_profiling": (
+        "0.33.0", "examples/features/profiling/simple_profiling_offline.py", [],
+        "Generated text:", 4,
+    ),
+    "simple_profiling_0.7.1": (
+        "0.7.1", "examples/offline_inference/simple_profiling.py", [], "Generated text:", 4,
+    ),
+    # LLM(disable_log_stats=False), get_metrics(), `vllm.v1.metrics.reader`
+    "metrics": ("0.33.0", "examples/observability/metrics/offline.py", [], "Generated text:", 4),
+    # LLM(enable_prefix_caching=True): accepted, the same tokens
+    "automatic_prefix_caching": (
+        "0.33.0",
+        "examples/features/automatic_prefix_caching/automatic_prefix_caching_offline.py",
+        [], "Output:", 2,
+    ),
+    # two engines in one process (`vllm.distributed.cleanup_dist_env_and_memory`), each
+    # with gpu_memory_utilization=0.4: a GPU's share, refused where there is no GPU
+    "prefix_caching": (
+        "0.33.0", "examples/features/automatic_prefix_caching/prefix_caching_offline.py", [],
+        "Generated text:", 8,
+    ),
+    "prefix_caching_0.7.1": (
+        "0.7.1", "examples/offline_inference/prefix_caching.py", [], "Generated text:", 8,
+    ),
 }  # fmt: skip
+# what an example leaves besides its output: files under its directory, a line it prints
+LEAVES = {
+    "simple_profiling": ("vllm_profile/*.pt.trace.json", None),
+    "simple_profiling_0.7.1": ("vllm_profile/*.pt.trace.json", None),
+    "metrics": (None, "vllm:time_to_first_token_seconds (histogram)"),
+    "prefix_caching": (None, "Generated answers are the same: True"),
+    "prefix_caching_0.7.1": (None, "Generated answers are the same: True"),
+}
+GPU_ONLY = {"prefix_caching", "prefix_caching_0.7.1"}
 
 
 def _example_source(version: str, member: str) -> str:
@@ -105,13 +141,16 @@ def _as_offload(source: str) -> tuple[str, list[str]]:
     for i, line in enumerate(lines):
         new = re.sub(r"^(from|import) vllm(?=[.\s])", r"\1 offload", line)
         new = re.sub(r'(LLM\(.*model=)"[^"]+"', r'\1"demo"', new)
+        new = re.sub(r'^(\s+model=)"[^"]+",\s*$', r'\1"demo",\n', new)  # (LLM(\n model=...)
         if new != line:
             lines[i] = new
             changed.append(new.strip())
     return "".join(lines), changed
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.gpu] if n in GPU_ONLY else []) for n in EXAMPLES]
+)
 def test_vllms_example_runs_with_only_the_import_changed(name, tmp_path):
     version, member, flags, marker, per_prompt = EXAMPLES[name]
     source, changed = _as_offload(_example_source(version, member))
@@ -127,6 +166,9 @@ def test_vllms_example_runs_with_only_the_import_changed(name, tmp_path):
     assert done.stdout.count(marker) == per_prompt, done.stdout
     # generate and chat draw vLLM's progress bar by default: plain lines off a terminal
     assert "Processed prompts:" in done.stderr, done.stderr[-2000:]
+    files, line = LEAVES.get(name, (None, None))
+    assert files is None or list(tmp_path.glob(files)), f"no {files} in {tmp_path}"
+    assert line is None or line in done.stdout, done.stdout[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +289,7 @@ def test_vllm_constructor_arguments_map_or_are_refused_naming_the_fix():
     )  # fmt: skip
     assert mapped == {"batch_size": 3, "compress": "int4", "dtype": "float32"} and gpu is None
     refused = {
-        "quantization": ("awq", "quantization='int4'"),
+        "quantization": ("fp8", "quantization='int4'"),
         "gpu_memory_utilization": (0.9, "has none"),
         "cpu_offload_gb": (4, "max_memory"),
         "swap_space": (4, "max_memory"),

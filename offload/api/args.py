@@ -237,6 +237,13 @@ class EngineArgs:
             "measured"
         ),
     )
+    served_model_name: str | None = field(
+        default=None,
+        metadata=_meta("the model's name in the log and in results (default: --model as given)"),
+    )
+    # vLLM's `quantization` naming a pre-quantized checkpoint's method (gptq, awq,
+    # compressed-tensors): checked against its config.json by the front; no flag of its own
+    prequantized: str | None = field(default=None, metadata={"flag": False})
     hold_gpu_mem: bool | None = field(
         default=None,
         metadata=_meta(
@@ -334,7 +341,7 @@ class EngineArgs:
         return cli_engine_args(args)
 
 
-ENGINE_FIELDS = tuple(f.name for f in fields(EngineArgs))
+ENGINE_FIELDS = tuple(f.name for f in fields(EngineArgs) if f.metadata.get("flag", True))
 ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineArgs)}
 
 

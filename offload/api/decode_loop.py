@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.core.config import ModelConfig
-from offload.core.outputs import CompletionOutput, GenerationStats, RequestOutput
+from offload.core.outputs import (
+    CompletionOutput,
+    GenerationStats,
+    RequestMetrics,
+    RequestOutput,
+)
 from offload.core.sampling import SamplingParams, SequenceSampler, sample_rows
 from offload.executor.runner import Runner
 from offload.models.batch import PaddedBatch
@@ -35,6 +40,10 @@ class _Sequence:
     text: str | None = None  # set when a stop string cut the completion
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # host wall times (time.time()): its block's start, its first and last tokens
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
 
 
 class DecodeLoop:
@@ -51,6 +60,9 @@ class DecodeLoop:
         self.eos_ids, self.stats, self._phase = eos_ids, stats, phase
         self.pad_id = config.pad_token_id or 0
         self.device = device
+        # called after each step's tokens are counted in `stats` (on the host: no sync is
+        # added), so a progress display moves within a block
+        self.on_step: Callable[[], None] | None = None
 
     def run(
         self,
@@ -61,6 +73,7 @@ class DecodeLoop:
     ) -> list[RequestOutput]:
         """Outputs for checked token-id prompts, in their order, batches of batch_size.
         on_batch(requests finished so far) is called after each batch."""
+        arrival = time.time()
         limit = self.config.max_position_embeddings
         seqs = [
             _Sequence(r, i, list(ids), p.budget(len(ids), limit), p)
@@ -79,8 +92,12 @@ class DecodeLoop:
             if on_batch is not None:
                 on_batch(finished)
         outs = [RequestOutput(str(r), None, list(ids), []) for r, (ids, _) in enumerate(requests)]
+        samples: list[list[_Sequence]] = [[] for _ in requests]
         for s in seqs:
             outs[s.request].outputs.append(self._completion(s))
+            samples[s.request].append(s)
+        for out, its in zip(outs, samples, strict=True):
+            out.metrics = _metrics(arrival, its)
         return outs
 
     def _completion(self, s: _Sequence) -> CompletionOutput:
@@ -101,6 +118,9 @@ class DecodeLoop:
         for seq in seqs:
             seq.sampler = SequenceSampler(seq.params, self.eos_ids, len(seq.prompt_ids), seq.sample)
         self._phase("prefill")
+        scheduled = time.time()
+        for seq in seqs:
+            seq.scheduled_at = scheduled
         began = time.perf_counter()
         runner.start(batch)
         started = time.perf_counter()
@@ -127,6 +147,8 @@ class DecodeLoop:
                     [s.prompt_ids + s.generated for s in seqs],
                 )
             self._append(seqs, next_ids.tolist())
+            if self.on_step is not None:
+                self.on_step()
             if all(s.finish_reason for s in seqs) or last:
                 break  # (ahead: a step already issued for nobody is left to finish)
             if not ahead:
@@ -164,10 +186,13 @@ class DecodeLoop:
         return host
 
     def _append(self, seqs: list[_Sequence], next_ids: list[int]) -> None:
+        now = time.time()  # (the ids are on the host already)
         for seq, token in zip(seqs, next_ids, strict=True):
             if seq.finish_reason:
                 continue
             seq.generated.append(token)
+            seq.first_token_at = seq.first_token_at or now
+            seq.last_token_at = now
             self.stats.generated_tokens += 1
             p = seq.params
             if token in p.stop_token_ids:
@@ -192,3 +217,19 @@ class DecodeLoop:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - started
+
+
+def _metrics(arrival: float, samples: list[_Sequence]) -> RequestMetrics:
+    """A request's times from its samples': the first of their starts and first tokens,
+    the last of their last tokens."""
+    scheduled = min(s.scheduled_at for s in samples if s.scheduled_at is not None)
+    first = min((s.first_token_at for s in samples if s.first_token_at), default=None)
+    last = max((s.last_token_at for s in samples if s.last_token_at), default=scheduled)
+    return RequestMetrics(
+        arrival_time=arrival,
+        last_token_time=last,
+        first_scheduled_time=scheduled,
+        first_token_time=first,
+        time_in_queue=scheduled - arrival,
+        finished_time=last,
+    )

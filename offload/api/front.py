@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from offload.api.args import EngineArgs
+from offload.api.vllm_args import check_prequantized
 from offload.core.config import resolve_dtype
 from offload.core.errors import BadTokenIds, PromptTooLong, UserError
 from offload.core.sampling import SamplingParams, from_generation_config
@@ -38,6 +39,7 @@ class ModelFront:
     def __init__(self, args: EngineArgs, device: torch.device) -> None:
         self.spec = resolve_model(args.model, dummy=args.dummy, revision=args.revision)
         self.config = self.spec.config
+        check_prequantized(args.prequantized, _declared_method(self.spec), args.model)
         self.device = device
         self.dtype = resolve_dtype(args.dtype, device.type == "cuda", self.config.checkpoint_dtype)
         self.generation_config = (
@@ -56,14 +58,17 @@ class ModelFront:
         self.check_text(prompt)
         return self.tokenizer.encode(prompt)
 
-    def encode_chat(self, messages: list[Message], template: str | None = None) -> list[int]:
+    def encode_chat(
+        self, messages: list[Message], template: str | None = None, **options: Any
+    ) -> list[int]:
+        """options: the template's keyword arguments (`chat.ChatOptions.template_kwargs`)."""
         template = chat_template(template) or self.chat_template
         if template is None and not self.tokenizer.has_chat_template:
             raise UserError(
                 "this model's tokenizer has no chat template; pass --chat-template "
                 "(chat_template=) with one, or send raw prompts"
             )
-        text = self.tokenizer.render_chat(messages, template)
+        text = self.tokenizer.render_chat(messages, template, **options)
         self.check_text(text)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -105,6 +110,17 @@ class ModelFront:
             raise PromptTooLong(
                 f"a prompt has {len(ids)} tokens but the model's context is {limit}; shorten it"
             )
+
+
+def _declared_method(spec) -> str | None:
+    """The pre-quantized method a checkpoint directory's config.json declares (None: none,
+    or not a directory: a GGUF file, a preset)."""
+    if spec.path is None or not spec.path.is_dir():
+        return None
+    from offload.models.prequant import format_of
+
+    fmt = format_of(spec.path)
+    return None if fmt is None else fmt.method
 
 
 def _is_id(token: Any) -> bool:

@@ -16,17 +16,21 @@ import dataclasses
 import itertools
 import logging
 import random
+import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from offload.api.args import EngineArgs, caps_from_args, from_vllm_arguments, resolve_device
+from offload.api.chat import ChatOptions, encode_conversations
 from offload.api.decode_loop import DecodeLoop
 from offload.api.front import Message, ModelFront, eos_ids
 from offload.api.planning import Plan, front_and_plan, holds_allocator
+from offload.api.profiling import MetricsAndProfiler, TorchProfile, profiler_dir
 from offload.core.config import DTYPES, resolve_dtype
 from offload.core.errors import UserError
+from offload.core.metrics import EngineMetrics
 from offload.core.outputs import GenerationStats, RequestOutput
 from offload.core.progress import PromptsBar
 from offload.core.sampling import SamplingParams
@@ -45,7 +49,7 @@ Prompt = str | dict[str, Any] | list[int]
 log = logging.getLogger(__name__)
 
 
-class LLM:
+class LLM(MetricsAndProfiler):
     """A model ready to generate. `model` is anything `--model` accepts.
 
     Keyword arguments are `EngineArgs` fields (dtype, device, revision, batch_size,
@@ -56,6 +60,7 @@ class LLM:
     ({"cuda:0": "24GB", "cpu": "100GB"}) and `offload_folder` (the weight store and KV
     spill directory): caps without a `policy` run the same plan search as offload-run.
     `policy` (a `Policy` or a JSON path) runs the offloading executor with that placement.
+    progress: a bar of the load (plain lines off a terminal), as vLLM's.
     A GPU cap holds this process's CUDA caching allocator to it until `close`
     (`caps.hold_gpu_allocator`: process-wide state, one held engine at a time), except
     under tensor parallelism; `hold_gpu_mem=False` leaves the allocator free.
@@ -71,14 +76,16 @@ class LLM:
         caps: Caps | None = None,
         nvme: str | Path | None = None,
         gen_len: int | None = None,
-        progress: bool = False,
+        progress: bool = True,
         trace: bool = False,
         parallel: TensorParallel | None = None,
         seed: int | None = None,
+        profiler_config: Any = None,
         **engine_args: Any,
     ) -> None:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise UserError(f"seed={seed!r} is not an integer")
+        trace_dir = profiler_dir(profiler_config)  # (judged before the load)
         device = resolve_device(engine_args.get("device", "auto"))
         gpu_mem, cpu_mem = caps_from_args(max_memory, engine_args, device)
         engine_args, gpu_mem = from_vllm_arguments(engine_args, device, gpu_mem)
@@ -97,6 +104,7 @@ class LLM:
         )
         front, plan = front_and_plan(args, None if as_path else policy, gen_len, parallel)
         self._open(args, front, plan, progress, trace, parallel, seed)
+        self.profile.directory = trace_dir
 
     @classmethod
     def from_engine_args(
@@ -159,13 +167,18 @@ class LLM:
             if holds_allocator(args, plan, self.device, parallel is not None)
             else None
         )
+        started = time.perf_counter()
         try:
             self.runner: Runner = self._load(progress, trace)
         except BaseException:
             self._release_hold()
             raise
+        self.load_seconds = time.perf_counter() - started
+        log.info("%s; loaded in %.1f s", self.provenance(), self.load_seconds)
         self.eos_ids = eos_ids(front)
         self.stats = GenerationStats()
+        self.metrics = EngineMetrics(self.stats)  # `get_metrics`
+        self.profile = TorchProfile(profiler_dir(None), self.device)  # `start_profile`
         self._request_ids = itertools.count()
         self.on_phase: Callable[[str], None] | None = None  # told "prefill" / "decode"
         self.loop = DecodeLoop(
@@ -176,6 +189,25 @@ class LLM:
     @property
     def spec(self):
         return self.front.spec
+
+    def provenance(self) -> str:
+        """Which model runs, from where, how: the load's log line."""
+        spec, where = self.spec, self.spec.path or "random weights"
+        revision = f" at {self.args.revision}" if self.args.revision else ""
+        return (
+            f"model {self.model_name} ({spec.kind} from {where}{revision}, "
+            f"{self.config.param_count() / 1e6:.0f}M parameters) on {self.device} in "
+            f"{str(self.dtype).removeprefix('torch.')}"
+        )
+
+    @property
+    def model_name(self) -> str:
+        """The model's name as the user gave it (`served_model_name`, else `model`), for
+        the log and results: never a hub snapshot's directory."""
+        served = self.args.served_model_name
+        if isinstance(served, (list, tuple)):  # vLLM takes several: the first names results
+            served = served[0] if served else None
+        return served or self.args.model
 
     @property
     def config(self):
@@ -273,8 +305,10 @@ class LLM:
         """Raw text, as vLLM's generate and the completions API: never templated."""
         return self.front.encode_prompt(prompt)
 
-    def encode_chat(self, messages: list[Message], chat_template: str | None = None) -> list[int]:
-        return self.front.encode_chat(messages, chat_template)
+    def encode_chat(
+        self, messages: list[Message], chat_template: str | None = None, **options: Any
+    ) -> list[int]:
+        return self.front.encode_chat(messages, chat_template, **options)
 
     def check_prompt(self, ids: list[int]) -> None:
         self.front.check_prompt(ids)
@@ -333,20 +367,27 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of {"role", "content"}) or to
-        each of a list of them, rendered with the chat template."""
+        each of a list of them, rendered with the chat template; vLLM's arguments
+        (`chat.ChatOptions`). A content may be OpenAI's parts: text parts are joined,
+        others refused by type."""
         self._check_open()
         if messages is None:
             raise UserError(
                 'chat() got no conversation (None); pass a list of {"role", "content"} '
                 "messages, or a list of such lists"
             )
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        encoded = []
-        for conversation in conversations:
-            ids = self.encode_chat(list(conversation), chat_template)
-            encoded.append((self.tokenizer.decode(ids, skip_special_tokens=False), ids))
+        options = ChatOptions(
+            add_generation_prompt, continue_final_message, tools, chat_template_kwargs,
+            chat_template_content_format,
+        )  # fmt: skip
+        encoded = encode_conversations(self.front, messages, chat_template, options)
         return self._run(encoded, sampling_params, use_tqdm)
 
     def _run(self, encoded, sampling_params, use_tqdm=False) -> list[RequestOutput]:
@@ -371,9 +412,11 @@ class LLM:
         requests = [(ids, p) for (_, ids), p in zip(encoded, params, strict=True)]
         factory = use_tqdm if callable(use_tqdm) else None
         bar = PromptsBar(len(requests), self.stats, factory) if use_tqdm else None
+        self.loop.on_step = bar.on_step if bar else None  # (it moves within a block)
         try:
             outs = self.generate_ids(requests, bar.on_batch if bar else None)
         finally:
+            self.loop.on_step = None
             if bar is not None:
                 bar.close()
         for out, (text, _) in zip(outs, encoded, strict=True):
@@ -408,6 +451,7 @@ class LLM:
         outs = self.loop.run(self.runner, requests, self.batch_size, on_batch)
         for out in outs:
             out.request_id = str(next(self._request_ids))
+        self.metrics.observe(outs)
         return outs
 
     # -- lifetime ---------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """vLLM's engine arguments, in Python (`LLM(...)`) and as flags (the same names).
 
 Those with a meaning here are mapped onto `EngineArgs`: `max_num_seqs` is the batch
-size, `quantization` the weights' format (int4, int8, auto), `gpu_memory_utilization`
+size, `quantization` the weights' format (int4, int8, auto) or a pre-quantized
+checkpoint's method (gptq, awq, compressed-tensors: checked against its config.json, whose
+own is read), `gpu_memory_utilization`
 a GPU cap of that share of the device's memory. The rest are accepted at the value
 that changes nothing here and otherwise refused, each naming the fix (in the caller's
 terms: keyword arguments in Python, flags on the command line). docs/compat.md lists
@@ -11,6 +13,7 @@ them all.
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +21,8 @@ from typing import Any
 import torch
 
 from offload.core.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class VllmArg:
     fix: str = ""
     cli_fix: str | None = None
     short: str | None = None
+    note: str = ""  # accepted at any value, with this line in the log (it changes no output)
 
 
 _INT, _FLOAT, _SWITCH = {"type": int}, {"type": float}, {"action": "store_true"}
@@ -94,10 +100,21 @@ VLLM_ARGS: dict[str, VllmArg] = {
     ),
     "load_format": VllmArg(harmless=("auto",), fix="safetensors and GGUF load as found: drop it"),
     "enable_prefix_caching": VllmArg(
-        _SWITCH, (None, False), "each prompt is prefilled whole (no prefix cache): drop it"
+        _SWITCH,
+        note="enable_prefix_caching: each prompt is prefilled whole here (no prefix cache), "
+        "which gives the same tokens",
     ),
     "block_size": VllmArg(_INT, (None,), "the plan sizes the KV cache: drop it"),
     "disable_log_stats": VllmArg(_SWITCH, (True, False)),
+}
+# vLLM's names of the pre-quantized methods `models.prequant` reads (its Marlin kernels'
+# names read the same checkpoints)
+PREQUANTIZED = {
+    "gptq": "gptq",
+    "gptq_marlin": "gptq",
+    "awq": "awq",
+    "awq_marlin": "awq",
+    "compressed-tensors": "compressed-tensors",
 }
 MAPPED = ("max_num_seqs", "quantization", "gpu_memory_utilization")
 
@@ -113,7 +130,10 @@ def add_vllm_flags(parser: Any, skip: Iterable[str] = ()) -> None:
         if name in skip:
             continue
         names = [_flag(name), *([arg.short] if arg.short else [])]
-        what = "mapped" if name in MAPPED else "refused with the fix unless it changes nothing"
+        what = (
+            "mapped" if name in MAPPED else "accepted: it changes no output" if arg.note
+            else "refused with the fix unless it changes nothing"
+        )  # fmt: skip
         parser.add_argument(
             *names, dest=name, default=argparse.SUPPRESS, help=f"vLLM's ({what})", **arg.options
         )
@@ -139,11 +159,17 @@ def from_vllm(
             out[name] = value
         elif name == "max_num_seqs":
             mapped["batch_size"] = value
+        elif name == "quantization" and value in PREQUANTIZED:
+            mapped["prequantized"] = PREQUANTIZED[value]  # (checked by the front)
         elif name == "quantization":
             mapped["compress"] = _quantization(value, cli)
         elif name == "gpu_memory_utilization":
             gpu_mem = _gpu_share(value, device, gpu_mem, cli)
         elif name in VLLM_ARGS and value in VLLM_ARGS[name].harmless:
+            continue
+        elif name in VLLM_ARGS and VLLM_ARGS[name].note:
+            if value:
+                log.info("%s", VLLM_ARGS[name].note)
             continue
         elif name in VLLM_ARGS:
             arg = VLLM_ARGS[name]
@@ -167,8 +193,25 @@ def _quantization(value: Any, cli: bool) -> str:
     fix = "--compress int4 (or int8)" if cli else "quantization='int4' (or 'int8')"
     given = f"--quantization {value}" if cli else f"quantization={value!r}"
     raise UserError(
-        f"{given} reads a pre-quantized checkpoint, which offload does not; pass {fix} to "
-        "quantize the weights group-wise as they load (docs/compression.md)"
+        f"{given} is not a format offload reads; a pre-quantized checkpoint is read as its "
+        f"config.json says ({', '.join(sorted(set(PREQUANTIZED.values())))} int4), and {fix} "
+        "quantizes the weights group-wise as they load (docs/compression.md)"
+    )
+
+
+def check_prequantized(named: str | None, declared: str | None, model: str) -> None:
+    """vLLM's `quantization` naming a pre-quantized method (`named`) against the method
+    the checkpoint's config.json declares (`declared`; None: not pre-quantized)."""
+    if named is None or named == declared:
+        return
+    if declared is None:
+        raise UserError(
+            f"quantization {named} (-q): {model} is not pre-quantized (its config.json has no "
+            "quantization_config); drop it, or give int4 to quantize as it loads"
+        )
+    raise UserError(
+        f"quantization {named} (-q): {model} is quantized with {declared} (its config.json's "
+        f"quantization_config); give {declared} or drop it (the checkpoint's own is read)"
     )
 
 

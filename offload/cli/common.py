@@ -30,6 +30,7 @@ from offload.api.args import (  # re-exported: scripts and tests import them fro
 )
 from offload.cli import report
 from offload.core.errors import UserError
+from offload.core.logs import LEVEL_ENV, level_from_env
 from offload.core.sampling import SamplingParams, with_defaults
 from offload.jobs import job
 
@@ -196,17 +197,30 @@ def positive_int(text: str) -> int:
 
 
 def add_version_flag(parser: argparse.ArgumentParser) -> None:
+    """The flags every CLI has: --version and -v/--verbose."""
     import offload
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {offload.__version__}")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0,
+        help=f"log offload's DEBUG lines (else {LEVEL_ENV}, as vLLM's VLLM_LOGGING_LEVEL, "
+        "sets the level: DEBUG, INFO, WARNING, ERROR)",
+    )  # fmt: skip
 
 
-def setup_logging(quiet: bool) -> None:
-    logging.basicConfig(
-        level=logging.WARNING if quiet else logging.INFO,
-        format="%(message)s",
-        stream=sys.stderr,
-    )
+def setup_logging(quiet: bool, verbose: int = 0, default: int = logging.INFO) -> None:
+    """The level of offload's lines: DEBUG with -v, WARNING with --quiet, else the level
+    OFFLOAD_LOGGING_LEVEL names, else the CLI's `default`. A program that set up logging
+    itself (a handler on the root logger: a CLI called from Python, pytest) keeps its own
+    set-up, as `basicConfig` leaves it."""
+    try:
+        level = logging.DEBUG if verbose else logging.WARNING if quiet else level_from_env(default)
+    except UserError as exc:  # (before run_cli: the one line here)
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
+        logging.getLogger("offload").setLevel(level)  # (`core.logs` gave it a level of its own)
     for noisy in ("transformers", "huggingface_hub", "httpx", "filelock"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
@@ -283,12 +297,24 @@ def generate(
     is written at the end (to `trace_path`, default --trace), also after an interruption."""
     trace_path = trace_path or args.trace
     bar = report.Progress(stats, llm) if show_bar and not args.quiet else None
+    stats_path = getattr(args, "stats", None)  # rewritten while the job runs (the leader's)
+    live = report.LiveStats(stats_path, llm, stats) if show_bar and stats_path else None
+
+    def on_step() -> None:  # (each decode step: counted on the host, no device sync)
+        if bar:
+            bar.on_step()
+        if live:
+            live.tick()
+
+    llm.loop.on_step = on_step
     try:
         with job.StopFlag() as stop:
 
             def on_block() -> None:
                 if bar:
                     bar.update()
+                if live:
+                    live.tick()
                 if agree_to_stop is not None:
                     stop.requested = agree_to_stop(stop.requested)
 
@@ -296,8 +322,11 @@ def generate(
     except KeyboardInterrupt:
         stats.interrupted = True
     finally:
+        llm.loop.on_step = None
         if bar:
             bar.close()
+        if live and stats.interrupted:
+            live.write("interrupted")  # (a finished job's is written with its report)
         if trace_path is not None:
             _write_trace(llm, trace_path)
 

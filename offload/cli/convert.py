@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(args.quiet)
+    setup_logging(args.quiet, args.verbose)
 
     def body() -> int:
         engine = engine_args(args)

@@ -131,7 +131,8 @@ def run_rank(args: argparse.Namespace) -> int:
     # inherit the rank's cores
     pin_rank(topo.local_rank, topo.local_world, topo.device)
     if topo.rank != 0:
-        logging.getLogger().setLevel(logging.WARNING)
+        for name in ("", "offload"):  # (offload's logger has its own level: `core.logs`)
+            logging.getLogger(name).setLevel(logging.WARNING)
     try:
         code = _run_rank(args, topo)
     except Refused as exc:  # every rank refused the job together: said once
@@ -246,7 +247,7 @@ def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
     load_seconds = time.perf_counter() - started
     log.info(
         "model %s on %d ranks (tp %d x dp %d), %s; loaded in %.1f s",
-        llm.spec.name,
+        llm.model_name,
         topo.world,
         topo.tp,
         topo.dp,

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(quiet=True)
+    setup_logging(quiet=False, verbose=args.verbose, default=logging.WARNING)
     return run_cli("offload-plan", lambda: _plan(args))
 
 

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--show", action="store_true", help="print the cached profile")
     p.add_argument("--quick", action="store_true", help="smaller transfers (less accurate; under a minute)")  # fmt: skip
     args = p.parse_args(argv)
-    setup_logging(quiet=False)
+    setup_logging(quiet=False, verbose=args.verbose)
 
     def body() -> int:
         if args.show:

@@ -4,8 +4,12 @@ and the runner's memory and trace reports (through the `Runner` protocol only)."
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
 import time
+from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +19,8 @@ from offload.api.llm import LLM
 from offload.core import progress
 from offload.io.atomic import atomic_write
 from offload.jobs.job import JobStats
+
+STATS_EVERY_S = 5.0  # between --stats rewrites while a job runs
 
 # the caching allocator's counters a run reports: how often it met the hold's limit (each
 # time it frees its cache and retries, a synchronization), how often it asked the driver
@@ -134,11 +140,8 @@ def report(llm: LLM, stats: JobStats, load_seconds: float, stats_path: Path | No
     """The summary line on stderr (and the runner's reports); `--stats` JSON, atomically."""
     info = summary(llm, stats, load_seconds)
     if stats_path is not None:
-        try:
-            atomic_write(stats_path, json.dumps(info, indent=1, default=str))
-        except OSError as exc:  # (checked before the load; the drive changed since)
-            print(f"offload-run: could not write --stats {stats_path} ({exc}); the results "
-                  "are kept", file=sys.stderr)  # fmt: skip
+        info["run"] = run_info(llm, stats, load_seconds, "finished")
+        write_stats(stats_path, info)
     s = llm.stats
     print(
         f"offload-run: {_count(stats.total, 'request')}, {s.generated_tokens} tokens generated in "
@@ -167,18 +170,90 @@ def report(llm: LLM, stats: JobStats, load_seconds: float, stats_path: Path | No
     )
 
 
+def write_stats(path: Path, info: dict[str, Any]) -> None:
+    """`--stats` JSON, atomically (a reader sees the last whole file, never a torn one)."""
+    try:
+        atomic_write(path, json.dumps(info, indent=1, default=str))
+    except OSError as exc:  # (checked before the load; the drive changed since)
+        print(f"offload-run: could not write --stats {path} ({exc}); the results are kept",
+              file=sys.stderr)  # fmt: skip
+
+
+def machine() -> dict[str, Any]:
+    """The machine a run ran on: host, GPU, CPUs, RAM."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"hostname": socket.gethostname(), "gpu": gpu, "gpus": torch.cuda.device_count(),
+            "cpu_count": os.cpu_count(), "ram_bytes": ram}  # fmt: skip
+
+
+def run_info(llm: LLM, stats: JobStats, load_seconds: float, state: str) -> dict[str, Any]:
+    """What produced a `--stats` file and where it stands: the model as named, offload's
+    version, the command line, the start (the load's) and the machine; state: running,
+    finished or interrupted."""
+    import offload
+
+    now = time.time()
+    started = now - (time.perf_counter() - stats.started) - load_seconds
+    return {
+        "state": state,
+        "model": llm.model_name,
+        "model_path": str(llm.spec.path) if llm.spec.path else None,
+        "revision": llm.args.revision,
+        "offload_version": offload.__version__,
+        "argv": sys.argv,
+        "started": _iso(started),
+        "updated": _iso(now),
+        "machine": machine(),
+    }
+
+
+def _iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="seconds")
+
+
+class LiveStats:
+    """`--stats` rewritten while the job runs, every `every_s` (checked at each decode
+    step and block: a clock read), so another process can watch a long job."""
+
+    def __init__(self, path: Path, llm: LLM, stats: JobStats, every_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.path, self.llm, self.stats = path, llm, stats
+        self.every_s = STATS_EVERY_S if every_s is None else every_s
+        self.clock = clock
+        self.last = clock()
+        self.write("running")
+
+    def tick(self) -> None:
+        if self.clock() - self.last >= self.every_s:
+            self.write("running")
+
+    def write(self, state: str) -> None:
+        self.last = self.clock()
+        load_seconds = self.llm.load_seconds
+        info = summary(self.llm, self.stats, load_seconds)
+        info["run"] = run_info(self.llm, self.stats, load_seconds, state)
+        write_stats(self.path, info)
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 class Progress:
-    """The job's progress: requests, tokens, tok/s now and on average, phase, peak memory
-    (a bar on a terminal, plain lines in a log: `api.progress`)."""
+    """The job's progress: requests, tokens, tok/s now and on average, the decode step
+    rate and the job's ETA (the plan's steps at the rate measured), phase, peak memory (a
+    bar on a terminal, plain lines in a log: `core.progress`). It moves within a block:
+    `on_step` is called at each decode step (counted on the host)."""
 
-    def __init__(self, stats: JobStats, llm: LLM) -> None:
+    def __init__(self, stats: JobStats, llm: LLM, clock: Callable[[], float] | None = None):
         self.stats, self.llm = stats, llm
-        self.bar = progress.Progress(stats.total, "Requests", "req", initial=stats.skipped)
+        self.bar = progress.Progress(
+            stats.total, "Requests", "req", initial=stats.skipped, clock=clock
+        )
         self.last_t, self.last_tokens, self.rate = time.perf_counter(), 0, 0.0
+        self.steps, self.total_steps = 0, planned_steps(llm, stats)
+        self.first_step: float | None = None
         llm.on_phase = self.set_phase
 
     def _postfix(self) -> str:
@@ -186,8 +261,30 @@ class Progress:
         gpu = f" GPU {mem['gpu_bytes'] / 1e9:.1f}GB" if mem["gpu_bytes"] else ""
         return (
             f"{s.generated_tokens} tok, {self.rate:.1f} tok/s now, {s.tokens_per_second:.1f} avg, "
-            f"{self.stats.phase}, RSS {mem['cpu_rss_bytes'] / 1e9:.1f}GB{gpu}"
+            f"{self._steps()}{self.stats.phase}, RSS {mem['cpu_rss_bytes'] / 1e9:.1f}GB{gpu}"
         )
+
+    def _steps(self) -> str:
+        """The step rate since the first step and, with a plan's prediction, the ETA."""
+        if self.first_step is None or self.steps < 2:
+            return ""
+        per_s = (self.steps - 1) / max(self.bar.clock() - self.first_step, 1e-9)
+        eta = ""
+        if self.total_steps:
+            left = max(self.total_steps - self.steps, 0)
+            eta = f", ETA {_duration(left / per_s)}" if per_s else ""
+        return f"{per_s:.2f} steps/s{eta}, "
+
+    def on_step(self) -> None:
+        self.steps += 1
+        if self.first_step is None:
+            self.first_step = self.bar.clock()
+        self.rate = self._block_rate(self.llm.stats.generated_tokens)
+        self.bar.tick(self._postfix)
+
+    def _block_rate(self, tokens: int) -> float:
+        """tok/s since the last block ended (within a block: so far in it)."""
+        return (tokens - self.last_tokens) / max(time.perf_counter() - self.last_t, 1e-9)
 
     def set_phase(self, name: str) -> None:
         self.stats.phase = name
@@ -195,9 +292,30 @@ class Progress:
 
     def update(self) -> None:
         now, gen = time.perf_counter(), self.llm.stats.generated_tokens
-        self.rate = (gen - self.last_tokens) / max(now - self.last_t, 1e-9)  # the last block
+        self.rate = self._block_rate(gen)  # the last block
         self.last_t, self.last_tokens = now, gen
         self.bar.update(self.stats.done + self.stats.skipped, self._postfix())
 
     def close(self) -> None:
         self.bar.close()
+
+
+def planned_steps(llm: LLM, stats: JobStats) -> int | None:
+    """The decode steps the plan's prediction counts for what is left of the job (each
+    block at its budget: an early EOS makes the ETA an upper bound); None: no prediction."""
+    prediction = llm.plan.prediction
+    if prediction is None or not stats.total:
+        return None
+    steps = sum(n * block.gen_len for block, n, _ in prediction.blocks)
+    return round(steps * (1 - stats.skipped / stats.total))
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"

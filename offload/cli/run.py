@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(args.quiet)
+    setup_logging(args.quiet, args.verbose)
     from offload.cli import parallel as parallel_job
 
     if parallel_job.wanted(args):  # several ranks: start them, or run as one
@@ -124,16 +124,7 @@ def _run_job(args, engine, flag_params, output, source: sources.Source) -> int:
     except BaseException:
         _close(sink)
         raise
-    load_seconds = time.perf_counter() - started
-    log.info(
-        "model %s (%s, %.0fM parameters) on %s in %s; loaded in %.1f s",
-        llm.spec.name,
-        llm.spec.kind,
-        llm.config.param_count() / 1e6,
-        llm.device,
-        str(llm.dtype).removeprefix("torch."),
-        load_seconds,
-    )
+    load_seconds = time.perf_counter() - started  # (the LLM logs its model and load)
     if llm.policy is not None:
         log.info("policy %s", llm.policy.to_json())
     stats = job.JobStats(total=source.total, skipped=sink.done_count)

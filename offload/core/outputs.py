@@ -25,6 +25,25 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request went through the engine, in vLLM's field names: seconds since the
+    epoch (`time.time()`), each read on the host where the loop learns of it (a token's
+    time is when the host has its id: no device sync is added for it). arrival: the call
+    that brought it; first_scheduled: its block's start; first_token: the prefill's
+    token; last_token and finished: its last sample's last token."""
+
+    arrival_time: float
+    last_token_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    time_in_queue: float | None = None
+    finished_time: float | None = None
+    scheduler_time: float | None = None
+    model_forward_time: float | None = None
+    model_execute_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     """A finished request: its prompt (text where it had one) and token ids, and its
     samples in `outputs`. `.text`, `.token_ids` and `.finish_reason` are shortcuts to
@@ -36,6 +55,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     prompt_logprobs: None = None
+    metrics: RequestMetrics | None = None
 
     @property
     def text(self) -> str:

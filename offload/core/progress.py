@@ -13,6 +13,7 @@ from typing import Any, TextIO, TypeVar
 from offload.core.outputs import GenerationStats
 
 PLAIN_EVERY_S = 5.0  # between plain lines: a log stays readable, a stall shows within seconds
+TICK_S = 1.0  # between a bar's redraws within an item (a decode step calls `tick`)
 
 
 T = TypeVar("T")
@@ -35,15 +36,16 @@ class Progress:
         unit: str = "req",
         initial: int = 0,
         stream: TextIO | None = None,
-        every_s: float = PLAIN_EVERY_S,
-        clock: Callable[[], float] = time.monotonic,
+        every_s: float | None = None,
+        clock: Callable[[], float] | None = None,
         bar_factory: Callable[..., Any] | None = None,
     ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.total, self.desc, self.unit = total, desc, unit
         self.done, self.status = initial, ""
-        self.every_s, self.clock = every_s, clock
-        self.started = self.last_line = clock()
+        self.every_s = PLAIN_EVERY_S if every_s is None else every_s
+        self.clock = clock or time.monotonic
+        self.started = self.last_line = self.last_tick = self.clock()
         self.bar = None
         if bar_factory is not None or is_terminal(self.stream):
             where = {} if bar_factory is not None else {"file": self.stream}  # (a factory's own)
@@ -61,6 +63,16 @@ class Progress:
             self.bar.set_postfix_str(self.status, refresh=True)
         elif self.clock() - self.last_line >= self.every_s:
             self._line()
+
+    def tick(self, status: Callable[[], str]) -> None:
+        """Within an item (a decode step): a new status at most once a `TICK_S` on a bar,
+        once a plain line's spacing elsewhere; else only a clock read, so a step may call
+        it."""
+        now = self.clock()
+        if now - self.last_tick < (TICK_S if self.bar is not None else self.every_s):
+            return
+        self.last_tick = now
+        self.update(status=status())
 
     def close(self) -> None:
         if self.bar is not None:
@@ -99,8 +111,20 @@ class PromptsBar(Progress):
     ) -> None:
         super().__init__(total, "Processed prompts", "prompt", bar_factory=bar_factory)
         self.stats, self.tokens0, self.seconds0 = stats, stats.generated_tokens, stats.seconds
+        self.steps = 0
 
     def on_batch(self, done: int) -> None:
         tokens = self.stats.generated_tokens - self.tokens0
         seconds = self.stats.seconds - self.seconds0
         self.update(done, f"{tokens} tok, {tokens / max(seconds, 1e-9):.1f} tok/s")
+
+    def on_step(self) -> None:
+        """A decode step: within a block, the tokens so far and the step rate (the
+        stats' seconds are counted at a block's end: the clock here is the bar's)."""
+        self.steps += 1
+        self.tick(self._within_block)
+
+    def _within_block(self) -> str:
+        tokens = self.stats.generated_tokens - self.tokens0
+        seconds = max(self.clock() - self.started, 1e-9)
+        return f"{tokens} tok, {self.steps / seconds:.2f} steps/s"

@@ -29,7 +29,7 @@ from offload.executor.timing import sync, synced_seconds
 from offload.models.batch import PaddedBatch
 from offload.models.weights import DummySource
 from offload.policies.hardware import HardwareProfile
-from offload.policies.measure import measure
+from offload.policies.measure import measure, said
 from offload.policies.policy import Policy
 
 # a plan probe's timed prefills a cut (a 70B-class plan's 4-layer prefill takes seconds)
@@ -43,9 +43,16 @@ def measure_profile(nvme: Path | None, quick: bool = True) -> HardwareProfile:
     device = torch.device("cuda" if hw.has_gpu else "cpu")
     spill = nvme or Path(tempfile.gettempdir())
     chain_steps = CHAIN_STEPS // 4 if quick else CHAIN_STEPS
-    hw = dataclasses.replace(hw, **overheads(device, spill, 4 if quick else 8, chain_steps))
-    hw = dataclasses.replace(hw, place_gbps=place_rates(device))
-    return dataclasses.replace(hw, **elementwise(hw, device))
+    started = time.perf_counter()
+    fixed = overheads(device, spill, 4 if quick else 8, chain_steps)
+    said("the executor's fixed costs", started, **fixed)
+    started = time.perf_counter()
+    hw = dataclasses.replace(hw, **fixed, place_gbps=place_rates(device))
+    said("placing weights", started, **hw.place_gbps)
+    started = time.perf_counter()
+    rest = elementwise(hw, device)
+    said("the elementwise work", started, **rest)
+    return dataclasses.replace(hw, **rest)
 
 
 @dataclass(frozen=True)

@@ -403,7 +403,7 @@ def run_job(
     window = window_requests(llm.batch_size)  # whole blocks, as the plan predicted them
     pending: list[tuple[JobRequest, list[int]]] = []
     errors: list[dict[str, Any]] = []
-    model = llm.spec.name
+    model = llm.model_name
 
     def record(rows: list[dict[str, Any]], reasons: list[str], tokens: int) -> None:
         sink.append(rows)

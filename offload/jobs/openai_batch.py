@@ -15,6 +15,8 @@ import time
 import uuid
 from typing import Any
 
+from offload.api.chat import text_content
+
 URLS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 LINE_FIELDS = {"custom_id", "method", "url", "body"}
 # body fields taken as SamplingParams fields of the same name (vLLM's server takes the
@@ -113,7 +115,8 @@ def body_request(kind: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[
 
 
 def chat_messages(messages: Any) -> list[dict[str, str]]:
-    """OpenAI messages with text content (a string, or a list of {"type": "text"} parts)."""
+    """OpenAI messages with text content (a string, or a list of {"type": "text"} parts,
+    joined by newlines as vLLM's; another part is refused by its type)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError('no prompt: "messages" must be a non-empty list of {"role", "content"}')
     out = []
@@ -121,12 +124,9 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValueError('"messages" must be a list of {"role", "content"}')
         content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise ValueError("only text content parts are supported in messages")
-            content = "".join(str(p.get("text", "")) for p in content)
-        if not isinstance(content, str):
+        if not isinstance(content, (str, list)):
             raise ValueError('each message needs a string "content"')
+        content = text_content(content, f"message {len(out)}")  # (as `LLM.chat` reads it)
         out.append({"role": m["role"], "content": content})
     return out
 

@@ -39,11 +39,16 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, str]], template: str | None = None) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], template: str | None = None, **options: Any
+    ) -> str:
         """The conversation as the prompt text, ready for the assistant's reply;
-        `template` (Jinja) replaces the tokenizer's own."""
+        `template` (Jinja) replaces the tokenizer's own; options: the template's keyword
+        arguments (add_generation_prompt, default True; continue_final_message, tools, and
+        any the template reads)."""
+        options = {"add_generation_prompt": True, **options}
         return self.hf.apply_chat_template(
-            messages, chat_template=template, tokenize=False, add_generation_prompt=True
+            messages, chat_template=template, tokenize=False, **options
         )
 
 
@@ -62,13 +67,17 @@ class ByteTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: list[dict[str, str]], template: str | None = None) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], template: str | None = None, **options: Any
+    ) -> str:
+        options = {"add_generation_prompt": True, **options}
         if template is not None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            return env.from_string(template).render(messages=messages, add_generation_prompt=True)
-        return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+            return env.from_string(template).render(messages=messages, **options)
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+        return text + ("\nassistant:" if options["add_generation_prompt"] else "")
 
 
 def _gguf_tokenizer(path: Path) -> Tokenizer:

@@ -11,6 +11,7 @@ own fixed costs are measured above this layer (`executor.probe`).
 
 from __future__ import annotations
 
+import logging
 import platform
 import tempfile
 import time
@@ -39,17 +40,27 @@ from offload.policies.measure_kernels import (
 from offload.policies.memory_limit import node_memory_limit
 from offload.policies.timers import copy_rate, pin_rate, timed
 
+log = logging.getLogger(__name__)
+
 
 def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
     """Measure this machine. Without CUDA the compute device is the CPU: host copies
     stand in for PCIe and the CPU's matmul rate for the GPU's."""
     size = 2**26 if quick else 2**29
     disk_dir = nvme or Path(tempfile.gettempdir())
+    started = time.perf_counter()
     disk_read, disk_write = disk_rates(disk_dir, min(size * 2, 2**30))
     disk_kv_read = kv_disk_read_rate(disk_dir)
+    said(f"the disk ({disk_dir})", started, disk_read_gbps=disk_read,
+         disk_write_gbps=disk_write, disk_kv_read_gbps=disk_kv_read)  # fmt: skip
+    started = time.perf_counter()
     dram = copy_rate(torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)) * 2
+    said("the memory", started, dram_gbps=dram)
     device = _gpu_figures(size) if torch.cuda.is_available() else _cpu_only_figures(dram)
     cpu_attention: CpuAttentionRates = device.pop("cpu_attention")
+    started = time.perf_counter()
+    experts = expert_figures(quick)
+    said("an expert's rates", started, **experts)
     grouped = [str(g) for g in CPU_ATTENTION_GROUPS]
     return HardwareProfile(
         **device,
@@ -67,20 +78,39 @@ def measure(nvme: Path | None, quick: bool = False) -> HardwareProfile:
         dram_gbps=dram,
         process_base_bytes=psutil.Process().memory_info().rss,
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
-        **expert_figures(quick),
+        **experts,
         code_version=code_version(),
     )
+
+
+def said(what: str, started: float, **figures: object) -> None:
+    """One measurement's figures in the log as it finishes (offload-profile shows each)."""
+    flat: dict[str, object] = {}
+    for name, value in figures.items():  # (a figure per format or family: one level down)
+        inner = value.items() if isinstance(value, dict) else [("", value)]
+        flat |= {f"{name}/{k}" if k else name: v for k, v in inner}
+    shown = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in flat.items()
+             if isinstance(v, (int, float, str))]  # fmt: skip
+    log.info("measured %s in %.1f s: %s", what, time.perf_counter() - started, ", ".join(shown))
 
 
 def _gpu_figures(size: int) -> dict:
     """The GPU's figures (the profile's fields by name) and the CPU attention's
     (`cpu_attention`), timed with the weight stream's copies beside it."""
     dev = torch.device("cuda")
+    started = time.perf_counter()
     figures = _copy_figures(size, dev)  # (its buffers freed before the kernels' run)
+    said("the copies and the CPU attention", started, **figures,
+         cpu_attention_gbps=figures["cpu_attention"].gbps)  # fmt: skip
+    started = time.perf_counter()
     prefill = matmul_tflops(4096, 8192, 8192, dev, torch.float16)
     decode = matmul_tflops(64, 8192, 28672, dev, torch.float16)
     matmuls = matmul_rates(8192, 28672, dev, torch.float16)
+    said("the matmuls", started, prefill_tflops=prefill, decode_tflops=decode,
+         **_matmul_figures(matmuls))  # fmt: skip
+    started = time.perf_counter()
     attention, attention_call, attention_pair = gpu_attention_rates(dev, torch.float16)
+    said("the GPU's attention", started, gpu_attention_gbps=attention)
     figures.update(
         prefill_tflops=prefill,
         decode_tflops=decode,
@@ -136,9 +166,13 @@ def _cpu_only_figures(dram: float) -> dict:
     GPU's; decode attention runs on the CPU (its `cpu_attention` figures)."""
     cpu = torch.device("cpu")
     copies = dram / 2
+    started = time.perf_counter()
     cpu_attention = cpu_attention_rates(torch.float32)
+    said("the CPU attention", started, gbps=cpu_attention.gbps)
+    started = time.perf_counter()
     matmul = matmul_tflops(1024, 2048, 2048, cpu, torch.float32)
     matmuls = matmul_rates(1024, 2048, cpu, torch.float32)
+    said("the matmuls", started, tflops=matmul, **_matmul_figures(matmuls))
     return {
         "device_name": f"CPU only ({platform.processor() or 'cpu'})",
         "gpu_mem_bytes": psutil.virtual_memory().total,
