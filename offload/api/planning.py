@@ -177,8 +177,9 @@ def plan(request: PlanRequest) -> Plan:
             cfg, policy, dtype, machine.device, caps, base,
             request.prompt_len, request.gen_len, machine.limits,
         )  # fmt: skip
-    hw = hw or _known_profile(args)
     prediction = candidates = None
+    if policy is not None and request.job is not None and request.layout is None:
+        hw = hw or _known_profile(args)  # (a prediction is not worth a measurement)
     if policy is not None and request.job is not None and hw is not None:
         prediction = _predict(request, policy, hw)
         if request.explain:
