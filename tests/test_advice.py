@@ -4,6 +4,7 @@ disk (CPU, invented profile)."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -48,8 +49,8 @@ def test_the_formats_are_urged_for_a_disk_bound_plan_and_not_for_one_bound_by_pc
 
 
 def test_offload_plan_weighs_the_formats_among_what_would_help(tmp_path, capsys):
-    profile = tmp_path / "hw.json"
-    profile.write_text(PROFILE.to_json())
+    profile = tmp_path / "hw.json"  # a machine of 256 GB (offload-plan plans for the profile's)
+    profile.write_text(dataclasses.replace(PROFILE, cpu_mem_bytes=256 * GB).to_json())
     argv = ["--model", "llama-2-70b", "--gpu-mem", "24GB", "--cpu-mem", "200GB"]
     assert plan_main([*argv, "--dtype", "float16", "--profile", str(profile)]) == 0
     out = capsys.readouterr().out
@@ -60,16 +61,16 @@ def test_offload_plan_weighs_the_formats_among_what_would_help(tmp_path, capsys)
 
 def test_a_store_larger_than_the_free_disk_is_a_problem_named_with_the_formats(tmp_path, capsys):
     """The mission's command as typed (on the invented machine): BLOOM's float16 weight
-    store does not fit the directory's free space; the problem names the int4 formats
-    (offload-run refuses the same plan before its load, with the same words)."""
+    store does not fit the directory's free space: offload-plan refuses it as offload-run
+    does before its load, in the same words, naming the int4 formats."""
     need = store_bytes(cfg_of("bloom"), F16, None)
     if shutil.disk_usage(tmp_path).free > need:
         pytest.skip("this disk holds BLOOM's whole float16 store")
     profile = tmp_path / "hw.json"
     profile.write_text(PROFILE.to_json())
     argv = ["--model", "bigscience/bloom", "--gpu-mem", "24GB", "--nvme", str(tmp_path / "nvme")]
-    assert plan_main([*argv, "--dtype", "float16", "--profile", str(profile)]) == 0
+    assert plan_main([*argv, "--dtype", "float16", "--profile", str(profile)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("offload-plan: problem: ")
+    assert err.startswith("offload-plan: error: ")
     assert "free space or choose another --nvme directory; or --compress int4" in err
     assert err.endswith("see docs/compression.md")
