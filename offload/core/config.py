@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from offload.core import families, moe_config
+from offload.core import families, gpt_oss_config, moe_config
 from offload.core.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,12 +51,14 @@ def resolve_dtype(name: str, on_gpu: bool, checkpoint_dtype: str) -> torch.dtype
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # the mixtures of experts: Llama-like layers whose MLP is a `models.moe` block
 LLAMA_LIKE += moe_config.MOE_MODEL_TYPES
+# gpt-oss: a mixture of experts with attention sinks (`gpt_oss_config`)
+LLAMA_LIKE += (gpt_oss_config.MODEL_TYPE,)
 SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "bloom", "opt", *families.READERS)
 # OPT's learned position table starts at index 2 (fairseq heritage).
 OPT_POSITION_OFFSET = 2
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,12 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float | None = None
+    # YaRN (`models.ops.yarn_inv_freq`, as transformers computes it)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -148,6 +156,15 @@ class ModelConfig:
     router_topk_groups: int = 1
     # layers whose MLP is a plain one of intermediate_size (GLM-4.5's first layers)
     dense_layers: tuple[int, ...] = ()
+    # gpt-oss (`gpt_oss_config`): a learned sink logit per head in each softmax's
+    # denominator; o-projection bias; experts (and router) with biases; the experts'
+    # clamped SwiGLU where swiglu_limit is set; experts stored in MXFP4
+    attention_sinks: bool = False
+    o_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    mxfp4_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -169,8 +186,8 @@ class ModelConfig:
             raise ValueError(
                 f"experts_per_token={self.experts_per_token} must be in 1..{self.num_experts}"
             )
-        if self.router not in ("softmax", "sigmoid"):
-            raise ValueError(f"router {self.router!r} must be softmax or sigmoid")
+        if self.router not in ("softmax", "sigmoid", "topk_softmax"):
+            raise ValueError(f"router {self.router!r} must be softmax, sigmoid or topk_softmax")
 
     # -- derived facts --------------------------------------------------------------
     @property
@@ -262,6 +279,10 @@ class ModelConfig:
             biases += self.qkv_out_features
         if self.has_linear_bias:
             biases += h + mlp_in + h
+        if self.expert_bias and self.is_moe_layer(layer):  # gpt-oss: experts', router's
+            experts = self.experts_per_token if active else self.num_experts
+            biases += experts * (2 * self.moe_intermediate_size + h) + self.num_experts
+        biases += h * self.o_bias + self.num_heads * self.attention_sinks
         return count + norms + biases
 
     def param_count(self) -> int:
@@ -275,7 +296,12 @@ class ModelConfig:
         if not facts["gathered_vocab_size"]:  # the fingerprints of stores built before it
             del facts["gathered_vocab_size"]
         # a field at its default leaves the fingerprint as it was before the field existed
-        for name, default in {**families.VARIANT_DEFAULTS, **moe_config.MOE_DEFAULTS}.items():
+        defaults = {
+            **families.VARIANT_DEFAULTS,
+            **moe_config.MOE_DEFAULTS,
+            **gpt_oss_config.GPT_OSS_DEFAULTS,
+        }
+        for name, default in defaults.items():
             if facts.get(name) == default:
                 del facts[name]
         for name, default in families.ROPE_DEFAULTS.items():
@@ -306,6 +332,10 @@ class ModelConfig:
         }
         if model_type in moe_config.MOE_MODEL_TYPES:
             return cls(**common, **{**_llama_fields(hf), **moe_config.moe_fields(hf)})
+        if model_type == gpt_oss_config.MODEL_TYPE:
+            if not (hf.get("rope_parameters") or hf.get("rope_scaling")):
+                hf = {**hf, "rope_parameters": gpt_oss_config.DEFAULT_ROPE}
+            return cls(**common, **{**_llama_fields(hf), **gpt_oss_config.gpt_oss_fields(hf)})
         if model_type in LLAMA_LIKE:
             return cls(**common, **_llama_fields(hf))
         if model_type in families.READERS:

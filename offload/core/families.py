@@ -32,6 +32,10 @@ VARIANT_DEFAULTS: dict[str, Any] = {
     "linear_bias": False,
 }
 ROPE_DEFAULTS: dict[str, Any] = {"short_factor": (), "long_factor": (), "attention_factor": None}
+# YaRN's (`RopeScaling`), likewise
+ROPE_DEFAULTS.update(
+    {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, "mscale": None, "mscale_all_dim": None}
+)
 
 _SCALING_KEYS = (
     "factor",
@@ -39,6 +43,12 @@ _SCALING_KEYS = (
     "high_freq_factor",
     "original_max_position_embeddings",
     "attention_factor",
+    # YaRN
+    "beta_fast",
+    "beta_slow",
+    "truncate",
+    "mscale",
+    "mscale_all_dim",
 )
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.kernels.formats import Compression
+from offload.kernels.formats import MXFP4_BLOCKS, MXFP4_SCALES, Compression
 
 
 @dataclass(frozen=True)
@@ -181,6 +181,9 @@ def stored_layout(
     codes W [N, K / G, G x bits / 8] uint8, W.scale (and W.min) [N, K / G, 1] fp16."""
     out = {}
     for name, shape in shapes.items():
+        if name.endswith((MXFP4_BLOCKS, MXFP4_SCALES)):  # bytes as they are (`formats`)
+            out[name] = (tuple(shape), torch.uint8)
+            continue
         if not is_quantized(name, shape, config):
             out[name] = (tuple(shape), dtype)
             continue

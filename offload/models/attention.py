@@ -1,6 +1,11 @@
 """Attention over a KV cache: `attend` (SDPA, or the CPU's C kernel at decode) over
 full-precision keys and values, and one layer's cache on one device (`LayerKV`), full
-precision or compressed (`quant_attention` over a `kernels.kv_cache.QuantKV`)."""
+precision or compressed (`quant_attention` over a `kernels.kv_cache.QuantKV`).
+
+Attention sinks (gpt-oss: a learned logit per head that joins each softmax's
+denominator and adds no value) take `attend_sinks`, plain torch in transformers' order
+of operations, wherever a layer hands its `sinks`: SDPA, the CPU's C kernel and the
+compressed cache's decode kernels have no sink term."""
 
 from __future__ import annotations
 
@@ -25,8 +30,10 @@ def attend(
     values: torch.Tensor,
     bias: torch.Tensor,
     causal: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
-    """Scaled dot-product attention of q [B,H,T,D] over keys/values [B,Hkv,S,D].
+    """Scaled dot-product attention of q [B,H,T,D] over keys/values [B,Hkv,S,D]
+    (with `sinks` [H]: `attend_sinks`).
 
     Returns [B, T, H*D]. Grouped-query heads share KV heads. causal (`StepInputs`): the
     bias is the plain causal mask. Then SDPA runs its flash kernel without the bias,
@@ -35,6 +42,8 @@ def attend(
       a bias, the memory-efficient kernel computes every score;
     - for one new token on the GPU (a decode step), over every slot.
     """
+    if sinks is not None:
+        return attend_sinks(q, keys, values, bias, sinks)
     batch, heads, num_new, dim = q.shape
     kv_heads = keys.shape[1]
     fresh = num_new > 1 and keys.shape[2] == num_new
@@ -71,6 +80,39 @@ def attend(
     with sdpa_kernel(SDPA_BACKENDS):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
     return out.transpose(1, 2).reshape(batch, num_new, heads * dim)
+
+
+# the scores `attend_sinks` holds at once (float32 at most): it takes that many bytes'
+# worth of batch rows at a time
+SINK_SCORE_BYTES = 256 << 20
+
+
+def attend_sinks(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, sinks
+) -> torch.Tensor:
+    """`attend` with a sink logit per head [H] in each softmax's denominator, as
+    transformers' gpt-oss eager attention: scores in the dtype, the bias added, the sink
+    joined, the row's maximum subtracted, softmax, the sink dropped. Grouped-query heads
+    are rows of one matmul over their KV head. Returns [B, T, H*D]."""
+    batch, heads, num_new, dim = q.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    out = torch.empty((batch, num_new, heads * dim), dtype=q.dtype, device=q.device)
+    step = max(1, SINK_SCORE_BYTES // (heads * num_new * (slots + 1) * 4))
+    sink = sinks.to(q.dtype).view(1, heads, 1, 1)
+    for start in range(0, batch, step):
+        rows = slice(start, start + step)
+        n = q[rows].shape[0]
+        grouped = q[rows].reshape(n, kv_heads, group * num_new, dim)
+        scores = torch.matmul(grouped, keys[rows].transpose(2, 3)) * dim**-0.5
+        scores = scores.view(n, heads, num_new, slots) + bias[rows]
+        combined = torch.cat([scores, sink.expand(n, heads, num_new, 1)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+        probs = probs.to(values.dtype).reshape(n, kv_heads, group * num_new, slots)
+        context = torch.matmul(probs, values[rows]).view(n, heads, num_new, dim)
+        out[rows] = context.transpose(1, 2).reshape(n, num_new, heads * dim)
+    return out
 
 
 class LayerKV:
@@ -112,16 +154,18 @@ class LayerKV:
         start: int,
         causal: bool = False,
         out: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store the new entries k, v at slots start.. and attend q over the cache
         (a compressed one: `quant_attention`); causal as `attend`'s. out: a buffer the
-        decode attention over a compressed cache writes into (others return their own)."""
+        decode attention over a compressed cache writes into (others return their own).
+        sinks: the layer's attention sinks (`attend_sinks`)."""
         end = start + k.shape[2]
         if self.quant is not None:
-            return quant_attention(self.quant, q, k, v, bias, start, causal, out)
+            return quant_attention(self.quant, q, k, v, bias, start, causal, out, sinks)
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
-        return attend(q, self.k[:, :, :end], self.v[:, :, :end], bias, causal)
+        return attend(q, self.k[:, :, :end], self.v[:, :, :end], bias, causal, sinks)
 
 
 def quant_attention(
@@ -133,13 +177,18 @@ def quant_attention(
     start: int,
     causal: bool = False,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store k, v in the compressed cache at slots start.. and attend q: a prefill
     (start 0) over its fresh entries at full precision, a decode step over the cache
-    (into out where given)."""
+    (into out where given). With sinks, over the cache dequantized (the decode kernels
+    have no sink term; a plan does not choose a compressed cache for such a model:
+    `policies.paths`)."""
     cache.write(k, v, start)
-    if start == 0:
-        return attend(q, k, v, bias, causal)
+    if start == 0 or sinks is not None:
+        if start == 0:
+            return attend(q, k, v, bias, causal, sinks)
+        return attend(q, *cache.dequantized(start + k.shape[2]), bias, sinks=sinks)
     end = start + k.shape[2]
     if q.shape[2] == 1:
         return decode_attention(q, cache, bias, end, out=out)

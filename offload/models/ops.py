@@ -58,6 +58,9 @@ class Rotary:
         local = None
         if cfg.local_rope_theta is not None:
             local = cls(_inv_freq(cfg.rotary_dim, cfg.local_rope_theta, device))
+        if scaling.rope_type == "yarn":
+            inv_freq, factor = yarn_inv_freq(cfg, device)
+            return cls(inv_freq, attention_factor=factor, local=local)
         if scaling.rope_type != "longrope":
             return cls(rope_inv_freq(cfg, device), local=local)
         factor = scaling.attention_factor
@@ -112,6 +115,47 @@ def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None) -> torch
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     return inv_freq
+
+
+def yarn_inv_freq(
+    cfg: ModelConfig, device: torch.device | None = None
+) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies and attention factor (cos and sin are scaled by it), as
+    transformers' `_compute_yarn_parameters` computes them: each frequency between its
+    interpolated (divided by `factor`) and original value by a linear ramp over the
+    dimensions whose rotations at the original context lie between beta_fast and
+    beta_slow."""
+    scaling, dim, base = cfg.rope_scaling, cfg.rotary_dim, cfg.rope_theta
+    factor, original = scaling.factor, scaling.original_max_position_embeddings
+    attention = scaling.attention_factor
+    if attention is None:
+        if scaling.mscale and scaling.mscale_all_dim:
+            attention = _yarn_mscale(factor, scaling.mscale) / _yarn_mscale(
+                factor, scaling.mscale_all_dim
+            )
+        else:
+            attention = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers': no zero width)
+    ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)
+    extrapolation = (1 - torch.clamp(ramp, 0, 1)).to(device)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq, float(attention)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def rope_cos_sin(
