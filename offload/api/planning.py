@@ -20,6 +20,7 @@ from offload.core.config import ModelConfig
 from offload.core.errors import UserError
 from offload.kernels.formats import Compression
 from offload.parallel.shard import rank_config
+from offload.policies import paths
 from offload.policies.caps import (
     Baseline,
     Caps,
@@ -101,6 +102,8 @@ def plan_run(
     if layout is not None and policy is None:
         policy = Policy(gpu_batch_size=args.batch_size, num_gpu_batches=1)
     if policy is not None:
+        if (ruled_out := paths.ruled_out(cfg, policy)) is not None:
+            raise UserError(f"{cfg.model_type} cannot run {ruled_out}; change the policy")
         check_weights_fit(cfg, policy, front.dtype, front.device, caps, baseline)
         # the block as planned (prompt_len + gen_len) fits, before anything loads
         check_block_fits(

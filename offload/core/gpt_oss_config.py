@@ -90,3 +90,53 @@ DEFAULT_ROPE = {
     "truncate": False,
     "original_max_position_embeddings": 4096,
 }
+
+
+def _preset(layers: int, experts: int) -> dict[str, Any]:
+    """openai/gpt-oss-120b's and -20b's published config.json (their values; the two
+    differ in layers and experts only): experts in MXFP4, as shipped."""
+    return {
+        "model_type": MODEL_TYPE,
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": experts,
+        "num_experts_per_tok": 4,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+        "attention_bias": True,
+        "hidden_act": "silu",
+        "swiglu_limit": 7.0,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 150000,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "quantization_config": {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+        },
+        "eos_token_id": 200002,
+        "pad_token_id": 199999,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    }
+
+
+PRESETS = {"gpt-oss-120b": _preset(36, 128), "gpt-oss-20b": _preset(24, 32)}
+HUB_IDS = {"openai/gpt-oss-120b": "gpt-oss-120b", "openai/gpt-oss-20b": "gpt-oss-20b"}

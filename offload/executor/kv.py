@@ -205,6 +205,7 @@ class KVManager:
         start: int,
         causal: bool = False,
         out: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> Callable[[], torch.Tensor]:
         """Attention of micro-batch `mb` at `layer`; stores the new K/V in their homes
         (causal: `attention.attend`'s). out: where the caller will want the context (the
@@ -215,7 +216,9 @@ class KVManager:
         rows attended on the CPU (`attention_on_cpu`, decode) have their query and new
         K/V copied out here and are attended in the call, on the host thread: a caller
         issues the next micro-batch's work in between (`Executor._layers`), so the GPU
-        computes it while the CPU attends this one."""
+        computes it while the CPU attends this one. sinks: the layer's attention sinks
+        (`attention.attend_sinks`: on the GPU only; `policies.paths` keeps such a model's
+        plans off the CPU attention and the compressed cache)."""
         blk = self.blocks[layer][mb]
         g, c, d = blk.rows
         end = start + q.shape[2]
@@ -224,10 +227,13 @@ class KVManager:
             assert blk.gpu is not None
             whole = None if c + d else out
             outs.append(
-                blk.gpu.attention(q[:g], k_new[:g], v_new[:g], bias[:g], start, causal, whole)
+                blk.gpu.attention(
+                    q[:g], k_new[:g], v_new[:g], bias[:g], start, causal, whole, sinks
+                )
             )
         if c + d:
             off = slice(g, g + c + d)
+            assert sinks is None or not (self.compression or self.attention_on_cpu), "sinks"
             if self.compression is not None:
                 outs.append(
                     self._quant_attention(
@@ -235,7 +241,8 @@ class KVManager:
                     )
                 )
             elif start == 0:
-                outs.append(attention.attend(q[off], k_new[off], v_new[off], bias[off], causal))
+                fresh = (q[off], k_new[off], v_new[off], bias[off])
+                outs.append(attention.attend(*fresh, causal, sinks))
                 self.transfer.store(blk, mb, k_new[off], v_new[off], start, end)
             elif self.attention_on_cpu:
                 outs.append(
@@ -250,9 +257,8 @@ class KVManager:
                 n = c + d
                 sk[:n, :, start:end] = k_new[off]
                 sv[:n, :, start:end] = v_new[off]
-                outs.append(
-                    attention.attend(q[off], sk[:n, :, :end], sv[:n, :, :end], bias[off], causal)
-                )
+                keys, values = sk[:n, :, :end], sv[:n, :, :end]
+                outs.append(attention.attend(q[off], keys, values, bias[off], causal, sinks))
                 self._scratch_free[blk.slot] = self.lanes.record("compute")
                 self.transfer.store(blk, mb, k_new[off], v_new[off], start, end)
 

@@ -84,7 +84,7 @@ def attend(
 
 # the scores `attend_sinks` holds at once (float32 at most): it takes that many bytes'
 # worth of batch rows at a time
-SINK_SCORE_BYTES = 256 << 20
+SINK_SCORE_BYTES = 128 << 20
 
 
 def attend_sinks(

@@ -42,10 +42,10 @@ import torch.nn.functional as F
 
 from offload.core.config import ModelConfig
 from offload.kernels import qmatmul
+from offload.kernels.formats import MXFP4_BLOCKS, MXFP4_SCALES
 from offload.kernels.norm import norm
 from offload.kernels.qmatmul import qlinear
 from offload.kernels.quant import QTensor
-from offload.kernels.formats import MXFP4_BLOCKS, MXFP4_SCALES
 from offload.models import ops
 from offload.models.mxfp4 import MXFP4
 from offload.models.shapes import Weights, expert_name
