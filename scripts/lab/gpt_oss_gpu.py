@@ -74,7 +74,9 @@ if __name__ == "__main__":
     try:
         tiny(record)
         print(json.dumps(record), flush=True)
-        big(record, sys.argv[1] if len(sys.argv) > 1 else "gpt-oss-20b", "24GB")
+        preset = sys.argv[1] if len(sys.argv) > 1 else "gpt-oss-20b"
+        if preset != "tiny":  # (tiny: the CUDA checks alone)
+            big(record, preset, "24GB")
     finally:
         out.write_text(json.dumps(record, indent=1, default=str))
         print(json.dumps(record, default=str), flush=True)
