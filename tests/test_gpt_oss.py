@@ -285,3 +285,18 @@ def test_offload_plan_prices_mxfp4_experts(tmp_path, capsys):
     assert facts["experts"]["layers"] == 36
     assert abs(facts["experts"]["expert_bytes"] - expert) < 3 * 4096, facts["experts"]
     assert facts["predicted"]["total_tok_s"] > 0
+
+
+def test_sink_attention_in_slices_of_rows_or_tokens_is_the_whole(monkeypatch):
+    """`attend_sinks` bounds its scores by taking batch rows, or one row's query tokens,
+    a slice at a time: the same context (up to the matmuls' float32 rounding)."""
+    from offload.models import attention
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(s, generator=gen) for s in ((5, 4, 7, 16), (5, 2, 9, 16), (5, 2, 9, 16)))
+    bias, sinks = torch.randn(5, 1, 7, 9, generator=gen), torch.randn(4, generator=gen)
+    whole = attention.attend_sinks(q, k, v, bias, sinks)
+    for tokens in (3, 20):  # 3 query tokens a slice; 20: two rows a slice
+        monkeypatch.setattr(attention, "SINK_SCORE_BYTES", 4 * 10 * 4 * tokens)
+        parts = attention.attend_sinks(q, k, v, bias, sinks)
+        torch.testing.assert_close(parts, whole, rtol=0, atol=1e-6)

@@ -82,9 +82,11 @@ def attend(
     return out.transpose(1, 2).reshape(batch, num_new, heads * dim)
 
 
-# the scores `attend_sinks` holds at once (float32 at most): it takes that many bytes'
-# worth of batch rows at a time
+# the bytes of scores `attend_sinks` holds in one tensor (float32 at most): it takes
+# that many bytes' worth of batch rows, or of one row's query tokens, at a time; it holds
+# at most `SINK_SCORE_TENSORS` such tensors at once (`policies.memory` counts them)
 SINK_SCORE_BYTES = 128 << 20
+SINK_SCORE_TENSORS = 5
 
 
 def attend_sinks(
@@ -95,24 +97,33 @@ def attend_sinks(
     joined, the row's maximum subtracted, softmax, the sink dropped. Grouped-query heads
     are rows of one matmul over their KV head. Returns [B, T, H*D]."""
     batch, heads, num_new, dim = q.shape
+    slots = keys.shape[2]
+    out = torch.empty((batch, num_new, heads * dim), dtype=q.dtype, device=q.device)
+    tokens = max(1, SINK_SCORE_BYTES // (heads * (slots + 1) * 4))  # a tensor's query rows
+    rows, span = max(1, tokens // num_new), min(num_new, tokens)
+    sink = sinks.to(q.dtype).view(1, heads, 1, 1)
+    for b in range(0, batch, rows):
+        for t in range(0, num_new, span):
+            at = (slice(b, b + rows), slice(None), slice(t, t + span))
+            context = _sink_part(q[at], keys[at[0]], values[at[0]], bias[at], sink)
+            out[at[0], at[2]] = context.transpose(1, 2).flatten(2)
+    return out
+
+
+def _sink_part(q, keys, values, bias, sink) -> torch.Tensor:
+    """`attend_sinks` over q [n, H, t, D]: the context [n, H, t, D]."""
+    n, heads, num_new, dim = q.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
-    out = torch.empty((batch, num_new, heads * dim), dtype=q.dtype, device=q.device)
-    step = max(1, SINK_SCORE_BYTES // (heads * num_new * (slots + 1) * 4))
-    sink = sinks.to(q.dtype).view(1, heads, 1, 1)
-    for start in range(0, batch, step):
-        rows = slice(start, start + step)
-        n = q[rows].shape[0]
-        grouped = q[rows].reshape(n, kv_heads, group * num_new, dim)
-        scores = torch.matmul(grouped, keys[rows].transpose(2, 3)) * dim**-0.5
-        scores = scores.view(n, heads, num_new, slots) + bias[rows]
-        combined = torch.cat([scores, sink.expand(n, heads, num_new, 1)], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
-        probs = probs.to(values.dtype).reshape(n, kv_heads, group * num_new, slots)
-        context = torch.matmul(probs, values[rows]).view(n, heads, num_new, dim)
-        out[rows] = context.transpose(1, 2).reshape(n, num_new, heads * dim)
-    return out
+    grouped = q.reshape(n, kv_heads, group * num_new, dim)
+    scores = torch.matmul(grouped, keys.transpose(2, 3)) * dim**-0.5
+    scores = scores.view(n, heads, num_new, slots) + bias
+    combined = torch.cat([scores, sink.expand(n, heads, num_new, 1)], dim=-1)
+    del scores
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    probs = probs.to(values.dtype).reshape(n, kv_heads, group * num_new, slots)
+    return torch.matmul(probs, values).view(n, heads, num_new, dim)
 
 
 class LayerKV:

@@ -31,7 +31,7 @@ from offload.io.layout import (
 )
 from offload.io.pinned import align_up
 from offload.kernels import qmatmul, quant
-from offload.models import decoder, moe
+from offload.models import attention, decoder, moe
 from offload.policies.policy import Policy
 
 # the parts that exist while the weights load: their homes and the pinned pool
@@ -281,7 +281,8 @@ def _layer_transient(
     attention half: norm output + the fused qkv + RoPE's (q roped, and beside it the
     rotated k and its result: 3 x hidden at most; `ops.apply_rope`)
     or SDPA's output and its reshape, and in prefill with grouped-query heads K and V
-    expanded to every query head (`decoder.attend`); MLP half (the executor drops the
+    expanded to every query head (`decoder.attend`), and with attention sinks their
+    bounded scores (`attention.attend_sinks`); MLP half (the executor drops the
     attention's output after the projection): the projection at full size, and beside
     it the output where the rows go in slices (`decoder.mlp_chunks`; compressed: the
     layer's weights are), plus one slice's norm, activation and output. The activation
@@ -292,6 +293,8 @@ def _layer_transient(
     attn_half = tokens * (qkv + (4 if cfg.rotary else 3) * hidden)
     if prefill and cfg.num_kv_heads != cfg.num_heads:
         attn_half += 2 * tokens * cfg.num_heads * cfg.head_dim
+    if prefill and cfg.attention_sinks:  # `attention.attend_sinks`' scores (2-byte elements)
+        attn_half += attention.SINK_SCORE_TENSORS * attention.SINK_SCORE_BYTES // 2
     if cfg.gated_mlp:
         act = 3 * cfg.intermediate_size
     else:
