@@ -4,7 +4,7 @@ One decoder stack expresses five families:
 
 | family | positions                 | norm      | MLP                | attention            |
 | ------ | ------------------------- | --------- | ------------------ | -------------------- |
-| llama  | RoPE (llama3, LongRoPE)   | RMSNorm   | SwiGLU (gated)     | GQA, optional bias   |
+| llama  | RoPE (llama3, LongRoPE, YaRN) | RMSNorm   | SwiGLU (gated)     | GQA, optional bias   |
 | gemma  | RoPE, local and global    | RMSNorm (1 + w), sandwich | GeGLU (gated) | GQA, q/k norms |
 | bloom  | ALiBi                     | LayerNorm | tanh-GELU          | fused qkv in the ckpt |
 | opt    | learned, offset 2         | LayerNorm | ReLU               | MHA with bias        |
@@ -17,7 +17,8 @@ field (`qk_norm`, `sandwich_norms`, `parallel_attn`, ...), read by the decoder's
 functions, not the model type.
 The mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5's `glm4_moe`) are
 Llama-like layers whose MLP is a router and experts (`models.moe`; `moe_config.py` reads
-their configs).
+their configs); gpt-oss (`gpt_oss`) is one with attention sinks and biased, clamped
+experts (`gpt_oss_config.py`).
 """
 
 from __future__ import annotations
