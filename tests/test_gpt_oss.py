@@ -239,13 +239,27 @@ def test_mxfp4_generation_matches_transformers_on_the_dequantized_weights(mxfp4_
     assert _tokens(llm) == _reference(reference)
 
 
-def test_mxfp4_experts_offloaded_give_the_plain_tokens(mxfp4_checkpoint, tmp_path):
-    """MXFP4 experts on every tier cross as their blocks and scales: the plain tokens."""
+@pytest.mark.parametrize("compression", [None, Compression(4, 32)], ids=["fp32", "int4-g32"])
+def test_mxfp4_experts_offloaded_give_the_plain_tokens(mxfp4_checkpoint, compression, tmp_path):
+    """MXFP4 experts on every tier cross as their blocks and scales: the plain tokens.
+    With int4 weights the attention's matrices are compressed and the experts stay
+    MXFP4 (the plain run of the same weights)."""
+    from offload.executor.runner import PlainRunner
+
     directory, _, _ = mxfp4_checkpoint
-    want = _tokens(LLM(str(directory), device="cpu", dtype="float32", batch_size=8))
-    with LLM(str(directory), device="cpu", dtype="float32", policy=SPLIT, nvme=tmp_path) as llm:
+    plain = LLM(str(directory), device="cpu", dtype="float32", batch_size=8)
+    if compression is not None:
+        with plain.spec.open_weights() as source:
+            plain.runner = PlainRunner(source, torch.float32, plain.device,
+                                       weight_compression=compression)  # fmt: skip
+        plain.loop.runner = plain.runner
+    want = _tokens(plain)
+    policy = dataclasses.replace(SPLIT, weight_compression=compression)
+    with LLM(str(directory), device="cpu", dtype="float32", policy=policy, nvme=tmp_path) as llm:
         homes = next(iter(llm.runner.experts.homes.values()))
         assert {homes.tier(e) for e in range(homes.span.count)} == {Tier.GPU, Tier.CPU, Tier.DISK}
+        mlp_in, _ = homes.resident(homes.expert_in[0])  # slot 0: on the GPU
+        assert isinstance(mlp_in.weight, mxfp4.MXFP4)
         assert _tokens(llm) == want
 
 
