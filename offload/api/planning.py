@@ -28,6 +28,7 @@ from offload.core.errors import UserError
 from offload.kernels.formats import Compression
 from offload.parallel.rank import rank_nvme
 from offload.parallel.shard import rank_config
+from offload.policies import paths
 from offload.policies.caps import (
     Baseline,
     Caps,
@@ -171,6 +172,8 @@ def plan(request: PlanRequest) -> Plan:
     cfg, dtype, base = request.config, front.dtype, machine.baseline
     if policy is not None:
         check_latent_policy(cfg, policy)
+        if (ruled_out := paths.ruled_out(cfg, policy)) is not None:
+            raise UserError(f"{cfg.model_type} cannot run {ruled_out}; change the policy")
         check_weights_fit(cfg, policy, dtype, machine.device, caps, base, machine.limits)
         # the block as planned (prompt_len + gen_len) fits, before anything loads
         check_block_fits(

@@ -4,7 +4,7 @@ One decoder stack expresses five families:
 
 | family | positions                 | norm      | MLP                | attention            |
 | ------ | ------------------------- | --------- | ------------------ | -------------------- |
-| llama  | RoPE (llama3, LongRoPE)   | RMSNorm   | SwiGLU (gated)     | GQA, optional bias   |
+| llama  | RoPE (llama3, LongRoPE, YaRN) | RMSNorm   | SwiGLU (gated)     | GQA, optional bias   |
 | gemma  | RoPE, local and global    | RMSNorm (1 + w), sandwich | GeGLU (gated) | GQA, q/k norms, soft-capping |
 | bloom  | ALiBi                     | LayerNorm | tanh-GELU          | fused qkv in the ckpt |
 | opt    | learned, offset 2         | LayerNorm | ReLU               | MHA with bias        |
@@ -19,6 +19,8 @@ The mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5's `glm4_moe`) ar
 Llama-like layers whose MLP is a router and experts (`models.moe`; `moe_config.py` reads
 their configs). DeepSeek-V2/V3 and Kimi-K2 are too, with latent attention (`models.mla`;
 `mla_config.py` reads their configs).
+their configs); gpt-oss (`gpt_oss`) is one with attention sinks and biased, clamped
+experts (`gpt_oss_config.py`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 
 import torch
 
-from offload.core import families, hf_config, mla_config, moe_config
+from offload.core import families, gpt_oss_config, hf_config, mla_config, moe_config
 from offload.core.errors import UserError
 from offload.core.family import Family, family
 
@@ -55,6 +57,10 @@ LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 LLAMA_LIKE += moe_config.MOE_MODEL_TYPES
 # ... and the latent-attention mixtures of experts (`models.mla`)
 LLAMA_LIKE += mla_config.MLA_MODEL_TYPES
+# gpt-oss: a mixture of experts with attention sinks (`gpt_oss_config`)
+LLAMA_LIKE += (gpt_oss_config.MODEL_TYPE,)
+# the routers of `models.moe`
+ROUTERS = ("softmax", "sigmoid", "softmax_groups", "topk_softmax")
 SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "bloom", "opt", *families.READERS)
 # OPT's learned position table starts at index 2 (fairseq heritage).
 OPT_POSITION_OFFSET = 2
@@ -176,6 +182,15 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # gpt-oss (`gpt_oss_config`): a learned sink logit per head in each softmax's
+    # denominator; o-projection bias; experts (and router) with biases; the experts'
+    # clamped SwiGLU where swiglu_limit is set; experts stored in MXFP4
+    attention_sinks: bool = False
+    o_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    mxfp4_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -195,8 +210,8 @@ class ModelConfig:
             raise ValueError(
                 f"experts_per_token={self.experts_per_token} must be in 1..{self.num_experts}"
             )
-        if self.router not in ("softmax", "sigmoid", "softmax_groups"):
-            raise ValueError(f"router {self.router!r} must be softmax, sigmoid or softmax_groups")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router {self.router!r} must be one of {', '.join(ROUTERS)}")
 
     # -- derived facts --------------------------------------------------------------
     @property
@@ -305,6 +320,10 @@ class ModelConfig:
             biases += self.qkv_out_features
         if self.has_linear_bias:
             biases += h + mlp_in + h
+        if self.expert_bias and self.is_moe_layer(layer):  # gpt-oss: experts', router's
+            experts = self.experts_per_token if active else self.num_experts
+            biases += experts * (2 * self.moe_intermediate_size + h) + self.num_experts
+        biases += h * self.o_bias + self.num_heads * self.attention_sinks
         return count + norms + biases
 
     def param_count(self) -> int:
@@ -322,6 +341,7 @@ class ModelConfig:
             **families.VARIANT_DEFAULTS,
             **moe_config.MOE_DEFAULTS,
             **mla_config.MLA_DEFAULTS,
+            **gpt_oss_config.GPT_OSS_DEFAULTS,
         }
         for name, default in defaults.items():
             if facts.get(name) == default:
@@ -359,6 +379,10 @@ class ModelConfig:
             return cls(**common, **fields)
         if model_type in moe_config.MOE_MODEL_TYPES:
             return cls(**common, **{**_llama_fields(hf), **moe_config.moe_fields(hf)})
+        if model_type == gpt_oss_config.MODEL_TYPE:
+            if not (hf.get("rope_parameters") or hf.get("rope_scaling")):
+                hf = {**hf, "rope_parameters": gpt_oss_config.DEFAULT_ROPE}
+            return cls(**common, **{**_llama_fields(hf), **gpt_oss_config.gpt_oss_fields(hf)})
         if model_type in LLAMA_LIKE:
             return cls(**common, **_llama_fields(hf))
         if model_type in families.READERS:

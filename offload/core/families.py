@@ -52,6 +52,12 @@ _SCALING_KEYS = (
     "high_freq_factor",
     "original_max_position_embeddings",
     "attention_factor",
+    # YaRN
+    "beta_fast",
+    "beta_slow",
+    "truncate",
+    "mscale",
+    "mscale_all_dim",
 )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from offload.core import gpt_oss_config
 from offload.core.family_presets import FAMILY_HUB_IDS, FAMILY_PRESETS
 from offload.core.mla_presets import MLA_HUB_IDS, MLA_PRESETS
 
@@ -178,6 +179,8 @@ HUB_IDS: dict[str, str] = {
 
 PRESETS.update(FAMILY_PRESETS)
 HUB_IDS.update(FAMILY_HUB_IDS)
+PRESETS.update(gpt_oss_config.PRESETS)  # MXFP4 experts, as shipped
+HUB_IDS.update(gpt_oss_config.HUB_IDS)
 
 
 def _mixtral(hidden: int, layers: int, heads: int, inter: int, vocab: int, ctx: int):

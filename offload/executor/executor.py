@@ -347,8 +347,9 @@ class Executor(LaneReports):  # implements runner.Runner
             with self.lanes.on("compute", f"L{layer} mb{k} qkv"):
                 q, k_new, v_new, residual = decoder.attn_in(self.cfg, w, x, step)
             context = self.kv.attention(
-                layer, k, q, k_new, v_new, step.bias, step.cache_start, step.causal
-            )
+                layer, k, q, k_new, v_new, step.bias, step.cache_start, step.causal,
+                sinks=w.get("sinks"),
+            )  # fmt: skip
             return context, residual
 
         if self.cfg.is_moe_layer(layer):  # experts by module (`moe_layer`)

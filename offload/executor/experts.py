@@ -39,7 +39,7 @@ from offload.io.store_format import Extent
 from offload.io.tiers import MemoryLedger, Tier
 from offload.kernels.formats import Compression
 from offload.kernels.quant import assemble_stage
-from offload.models.shapes import expert_name
+from offload.models import moe
 
 
 @dataclass
@@ -99,7 +99,9 @@ class ExpertHomes:
             for t in layout
             if t.name.startswith(prefix)
         ]
-        self._shapes = {m: shapes[expert_name(0, m)] for m in ("mlp_in", "mlp_out")}
+        # expert 0's canonical tensors (matrices, gpt-oss's biases or MXFP4 blocks and
+        # scales) by their names after the prefix
+        self._shapes = {n[len(prefix) :]: s for n, s in shapes.items() if n.startswith(prefix)}
         self._resident: dict[int, tuple] = {}
 
     def tier(self, expert: int) -> Tier:
@@ -124,9 +126,9 @@ class ExpertHomes:
             f"experts.{expert}.{suffix}": base[at : at + nbytes].view(dtype).view(shape)
             for suffix, at, nbytes, shape, dtype in self._relative
         }
-        shapes = {expert_name(expert, m): shape for m, shape in self._shapes.items()}
+        shapes = {f"experts.{expert}.{n}": shape for n, shape in self._shapes.items()}
         views = assemble_stage(stored, shapes, self.dtype, self.compression)
-        return tuple(views[name] for name in shapes)
+        return moe.expert_weights(views, expert)
 
     def resident(self, expert: int) -> tuple:
         """A GPU expert's weights, built once."""

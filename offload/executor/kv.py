@@ -206,6 +206,7 @@ class KVManager:
         start: int,
         causal: bool = False,
         out: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> Callable[[], torch.Tensor]:
         """Attention of micro-batch `mb` at `layer`; stores the new K/V in their homes
         (causal: `attention.attend`'s). out: where the caller will want the context (the
@@ -216,7 +217,9 @@ class KVManager:
         rows attended on the CPU (`attention_on_cpu`, decode) have their query and new
         K/V copied out here and are attended in the call, on the host thread: a caller
         issues the next micro-batch's work in between (`Executor._layers`), so the GPU
-        computes it while the CPU attends this one."""
+        computes it while the CPU attends this one. sinks: the layer's attention sinks
+        (`attention.attend_sinks`: on the GPU only; `policies.paths` keeps such a model's
+        plans off the CPU attention and the compressed cache)."""
         blk = self.blocks[layer][mb]
         g, c, d = blk.rows
         end = start + q.shape[2]
@@ -225,10 +228,13 @@ class KVManager:
             assert blk.gpu is not None
             whole = None if c + d else out
             outs.append(
-                blk.gpu.attention(q[:g], k_new[:g], v_new[:g], bias[:g], start, causal, whole)
+                blk.gpu.attention(
+                    q[:g], k_new[:g], v_new[:g], bias[:g], start, causal, whole, sinks
+                )
             )
         if c + d:
             off = slice(g, g + c + d)
+            assert sinks is None or not (self.compression or self.attention_on_cpu), "sinks"
             if self.compression is not None:
                 outs.append(
                     self._quant_attention(
@@ -237,7 +243,9 @@ class KVManager:
                 )
             elif start == 0:
                 outs.append(
-                    attention.attend(q[off], k_new[off], v_new[off], bias[off], causal, self.cap)
+                    attention.attend(
+                        q[off], k_new[off], v_new[off], bias[off], causal, self.cap, sinks
+                    )
                 )
                 self.transfer.store(blk, mb, k_new[off], v_new[off], start, end)
             elif self.attention_on_cpu:
@@ -254,7 +262,9 @@ class KVManager:
                 sk[:n, :, start:end] = k_new[off]
                 sv[:n, :, start:end] = v_new[off]
                 keys, values = sk[:n, :, :end], sv[:n, :, :end]
-                outs.append(attention.attend(q[off], keys, values, bias[off], causal, self.cap))
+                outs.append(
+                    attention.attend(q[off], keys, values, bias[off], causal, self.cap, sinks)
+                )
                 self._scratch_free[blk.slot] = self.lanes.record("compute")
                 self.transfer.store(blk, mb, k_new[off], v_new[off], start, end)
 

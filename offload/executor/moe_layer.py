@@ -81,7 +81,7 @@ def moe_layer(
 
         def compute(expert: int, weights: tuple) -> None:
             with lanes.on("compute", f"L{layer} expert {expert}"):
-                moe.apply_expert(out, h, *rows_of[expert], *weights)
+                moe.apply_expert(out, h, *rows_of[expert], *weights, moe.swiglu(cfg))
 
         def on_cpu(expert: int, weights: tuple) -> Callable[[], None]:
             return _on_cpu(ex, f"L{layer} expert {expert}", h, out, *rows_of[expert], weights)
@@ -145,6 +145,6 @@ def _dense_experts(
         def compute(expert: int, weights: tuple, h=h[rows], out=out[rows], chosen=chosen):
             if expert in chosen:
                 with ex.lanes.on("compute", f"L{layer} expert {expert}"):
-                    moe.apply_expert(out, h, *chosen[expert], *weights)
+                    moe.apply_expert(out, h, *chosen[expert], *weights, moe.swiglu(ex.cfg))
 
         ex.experts.run(layer + 1, list(range(ex.cfg.num_experts)), compute)

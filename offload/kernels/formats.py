@@ -56,6 +56,15 @@ class Compression:
             )
 
 
+# MXFP4 (the OCP microscaling format gpt-oss ships its experts in; `models.mxfp4`): a
+# matrix [rows, cols] is two uint8 tensors, `<name>.blocks` [rows, cols / 32, 16] (two
+# e2m1 values a byte, the even column in the low nibble) and `<name>.scales`
+# [rows, cols / 32] (a block's e8m0 exponent, bias 127): 4.25 bits a value. They are
+# stored and moved as they are, never requantized.
+MXFP4_BLOCK = 32
+MXFP4_BLOCKS, MXFP4_SCALES = ".blocks", ".scales"
+
+
 # token-group sizes a compressed KV cache supports (the decode kernel's tile of tokens)
 KV_GROUPS = (16, 32, 64, 128)
 

@@ -16,7 +16,7 @@ import torch
 
 from offload.core.errors import UserError
 from offload.kernels import fp8
-from offload.kernels.formats import Compression
+from offload.kernels.formats import MXFP4_BLOCKS, MXFP4_SCALES, Compression
 
 
 @dataclass(frozen=True)
@@ -188,6 +188,9 @@ def stored_layout(
     fp8 (`kernels.fp8`): codes W [N, K] uint8 and W.scale [N, ceil(K / G)] float32."""
     out = {}
     for name, shape in shapes.items():
+        if name.endswith((MXFP4_BLOCKS, MXFP4_SCALES)):  # bytes as they are (`formats`)
+            out[name] = (tuple(shape), torch.uint8)
+            continue
         if not is_quantized(name, shape, config):
             out[name] = (tuple(shape), dtype)
             continue

@@ -4,7 +4,12 @@ precision or compressed (`quant_attention` over a `kernels.kv_cache.QuantKV`).
 
 A model whose attention scores are soft-capped (`ModelConfig.attn_softcap`, Gemma 2)
 attends through `softcap_attend` on every path: SDPA, the CPU's C kernel and the
-compressed cache's decode kernels have no step between the scores and the softmax."""
+compressed cache's decode kernels have no step between the scores and the softmax.
+
+Attention sinks (gpt-oss: a learned logit per head that joins each softmax's
+denominator and adds no value) take `attend_sinks`, plain torch in transformers' order
+of operations, wherever a layer hands its `sinks`: SDPA, the CPU's C kernel and the
+compressed cache's decode kernels have no sink term."""
 
 from __future__ import annotations
 
@@ -31,8 +36,10 @@ def attend(
     bias: torch.Tensor,
     causal: bool = False,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
-    """Scaled dot-product attention of q [B,H,T,D] over keys/values [B,Hkv,S,D].
+    """Scaled dot-product attention of q [B,H,T,D] over keys/values [B,Hkv,S,D]
+    (with `sinks` [H]: `attend_sinks`).
 
     Returns [B, T, H*D]. Grouped-query heads share KV heads. causal (`StepInputs`): the
     bias is the plain causal mask. Then SDPA runs its flash kernel without the bias,
@@ -42,8 +49,11 @@ def attend(
     - for one new token on the GPU (a decode step), over every slot.
     softcap: the scores are soft-capped (`softcap_attend`).
     """
+    assert softcap is None or sinks is None, "no family soft-caps and sinks both"
     if softcap is not None:
         return softcap_attend(q, keys, values, bias, softcap)
+    if sinks is not None:
+        return attend_sinks(q, keys, values, bias, sinks)
     batch, heads, num_new, dim = q.shape
     kv_heads = keys.shape[1]
     fresh = num_new > 1 and keys.shape[2] == num_new
@@ -127,6 +137,50 @@ def _softcapped(q, keys, values, bias, cap: float) -> torch.Tensor:
     return out.view(batch, heads, num_new, dim).transpose(1, 2).reshape(batch, num_new, -1)
 
 
+# the bytes of scores `attend_sinks` holds in one tensor (float32 at most): it takes
+# that many bytes' worth of batch rows, or of one row's query tokens, at a time; it holds
+# at most `SINK_SCORE_TENSORS` such tensors at once (`policies.memory` counts them)
+SINK_SCORE_BYTES = 128 << 20
+SINK_SCORE_TENSORS = 5
+
+
+def attend_sinks(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, sinks
+) -> torch.Tensor:
+    """`attend` with a sink logit per head [H] in each softmax's denominator, as
+    transformers' gpt-oss eager attention: scores in the dtype, the bias added, the sink
+    joined, the row's maximum subtracted, softmax, the sink dropped. Grouped-query heads
+    are rows of one matmul over their KV head. Returns [B, T, H*D]."""
+    batch, heads, num_new, dim = q.shape
+    slots = keys.shape[2]
+    out = torch.empty((batch, num_new, heads * dim), dtype=q.dtype, device=q.device)
+    tokens = max(1, SINK_SCORE_BYTES // (heads * (slots + 1) * 4))  # a tensor's query rows
+    rows, span = max(1, tokens // num_new), min(num_new, tokens)
+    sink = sinks.to(q.dtype).view(1, heads, 1, 1)
+    for b in range(0, batch, rows):
+        for t in range(0, num_new, span):
+            at = (slice(b, b + rows), slice(None), slice(t, t + span))
+            context = _sink_part(q[at], keys[at[0]], values[at[0]], bias[at], sink)
+            out[at[0], at[2]] = context.transpose(1, 2).flatten(2)
+    return out
+
+
+def _sink_part(q, keys, values, bias, sink) -> torch.Tensor:
+    """`attend_sinks` over q [n, H, t, D]: the context [n, H, t, D]."""
+    n, heads, num_new, dim = q.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    grouped = q.reshape(n, kv_heads, group * num_new, dim)
+    scores = torch.matmul(grouped, keys.transpose(2, 3)) * dim**-0.5
+    scores = scores.view(n, heads, num_new, slots) + bias
+    combined = torch.cat([scores, sink.expand(n, heads, num_new, 1)], dim=-1)
+    del scores
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    probs = probs.to(values.dtype).reshape(n, kv_heads, group * num_new, slots)
+    return torch.matmul(probs, values).view(n, heads, num_new, dim)
+
+
 class LayerKV:
     """One layer's KV cache for a batch on one device: k, v [B, Hkv, max_slots, D], or
     with `compression` a `kernels.kv_cache.QuantKV` (read by the quantized decode
@@ -175,18 +229,22 @@ class LayerKV:
         start: int,
         causal: bool = False,
         out: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store the new entries k, v at slots start.. and attend q over the cache
         (a compressed one: `quant_attention`); causal as `attend`'s. out: a buffer the
-        decode attention over a compressed cache writes into (others return their own)."""
+        decode attention over a compressed cache writes into (others return their own).
+        sinks: the layer's attention sinks (`attend_sinks`)."""
         end = start + k.shape[2]
         if self.latent is not None:  # k: the latent entries (v is a view of them)
             return self.latent.attention(q, k, bias, start, causal)
         if self.quant is not None:
-            return quant_attention(self.quant, q, k, v, bias, start, causal, out, self.softcap)
+            return quant_attention(
+                self.quant, q, k, v, bias, start, causal, out, self.softcap, sinks
+            )
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
-        return attend(q, self.k[:, :, :end], self.v[:, :, :end], bias, causal, self.softcap)
+        return attend(q, self.k[:, :, :end], self.v[:, :, :end], bias, causal, self.softcap, sinks)
 
 
 def quant_attention(
@@ -199,15 +257,17 @@ def quant_attention(
     causal: bool = False,
     out: torch.Tensor | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store k, v in the compressed cache at slots start.. and attend q: a prefill
     (start 0) over its fresh entries at full precision, a decode step over the cache
-    (into out where given; soft-capped scores: over the dequantized cache, which the
-    decode kernels cannot cap, so plans refuse the format for such models)."""
+    (into out where given). Soft-capped scores or sinks: over the cache dequantized,
+    since the decode kernels have neither (a plan does not choose a compressed cache
+    for such a model: `search.kv_formats`, `policies.paths`)."""
     cache.write(k, v, start)
     if start == 0:
-        return attend(q, k, v, bias, causal, softcap)
+        return attend(q, k, v, bias, causal, softcap, sinks)
     end = start + k.shape[2]
-    if q.shape[2] == 1 and softcap is None:
+    if q.shape[2] == 1 and softcap is None and sinks is None:
         return decode_attention(q, cache, bias, end, out=out)
-    return attend(q, *cache.dequantized(end), bias, softcap=softcap)
+    return attend(q, *cache.dequantized(end), bias, softcap=softcap, sinks=sinks)

@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
-from offload.models import family_names, prequant
+from offload.models import family_names, gpt_oss, prequant
 from offload.models.shapes import Part, Parts, Weights
 from offload.models.weights import WeightSource
 
@@ -50,6 +50,8 @@ def _hf_names(cfg: ModelConfig, stage: str, index: int) -> NameMap:
         if cfg.kv_lora_rank and stage == "layer":  # latent attention's own projections
             del layer["qkv"]
             layer.update(family_names.mla(cfg, index))
+        if cfg.model_type == "gpt_oss" and stage == "layer":
+            layer.update(gpt_oss.layer_names(index))
         stages = {"embed": embed, "layer": layer, "head": head}
         return family_names.llama_variant(cfg, stage, index, stages[stage])
     if cfg.family == "bloom":
@@ -283,9 +285,12 @@ class CheckpointSource(WeightSource):
         wanted = self.stored_shapes(stage, index)
         if only is not None:
             wanted = {name: wanted[name] for name in only}
-        names = _expand(_hf_names(self.config, stage, index), wanted)
         out: Weights = {}
         try:
+            if self.config.model_type == "gpt_oss" and stage == "layer":  # fused experts
+                out.update(self._gpt_oss_experts(index, wanted, dtype, device))
+                wanted = {n: s for n, s in wanted.items() if n not in out}
+            names = _expand(_hf_names(self.config, stage, index), wanted)
             for canon, hf_names in names.items():
                 shape = wanted[canon]
                 if self.quant is not None and prequant.reads(self.reader, self.quant, canon, hf_names, shape):  # fmt: skip
@@ -301,6 +306,17 @@ class CheckpointSource(WeightSource):
             # of earlier stages out of RSS, so it stays near one layer.
             self.reader.close()
         return out
+
+    def _gpt_oss_experts(self, index: int, wanted, dtype, device) -> Weights:
+        experts = gpt_oss.read_experts(self.reader, self.config, index, dtype, device)
+        experts = {name: t for name, t in experts.items() if name in wanted}
+        for name, tensor in experts.items():
+            if tuple(tensor.shape) != wanted[name]:
+                raise UserError(
+                    f"layer {index}'s expert tensor {name} in {self.reader.directory} has "
+                    f"shape {tuple(tensor.shape)}, config.json implies {wanted[name]}"
+                )
+        return experts
 
     def _check_present(self, canon: str, hf_names: list[str], stage: str) -> None:
         missing = [n for n in hf_names if not self.reader.has(n)]

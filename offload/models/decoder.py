@@ -334,5 +334,5 @@ def layer_forward(
     """One decoder layer with its KV cache on the same device as x (step: this layer's,
     `layer_step`)."""
     q, k, v, residual = attn_in(cfg, w, x, step)
-    context = kv.attention(q, k, v, step.bias, step.cache_start, step.causal)
+    context = kv.attention(q, k, v, step.bias, step.cache_start, step.causal, sinks=w.get("sinks"))
     return attn_out_and_mlp(cfg, w, context, residual)

@@ -29,6 +29,12 @@ The routers match transformers' classes:
   `router_groups` > 1 (group_limited_greedy) the top k within the best
   `router_topk_groups` groups (a group's score is its best), else the plain top k; the
   chosen probabilities, not renormalized, times `routed_scaling_factor`.
+- topk_softmax (gpt-oss): the router's logits with its bias; the top k of them,
+  softmaxed among themselves, in the compute dtype.
+
+gpt-oss's experts have biases (`Biased`: the matmul, then the bias added, as
+transformers' `x @ W + b`), their matrices may be MXFP4 (`models.mxfp4`), and their
+activation is the clamped SwiGLU (`swiglu`).
 """
 
 from __future__ import annotations
@@ -40,10 +46,12 @@ import torch.nn.functional as F
 
 from offload.core.config import ModelConfig
 from offload.kernels import qmatmul
+from offload.kernels.formats import MXFP4_BLOCKS, MXFP4_SCALES
 from offload.kernels.norm import norm
 from offload.kernels.qmatmul import qlinear
 from offload.kernels.quant import QTensor
 from offload.models import ops
+from offload.models.mxfp4 import MXFP4
 from offload.models.shapes import Weights, expert_name
 
 # an expert's rows go through its MLP in slices of this many (as `decoder.mlp_chunks`):
@@ -57,6 +65,23 @@ class Routing:
 
     ids: torch.Tensor
     weights: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Biased:
+    """An expert matrix with its bias (gpt-oss)."""
+
+    weight: torch.Tensor | QTensor | MXFP4
+    bias: torch.Tensor
+
+
+# gpt-oss's clamped SwiGLU: (limit, alpha)
+Swiglu = tuple[float, float] | None
+
+
+def swiglu(cfg: ModelConfig) -> Swiglu:
+    """The experts' clamped SwiGLU where the model has one (None: plain SwiGLU)."""
+    return None if cfg.swiglu_limit is None else (cfg.swiglu_limit, cfg.swiglu_alpha)
 
 
 def is_moe(w: Weights) -> bool:
@@ -78,6 +103,10 @@ def route(cfg: ModelConfig, w: Weights, h: torch.Tensor) -> Routing:
     k = cfg.experts_per_token
     if cfg.router == "softmax_groups":
         return _route_softmax_groups(cfg, w, h)
+    if cfg.router == "topk_softmax":
+        logits = F.linear(h, w["router.weight"], w.get("router.bias"))
+        top, ids = torch.topk(logits, k, dim=-1)
+        return Routing(ids, torch.softmax(top, dim=-1, dtype=top.dtype))
     if cfg.router == "softmax":
         logits = F.linear(h, w["router.weight"])
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -141,18 +170,29 @@ def expert_rows(routing: Routing) -> list[tuple[int, torch.Tensor, torch.Tensor]
     return out
 
 
-def _matmul(x: torch.Tensor, weight: torch.Tensor | QTensor) -> torch.Tensor:
+def _matmul(x: torch.Tensor, weight) -> torch.Tensor:
+    if isinstance(weight, Biased):
+        out = _matmul(x, weight.weight)
+        out += weight.bias
+        return out
+    if isinstance(weight, MXFP4):  # dequantized on x's device for this matmul
+        return F.linear(x, weight.dequantize(x.dtype))
     if isinstance(weight, QTensor):
         nbytes = weight.shape[0] * weight.shape[1] * x.element_size()
         return qlinear(x, weight, None, scratch_bytes=qmatmul.dense_scratch_bytes(nbytes))
     return F.linear(x, weight)
 
 
-def expert_mlp(x: torch.Tensor, mlp_in: torch.Tensor | QTensor, mlp_out) -> torch.Tensor:
-    """One expert's SwiGLU MLP over rows x [n, hidden] ([gate | up] in mlp_in)."""
+def expert_mlp(x: torch.Tensor, mlp_in, mlp_out, glu: Swiglu = None) -> torch.Tensor:
+    """One expert's SwiGLU MLP over rows x [n, hidden] ([gate | up] in mlp_in); glu:
+    gpt-oss's clamped SwiGLU instead (`swiglu`)."""
 
     def run(rows: torch.Tensor) -> torch.Tensor:
-        act = ops.mlp_activation(_matmul(rows, mlp_in), "silu", gated=True)
+        gate_up = _matmul(rows, mlp_in)
+        if glu is None:
+            act = ops.mlp_activation(gate_up, "silu", gated=True)
+        else:
+            act = clamped_swiglu(gate_up, *glu)
         return _matmul(act, mlp_out)
 
     if x.shape[0] <= EXPERT_CHUNK_ROWS:
@@ -160,9 +200,27 @@ def expert_mlp(x: torch.Tensor, mlp_in: torch.Tensor | QTensor, mlp_out) -> torc
     return torch.cat([run(part) for part in x.split(EXPERT_CHUNK_ROWS)])
 
 
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's activation over [gate | up], in transformers' order of operations."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    glu = gate * torch.sigmoid(gate * alpha)
+    return (up + 1) * glu
+
+
 def expert_weights(w: Weights, expert: int) -> tuple:
-    """Expert `expert`'s (mlp_in, mlp_out) from a layer's weights."""
-    return w[expert_name(expert, "mlp_in")], w[expert_name(expert, "mlp_out")]
+    """Expert `expert`'s (mlp_in, mlp_out) from a layer's weights (or a view of one
+    expert's): each a tensor or `QTensor`, an `MXFP4` where stored as blocks and scales,
+    `Biased` where it has a bias."""
+    return tuple(_matrix(w, expert_name(expert, m)) for m in ("mlp_in", "mlp_out"))
+
+
+def _matrix(w: Weights, name: str):
+    base = name.removesuffix(".weight")
+    weight = w[name] if name in w else MXFP4(w[base + MXFP4_BLOCKS], w[base + MXFP4_SCALES])
+    bias = w.get(base + ".bias")
+    return weight if bias is None else Biased(weight, bias)
 
 
 def apply_expert(
@@ -170,8 +228,9 @@ def apply_expert(
     h: torch.Tensor,
     rows: torch.Tensor,
     weights: torch.Tensor,
-    mlp_in: torch.Tensor | QTensor,
-    mlp_out: torch.Tensor | QTensor,
+    mlp_in,
+    mlp_out,
+    glu: Swiglu = None,
 ) -> None:
     """One expert over its rows of h, its weighted outputs added into the block's
     output, EXPERT_CHUNK_ROWS rows at a time: a prefill's expert never holds more than a
@@ -180,7 +239,7 @@ def apply_expert(
     0.17 s a call on a 2-core machine, this a millisecond.)"""
     for start in range(0, rows.shape[0], EXPERT_CHUNK_ROWS):
         part = rows[start : start + EXPERT_CHUNK_ROWS]
-        y = expert_mlp(h[part], mlp_in, mlp_out)
+        y = expert_mlp(h[part], mlp_in, mlp_out, glu)
         out[part] += (y * weights[start : start + EXPERT_CHUNK_ROWS, None]).to(out.dtype)
 
 
@@ -210,5 +269,5 @@ def moe_block(
     routing = route(cfg, w, h)
     out = torch.zeros_like(h)
     for expert, rows, weights in expert_rows(routing):
-        apply_expert(out, h, rows, weights, *expert_weights(w, expert))
+        apply_expert(out, h, rows, weights, *expert_weights(w, expert), swiglu(cfg))
     return post(out, shared(cfg, w, h), residual).view_as(x)

@@ -93,6 +93,13 @@ def read_format(hf: dict[str, Any]) -> QuantFormat | None:
     if not qc:
         return None
     method = qc.get("quant_method")
+    if method == "mxfp4":  # gpt-oss's experts, read as they are (`models.mxfp4`)
+        if hf.get("model_type") != "gpt_oss":
+            raise UserError(
+                f"an MXFP4 checkpoint of a {hf.get('model_type')!r} model is not read "
+                f"(offload reads gpt_oss's MXFP4 experts); {ORIGINAL}"
+            )
+        return None
     readers = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors, "fp8": _fp8}
     if method not in readers:
         raise UserError(

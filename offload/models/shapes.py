@@ -23,7 +23,9 @@ out and every layer reads:
                   [2*Is, hidden], shared.mlp_out.weight [hidden, Is] and
                   shared.gate.weight [1, hidden] (a shared expert, its gate); then each
                   expert e in order, last in the stage: experts.<e>.mlp_in.weight
-                  [2*Im, hidden], experts.<e>.mlp_out.weight [hidden, Im]. Each expert's
+                  [2*Im, hidden], experts.<e>.mlp_out.weight [hidden, Im] (gpt-oss:
+                  router.bias, each matrix's .bias, MXFP4 .blocks and .scales in place
+                  of .weight; `sinks` [H], o.bias). Each expert's
                   tensors are its own, together at the image's end (`io.layout`), so an
                   expert is placed and fetched alone.
     head stage:   final_norm.weight(/.bias) (absent for OPT-350m);
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.core.config import OPT_POSITION_OFFSET, ModelConfig
+from offload.kernels.formats import MXFP4_BLOCK, MXFP4_BLOCKS, MXFP4_SCALES
 from offload.kernels.quant import QTensor
 
 # A quantized layer matrix arrives as a `QTensor` (compressed weights); the decoder runs
@@ -101,6 +104,10 @@ def stage_shapes(cfg: ModelConfig, stage: str, index: int = 0) -> dict[str, tupl
         shapes.update({"o.bias": (hidden,), "mlp_in.bias": (mlp_in,), "mlp_out.bias": (hidden,)})
     if cfg.kv_lora_rank:
         shapes.update(_latent_shapes(cfg))
+    if cfg.o_bias:
+        shapes["o.bias"] = (hidden,)
+    if cfg.attention_sinks:
+        shapes["sinks"] = (cfg.num_heads,)
     if cfg.is_moe_layer(index):
         del shapes["mlp_in.weight"], shapes["mlp_out.weight"]
         shapes.update(_moe_shapes(cfg))
@@ -128,6 +135,8 @@ def _moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """A mixture-of-experts block's tensors: router and shared expert, then the experts."""
     hidden, experts = cfg.hidden_size, cfg.num_experts
     shapes: dict[str, tuple[int, ...]] = {"router.weight": (experts, hidden)}
+    if cfg.expert_bias:
+        shapes["router.bias"] = (experts,)
     if cfg.router == "sigmoid":
         shapes["router.correction"] = (experts,)
     shared = cfg.shared_expert_intermediate_size
@@ -138,8 +147,16 @@ def _moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes["shared.gate.weight"] = (1, hidden)
     inter = cfg.moe_intermediate_size
     for expert in range(experts):
-        shapes[expert_name(expert, "mlp_in")] = (2 * inter, hidden)
-        shapes[expert_name(expert, "mlp_out")] = (hidden, inter)
+        for matrix, (rows, cols) in (("mlp_in", (2 * inter, hidden)), ("mlp_out", (hidden, inter))):
+            name = expert_name(expert, matrix)
+            if cfg.mxfp4_experts:  # `models.mxfp4`: 32 values a block, two a byte
+                base = name.removesuffix(".weight")
+                shapes[base + MXFP4_BLOCKS] = (rows, cols // MXFP4_BLOCK, MXFP4_BLOCK // 2)
+                shapes[base + MXFP4_SCALES] = (rows, cols // MXFP4_BLOCK)
+            else:
+                shapes[name] = (rows, cols)
+            if cfg.expert_bias:
+                shapes[name.removesuffix(".weight") + ".bias"] = (rows,)
     return shapes
 
 

@@ -16,6 +16,8 @@ from abc import ABC, abstractmethod
 import torch
 
 from offload.core.config import ModelConfig
+from offload.kernels.formats import MXFP4_BLOCKS, MXFP4_SCALES
+from offload.models import mxfp4
 from offload.models.shapes import Part, Parts, Weights, stage_shapes
 
 
@@ -158,6 +160,9 @@ class DummySource(WeightSource):
         if names is not None:
             shapes = {name: shapes[name] for name in names}
         for name, shape in shapes.items():
+            if name.endswith((MXFP4_BLOCKS, MXFP4_SCALES)):  # (whole: experts are not split)
+                out[name] = mxfp4.dummy(name, shape, f"{self.seed}/{stage}/{index}/{name}", device)
+                continue
             part = parts.get(name, Part(0, ((0, shape[0]),)))
             tensor = torch.empty(part.shape(shape), dtype=dtype, device=device)
             if part.zeros:

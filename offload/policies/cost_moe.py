@@ -43,6 +43,7 @@ from offload.io.layout import expert_span, stage_cuts, stage_image_bytes, stage_
 from offload.kernels.formats import Compression
 from offload.kernels.qmatmul import DENSE_ROWS
 from offload.models.moe import EXPERT_CHUNK_ROWS
+from offload.policies import paths
 from offload.policies.hardware import GB, HardwareProfile, format_name
 
 
@@ -293,7 +294,7 @@ def with_cpu_experts(cfg: ModelConfig, policy, dtype: torch.dtype, hw: HardwareP
     computes best (`cpu_share`; unchanged for a dense model)."""
     compression = policy.weight_compression
     x = expert_layers(cfg, dtype, compression, policy.weights)
-    if x is None:
+    if x is None or not paths.cpu_experts_ok(cfg):
         return policy
     share = cpu_share(x, hw, compression, policy.block_size)
     return dataclasses.replace(policy, cpu_experts=share)

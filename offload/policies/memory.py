@@ -299,7 +299,8 @@ def _layer_transient(
     attention half: norm output + the fused qkv + RoPE's (q roped, and beside it the
     rotated k and its result: 3 x hidden at most; `ops.apply_rope`)
     or SDPA's output and its reshape, and in prefill with grouped-query heads K and V
-    expanded to every query head (`decoder.attend`); MLP half (the executor drops the
+    expanded to every query head (`decoder.attend`), and with attention sinks their
+    bounded scores (`attention.attend_sinks`); MLP half (the executor drops the
     attention's output after the projection): the projection at full size, and beside
     it the output where the rows go in slices (`decoder.mlp_chunks`; compressed: the
     layer's weights are), plus one slice's norm, activation and output. The activation
@@ -316,6 +317,8 @@ def _layer_transient(
         attn_half = mla.attention_elements(cfg, max(1, tokens // new), new, seq_len)
     if cfg.attn_softcap is not None:  # a chunk of soft-capped scores (`softcap_attend`)
         attn_half += attention.SOFTCAP_TRANSIENT
+    if prefill and cfg.attention_sinks:  # `attention.attend_sinks`' scores (2-byte elements)
+        attn_half += attention.SINK_SCORE_TENSORS * attention.SINK_SCORE_BYTES // 2
     if cfg.gated_mlp:
         act = 3 * cfg.intermediate_size
     else:

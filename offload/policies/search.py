@@ -19,6 +19,7 @@ from offload.core.config import ModelConfig
 from offload.core.errors import UserError
 from offload.io.layout import stage_image_bytes
 from offload.kernels.formats import Compression
+from offload.policies import paths
 from offload.policies.caps import Baseline, Caps, fit_problem, others_weight_bytes, plan_budget
 from offload.policies.cost import Estimate, estimate
 from offload.policies.cost_moe import with_cpu_experts
@@ -251,6 +252,8 @@ def ranked(
             continue
         policy = with_cpu_experts(cfg, _with(base, kv=kv), dtype, hw)
         est = estimate(cfg, policy, dtype, prompt_len, gen_len, hw, tp=tp)
+        if paths.ruled_out(cfg, policy):  # (a path the model's math cannot take)
+            continue
         kind = (
             policy.gpu_batch_size,
             policy.num_gpu_batches,
