@@ -377,6 +377,8 @@ def smoke_model(preset: str, directory: Path) -> Path:
     from offload.core.presets import PRESETS
 
     config = {k: SMOKE_SIZES.get(k, v) for k, v in PRESETS[preset].items()}
+    if isinstance(config.get("layer_types"), list):  # one a layer (transformers checks it)
+        config["layer_types"] = config["layer_types"][: config["num_hidden_layers"]]
     path = directory / f"smoke-{preset}"
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=1))

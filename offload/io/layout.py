@@ -41,7 +41,7 @@ from offload.core.config import ModelConfig
 from offload.io.pinned import align_up
 from offload.kernels.kv_cache import kv_buffer_bytes
 from offload.kernels.quant import stored_layout
-from offload.models.shapes import expert_name, stage_shapes
+from offload.models.shapes import stage_shapes
 
 if TYPE_CHECKING:
     from offload.kernels.formats import Compression
@@ -171,9 +171,10 @@ def stage_pieces(cfg: ModelConfig, key: str) -> list[list[str]] | None:
     pieces = [[name for name in names if not name.startswith("experts.")]]
     for first in range(0, cfg.num_experts, EXPERTS_A_PIECE):
         last = min(cfg.num_experts, first + EXPERTS_A_PIECE)
-        pieces.append(
-            [expert_name(e, m) for e in range(first, last) for m in ("mlp_in", "mlp_out")]
-        )
+        # every tensor of these experts: their matrices, and biases or MXFP4 blocks and
+        # scales where the family has them
+        prefixes = tuple(f"experts.{e}." for e in range(first, last))
+        pieces.append([name for name in names if name.startswith(prefixes)])
     return pieces
 
 
