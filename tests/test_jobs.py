@@ -200,13 +200,20 @@ def test_a_job_resumes_only_in_the_formats_it_began_with(tmp_path):
     resumed.close()
 
 
-def test_compression_without_a_memory_plan_is_refused(model_dir, tmp_path, capsys):
-    """--compress chooses a plan's formats; with no caps, --nvme or --policy the model runs
-    whole and uncompressed, so the flag is refused rather than ignored."""
+def test_compression_without_caps_is_planned_within_this_machine(model_dir, tmp_path, capsys):
+    """--compress chooses a plan's formats; with no caps, --nvme or --policy the run is
+    planned within this machine's memory (`planning.plan`), so the flag takes effect
+    rather than being ignored or refused."""
+    from tests.test_sizing import CPU_PROFILE
+
+    profile = tmp_path / "hw.json"
+    profile.write_text(CPU_PROFILE.to_json())
+    stats = tmp_path / "stats.json"
     args = ["--model", str(model_dir), "--prompt", "hello", "--quiet", "--compress", "int4"]
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert "--compress int4 take effect through a memory plan" in err and "--gpu-mem" in err
+    args += ["--device", "cpu", "--profile", str(profile), "--stats", str(stats)]
+    assert main(args) == 0
+    policy = json.loads(stats.read_text())["policy"]
+    assert policy["weight_compression"]["bits"] == 4
 
 
 def _peak_rss_of_job(model_dir, tmp_path, count):

@@ -55,6 +55,9 @@ EXPECTED_BILLIONS.update(  # mixtures of experts: every expert counted
         "kimi-k2": 1026.4,
         "deepseek-v2-lite": 15.7,
         "moonlight-16b-a3b": 16.0,
+        # gpt-oss: its model card's 116.8B and 20.9B
+        "gpt-oss-120b": 116.8,
+        "gpt-oss-20b": 20.9,
     }
 )
 

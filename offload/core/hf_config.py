@@ -33,6 +33,11 @@ SIZE_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
+# model types whose checkpoints ship their own code (remote code, never run here) for an
+# architecture transformers has a class of: read with that class, the type kept
+READ_AS = {"kimi_k2": "deepseek_v3"}
+
+
 def with_defaults(raw: dict[str, Any]) -> dict[str, Any]:
     """`raw` (a config.json's dict, model_type one transformers knows) with every key its
     transformers config class fills, in the class's names; UserError where a size is
@@ -42,7 +47,7 @@ def with_defaults(raw: dict[str, Any]) -> dict[str, Any]:
 
     model_type = raw["model_type"]
     _refuse_missing_sizes(raw)
-    config_class = CONFIG_MAPPING[model_type]
+    config_class = CONFIG_MAPPING[READ_AS.get(model_type, model_type)]
     try:
         config = config_class.from_dict(raw)
     except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:
@@ -52,7 +57,19 @@ def with_defaults(raw: dict[str, Any]) -> dict[str, Any]:
             f"config.json of model type {model_type!r} does not read as transformers' "
             f"{config_class.__name__}: {message}"
         ) from None
-    return {**raw, **config.to_dict()}
+    return {**raw, **config.to_dict(), "model_type": model_type}
+
+
+class MissingSize(UserError):
+    """A config without a size its model needs; `fields` names them (the reader of a
+    file adds its path: `models.resolve`)."""
+
+    def __init__(self, fields: list[str]) -> None:
+        self.fields = fields
+        super().__init__(
+            f"config.json has no {', '.join(fields)}: the checkpoint's sizes must be "
+            "stated there (transformers' default is another model's)"
+        )
 
 
 def _refuse_missing_sizes(raw: dict[str, Any]) -> None:
@@ -64,7 +81,4 @@ def _refuse_missing_sizes(raw: dict[str, Any]) -> None:
         if all(text.get(name) is None for name in (key, *older))
     ]
     if missing:
-        raise UserError(
-            f"config.json has no {', '.join(missing)}: the checkpoint's sizes must be "
-            "stated there (transformers' default is another model's)"
-        )
+        raise MissingSize(missing)

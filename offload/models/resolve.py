@@ -15,6 +15,7 @@ from typing import Any
 
 from offload.core.config import ModelConfig
 from offload.core.errors import UserError
+from offload.core.hf_config import MissingSize
 from offload.core.presets import DEMO_NAME, PRESETS, preset_for
 from offload.kernels.formats import Compression
 from offload.models.weights import DummySource, WeightSource
@@ -125,9 +126,10 @@ def _config_from_dir(directory: Path, name: str) -> ModelConfig:
         raise UserError(f"{config_path} is not valid JSON ({exc})") from None
     try:
         return ModelConfig.from_hf(hf, name=name)
-    except KeyError as exc:  # a field the model's family requires (hf[...] where read)
+    except (KeyError, MissingSize) as exc:  # a field the model's family requires
+        field = exc.fields[0] if isinstance(exc, MissingSize) else exc.args[0]
         raise UserError(
-            f"{config_path} lacks the field {exc.args[0]!r}, which a "
+            f"{config_path} lacks the field {field!r}, which a "
             f"{hf.get('model_type', 'model')} config needs; restore config.json from the "
             "model's repo"
         ) from None
