@@ -288,12 +288,12 @@ def test_a_cpu_cap_alone_plans_a_machine_without_a_gpu(model_dir, tmp_path, caps
         "--profile",
         str(profile),
     ]
-    assert main([*args, "--cpu-mem", "3GB", "--max-tokens", "2", "--quiet", "--output", "-"]) == 0
+    assert main([*args, "--cpu-mem", "8GB", "--max-tokens", "2", "--quiet", "--output", "-"]) == 0
     assert json.loads(capsys.readouterr().out)["completion_tokens"] == 2
     with pytest.raises(UserError, match=r"max_memory=\{'cpu': '8GB'\}"):
         LLM(str(model_dir), device="cpu", gpu_memory_utilization=0.5)
-    cpu_only = {"max_memory": {"cpu": "3GB"}, "profile": profile, "prompt_len": 16}
+    cpu_only = {"max_memory": {"cpu": "8GB"}, "profile": profile, "prompt_len": 16}
     with LLM(str(model_dir), device="cpu", **cpu_only) as llm:
         assert llm.policy is not None
-        assert llm.caps.gpu_bytes + llm.caps.cpu_bytes == 3 * 10**9
+        assert llm.caps.gpu_bytes + llm.caps.cpu_bytes == 8 * 10**9
         assert llm.generate("hi", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
