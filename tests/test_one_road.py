@@ -47,7 +47,7 @@ def _job_file(path, count: int, seed: int) -> str:
 
 
 # (CPU caps of 8 GB: the run's fit check counts this test process's own resident bytes,
-# a few GB after a whole test session)
+# a few GB in a test runner that has run many tests)
 INT8 = ["--compress", "int8", "--kv-compress", "int8"]
 CASES = {
     "gpu and cpu caps": ["--gpu-mem", "2MB", "--cpu-mem", "8GB"],
