@@ -23,7 +23,7 @@ from offload.cli.profile import main as profile_main
 from offload.cli.run import main
 from offload.core.errors import UserError
 from offload.core.sampling import SamplingParams
-from offload.jobs.job import ERROR_PROMPT_CHARS
+from offload.jobs.job_loop import ERROR_PROMPT_CHARS
 from offload.models.resolve import ModelSpec, resolve_model
 from offload.policies.caps import HOST_SLACK_BYTES, Baseline, cpu_only_caps
 from tests import tiny_models

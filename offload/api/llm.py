@@ -22,12 +22,14 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from offload.api.args import EngineArgs, caps_from_args, from_vllm_arguments, resolve_device
+from offload.api.args import EngineArgs, from_vllm_arguments, resolve_device
 from offload.api.chat import ChatOptions, encode_conversations
 from offload.api.decode_loop import DecodeLoop
 from offload.api.front import Message, ModelFront, eos_ids
+from offload.api.max_memory import caps_from_args
 from offload.api.planning import Plan, front_and_plan, holds_allocator
 from offload.api.profiling import MetricsAndProfiler, TorchProfile, profiler_dir
+from offload.api.prompts import Prompt, checked, encode_prompts, params_for
 from offload.core.config import DTYPES, resolve_dtype
 from offload.core.errors import UserError
 from offload.core.metrics import EngineMetrics
@@ -44,7 +46,6 @@ __all__ = ["DTYPES", "LLM", "GenerationStats", "RequestOutput", "resolve_device"
 if TYPE_CHECKING:  # the engine imports torch.distributed only for a TP rank
     from offload.parallel.comm import TensorParallel
 
-Prompt = str | dict[str, Any] | list[int]
 
 log = logging.getLogger(__name__)
 
@@ -313,27 +314,6 @@ class LLM(MetricsAndProfiler):
     def check_prompt(self, ids: list[int]) -> None:
         self.front.check_prompt(ids)
 
-    def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.encode_prompt(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-                    raise UserError(
-                        f'"prompt_token_ids" must be a list of token ids, got {ids!r:.40}'
-                    )
-                return prompt.get("prompt"), list(ids)
-            if isinstance(prompt.get("prompt"), str):
-                return prompt["prompt"], self.encode_prompt(prompt["prompt"])
-            raise UserError('a prompt dict needs "prompt" (text) or "prompt_token_ids"')
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise UserError(
-            f'a prompt must be text, a token-id list, {{"prompt": text}} or '
-            f'{{"prompt_token_ids": [...]}} (or a list of these), got {type(prompt).__name__}'
-        )
-
     # -- generation -------------------------------------------------------------------
     def generate(
         self,
@@ -346,19 +326,7 @@ class LLM(MetricsAndProfiler):
         the model's defaults. Outputs in the prompts' order. use_tqdm: a progress bar on
         stderr (plain lines where it is not a terminal), or a tqdm-like class to draw it."""
         self._check_open()
-        if prompts is None:
-            raise UserError(
-                "generate() got no prompts (None); pass a prompt, a list of prompts or "
-                '{"prompt_token_ids": [...]}'
-            )
-        # one prompt, or what is no list of them (its type is refused by `_prompt_ids`)
-        if (
-            isinstance(prompts, (str, dict))
-            or not hasattr(prompts, "__iter__")
-            or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
-        ):
-            prompts = [prompts]
-        encoded = [self._prompt_ids(p) for p in prompts]
+        encoded = encode_prompts(self.front, prompts)
         return self._run(encoded, sampling_params, use_tqdm)
 
     def chat(
@@ -391,15 +359,8 @@ class LLM(MetricsAndProfiler):
         return self._run(encoded, sampling_params, use_tqdm)
 
     def _run(self, encoded, sampling_params, use_tqdm=False) -> list[RequestOutput]:
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or self.get_default_sampling_params()] * len(encoded)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(encoded):
-                raise ValueError(
-                    f"{len(params)} sampling params for {len(encoded)} prompts; give one, "
-                    "or one per prompt"
-                )
+        defaults = self.get_default_sampling_params()
+        params = params_for(sampling_params, len(encoded), defaults)
         for _, ids in encoded:
             self.check_prompt(ids)
         if self._seeds is not None:
@@ -408,7 +369,7 @@ class LLM(MetricsAndProfiler):
                 else dataclasses.replace(p, seed=self._seeds.getrandbits(63))
                 for p in params
             ]  # fmt: skip
-        params = _checked(params)  # judged before any work, the bar included
+        params = checked(params)  # judged before any work, the bar included
         requests = [(ids, p) for (_, ids), p in zip(encoded, params, strict=True)]
         factory = use_tqdm if callable(use_tqdm) else None
         bar = PromptsBar(len(requests), self.stats, factory) if use_tqdm else None
@@ -432,7 +393,7 @@ class LLM(MetricsAndProfiler):
         it is now: `SamplingParams.checked`). Every output gets a request id unique for
         the engine's life, as vLLM's. on_batch(requests finished) after each batch."""
         self._check_open()
-        params = _checked([p for _, p in requests])
+        params = checked([p for _, p in requests])
         requests = [(ids, p) for (ids, _), p in zip(requests, params, strict=True)]
         if self.policy is not None and requests:
             limit = self.config.max_position_embeddings
@@ -485,12 +446,3 @@ class LLM(MetricsAndProfiler):
     def _phase(self, name: str) -> None:
         if self.on_phase is not None:
             self.on_phase(name)
-
-
-def _checked(params: list[SamplingParams]) -> list[SamplingParams]:
-    """A validated copy of each distinct params object as it is now (`checked`)."""
-    copies: dict[int, SamplingParams] = {}
-    for p in params:
-        if id(p) not in copies:
-            copies[id(p)] = p.checked()
-    return [copies[id(p)] for p in params]

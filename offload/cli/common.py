@@ -32,7 +32,7 @@ from offload.cli import report
 from offload.core.errors import UserError
 from offload.core.logs import LEVEL_ENV, level_from_env
 from offload.core.sampling import SamplingParams, with_defaults
-from offload.jobs import job
+from offload.jobs import job_loop
 
 __all__ = [
     "COMPRESS_HELP",
@@ -284,14 +284,14 @@ def generate(
     llm,
     todo,
     sink,
-    stats: job.JobStats,
+    stats: job_loop.JobStats,
     prompt_limit: int | None = None,
     *,
     show_bar: bool = True,
     agree_to_stop: Callable[[bool], bool] | None = None,
     trace_path: Path | None = None,
 ) -> None:
-    """Run the job's requests through `job.run_job` with a progress bar (unless --quiet or
+    """Run the job's requests through `job_loop.run_job` with a progress bar (unless --quiet or
     not `show_bar`); Ctrl-C stops after the block in flight. `agree_to_stop(requested)`
     (the ranks of a group) returns whether every rank stops after this block. The trace
     is written at the end (to `trace_path`, default --trace), also after an interruption."""
@@ -308,7 +308,7 @@ def generate(
 
     llm.loop.on_step = on_step
     try:
-        with job.StopFlag() as stop:
+        with job_loop.StopFlag() as stop:
 
             def on_block() -> None:
                 if bar:
@@ -318,7 +318,7 @@ def generate(
                 if agree_to_stop is not None:
                     stop.requested = agree_to_stop(stop.requested)
 
-            job.run_job(llm, todo, sink, stats, stop, on_block, prompt_limit)
+            job_loop.run_job(llm, todo, sink, stats, stop, on_block, prompt_limit)
     except KeyboardInterrupt:
         stats.interrupted = True
     finally:

@@ -3,7 +3,7 @@
 `main` either starts the ranks (`launch.launch`, when not already inside a launcher) or
 is one of them (`run_rank`): join the process groups, agree on the policy and the job's
 sampling seed, take this data-parallel group's requests, run the engine over this
-rank's shard. The pieces are offload-run's own (`sources`, `job.run_job`, the flags'
+rank's shard. The pieces are offload-run's own (`sources`, `job_loop.run_job`, the flags'
 `EngineArgs` and `SamplingParams`). TP rank 0 of each group alone writes results,
 world rank 0 alone shows progress, writes the trace, merges the groups' results and
 decides the exit code (offload-run's EXIT_*), which it hands to the launching process.
@@ -35,7 +35,7 @@ from offload.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, engine_arg
 from offload.core.errors import UserError
 from offload.io.atomic import atomic_write
 from offload.jobs import data_parallel as data
-from offload.jobs import job
+from offload.jobs import job_loop
 from offload.jobs.resultlog import MemorySink, ResultLog
 from offload.models.resolve import resolve_model
 from offload.parallel.affinity import pin_rank
@@ -265,7 +265,7 @@ def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
         sink = sink or _RankSink(done, keep_rows=False)
         todo = data.group_requests(source.requests(params), topo.dp, topo.dp_index)
         todo = data.seeded(todo, topo.share(random.getrandbits(63)))
-        stats = job.JobStats(total=source.total, skipped=len(done))
+        stats = job_loop.JobStats(total=source.total, skipped=len(done))
         if stats.skipped and topo.is_leader:
             log.info("group %d resuming: %d requests already done", topo.dp_index, stats.skipped)
         _generate(args, topo, llm, todo, sink, stats, sized.prompt_limit)
@@ -277,7 +277,7 @@ def _run_rank(args: argparse.Namespace, topo: Topology) -> int:
 
 
 def _generate(
-    args, topo: Topology, llm: LLM, todo, sink, stats: job.JobStats, prompt_limit: int | None
+    args, topo: Topology, llm: LLM, todo, sink, stats: job_loop.JobStats, prompt_limit: int | None
 ) -> None:
     def agree_to_stop(requested: bool) -> bool:  # every rank of a group stops after one block
         flag = torch.tensor([int(requested)])

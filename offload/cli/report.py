@@ -18,7 +18,7 @@ import torch
 from offload.api.llm import LLM
 from offload.core import progress
 from offload.io.atomic import atomic_write
-from offload.jobs.job import JobStats
+from offload.jobs.job_loop import JobStats
 
 STATS_EVERY_S = 5.0  # between --stats rewrites while a job runs
 

@@ -38,7 +38,7 @@ from offload.cli.common import (
     sampling_params,
     setup_logging,
 )
-from offload.jobs import job
+from offload.jobs import job_loop
 from offload.jobs.resultlog import ResultLog
 
 log = logging.getLogger("offload")
@@ -127,7 +127,7 @@ def _run_job(args, engine, flag_params, output, source: sources.Source) -> int:
     load_seconds = time.perf_counter() - started  # (the LLM logs its model and load)
     if llm.policy is not None:
         log.info("policy %s", llm.policy.to_json())
-    stats = job.JobStats(total=source.total, skipped=sink.done_count)
+    stats = job_loop.JobStats(total=source.total, skipped=sink.done_count)
     if stats.skipped:
         log.info("resuming: %d of %d requests already done", stats.skipped, source.total)
     try:
@@ -161,7 +161,9 @@ def _refused_only(args, engine, source, output, params) -> int:
     fingerprint = common.fingerprint(args, engine, params, source.sha256, None)
     sink = sources.open_sink(output, fingerprint, args.restart)
     try:
-        sink.append([job.result_row(r) for r in source.requests(params) if not sink.done(r.index)])
+        sink.append(
+            [job_loop.result_row(r) for r in source.requests(params) if not sink.done(r.index)]
+        )
         sources.write_results(sink, source.total, args.output == "-")
     finally:
         _close(sink)

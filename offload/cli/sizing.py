@@ -8,7 +8,7 @@
 So a job whose prompts are longer than the plan allows is refused in seconds, not after
 a load of minutes. A prompt past the model's context, or longer than any plan fits in
 the memory caps, stops the run unless --skip-invalid, which records it as an error
-result (`job.run_job`) and runs the rest.
+result (`job_loop.run_job`) and runs the rest.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from offload.api.args import EngineArgs
 from offload.api.front import ModelFront
 from offload.api.planning import Plan, PlanRequest, plan
 from offload.core.errors import BadTokenIds, PromptTooLong, UserError
-from offload.jobs import job
+from offload.jobs import job, job_loop
 from offload.models.tokenizer import BYTE_TOKENS
 from offload.policies.caps import Machine
 from offload.policies.job import Job
@@ -80,7 +80,7 @@ class JobShape:
 def measure(
     front: ModelFront, requests: Iterable[job.JobRequest], from_flags: bool, skip_invalid: bool
 ) -> JobShape:
-    """Encode every valid request the way `job.run_job` will (`job.encode_request`,
+    """Encode every valid request the way `job_loop.run_job` will (`job_loop.encode_request`,
     `ModelFront.check_prompt`) and record its length and budget.
 
     Token ids are not kept: run_job encodes each request again as it goes, so memory
@@ -94,7 +94,7 @@ def measure(
         if req.error is not None:
             continue
         try:
-            ids = job.encode_request(front, req)
+            ids = job_loop.encode_request(front, req)
             front.check_prompt(ids)
         except (PromptTooLong, BadTokenIds) as exc:
             if from_flags:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -373,25 +372,30 @@ class ModelConfig:
             "pad_token_id": hf.get("pad_token_id"),
             "checkpoint_dtype": str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
         }
-        if model_type in mla_config.MLA_MODEL_TYPES:
-            fields = mla_config.mla_fields(hf)
+        fields = _fields(model_type, hf)
+        if "rope_scaling" in fields:  # (the readers give its keyword arguments)
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-            return cls(**common, **fields)
-        if model_type in moe_config.MOE_MODEL_TYPES:
-            return cls(**common, **{**_llama_fields(hf), **moe_config.moe_fields(hf)})
-        if model_type == gpt_oss_config.MODEL_TYPE:
-            if not (hf.get("rope_parameters") or hf.get("rope_scaling")):
-                hf = {**hf, "rope_parameters": gpt_oss_config.DEFAULT_ROPE}
-            return cls(**common, **{**_llama_fields(hf), **gpt_oss_config.gpt_oss_fields(hf)})
-        if model_type in LLAMA_LIKE:
-            return cls(**common, **_llama_fields(hf))
-        if model_type in families.READERS:
-            fields = families.READERS[model_type](hf)
-            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-            return cls(**common, **fields)
-        if model_type == "bloom":
-            return cls(**common, **_bloom_fields(hf))
-        return cls(**common, **_opt_fields(hf))
+        return cls(**common, **fields)
+
+
+def _fields(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """The fields of `ModelConfig` a model type's config.json gives (`families`,
+    `moe_config`, `mla_config`, `gpt_oss_config` read them)."""
+    if model_type in mla_config.MLA_MODEL_TYPES:
+        return mla_config.mla_fields(hf)
+    if model_type in moe_config.MOE_MODEL_TYPES:
+        return {**families.llama_fields(hf), **moe_config.moe_fields(hf)}
+    if model_type == gpt_oss_config.MODEL_TYPE:
+        if not (hf.get("rope_parameters") or hf.get("rope_scaling")):
+            hf = {**hf, "rope_parameters": gpt_oss_config.DEFAULT_ROPE}
+        return {**families.llama_fields(hf), **gpt_oss_config.gpt_oss_fields(hf)}
+    if model_type in LLAMA_LIKE:
+        return families.llama_fields(hf)
+    if model_type in families.READERS:
+        return families.READERS[model_type](hf)
+    if model_type == "bloom":
+        return families.bloom_fields(hf)
+    return families.opt_fields(hf)
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:
@@ -400,82 +404,3 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
     if isinstance(value, (list, tuple)):
         return tuple(int(v) for v in value)
     return (int(value),)
-
-
-def _llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-    # transformers 5 writes rope settings as `rope_parameters`; older configs as
-    # `rope_theta` plus `rope_scaling`.
-    rope = families.rope_fields(hf, hf.get("rope_parameters") or hf.get("rope_scaling"))
-    window = hf.get("sliding_window")
-    if hf["model_type"] in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
-        window = None
-    return {
-        "hidden_size": hidden,
-        "num_layers": hf["num_hidden_layers"],
-        "num_heads": heads,
-        "num_kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or hidden // heads,
-        "intermediate_size": hf["intermediate_size"],
-        "max_position_embeddings": hf.get("max_position_embeddings", 2048),
-        "norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "rope_theta": rope["rope_theta"],
-        "rope_scaling": RopeScaling(**rope["rope_scaling"]),
-        "rotary_fraction": rope["rotary_fraction"],
-        "qkv_bias": bool(hf.get("attention_bias", False)) or hf["model_type"] == "qwen2",
-        "qk_norm": hf["model_type"] == "qwen3",
-        "sliding_window": window,
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-    }
-
-
-def _bloom_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    hidden = hf.get("hidden_size") or hf.get("n_embed")
-    heads = hf.get("n_head") or hf["num_attention_heads"]
-    return {
-        "hidden_size": hidden,
-        "num_layers": hf.get("n_layer") or hf["num_hidden_layers"],
-        "num_heads": heads,
-        "num_kv_heads": heads,
-        "head_dim": hidden // heads,
-        "intermediate_size": 4 * hidden,
-        # ALiBi has no position limit; BLOOM was trained on 2048-token sequences.
-        "max_position_embeddings": hf.get("seq_length", 2048),
-        "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
-        "residual_from_norm": bool(hf.get("apply_residual_connection_post_layernorm", False)),
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
-    }
-
-
-def _opt_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-    proj = hf.get("word_embed_proj_dim") or hidden
-    if hf.get("_remove_final_layer_norm", False):
-        raise UserError("OPT configs with _remove_final_layer_norm=true are not supported")
-    if not hf.get("enable_bias", True):
-        raise UserError("OPT configs with enable_bias=false are not supported")
-    return {
-        "hidden_size": hidden,
-        "num_layers": hf["num_hidden_layers"],
-        "num_heads": heads,
-        "num_kv_heads": heads,
-        "head_dim": hidden // heads,
-        "intermediate_size": hf["ffn_dim"],
-        "max_position_embeddings": hf.get("max_position_embeddings", 2048),
-        "norm_eps": 1e-5,
-        "do_layer_norm_before": bool(hf.get("do_layer_norm_before", True)),
-        "word_embed_proj_dim": proj if proj != hidden else None,
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
-    }
-
-
-def alibi_slopes(num_heads: int) -> list[float]:
-    """BLOOM's per-head ALiBi slopes (geometric, with the non-power-of-two extension)."""
-    closest = 2 ** math.floor(math.log2(num_heads))
-    base = 2 ** (-(2 ** -(math.log2(closest) - 3)))
-    slopes = [base ** (i + 1) for i in range(closest)]
-    if closest != num_heads:
-        extra_base = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
-        extra = [extra_base ** (2 * i + 1) for i in range(num_heads - closest)]
-        slopes += extra
-    return slopes

@@ -1,5 +1,6 @@
-"""Reading the `config.json` of Gemma 2 and 3 and of Falcon, and the RoPE settings every
-rotary family shares, into `ModelConfig`'s fields (`config.ModelConfig.from_hf`).
+"""Reading the `config.json` of Llama and the Llama-like families, BLOOM, OPT, Gemma 2
+and 3 and Falcon, and the RoPE settings every rotary family shares, into
+`ModelConfig`'s fields (`config.ModelConfig.from_hf`).
 
 Each reader returns the fields as a dict, "rope_scaling" as `RopeScaling`'s keyword
 arguments (config.py builds it; this module imports nothing of it). A setting that
@@ -242,3 +243,73 @@ READERS = {
     "gemma3": gemma_fields,
     "falcon": falcon_fields,
 }
+
+
+def llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Llama's and the Llama-like families' fields (Mistral, Qwen2/3, Phi-3)."""
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    # transformers 5 writes rope settings as `rope_parameters`; older configs as
+    # `rope_theta` plus `rope_scaling`.
+    rope = rope_fields(hf, hf.get("rope_parameters") or hf.get("rope_scaling"))
+    window = hf.get("sliding_window")
+    if hf["model_type"] in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        window = None
+    return {
+        "hidden_size": hidden,
+        "num_layers": hf["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hidden // heads,
+        "intermediate_size": hf["intermediate_size"],
+        "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+        "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": rope["rope_scaling"],
+        "rotary_fraction": rope["rotary_fraction"],
+        "qkv_bias": bool(hf.get("attention_bias", False)) or hf["model_type"] == "qwen2",
+        "qk_norm": hf["model_type"] == "qwen3",
+        "sliding_window": window,
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
+
+
+def bloom_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """BLOOM's fields (its older key names beside the newer)."""
+    hidden = hf.get("hidden_size") or hf.get("n_embed")
+    heads = hf.get("n_head") or hf["num_attention_heads"]
+    return {
+        "hidden_size": hidden,
+        "num_layers": hf.get("n_layer") or hf["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": heads,
+        "head_dim": hidden // heads,
+        "intermediate_size": 4 * hidden,
+        # ALiBi has no position limit; BLOOM was trained on 2048-token sequences.
+        "max_position_embeddings": hf.get("seq_length", 2048),
+        "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+        "residual_from_norm": bool(hf.get("apply_residual_connection_post_layernorm", False)),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
+    }
+
+
+def opt_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """OPT's fields; the variants offload does not run are refused, named."""
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    proj = hf.get("word_embed_proj_dim") or hidden
+    if hf.get("_remove_final_layer_norm", False):
+        raise UserError("OPT configs with _remove_final_layer_norm=true are not supported")
+    if not hf.get("enable_bias", True):
+        raise UserError("OPT configs with enable_bias=false are not supported")
+    return {
+        "hidden_size": hidden,
+        "num_layers": hf["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": heads,
+        "head_dim": hidden // heads,
+        "intermediate_size": hf["ffn_dim"],
+        "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+        "norm_eps": 1e-5,
+        "do_layer_norm_before": bool(hf.get("do_layer_norm_before", True)),
+        "word_embed_proj_dim": proj if proj != hidden else None,
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
+    }

@@ -235,6 +235,10 @@ class KVManager:
         if c + d:
             off = slice(g, g + c + d)
             assert sinks is None or not (self.compression or self.attention_on_cpu), "sinks"
+
+            def attend(q_rows, keys, values, bias_rows) -> torch.Tensor:
+                return attention.attend(q_rows, keys, values, bias_rows, causal, self.cap, sinks)
+
             if self.compression is not None:
                 outs.append(
                     self._quant_attention(
@@ -242,11 +246,7 @@ class KVManager:
                     )
                 )
             elif start == 0:
-                outs.append(
-                    attention.attend(
-                        q[off], k_new[off], v_new[off], bias[off], causal, self.cap, sinks
-                    )
-                )
+                outs.append(attend(q[off], k_new[off], v_new[off], bias[off]))
                 self.transfer.store(blk, mb, k_new[off], v_new[off], start, end)
             elif self.attention_on_cpu:
                 outs.append(
@@ -262,9 +262,7 @@ class KVManager:
                 sk[:n, :, start:end] = k_new[off]
                 sv[:n, :, start:end] = v_new[off]
                 keys, values = sk[:n, :, :end], sv[:n, :, :end]
-                outs.append(
-                    attention.attend(q[off], keys, values, bias[off], causal, self.cap, sinks)
-                )
+                outs.append(attend(q[off], keys, values, bias[off]))
                 self._scratch_free[blk.slot] = self.lanes.record("compute")
                 self.transfer.store(blk, mb, k_new[off], v_new[off], start, end)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from offload.core.config import ModelConfig, alibi_slopes
+from offload.core.config import ModelConfig
 from offload.models import yarn
 
 ACTIVATIONS = {
@@ -185,3 +185,15 @@ def attention_bias(
         alibi = slopes[None, :, None, None] * key_pos[:, None, None, :].float()
         bias = bias + alibi.to(dtype)
     return bias
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """BLOOM's per-head ALiBi slopes (geometric, with the non-power-of-two extension)."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2 ** (-(2 ** -(math.log2(closest) - 3)))
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest != num_heads:
+        extra_base = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
+        extra = [extra_base ** (2 * i + 1) for i in range(num_heads - closest)]
+        slopes += extra
+    return slopes

@@ -5,7 +5,7 @@
             warm-up block (where decode replays CUDA graphs): bytes over the rates the
             profile measured (`pin_gbps`, `place_gbps`, the disk's)
     blocks  the requests in windows of whole blocks, each window sorted by prompt
-            length and cut into blocks (`window_requests`: `jobs.run_job` cuts the same
+            length and cut into blocks (`window_requests`: `jobs.job_loop.run_job` cuts the same
             way), each block costed at its own shape by `cost.estimate`: its rows, its
             longest prompt and its largest budget. A last block of 4 rows under a plan
             of 36 streams every weight for its 4 rows, so it costs nearly what a full
